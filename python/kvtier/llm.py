@@ -1,0 +1,110 @@
+"""Offline API: ``LLM(model_dir_or_preset, **engine_args).generate(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+import torch
+
+from kvtier.model.checkpoint import random_tensors
+from kvtier.model.config import PRESETS, preset
+from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.loader import load_model, load_weights
+from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_RANDOM_PRESET_BYTES = 8 << 30  # presets larger than this are for sizing, not for running here
+
+
+class _DictSource(dict):
+    def get(self, name):  # type: ignore[override]
+        return self[name]
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
+    config = preset(name)
+    model = KimiK2ForCausalLM(config, dtype)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size > MAX_RANDOM_PRESET_BYTES:
+        raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
+                         "simulation. Pass a checkpoint directory to run it.")
+    load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
+    return model.to(device)
+
+
+class LLM:
+    """A model with its engine, for offline generation.
+
+    Args:
+        model: a Hugging Face-layout checkpoint directory (config.json + safetensors) or a preset
+            name (``tiny``: deterministic random weights from ``seed``).
+        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
+        device: torch device for weights and KV cache.
+        seed: seed of the random preset weights and of the engine's sampler.
+        **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_pages,
+            max_num_batched_tokens, max_num_seqs, enable_prefix_caching).
+
+    Raises:
+        ValueError: an unknown preset or a bad engine argument; FileNotFoundError for a
+        directory without config.json; the loader's errors for a bad checkpoint.
+
+    Example:
+        >>> llm = LLM("tiny", num_pages=64)
+        >>> out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
+        >>> len(out[0].token_ids)
+        4
+    """
+
+    def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+                 **engine_args):
+        torch_dtype = _resolve_dtype(dtype, device)
+        if Path(model).is_dir():
+            net = load_model(model, torch_dtype, device)
+        elif str(model) in PRESETS:
+            net = _random_model(str(model), seed, torch_dtype, device)
+        else:
+            raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+        self.config = net.config
+        self.engine = Engine(net, EngineConfig(seed=seed, **engine_args))
+
+    def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        Args:
+            prompts: text prompts; need a tokenizer, which this package does not load yet (use
+                ``prompt_token_ids``).
+            sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
+            prompt_token_ids: list of prompts as token id lists.
+
+        Raises:
+            ValueError: text prompts, a mismatched ``sampling_params`` list, an empty prompt, a
+            token id outside [0, vocab_size) or a prompt longer than max_position_embeddings.
+            All prompts are checked before any is queued.
+        """
+        if prompts is not None:
+            raise ValueError("text prompts need a tokenizer, which is not loaded; pass prompt_token_ids")
+        if prompt_token_ids is None:
+            raise ValueError("prompt_token_ids is required")
+        n = len(prompt_token_ids)
+        params = sampling_params or SamplingParams()
+        params_list = [params] * n if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != n:
+            raise ValueError(f"sampling_params has {len(params_list)} entries for {n} prompts")
+        prompts_checked = [self.engine.check_request(p, sp, i)
+                           for i, (p, sp) in enumerate(zip(prompt_token_ids, params_list))]
+        ids = [self.engine.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts_checked, params_list))]
+        done: dict[int, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                done[out.request_id] = out
+        return [done[i] for i in ids]

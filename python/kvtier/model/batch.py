@@ -1,0 +1,37 @@
+"""The attention metadata of one forward step over a paged MLA cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """Where each token of a mixed prefill/decode step reads and writes the paged cache.
+
+    Tokens are ordered prefill (extend) tokens first, then one token per decoding sequence.
+
+    Attributes:
+        slot_mapping: [num_tokens] int64, cache slot ``page_id * page_size + offset`` written
+            by each token; -1 skips the write.
+        num_prefill_tokens: how many leading tokens belong to extend sequences.
+        prefill_cu_seqlens_q: [P + 1] int32 prefix sums of new tokens per extend sequence.
+        prefill_seq_lens: [P] int32 cached tokens per extend sequence after this step.
+        prefill_block_table: [P, max_pages] int32.
+        decode_seq_lens: [D] int32 cached tokens per decoding sequence after this step.
+        decode_block_table: [D, max_pages] int32.
+    """
+
+    slot_mapping: torch.Tensor
+    num_prefill_tokens: int
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_seq_lens: torch.Tensor | None = None
+    prefill_block_table: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_block_table: torch.Tensor | None = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return 0 if self.decode_seq_lens is None else int(self.decode_seq_lens.shape[0])

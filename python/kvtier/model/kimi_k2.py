@@ -1,0 +1,168 @@
+"""Kimi K2 (DeepSeek-V3 architecture) forward pass over a paged MLA KV cache.
+
+Shape legend: T tokens in the step, H hidden_size, NH attention heads, R kv_lora_rank,
+P qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim, E routed experts, I intermediate.
+
+Attention always runs in the weight-absorbed form: ``q_nope @ W_UK`` maps queries into the
+latent space so every head attends to the one shared cached row ``[c_kv | k_pe]`` (width R+P),
+and ``W_UV`` is applied to the attention output (KIMI.md, "Decode with weight absorption").
+All math outside plain GEMMs goes through :mod:`kvtier.ops`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier import ops
+from kvtier.model.batch import AttentionBatch
+from kvtier.model.config import KimiK2Config
+from kvtier.model.rope import build_cos_sin_cache
+
+# The latent norms (q_a_layernorm, kv_a_layernorm) use a fixed eps of 1e-6 in DeepSeek-V3's
+# reference code and in transformers, independent of config.rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.config = c
+        nh, qk = c.num_attention_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = _param(nh * qk, c.hidden_size, dtype=dtype)
+        else:
+            self.q_a_proj = _param(c.q_lora_rank, c.hidden_size, dtype=dtype)
+            self.q_a_layernorm = _param(c.q_lora_rank, dtype=dtype)
+            self.q_b_proj = _param(nh * qk, c.q_lora_rank, dtype=dtype)
+        self.kv_a_proj_with_mqa = _param(c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size, dtype=dtype)
+        self.kv_a_layernorm = _param(c.kv_lora_rank, dtype=dtype)
+        self.kv_b_proj = _param(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype=dtype)
+        self.o_proj = _param(c.hidden_size, nh * c.v_head_dim, dtype=dtype)
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [NH, N, R], W_UV [NH, V, R]) views of kv_b_proj."""
+        c = self.config
+        w = self.kv_b_proj.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def forward(self, x, positions, batch: AttentionBatch, kv_cache, cos_sin_cache):
+        c = self.config
+        num_tokens = x.shape[0]
+        if c.q_lora_rank is None:
+            q = F.linear(x, self.q_proj)
+        else:
+            q = F.linear(ops.rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+        q = q.view(num_tokens, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c = ops.rms_norm(kv_c, self.kv_a_layernorm, LATENT_NORM_EPS)
+        q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache)
+        k_pe = ops.rope_interleaved(k_pe, positions, cos_sin_cache)
+        ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, batch.slot_mapping)
+
+        w_uk, w_uv = self.absorbed_weights()
+        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+        latent = q_abs.new_empty(num_tokens, c.num_attention_heads, c.kv_lora_rank)
+        npf = batch.num_prefill_tokens
+        if npf:
+            ops.mla_extend(q_abs[:npf], kv_cache, batch.prefill_block_table, batch.prefill_cu_seqlens_q,
+                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf])
+        if batch.num_decode_tokens:
+            ops.mla_decode(q_abs[npf:], kv_cache, batch.decode_block_table, batch.decode_seq_lens,
+                           c.sm_scale, c.kv_lora_rank, out=latent[npf:])
+        attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
+        return F.linear(attn, self.o_proj)
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP with fused ``gate_up_proj`` [2I, H] (gate rows first) and ``down_proj`` [H, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
+        self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
+
+    def forward(self, x):
+        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+
+
+class MoE(nn.Module):
+    """noaux_tc-routed experts (w13 [E, 2I, H], w2 [E, H, I]) plus shared experts."""
+
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+        super().__init__()
+        c = config
+        self.config = c
+        self.gate_weight = _param(c.n_routed_experts, c.hidden_size, dtype=torch.float32)
+        self.e_score_correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
+        self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size, dtype=dtype)
+        self.w2 = _param(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype)
+        self.shared_experts = (
+            DenseMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype) if c.n_shared_experts else None
+        )
+
+    def forward(self, x):
+        c = self.config
+        router_logits = F.linear(x.float(), self.gate_weight)
+        weights, ids = ops.moe_route(router_logits, self.e_score_correction_bias, c.num_experts_per_tok,
+                                     c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: KimiK2Config, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = _param(config.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(config.hidden_size, dtype=dtype)
+        self.self_attn = MLAttention(config, dtype)
+        self.mlp = (MoE(config, dtype) if config.is_moe_layer(layer_idx)
+                    else DenseMLP(config.hidden_size, config.intermediate_size, dtype))
+
+    def forward(self, x, positions, batch, kv_cache, cos_sin_cache):
+        h = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), positions, batch, kv_cache, cos_sin_cache)
+        x = x + h
+        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm, self.eps))
+
+
+class KimiK2ForCausalLM(nn.Module):
+    """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`."""
+
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = _param(config.hidden_size, dtype=dtype)
+        self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Run every layer; returns the final-normed hidden states [T, H].
+
+        Args:
+            input_ids: [T] int64 token ids (< vocab_size).
+            positions: [T] int64 positions (< max_position_embeddings).
+            batch: slot mapping, page tables and lengths of this step.
+            kv_caches: num_hidden_layers tensors [num_pages, page_size, R + P].
+        """
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, batch, kv_cache, self.cos_sin_cache)
+        return ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] hidden states -> [n, vocab_size] fp32 logits."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,116 @@
+"""Paged MLA attention ops (weight-absorbed: one latent KV head shared by all query heads).
+
+Cache layout per layer (DESIGN.md): ``kv_cache [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``;
+row ``[0:kv_lora_rank]`` is the normalised latent ``c_kv``, ``[kv_lora_rank:]`` the rotated rope key.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier import reference
+from kvtier.ops.checks import FLOAT_DTYPES, check_out, check_tensor
+from kvtier.ops.dispatch import resolve_backend
+
+
+def _check_paged(q, kv_cache, block_table, seq_lens, kv_lora_rank):
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(kv_cache, "kv_cache", ndim=3, dtypes=FLOAT_DTYPES, device=q.device)
+    dim = kv_cache.shape[-1]
+    check_tensor(q, "q", shape=[None, None, dim])
+    if not 0 < kv_lora_rank < dim:
+        raise ValueError(f"kv_lora_rank must be in (0, {dim}) for kv_cache width {dim}, got {kv_lora_rank}")
+    check_tensor(block_table, "block_table", ndim=2, dtypes=[torch.int32], device=q.device)
+    check_tensor(seq_lens, "seq_lens", shape=[block_table.shape[0]], dtypes=[torch.int32], device=q.device)
+    page_size = kv_cache.shape[1]
+    if seq_lens.numel() and int(seq_lens.max()) > block_table.shape[1] * page_size:
+        raise ValueError(f"seq_lens max {int(seq_lens.max())} exceeds block_table capacity "
+                         f"{block_table.shape[1]} pages x page_size {page_size}")
+    if seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise ValueError(f"seq_lens must be >= 0, got min {int(seq_lens.min())}")
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None, backend="auto"):
+    """Paged MLA decode: one query token per sequence over its whole cached context.
+
+    Args:
+        q: [batch, num_heads, kv_lora_rank + qk_rope_head_dim] fp32/bf16/fp16; weight-absorbed
+            query (``q_nope @ W_UK`` then the rotated rope part).
+        kv_cache: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim], same device as q.
+        block_table: [batch, max_pages] int32 page ids; entries past ``ceil(seq_lens[b] /
+            page_size)`` are never read (may hold any value).
+        seq_lens: [batch] int32, cached tokens per sequence including the query token (0 allowed).
+        sm_scale: softmax scale (pass the model's; K2 with YaRN 32 uses 0.130861, not 576**-0.5).
+        kv_lora_rank: latent width; the value vectors are ``kv_cache[..., :kv_lora_rank]``.
+        out: optional [batch, num_heads, kv_lora_rank] tensor of q's dtype to write into.
+        backend: "auto" | "torch" | "triton" | "hip" | "aiter".
+
+    Returns:
+        (out [batch, num_heads, kv_lora_rank] q.dtype, lse [batch, num_heads] fp32 natural-log
+        sum-exp of the scaled scores; ``+inf`` and ``out = 0`` for a zero-length sequence).
+
+    Raises:
+        ValueError/TypeError: a misshaped, mistyped or misplaced argument (named in the message).
+        BackendUnavailableError: the requested backend is not available.
+    """
+    _check_paged(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    check_tensor(q, "q", shape=[block_table.shape[0], None, None])
+    check_out(out, "out", (q.shape[0], q.shape[1], kv_lora_rank), q.dtype, q.device)
+    resolve_backend("mla_decode", backend, q.device, q.dtype)
+    return reference.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, out=out)
+
+
+def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None,
+               backend="auto"):
+    """Paged MLA for new tokens already written to the cache (prefill chunks, ragged batch).
+
+    Args:
+        q: [total_q, num_heads, kv_lora_rank + qk_rope_head_dim], weight-absorbed queries of all
+            sequences, concatenated.
+        kv_cache, block_table, sm_scale, kv_lora_rank, out, backend: as in :func:`mla_decode`.
+        cu_seqlens_q: [batch + 1] int32 prefix sums of new tokens per sequence.
+        seq_lens: [batch] int32 total cached tokens per sequence, new ones included; the new
+            tokens are the last ``n_q`` and attend causally (to the prefix and to each other).
+
+    Returns:
+        (out [total_q, num_heads, kv_lora_rank] q.dtype, lse [total_q, num_heads] fp32).
+
+    Raises:
+        ValueError/TypeError: as in :func:`mla_decode`, or a sequence with more new tokens than
+        ``seq_lens`` holds.
+    """
+    _check_paged(q, kv_cache, block_table, seq_lens, kv_lora_rank)
+    check_tensor(cu_seqlens_q, "cu_seqlens_q", shape=[block_table.shape[0] + 1], dtypes=[torch.int32])
+    n_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if int(cu_seqlens_q[-1]) != q.shape[0] or bool((n_q < 0).any()):
+        raise ValueError(f"cu_seqlens_q must be non-decreasing and end at total_q={q.shape[0]}, "
+                         f"got {cu_seqlens_q.tolist()}")
+    if bool((n_q > seq_lens).any()):
+        raise ValueError("each sequence's new tokens (from cu_seqlens_q) must be <= its seq_lens")
+    check_out(out, "out", (q.shape[0], q.shape[1], kv_lora_rank), q.dtype, q.device)
+    resolve_backend("mla_extend", backend, q.device, q.dtype)
+    return reference.mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, out=out)
+
+
+def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, backend="auto"):
+    """Write each token's ``[kv_c | k_pe]`` row into the paged cache, in place.
+
+    Args:
+        kv_c: [num_tokens, kv_lora_rank] normalised latents.
+        k_pe: [num_tokens, qk_rope_head_dim] rotated rope keys.
+        kv_cache: [num_pages, page_size, kv_lora_rank + qk_rope_head_dim].
+        slot_mapping: [num_tokens] int64 (or int32), ``page_id * page_size + offset``; -1 skips a token.
+
+    Raises:
+        ValueError: mismatched widths or token counts, or a slot outside the cache.
+    """
+    check_tensor(kv_c, "kv_c", ndim=2, dtypes=FLOAT_DTYPES)
+    num_tokens = kv_c.shape[0]
+    check_tensor(k_pe, "k_pe", shape=[num_tokens, kv_cache.shape[-1] - kv_c.shape[1]], dtypes=FLOAT_DTYPES)
+    check_tensor(slot_mapping, "slot_mapping", shape=[num_tokens], dtypes=[torch.int64, torch.int32])
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if num_tokens and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
+        raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_slots}), got range "
+                         f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    resolve_backend("concat_and_cache_mla", backend, kv_c.device, kv_c.dtype)
+    reference.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping)

@@ -1,0 +1,17 @@
+"""fp32 torch references of every op in :mod:`kvtier.ops`, with the same signatures.
+
+Each reference computes in fp32 and casts its main output to the input dtype; the module of
+each op states its DRAM bytes and FLOPs so tests and ``perf/`` share one formula.
+"""
+
+from kvtier.reference.activation import silu_and_mul
+from kvtier.reference.mla import concat_and_cache_mla, mla_decode, mla_extend
+from kvtier.reference.moe import fused_moe, moe_route
+from kvtier.reference.norm import rms_norm
+from kvtier.reference.rope import rope_interleaved
+from kvtier.reference.sampling import sample
+
+__all__ = [
+    "concat_and_cache_mla", "fused_moe", "mla_decode", "mla_extend", "moe_route", "rms_norm",
+    "rope_interleaved", "sample", "silu_and_mul",
+]

@@ -1,0 +1,78 @@
+"""Paged MLA attention references (weight-absorbed form, one shared latent KV head).
+
+Per query token and head, over ``L`` cached tokens of width ``D = kv_lora_rank + rope_dim``:
+``scores = q . kv^T * sm_scale``, ``out = softmax(scores) @ kv[:, :kv_lora_rank]``.
+
+Bytes (decode, per sequence): ``L*D`` cache elements + ``H*D`` q + ``H*kv_lora_rank`` out.
+FLOPs (decode): ``2*H*L*D + 2*H*L*kv_lora_rank``. Extend: same per query over its visible keys.
+"""
+
+import math
+
+import torch
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, D] fp32 rows of one sequence; reads only pages that hold its tokens."""
+    page_size = kv_cache.shape[1]
+    num_pages = (seq_len + page_size - 1) // page_size
+    pages = block_table_row[:num_pages].long()
+    return kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len].float()
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: int, first_pos: int):
+    """q: [n_q, H, D] fp32 at positions first_pos.. ; kv: [L, D] fp32. Causal. Returns out, lse."""
+    n_q, num_heads, _ = q.shape
+    if kv.shape[0] == 0:
+        out = q.new_zeros(n_q, num_heads, kv_lora_rank)
+        return out, q.new_full((n_q, num_heads), math.inf)
+    scores = torch.einsum("qhd,kd->qhk", q, kv) * sm_scale
+    q_pos = torch.arange(n_q, device=q.device) + first_pos
+    k_pos = torch.arange(kv.shape[0], device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible[:, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    out = torch.einsum("qhk,kr->qhr", probs, kv[:, :kv_lora_rank])
+    return out, lse
+
+
+def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None):
+    """Ragged causal MLA over a paged cache; see :func:`kvtier.ops.mla_extend` for the contract.
+
+    Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - n_q(b) + i`` and sees keys at
+    positions ``<=`` its own. Returns ``(out [total_q, H, kv_lora_rank] in q.dtype, lse
+    [total_q, H] fp32, natural log, +inf where no key is visible)``.
+    """
+    total_q, num_heads, _ = q.shape
+    res = torch.empty(total_q, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        kv = _gather_kv(kv_cache, block_table[b], seq_len)
+        res[start:end], lse[start:end] = _attend(q[start:end].float(), kv, sm_scale, kv_lora_rank,
+                                                 seq_len - (end - start))
+    out = res.to(q.dtype) if out is None else out.copy_(res)
+    return out, lse
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None):
+    """One query per sequence attending to all ``seq_lens[b]`` cached tokens (see ops.mla_decode)."""
+    batch = q.shape[0]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out)
+
+
+def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """Write ``[kv_c | k_pe]`` of each token into slot ``slot_mapping[t]`` (``-1`` = skip).
+
+    Bytes: ``T*D`` read + ``T*D`` written.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1).to(kv_cache.dtype)
+    page_size = kv_cache.shape[1]
+    kv_cache[slots // page_size, slots % page_size] = rows

@@ -1,0 +1,137 @@
+"""The engine: ``step()`` = schedule -> run -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import time
+
+import torch
+
+from kvtier import ops
+from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.serve.block_manager import BlockManager
+from kvtier.serve.config import EngineConfig
+from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
+from kvtier.serve.request import Sequence
+from kvtier.serve.runner import ModelRunner, SeqLogits
+from kvtier.serve.scheduler import Scheduler
+
+
+class Engine:
+    """Continuous batching over one model and its paged cache."""
+
+    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
+        self.model_config = model.config
+        self.config = config
+        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, config)
+        self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self._ids = itertools.count()
+        self._sequences: dict[int, Sequence] = {}
+
+    def check_request(self, prompt_token_ids, params: SamplingParams, index: int = 0) -> list[int]:
+        """The prompt as a list of Python ints, after checking it fits this engine.
+
+        Raises:
+            ValueError: an empty prompt, a token id outside [0, vocab_size), a prompt longer than
+            max_position_embeddings, or one that cannot fit in the page pool; the message names
+            ``prompt_token_ids[index]``.
+        """
+        prompt = [_as_int(t) for t in prompt_token_ids]
+        vocab, max_pos = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        if len(prompt) == 0:
+            raise ValueError(f"prompt_token_ids[{index}] is empty; a prompt needs at least one token")
+        for j, t in enumerate(prompt):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
+        if len(prompt) > max_pos:
+            raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
+                             f"max_position_embeddings={max_pos}")
+        ps = self.config.page_size
+        pages = -(-min(len(prompt) + params.max_tokens, max_pos) // ps)
+        if pages > self.config.num_pages:
+            raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
+                             f"{ps} tokens, more than num_pages={self.config.num_pages}")
+        return prompt
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> int:
+        """Queue one prompt; returns its request id. Raises ValueError on a bad prompt."""
+        prompt = self.check_request(prompt_token_ids, params, index)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen)
+        self._sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and postprocess one step; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
+        results = self.runner.run(batch)
+        finished = []
+        for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            if self._postprocess(seq, results[seq.seq_id]):
+                finished.append(self._output(self._sequences.pop(seq.seq_id)))
+        return finished
+
+    def _postprocess(self, seq: Sequence, res: SeqLogits) -> bool:
+        """Record logprobs and the sampled token; True when ``seq`` finished."""
+        if res.prompt_logits is not None:
+            targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
+            lp = torch.log_softmax(res.prompt_logits, -1).gather(1, targets[:, None].to(res.prompt_logits.device))
+            for p, v in zip(res.prompt_positions, lp.squeeze(1).tolist()):
+                seq.prompt_logprobs[p] = v
+        if res.next_token is None:
+            return False
+        params = seq.params
+        logits = res.next_token[None]
+        as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
+        token = int(ops.sample(logits, as_f32(params.temperature), as_f32(params.top_p),
+                               generator=seq.generator or self.generator)[0])
+        if params.logprobs:
+            seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
+        seq.output_token_ids.append(token)
+        now = time.perf_counter()
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        reason = None
+        if token in self.model_config.eos_token_id and not params.ignore_eos:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.model_config.max_position_embeddings:
+            reason = "length"
+        if reason is None:
+            return False
+        seq.metrics.finish_time = now
+        self.scheduler.finish(seq, reason)
+        return True
+
+    @staticmethod
+    def _output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            finish_reason=seq.finish_reason,
+            metrics=seq.metrics,
+        )
+
+
+def _as_int(t):
+    """Python int for any integer-like token id (numpy/torch scalars too); other values unchanged."""
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t

@@ -1,0 +1,65 @@
+"""A request as the engine tracks it: its tokens, pages and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.serve.params import RequestMetrics, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's state.
+
+    ``num_computed_tokens`` counts tokens whose KV is in this sequence's pages (computed or
+    reused); the tokens ``[num_computed_tokens, num_tokens)`` still have to run.
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs and not self.prompt_logprobs:
+            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Tokens ``[start, end)`` of prompt + output."""
+        n = self.num_prompt_tokens
+        end = self.num_tokens if end is None else end
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids[start:] if start < n else []) + self.output_token_ids[max(start - n, 0):end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,104 @@
+"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.model.batch import AttentionBatch
+from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.serve.config import EngineConfig
+from kvtier.serve.request import Sequence
+from kvtier.serve.scheduler import ScheduledBatch
+
+
+@dataclass
+class SeqLogits:
+    """Logits one sequence needs from a step.
+
+    Attributes:
+        next_token: [vocab] fp32 logits of the last token when the step reaches the sequence's
+            end (a token must be sampled), else None.
+        prompt_positions: positions p whose logits score prompt token p + 1.
+        prompt_logits: [len(prompt_positions), vocab] fp32.
+    """
+
+    next_token: torch.Tensor | None
+    prompt_positions: list[int]
+    prompt_logits: torch.Tensor | None
+
+
+class ModelRunner:
+    """Owns the model and the per-layer page pools ``[num_pages, page_size, kv_lora_rank + rope]``."""
+
+    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
+        self.model = model
+        self.config = config
+        device = model.embed_tokens.device
+        self.device = device
+        shape = (config.num_pages, config.page_size, model.config.kv_cache_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device)
+                          for _ in range(model.config.num_hidden_layers)]
+
+    def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.page_ids) for s in seqs)
+        rows = [s.page_ids + [0] * (width - len(s.page_ids)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        ps = self.config.page_size
+        return [seq.page_ids[p // ps] * ps + p % ps for p in range(start, end)]
+
+    def prepare(self, batch: ScheduledBatch):
+        """(input_ids [T] int64, positions [T] int64, AttentionBatch, per-token (seq, position))."""
+        ids, pos, slots, owners = [], [], [], []
+        chunks = [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]
+        for seq, n in chunks:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids(start, start + n)
+            pos += range(start, start + n)
+            slots += self._slots(seq, start, start + n)
+            owners += [(seq, p) for p in range(start, start + n)]
+        dev = self.device
+        attn = AttentionBatch(slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                              num_prefill_tokens=sum(n for _, n in batch.extends))
+        if batch.extends:
+            seqs = [s for s, _ in batch.extends]
+            counts = torch.tensor([0] + [n for _, n in batch.extends], dtype=torch.int32)
+            attn.prefill_cu_seqlens_q = counts.cumsum(0, dtype=torch.int32).to(dev)
+            attn.prefill_seq_lens = torch.tensor([s.num_computed_tokens + n for s, n in batch.extends],
+                                                 dtype=torch.int32, device=dev)
+            attn.prefill_block_table = self._block_table(seqs)
+        if batch.decodes:
+            attn.decode_seq_lens = torch.tensor([s.num_computed_tokens + 1 for s in batch.decodes],
+                                                dtype=torch.int32, device=dev)
+            attn.decode_block_table = self._block_table(batch.decodes)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+        return as_tensor(ids), as_tensor(pos), attn, owners
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, SeqLogits]:
+        """Run one step; returns the logits each sequence needs, by ``seq_id``."""
+        input_ids, positions, attn, owners = self.prepare(batch)
+        hidden = self.model(input_ids, positions, attn, self.kv_caches)
+        rows, wanted = [], {}
+        for row, (seq, p) in enumerate(owners):
+            entry = wanted.setdefault(seq.seq_id, ([], None))
+            if seq.params.prompt_logprobs and p + 1 < seq.num_prompt_tokens:
+                entry[0].append((row, p))
+            if p == seq.num_tokens - 1:
+                wanted[seq.seq_id] = (entry[0], row)
+        for prompt_rows, last in wanted.values():
+            rows += [r for r, _ in prompt_rows] + ([last] if last is not None else [])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        where = {r: i for i, r in enumerate(rows)}
+        out = {}
+        for seq_id, (prompt_rows, last) in wanted.items():
+            idx = [where[r] for r, _ in prompt_rows]
+            out[seq_id] = SeqLogits(
+                next_token=None if last is None else logits[where[last]],
+                prompt_positions=[p for _, p in prompt_rows],
+                prompt_logits=logits[idx] if idx else None,
+            )
+        return out

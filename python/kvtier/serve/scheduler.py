@@ -1,0 +1,109 @@
+"""Continuous-batching scheduler with chunked prefill and recompute preemption (torch-free)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtier.serve.block_manager import BlockManager
+from kvtier.serve.config import EngineConfig
+from kvtier.serve.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: ``extends`` (sequence, new tokens) chunks, then one token per ``decodes``."""
+
+    extends: list[tuple[Sequence, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.extends) + len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.extends or self.decodes)
+
+
+class Scheduler:
+    """FCFS: running sequences first (decodes and unfinished prefills), then new admissions.
+
+    When pages run out, the most recently admitted running sequence is preempted: its pages
+    are freed (they stay in the prefix cache) and it waits to be recomputed.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _place(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
+            batch.decodes.append(seq)
+        else:
+            batch.extends.append((seq, n))
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self._place(batch, seq, n)
+                budget -= n
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.page_ids:
+                cached = bm.allocate_cached_prefix(seq)
+                if not seq.output_token_ids:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.allocate(seq, seq.num_computed_tokens + n):
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._place(batch, seq, n)
+            budget -= n
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's work within ``max_num_batched_tokens``."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.block_manager.free(seq)
