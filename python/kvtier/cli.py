@@ -1,0 +1,134 @@
+"""The ``kvtier`` command.
+
+Subcommands:
+  generate            offline generation over synthetic prompts that share a prefix; prints
+                      TTFT / end-to-end latency / throughput and prefix-cache hits
+  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvtier import LLM, SamplingParams
+from kvtier.model import PRESETS, create_random_checkpoint
+from kvtier.ops import resolve_backend
+from kvtier.provenance import provenance
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _synthetic_prompts(n: int, length: int, shared: int, vocab: int, seed: int) -> list[list[int]]:
+    if not 0 <= shared <= length:
+        raise SystemExit(f"--shared-prefix-len must be in [0, --prompt-len={length}], got {shared}")
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (length - shared,), generator=g).tolist() for _ in range(n)]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    console = Console()
+    t0 = time.perf_counter()
+    llm = LLM(args.model, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    load_s = time.perf_counter() - t0
+    prompts = _synthetic_prompts(args.num_prompts, args.prompt_len, args.shared_prefix_len,
+                                 llm.config.vocab_size, args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    # The first prompt warms the prefix cache alone, as a returning agent turn would find it.
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)
+    outs += llm.generate(prompt_token_ids=prompts[1:], sampling_params=params) if len(prompts) > 1 else []
+    wall = time.perf_counter() - t0
+    ttft = [o.metrics.ttft_s * 1e3 for o in outs]
+    e2e = [o.metrics.e2e_s * 1e3 for o in outs]
+    generated = sum(len(o.token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    cached = sum(o.num_cached_tokens for o in outs)
+    result = {
+        "provenance": provenance(model=args.model, backend=resolve_backend("mla_decode", "auto", "cpu", torch.float32)),
+        "requests": len(outs), "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
+        "generated_tokens": generated, "wall_s": wall, "load_s": load_s,
+        "ttft_ms": {"p50": statistics.median(ttft), "p99": _percentile(ttft, 99)},
+        "e2e_ms": {"p50": statistics.median(e2e), "p99": _percentile(e2e, 99)},
+        "throughput_tok_s": (prompt_tokens - cached + generated) / wall,
+        "output_tok_s": generated / wall,
+    }
+    table = Table(title=f"kvtier generate — {args.model}, {len(outs)} requests")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("prompt tokens (served from cache)", f"{prompt_tokens} ({cached}, {cached / prompt_tokens:.0%})"),
+        ("generated tokens", str(generated)),
+        ("TTFT p50 / p99 (ms)", f"{result['ttft_ms']['p50']:.1f} / {result['ttft_ms']['p99']:.1f}"),
+        ("end-to-end p50 / p99 (ms)", f"{result['e2e_ms']['p50']:.1f} / {result['e2e_ms']['p99']:.1f}"),
+        ("throughput, computed tokens/s", f"{result['throughput_tok_s']:.1f}"),
+        ("output tokens/s", f"{result['output_tok_s']:.1f}"),
+        ("wall / model load (s)", f"{wall:.2f} / {load_s:.2f}"),
+        ("backend", result["provenance"]["backend"]),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    console.print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def cmd_create_checkpoint(args: argparse.Namespace) -> int:
+    path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
+    print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="offline generation over synthetic shared-prefix prompts")
+    g.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    g.add_argument("--num-prompts", type=int, default=8)
+    g.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt")
+    g.add_argument("--shared-prefix-len", type=int, default=448, help="tokens all prompts share")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
+    g.add_argument("--num-pages", type=int, default=1024, help="pages per layer in the KV pool")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout checkpoint")
+    c.add_argument("path")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"])
+    c.set_defaults(func=cmd_create_checkpoint)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

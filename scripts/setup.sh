@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up the development environment inside the repository:
+#   .venv/ (created if missing), torch==2.13.0 when the venv has no torch (a bare `torch`
+#   requirement would pull a multi-GB CUDA build), then kvtier itself (editable, with its
+#   native extension kvtier._C and the test extras).
+# Source it (". scripts/setup.sh") to stay in the venv; the other scripts do.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+quiet() { grep -v -e "is ignored: it is neither a file nor a directory" || true; }
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q torch==2.13.0 2>&1 | quiet
+fi
+python -m pip install -q -e ".[test]" 2>&1 | quiet
+python -c "import kvtier._C, torch; print('kvtier ready: torch', torch.__version__)"
