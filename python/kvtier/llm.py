@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from kvtier.model.checkpoint import random_tensors
 from kvtier.model.config import PRESETS, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.loader import load_model, load_weights
+from kvtier.model.weights import checkpoint_specs
 from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,11 +34,11 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
     config = preset(name)
-    model = KimiK2ForCausalLM(config, dtype)
-    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = sum(math.prod(s.shape) for s in checkpoint_specs(config).values()) * torch.finfo(dtype).bits // 8
     if size > MAX_RANDOM_PRESET_BYTES:
         raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
                          "simulation. Pass a checkpoint directory to run it.")
+    model = KimiK2ForCausalLM(config, dtype)
     load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
     return model.to(device)
 
