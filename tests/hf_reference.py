@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvtier.model import KimiK2Config
 
-transformers = __import__("pytest").importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="transformers (a test extra) is the parity reference")
 
 
 def hf_config(c: KimiK2Config):
