@@ -80,10 +80,11 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
         ``seq_lens`` holds.
     """
     _check_paged(q, kv_cache, block_table, seq_lens, kv_lora_rank)
-    check_tensor(cu_seqlens_q, "cu_seqlens_q", shape=[block_table.shape[0] + 1], dtypes=[torch.int32])
+    check_tensor(cu_seqlens_q, "cu_seqlens_q", shape=[block_table.shape[0] + 1], dtypes=[torch.int32],
+                 device=q.device)
     n_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if int(cu_seqlens_q[-1]) != q.shape[0] or bool((n_q < 0).any()):
-        raise ValueError(f"cu_seqlens_q must be non-decreasing and end at total_q={q.shape[0]}, "
+    if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != q.shape[0] or bool((n_q < 0).any()):
+        raise ValueError(f"cu_seqlens_q must start at 0, be non-decreasing and end at total_q={q.shape[0]}, "
                          f"got {cu_seqlens_q.tolist()}")
     if bool((n_q > seq_lens).any()):
         raise ValueError("each sequence's new tokens (from cu_seqlens_q) must be <= its seq_lens")
@@ -105,9 +106,12 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, backend="auto"):
         ValueError: mismatched widths or token counts, or a slot outside the cache.
     """
     check_tensor(kv_c, "kv_c", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(kv_cache, "kv_cache", ndim=3, dtypes=FLOAT_DTYPES, device=kv_c.device)
     num_tokens = kv_c.shape[0]
-    check_tensor(k_pe, "k_pe", shape=[num_tokens, kv_cache.shape[-1] - kv_c.shape[1]], dtypes=FLOAT_DTYPES)
-    check_tensor(slot_mapping, "slot_mapping", shape=[num_tokens], dtypes=[torch.int64, torch.int32])
+    check_tensor(k_pe, "k_pe", shape=[num_tokens, kv_cache.shape[-1] - kv_c.shape[1]], dtypes=FLOAT_DTYPES,
+                 device=kv_c.device)
+    check_tensor(slot_mapping, "slot_mapping", shape=[num_tokens], dtypes=[torch.int64, torch.int32],
+                 device=kv_c.device)
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if num_tokens and (int(slot_mapping.max()) >= num_slots or int(slot_mapping.min()) < -1):
         raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_slots}), got range "

@@ -23,7 +23,7 @@ def check_tensor(t: object, name: str, *, ndim: int | None = None, dtypes: Seque
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if shape is not None:
         if len(shape) != t.dim() or any(s is not None and s != g for s, g in zip(shape, t.shape)):
-            want = tuple("*" if s is None else s for s in shape)
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")

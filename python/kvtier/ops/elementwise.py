@@ -52,9 +52,13 @@ def rope_interleaved(x, positions, cos_sin_cache, *, backend="auto"):
         ValueError: mismatched sizes, or a position >= max_position.
     """
     check_tensor(x, "x", dtypes=FLOAT_DTYPES)
-    check_tensor(positions, "positions", shape=[x.shape[0]], dtypes=[torch.int64])
-    check_tensor(cos_sin_cache, "cos_sin_cache", shape=[None, x.shape[-1]], dtypes=[torch.float32])
-    if positions.numel() and int(positions.max()) >= cos_sin_cache.shape[0]:
-        raise ValueError(f"positions must be < max_position={cos_sin_cache.shape[0]}, got {int(positions.max())}")
+    if x.dim() not in (2, 3) or x.shape[-1] % 2:
+        raise ValueError(f"x must be [num_tokens, rope_dim] or [num_tokens, num_heads, rope_dim] with an even "
+                         f"rope_dim, got shape {tuple(x.shape)}")
+    check_tensor(positions, "positions", shape=[x.shape[0]], dtypes=[torch.int64], device=x.device)
+    check_tensor(cos_sin_cache, "cos_sin_cache", shape=[None, x.shape[-1]], dtypes=[torch.float32], device=x.device)
+    if positions.numel() and (int(positions.max()) >= cos_sin_cache.shape[0] or int(positions.min()) < 0):
+        raise ValueError(f"positions must be in [0, max_position={cos_sin_cache.shape[0]}), got range "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
     resolve_backend("rope_interleaved", backend, x.device, x.dtype)
     return reference.rope_interleaved(x, positions, cos_sin_cache)

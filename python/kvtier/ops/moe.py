@@ -31,7 +31,8 @@ def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group
     """
     check_tensor(router_logits, "router_logits", ndim=2, dtypes=FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
-    check_tensor(e_score_correction_bias, "e_score_correction_bias", shape=[num_experts], dtypes=FLOAT_DTYPES)
+    check_tensor(e_score_correction_bias, "e_score_correction_bias", shape=[num_experts], dtypes=FLOAT_DTYPES,
+                 device=router_logits.device)
     if n_group <= 0 or num_experts % n_group or num_experts // n_group < 2:
         raise ValueError(f"n_group must divide num_experts={num_experts} into groups of >= 2, got {n_group}")
     if not 0 < topk_group <= n_group:
@@ -61,12 +62,15 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
     """
     check_tensor(hidden_states, "hidden_states", ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden = hidden_states.shape
-    check_tensor(w13, "w13", ndim=3, dtypes=FLOAT_DTYPES)
+    dev = hidden_states.device
+    check_tensor(w13, "w13", ndim=3, dtypes=FLOAT_DTYPES, device=dev)
     num_experts, two_i, _ = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 dim 1 must be 2 * intermediate (gate rows then up rows), got odd {two_i}")
     check_tensor(w13, "w13", shape=[num_experts, two_i, hidden])
-    check_tensor(w2, "w2", shape=[num_experts, hidden, two_i // 2], dtypes=FLOAT_DTYPES)
-    check_tensor(topk_ids, "topk_ids", ndim=2, dtypes=[torch.int32])
-    check_tensor(topk_weights, "topk_weights", shape=list(topk_ids.shape), dtypes=[torch.float32])
+    check_tensor(w2, "w2", shape=[num_experts, hidden, two_i // 2], dtypes=FLOAT_DTYPES, device=dev)
+    check_tensor(topk_ids, "topk_ids", ndim=2, dtypes=[torch.int32], device=dev)
+    check_tensor(topk_weights, "topk_weights", shape=list(topk_ids.shape), dtypes=[torch.float32], device=dev)
     check_tensor(topk_ids, "topk_ids", shape=[num_tokens, None])
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"topk_ids must be in [0, {num_experts}), got range "

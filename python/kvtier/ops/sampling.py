@@ -24,7 +24,7 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
         [batch] int64 token ids.
 
     Raises:
-        ValueError: misshaped arguments or top_p outside (0, 1].
+        ValueError: misshaped arguments, top_p outside (0, 1], or a bitmask row allowing no token.
     """
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     batch, vocab = logits.shape
@@ -34,5 +34,12 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
         raise ValueError(f"top_p must be in (0, 1], got {top_p.tolist()}")
     if token_bitmask is not None:
         check_tensor(token_bitmask, "token_bitmask", shape=[batch, (vocab + 31) // 32], dtypes=[torch.int32])
+        tail = vocab % 32
+        usable = token_bitmask.clone()
+        if tail:
+            usable[:, -1] &= (1 << tail) - 1
+        empty = torch.nonzero((usable != 0).sum(-1) == 0).flatten().tolist()
+        if empty:
+            raise ValueError(f"token_bitmask allows no token in row(s) {empty}")
     resolve_backend("sample", backend, logits.device, logits.dtype)
     return reference.sample(logits, temperature, top_p, token_bitmask, generator)

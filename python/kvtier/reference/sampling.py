@@ -19,12 +19,17 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None):
     logits = logits.float()
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
-    greedy = logits.argmax(dim=-1)
-    temp = temperature.float().clamp(min=1e-6)[:, None]
-    probs = torch.softmax(logits / temp, dim=-1)
+    out = logits.argmax(dim=-1)
+    rows = torch.nonzero(temperature > 0, as_tuple=True)[0]
+    if rows.numel() == 0:
+        return out
+    temp = temperature[rows].float()[:, None]
+    probs = torch.softmax(logits[rows] / temp, dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each candidate
-    sorted_probs = sorted_probs.masked_fill(before >= top_p.float()[:, None], 0.0)
+    # Mass strictly above each candidate, accumulated in fp64 so that top_p = 1 keeps every token.
+    before = (sorted_probs.double().cumsum(-1) - sorted_probs.double())
+    cut = (before >= top_p[rows].double()[:, None]) & (top_p[rows] < 1)[:, None]
+    sorted_probs = sorted_probs.masked_fill(cut, 0.0)
     choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(-1)
-    sampled = order.gather(1, choice[:, None]).squeeze(-1)
-    return torch.where(temperature <= 0, greedy, sampled)
+    out[rows] = order.gather(1, choice[:, None]).squeeze(-1)
+    return out

@@ -1,0 +1,84 @@
+"""Backend dispatch: every public op takes ``backend=`` and refuses what this build cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import ops
+
+
+def _written(cache, write):
+    """Run an in-place op and return what it wrote (so backends can be compared)."""
+    assert write(cache) is None
+    return cache
+
+
+def _calls():
+    """One small valid call per public op, as ``backend -> result``."""
+    q = torch.randn(2, 3, 24)
+    kv = torch.randn(4, 4, 24)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([5, 8], dtype=torch.int32)
+    cache = torch.tensor([[0.5, -0.5, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]]).repeat(4, 1)
+    return {
+        "mla_decode": lambda b: ops.mla_decode(q, kv, bt, lens, 0.2, 16, backend=b),
+        "mla_extend": lambda b: ops.mla_extend(q, kv, bt, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 0.2, 16,
+                                               backend=b),
+        "concat_and_cache_mla": lambda b: _written(kv.clone(), lambda c: ops.concat_and_cache_mla(
+            torch.ones(2, 16), torch.ones(2, 8), c, torch.tensor([0, 5]), backend=b)),
+        "moe_route": lambda b: ops.moe_route(torch.randn(3, 16), torch.zeros(16), 2, 4, 2, 1.0, backend=b),
+        "fused_moe": lambda b: ops.fused_moe(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3),
+                                             torch.ones(2, 1), torch.tensor([[0], [3]], dtype=torch.int32), backend=b),
+        "sample": lambda b: ops.sample(torch.randn(2, 8), torch.zeros(2), torch.ones(2), backend=b),
+        "rms_norm": lambda b: ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, backend=b),
+        "silu_and_mul": lambda b: ops.silu_and_mul(torch.randn(2, 8), backend=b),
+        "rope_interleaved": lambda b: ops.rope_interleaved(torch.randn(2, 4), torch.tensor([0, 7]), cache, backend=b),
+    }
+
+
+OPS = sorted(_calls())
+
+
+def test_every_public_op_is_covered():
+    public = {name for name in ops.__all__ if callable(getattr(ops, name)) and name[0].islower()}
+    assert public - {"is_backend_supported", "resolve_backend"} == set(OPS)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", ["triton", "hip", "aiter"])
+def test_unbuilt_backend_raises_backend_unavailable(op, backend):
+    with pytest.raises(ops.BackendUnavailableError, match=backend):
+        _calls()[op](backend)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", ["cuda", "Torch", ""])
+def test_unknown_backend_raises_value_error(op, backend):
+    with pytest.raises(ValueError, match="backend"):
+        _calls()[op](backend)
+
+
+def _same(a, b):
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_auto_and_torch_agree(op):
+    call = _calls()[op]
+    torch.manual_seed(0)
+    auto = call("auto")
+    torch.manual_seed(0)
+    explicit = call("torch")
+    assert _same(auto, explicit)
+
+
+def test_resolve_backend_is_pure_and_explicit():
+    assert ops.resolve_backend("mla_decode", "auto", "cpu", torch.bfloat16) == "torch"
+    assert ops.resolve_backend("mla_decode", "torch", "cpu", torch.float32) == "torch"
+    assert ops.is_backend_supported("mla_decode", "torch")
+    assert not ops.is_backend_supported("mla_decode", "triton")
+    assert set(ops.BACKENDS) == {"auto", "torch", "triton", "hip", "aiter"}
+    assert issubclass(ops.BackendUnavailableError, RuntimeError)

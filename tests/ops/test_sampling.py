@@ -1,0 +1,150 @@
+"""``ops.sample``: greedy, temperature, top-p, the packed token bitmask and seeded reproducibility.
+
+Statistical checks draw N i.i.d. samples in one call (a batch of N identical rows) from a seeded
+generator, so they are deterministic; the bounds are still chosen so that a correct sampler
+would pass for almost any seed (see ``_assert_frequencies``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvtier import ops
+
+
+def _draws(logits_row, n, *, temperature=1.0, top_p=1.0, seed=0, bitmask_row=None):
+    logits = logits_row[None, :].expand(n, -1).contiguous()
+    mask = None if bitmask_row is None else bitmask_row[None, :].expand(n, -1).contiguous()
+    gen = torch.Generator().manual_seed(seed)
+    return ops.sample(logits, torch.full((n,), temperature), torch.full((n,), top_p), mask, gen)
+
+
+def _assert_frequencies(tokens, probs, n):
+    """Each token's count is Binomial(n, p), so its frequency has std sqrt(p(1-p)/n) (<= 0.0036 for
+    n = 20000). We allow 5 std per token plus 1e-3 slack: a correct sampler fails one token with
+    probability ~6e-7, all four together < 3e-6, while a wrong temperature (e.g. T vs 1/T) or a
+    wrong top-p renormalisation moves some frequency by > 0.05, i.e. > 14 std."""
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    freq = counts / n
+    for tok, p in enumerate(probs.tolist()):
+        bound = 5.0 * math.sqrt(p * (1.0 - p) / n) + 1e-3
+        assert abs(freq[tok].item() - p) <= bound, (
+            f"token {tok}: empirical {freq[tok].item():.4f} vs expected {p:.4f} (bound {bound:.4f}); "
+            f"all freqs {freq.tolist()}")
+
+
+LOGITS4 = torch.tensor([1.0, 0.2, -0.5, 0.7])
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sample_frequencies_match_softmax_over_temperature(temperature):
+    n = 20000
+    tokens = _draws(LOGITS4, n, temperature=temperature, seed=int(temperature * 10))
+    assert tokens.dtype == torch.int64 and tokens.shape == (n,)
+    _assert_frequencies(tokens, torch.softmax(LOGITS4.double() / temperature, dim=0), n)
+
+
+def test_sample_top_p_keeps_smallest_prefix_reaching_p_and_renormalises():
+    # probs 0.5, 0.3, 0.15, 0.05 (descending). top_p = 0.7: token 0 (mass before it 0) and token 1
+    # (mass before 0.5 < 0.7) are kept; token 2 has 0.8 before it and is cut, as is token 3.
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = probs.log().float()
+    n = 20000
+    tokens = _draws(logits, n, top_p=0.7, seed=3)
+    assert set(tokens.unique().tolist()) == {0, 1}
+    _assert_frequencies(tokens, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), n)
+
+
+def test_sample_top_p_tiny_is_argmax():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 1000, generator=gen) * 3
+    got = ops.sample(logits, torch.ones(64), torch.full((64,), 1e-6), generator=gen)
+    assert torch.equal(got, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_sample_temperature_zero_is_argmax(dtype):
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(33, 1001, generator=gen) * 4).to(dtype)
+    temperature = torch.where(torch.arange(33) % 2 == 0, 0.0, 1.0)
+    temperature[5] = -1.0  # "<= 0 means greedy"
+    got = ops.sample(logits, temperature.float(), torch.full((33,), 0.9), generator=gen)
+    greedy = temperature <= 0
+    assert int(greedy.sum()) == 18
+    assert torch.equal(got[greedy], logits.float().argmax(-1)[greedy])
+
+
+def _pack_bitmask(allowed: list[int], vocab: int) -> torch.Tensor:
+    """[ceil(vocab / 32)] int32, bit j % 32 of word j // 32 set for each allowed token (two's complement)."""
+    words = [0] * ((vocab + 31) // 32)
+    for tok in allowed:
+        words[tok // 32] |= 1 << (tok % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_sample_bitmask_never_yields_disallowed_token():
+    vocab = 100  # 4 words, the last one partial
+    allowed = [3, 31, 32, 99]  # 31 is the sign bit of word 0; 99 in the partial word
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(vocab, generator=gen)
+    logits[[0, 30, 50, 98]] = 20.0  # disallowed favourites: a mask that leaks would pick these
+    n = 4000
+    tokens = _draws(logits, n, temperature=1.0, seed=10, bitmask_row=_pack_bitmask(allowed, vocab))
+    assert set(tokens.tolist()) <= set(allowed), f"disallowed tokens drawn: {set(tokens.tolist()) - set(allowed)}"
+    # and the mask does not over-restrict: with comparable logits every allowed token shows up
+    assert set(tokens.tolist()) == set(allowed)
+    probs = torch.softmax(logits.double()[allowed], dim=0)
+    _assert_frequencies(torch.tensor([allowed.index(t) for t in tokens.tolist()]), probs, n)
+
+
+def test_sample_bitmask_greedy_picks_best_allowed():
+    vocab = 70
+    logits = torch.arange(vocab, dtype=torch.float32)[None].repeat(2, 1)  # token 69 is the argmax
+    masks = torch.stack([_pack_bitmask([5, 40], vocab), _pack_bitmask([63, 64], vocab)])
+    got = ops.sample(logits, torch.zeros(2), torch.ones(2), masks)
+    assert got.tolist() == [40, 64]
+
+
+def test_sample_seeded_generator_is_reproducible():
+    logits = torch.randn(256, 50, generator=torch.Generator().manual_seed(0))
+    temp, top_p = torch.full((256,), 1.3), torch.full((256,), 0.95)
+    a = ops.sample(logits, temp, top_p, generator=torch.Generator().manual_seed(1234))
+    b = ops.sample(logits, temp, top_p, generator=torch.Generator().manual_seed(1234))
+    c = ops.sample(logits, temp, top_p, generator=torch.Generator().manual_seed(4321))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)  # 256 draws over ~50 tokens: identical by chance is ~impossible
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.1, 1.5, math.nan])
+def test_sample_rejects_top_p_outside_unit_interval(top_p):
+    with pytest.raises(ValueError, match="top_p"):
+        ops.sample(torch.randn(2, 8), torch.ones(2), torch.tensor([0.5, top_p]))
+
+
+def test_sample_rejects_misshaped_arguments():
+    with pytest.raises(ValueError, match="temperature"):
+        ops.sample(torch.randn(2, 8), torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match="token_bitmask"):
+        ops.sample(torch.randn(2, 40), torch.ones(2), torch.ones(2), torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="token_bitmask"):
+        ops.sample(torch.randn(2, 40), torch.ones(2), torch.ones(2), torch.zeros(2, 2, dtype=torch.int64))
+
+
+def test_bitmask_row_allowing_nothing_is_a_clear_error():
+    logits = torch.zeros(2, 40)
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[0, 0] = 1
+    mask[1, 1] = 1 << 9  # bit for token 41: beyond the vocabulary, so row 1 allows nothing
+    with pytest.raises(ValueError, match=r"token_bitmask allows no token in row\(s\) \[1\]"):
+        ops.sample(logits, torch.zeros(2), torch.ones(2), token_bitmask=mask)
+
+
+def test_greedy_rows_do_not_draw_from_the_generator():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    ops.sample(logits, torch.zeros(3), torch.ones(3), generator=g)
+    assert torch.equal(g.get_state(), state)
