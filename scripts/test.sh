@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the C++ host tests (ctest) and the Python tests (pytest).
+# Set up (scripts/setup.sh), then run the C++ host tests (ctest; also an ASan+UBSan build) and the
+# Python tests (pytest).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 . scripts/setup.sh
-cmake -S . -B build/host -DKVTIER_BUILD_PYTHON=OFF -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build build/host -j "$(nproc)" >/dev/null
-ctest --test-dir build/host --output-on-failure
+# C++ host tests, plain and under AddressSanitizer + UndefinedBehaviorSanitizer.
+for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=Debug -DKVTIER_SANITIZE=ON"; do
+  dir="build/${variant%% *}"
+  # shellcheck disable=SC2086
+  cmake -S . -B "$dir" -DKVTIER_BUILD_PYTHON=OFF ${variant#* } >/dev/null
+  cmake --build "$dir" -j "$(nproc)" >/dev/null
+  ctest --test-dir "$dir" --output-on-failure
+done
 python -m pytest "$@"

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "block_hash.h"
+#include "prefix_index.h"
 
 namespace py = pybind11;
 
@@ -48,10 +49,107 @@ py::list block_hashes(py::array_t<std::int64_t, py::array::c_style | py::array::
   return out;
 }
 
+kvtier::BlockHash to_hash(const py::handle& obj, std::size_t i) {
+  char* data = nullptr;
+  Py_ssize_t len = 0;
+  if (!PyBytes_Check(obj.ptr()) || PyBytes_AsStringAndSize(obj.ptr(), &data, &len) != 0 ||
+      len != static_cast<Py_ssize_t>(kvtier::kBlockHashBytes))
+    throw py::value_error("hashes[" + std::to_string(i) + "] must be bytes of length 16");
+  kvtier::BlockHash h;
+  std::memcpy(h.data(), data, kvtier::kBlockHashBytes);
+  return h;
+}
+
+std::vector<kvtier::BlockHash> to_hashes(const py::sequence& seq) {
+  std::vector<kvtier::BlockHash> out;
+  out.reserve(seq.size());
+  for (std::size_t i = 0; i < seq.size(); ++i) out.push_back(to_hash(seq[i], i));
+  return out;
+}
+
+py::bytes from_hash(const kvtier::BlockHash& h) {
+  return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+}
+
+void bind_prefix_index(py::module_& m) {
+  using kvtier::PrefixIndex;
+  m.attr("NUM_TIERS") = py::int_(kvtier::kNumTiers);
+  py::class_<PrefixIndex>(m, "PrefixIndex", "Native prefix index; see kvtier.cache.prefix_index for the contract.")
+      .def(py::init<std::size_t>(), py::arg("max_events") = 1 << 16)
+      .def("insert", [](PrefixIndex& s, const py::bytes& h, int tier, std::int64_t slot) {
+        auto key = to_hash(h, 0);
+        py::gil_scoped_release r;
+        return s.insert(key, tier, slot);
+      }, py::arg("hash"), py::arg("tier"), py::arg("slot"))
+      .def("remove", [](PrefixIndex& s, const py::bytes& h, int tier) {
+        auto key = to_hash(h, 0);
+        std::int64_t slot = -1;
+        kvtier::RemoveResult res;
+        {
+          py::gil_scoped_release r;
+          res = s.remove(key, tier, &slot);
+        }
+        return py::make_tuple(static_cast<int>(res), slot);
+      }, py::arg("hash"), py::arg("tier"))
+      .def("match", [](const PrefixIndex& s, const py::sequence& hashes, std::uint32_t tier_mask) {
+        auto keys = to_hashes(hashes);
+        std::vector<kvtier::Slots> slots(keys.size());
+        std::size_t m;
+        {
+          py::gil_scoped_release r;
+          m = s.match(keys.data(), keys.size(), tier_mask, slots.data());
+        }
+        py::array_t<std::int64_t> out({static_cast<py::ssize_t>(m), static_cast<py::ssize_t>(kvtier::kNumTiers)});
+        auto w = out.mutable_unchecked<2>();
+        for (std::size_t i = 0; i < m; ++i)
+          for (int t = 0; t < kvtier::kNumTiers; ++t) w(i, t) = slots[i][t];
+        return out;
+      }, py::arg("hashes"), py::arg("tier_mask") = 0xFu)
+      .def("touch", [](PrefixIndex& s, const py::sequence& hashes) {
+        auto keys = to_hashes(hashes);
+        py::gil_scoped_release r;
+        s.touch(keys.data(), keys.size());
+      }, py::arg("hashes"))
+      .def("lock", [](PrefixIndex& s, const py::sequence& hashes, int tier) {
+        auto keys = to_hashes(hashes);
+        py::gil_scoped_release r;
+        return s.lock(keys.data(), keys.size(), tier);
+      }, py::arg("hashes"), py::arg("tier"))
+      .def("unlock", [](PrefixIndex& s, const py::sequence& hashes, int tier) {
+        auto keys = to_hashes(hashes);
+        py::gil_scoped_release r;
+        return s.unlock(keys.data(), keys.size(), tier);
+      }, py::arg("hashes"), py::arg("tier"))
+      .def("eviction_candidates", [](const PrefixIndex& s, int tier, std::size_t max_n) {
+        std::vector<std::pair<kvtier::BlockHash, std::int64_t>> c;
+        {
+          py::gil_scoped_release r;
+          c = s.eviction_candidates(tier, max_n);
+        }
+        py::list out;
+        for (auto& [h, slot] : c) out.append(py::make_tuple(from_hash(h), slot));
+        return out;
+      }, py::arg("tier"), py::arg("max_n"))
+      .def("drain_events", [](PrefixIndex& s, std::size_t max_n) {
+        auto ev = s.drain_events(max_n);
+        py::list out;
+        for (auto& e : ev) out.append(py::make_tuple(static_cast<int>(e.kind), e.tier, from_hash(e.hash), e.slot));
+        return out;
+      }, py::arg("max_n") = static_cast<std::size_t>(-1))
+      .def("dropped_events", &PrefixIndex::dropped_events)
+      .def("num_blocks", &PrefixIndex::num_blocks)
+      .def("num_copies", &PrefixIndex::num_copies, py::arg("tier"))
+      .def("ref_count", [](const PrefixIndex& s, const py::bytes& h, int tier) {
+        return s.ref_count(to_hash(h, 0), tier);
+      }, py::arg("hash"), py::arg("tier"))
+      .def("check_invariants", &PrefixIndex::check_invariants);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime (block hash; later prefix index, copy engine, disk tier)";
+  m.doc() = "kvtier host runtime: block hash, prefix index (later: copy engine, disk tier)";
+  bind_prefix_index(m);
   m.attr("BLOCK_HASH_BYTES") = py::int_(kvtier::kBlockHashBytes);
   m.def("block_hashes", &block_hashes, py::arg("token_ids"), py::arg("page_size"),
         py::arg("parent") = py::none(), py::arg("salt") = py::bytes(""),

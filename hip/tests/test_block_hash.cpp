@@ -1,17 +1,10 @@
 // Host test of the block hash: chaining, salt isolation, partial blocks.
 #include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "block_hash.h"
+#include "check.h"
 
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                   \
-    }                                                                 \
-  } while (0)
 
 int main() {
   std::vector<std::int64_t> tokens(37);
