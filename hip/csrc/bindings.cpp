@@ -7,6 +7,7 @@
 #include <string>
 
 #include "block_hash.h"
+#include "copy_engine.h"
 #include "prefix_index.h"
 
 namespace py = pybind11;
@@ -145,11 +146,78 @@ void bind_prefix_index(py::module_& m) {
       .def("check_invariants", &PrefixIndex::check_invariants);
 }
 
+kvtier::PagePools make_pools(const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t page_stride_bytes,
+                            std::int64_t page_bytes, std::int64_t num_pages) {
+  if (page_bytes <= 0 || page_stride_bytes < page_bytes || num_pages <= 0)
+    throw py::value_error("page pools need page_bytes > 0, page_stride_bytes >= page_bytes and num_pages > 0");
+  kvtier::PagePools pools;
+  for (auto p : layer_ptrs) pools.layer_base.push_back(reinterpret_cast<std::uint8_t*>(p));
+  pools.page_stride_bytes = page_stride_bytes;
+  pools.page_bytes = page_bytes;
+  pools.num_pages = num_pages;
+  return pools;
+}
+
+std::vector<std::int64_t> to_pages(const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& a) {
+  if (a.ndim() != 1) throw py::value_error("pages must be 1-D");
+  return std::vector<std::int64_t>(a.data(), a.data() + a.shape(0));
+}
+
+void bind_copy_engine(py::module_& m) {
+  using kvtier::CopyEngine;
+  py::enum_<kvtier::JobState>(m, "JobState")
+      .value("PENDING", kvtier::JobState::kPending)
+      .value("DONE", kvtier::JobState::kDone)
+      .value("FAILED", kvtier::JobState::kFailed);
+  py::class_<CopyEngine>(m, "CopyEngine", "Native copy engine; see kvtier.transfer for the contract.")
+      .def(py::init<int, std::size_t>(), py::arg("num_threads"), py::arg("max_queued"))
+      .def("submit_gather", [](CopyEngine& e, const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t stride,
+                               std::int64_t page_bytes, std::int64_t num_pages,
+                               const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& pages,
+                               std::uintptr_t staging, bool block) {
+        auto pools = make_pools(layer_ptrs, stride, page_bytes, num_pages);
+        auto pg = to_pages(pages);
+        auto* dst = reinterpret_cast<std::uint8_t*>(staging);
+        CopyEngine::Job job = [pools, pg, dst] {
+          kvtier::gather_pages(pools, pg.data(), pg.size(), dst);
+          return std::vector<int>(pg.size(), 0);
+        };
+        py::gil_scoped_release r;
+        return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
+      }, py::arg("layer_ptrs"), py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"),
+         py::arg("pages"), py::arg("staging_ptr"), py::arg("block") = true)
+      .def("submit_scatter", [](CopyEngine& e, const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t stride,
+                                std::int64_t page_bytes, std::int64_t num_pages,
+                                const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& pages,
+                                std::uintptr_t staging, bool block) {
+        auto pools = make_pools(layer_ptrs, stride, page_bytes, num_pages);
+        auto pg = to_pages(pages);
+        const auto* src = reinterpret_cast<const std::uint8_t*>(staging);
+        CopyEngine::Job job = [pools, pg, src] {
+          kvtier::scatter_pages(pools, pg.data(), pg.size(), src);
+          return std::vector<int>(pg.size(), 0);
+        };
+        py::gil_scoped_release r;
+        return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
+      }, py::arg("layer_ptrs"), py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"),
+         py::arg("pages"), py::arg("staging_ptr"), py::arg("block") = true)
+      .def("poll", &CopyEngine::poll, py::arg("handle"))
+      .def("wait", &CopyEngine::wait, py::arg("handle"), py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("collect", [](CopyEngine& e, CopyEngine::Handle h) {
+        auto r = e.collect(h);
+        return py::make_tuple(r.state, r.block_status, r.error);
+      }, py::arg("handle"))
+      .def("queued", &CopyEngine::queued)
+      .def_property_readonly("num_threads", &CopyEngine::num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime: block hash, prefix index (later: copy engine, disk tier)";
+  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine (later: disk tier)";
   bind_prefix_index(m);
+  bind_copy_engine(m);
   m.attr("BLOCK_HASH_BYTES") = py::int_(kvtier::kBlockHashBytes);
   m.def("block_hashes", &block_hashes, py::arg("token_ids"), py::arg("page_size"),
         py::arg("parent") = py::none(), py::arg("salt") = py::bytes(""),
