@@ -40,7 +40,7 @@ def _synthetic_prompts(n: int, length: int, shared: int, vocab: int, seed: int) 
 def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
     t0 = time.perf_counter()
-    llm = LLM(args.model, seed=args.seed, page_size=args.page_size, num_pages=args.num_pages,
+    llm = LLM(args.model, seed=args.seed, page_size=args.page_size, num_device_pages=args.num_device_pages,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     load_s = time.perf_counter() - t0
     prompts = _synthetic_prompts(args.num_prompts, args.prompt_len, args.shared_prefix_len,
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
-    g.add_argument("--num-pages", type=int, default=1024, help="pages per layer in the KV pool")
+    g.add_argument("--num-device-pages", type=int, default=1024, help="pages per layer in the device KV pool")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)

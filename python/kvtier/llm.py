@@ -52,15 +52,16 @@ class LLM:
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
         device: torch device for weights and KV cache.
         seed: seed of the random preset weights and of the engine's sampler.
-        **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_pages,
-            max_num_batched_tokens, max_num_seqs, enable_prefix_caching).
+        **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_device_pages,
+            max_num_batched_tokens, max_num_seqs, enable_prefix_caching, host_cache_bytes,
+            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy).
 
     Raises:
         ValueError: an unknown preset or a bad engine argument; FileNotFoundError for a
         directory without config.json; the loader's errors for a bad checkpoint.
 
     Example:
-        >>> llm = LLM("tiny", num_pages=64)
+        >>> llm = LLM("tiny", num_device_pages=64)
         >>> out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=4))
         >>> len(out[0].token_ids)
         4

@@ -44,10 +44,10 @@ def hf_pair(request, tmp_path_factory):
 
 
 def poisoned_llm(path, seed=0, **engine_args) -> LLM:
-    llm = LLM(str(path), dtype="float32", page_size=PAGE_SIZE, num_pages=96, **engine_args)
+    llm = LLM(str(path), dtype="float32", page_size=PAGE_SIZE, num_device_pages=96, **engine_args)
     for cache in llm.engine.runner.kv_caches:
         cache.fill_(float("nan"))
-    bm = llm.engine.block_manager
+    bm = llm.engine.pool
     order = list(bm.free_pages)
     random.Random(seed).shuffle(order)
     bm.free_pages = OrderedDict((p, None) for p in order)

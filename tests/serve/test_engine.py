@@ -12,7 +12,7 @@ from kvtier.model import preset
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny", page_size=16, num_pages=64, max_num_batched_tokens=64)
+    return LLM("tiny", page_size=16, num_device_pages=64, max_num_batched_tokens=64)
 
 
 def prompt(n, seed):
@@ -35,8 +35,8 @@ def test_identical_prompt_reuses_pages_and_gives_same_tokens(llm):
 def test_preemption_recomputes_and_matches_a_roomy_pool():
     prompts = [prompt(100, 2), prompt(90, 3), prompt(80, 4)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    roomy = LLM("tiny", page_size=16, num_pages=64, max_num_batched_tokens=128)
-    tight = LLM("tiny", page_size=16, num_pages=12, max_num_batched_tokens=128, enable_prefix_caching=False)
+    roomy = LLM("tiny", page_size=16, num_device_pages=64, max_num_batched_tokens=128)
+    tight = LLM("tiny", page_size=16, num_device_pages=12, max_num_batched_tokens=128, enable_prefix_caching=False)
     want = [o.token_ids for o in roomy.generate(prompt_token_ids=prompts, sampling_params=params)]
     got = [o.token_ids for o in tight.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert tight.engine.scheduler.num_preemptions > 0
@@ -89,7 +89,7 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompts, match):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"page_size": 12}, "page_size must be a power of two, got 12"),
-    ({"num_pages": 0}, "num_pages"),
+    ({"num_device_pages": 0}, "num_device_pages"),
     ({"max_num_batched_tokens": -1}, "max_num_batched_tokens"),
 ])
 def test_bad_engine_config(kwargs, match):

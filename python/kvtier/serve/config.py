@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.cache.policy import PoolConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Sizes and limits of one engine.
+    """Sizes, limits and cache policies of one engine.
 
     Attributes:
         page_size: tokens per KV page; a power of two.
-        num_pages: pages per layer in the device page pool.
+        num_device_pages: pages per layer in the device page pool.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
-        max_num_seqs: sequences running at once.
-        enable_prefix_caching: reuse full pages by block hash.
+        max_num_seqs: sequences running or loading at once.
+        enable_prefix_caching: reuse cached blocks by hash.
+        host_cache_bytes: host-memory tier budget in bytes (0 = none).
+        disk_cache_dir: directory of the disk tier (None = none).
+        disk_cache_bytes: disk tier budget in bytes.
+        cache_policy: eviction policy name (``lru``).
+        cache_write_policy: ``write-through`` or ``write-back``.
         seed: seed of the engine's sampling generator.
 
     Raises:
@@ -22,17 +29,26 @@ class EngineConfig:
     """
 
     page_size: int = 16
-    num_pages: int = 1024
+    num_device_pages: int = 1024
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
+    cache_policy: str = "lru"
+    cache_write_policy: str = "write-through"
     seed: int = 0
 
     def __post_init__(self) -> None:
-        ps = self.page_size
-        if not isinstance(ps, int) or ps <= 0 or ps & (ps - 1):
-            raise ValueError(f"page_size must be a power of two, got {ps!r}")
-        for name in ("num_pages", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.pool_config()  # validates the cache fields
+
+    def pool_config(self) -> PoolConfig:
+        return PoolConfig(page_size=self.page_size, num_device_pages=self.num_device_pages,
+                          host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
+                          disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
+                          write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)

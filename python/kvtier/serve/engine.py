@@ -10,7 +10,7 @@ import torch
 
 from kvtier import ops
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
-from kvtier.serve.block_manager import BlockManager
+from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
 from kvtier.serve.request import Sequence
@@ -24,9 +24,9 @@ class Engine:
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model_config = model.config
         self.config = config
-        self.block_manager = BlockManager(config.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(model, config)
+        self.pool = KVPool(config.pool_config(), self.runner.kv_caches)
+        self.scheduler = Scheduler(config, self.pool)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
@@ -51,9 +51,9 @@ class Engine:
                              f"max_position_embeddings={max_pos}")
         ps = self.config.page_size
         pages = -(-min(len(prompt) + params.max_tokens, max_pos) // ps)
-        if pages > self.config.num_pages:
+        if pages > self.config.num_device_pages:
             raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
-                             f"{ps} tokens, more than num_pages={self.config.num_pages}")
+                             f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
         return prompt
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> int:
@@ -74,12 +74,18 @@ class Engine:
         """Schedule, run and postprocess one step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.loading:
+                self.pool.wait_for_loads(timeout_s=0.05)
+                return []
             raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
+        t0 = time.perf_counter()
         results = self.runner.run(batch)
+        if batch.extends:
+            self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
         finished = []
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
             seq.num_computed_tokens += n
-            self.block_manager.register_computed(seq)
+            self.pool.register_computed(seq)
             if self._postprocess(seq, results[seq.seq_id]):
                 finished.append(self._output(self._sequences.pop(seq.seq_id)))
         return finished
@@ -124,6 +130,7 @@ class Engine:
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
+            cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
         )

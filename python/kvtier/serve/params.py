@@ -72,7 +72,9 @@ class RequestOutput:
             None when not requested. Entries whose preceding position was served from cached
             pages are ``None`` (their logits were never computed): exactly the first
             ``num_cached_tokens`` entries.
-        num_cached_tokens: prompt tokens whose KV came from cached pages (prefix reuse).
+        num_cached_tokens: prompt tokens whose KV came from cached blocks, from any tier.
+        cached_tokens_by_tier: the same tokens split by the tier they came from
+            (``{"device", "host", "disk"}``).
         finish_reason: ``"length"`` or ``"stop"`` (an end-of-sequence token).
         metrics: timings.
     """
@@ -84,4 +86,5 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None
     num_cached_tokens: int
     finish_reason: str | None
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]

@@ -30,14 +30,14 @@ class SeqLogits:
 
 
 class ModelRunner:
-    """Owns the model and the per-layer page pools ``[num_pages, page_size, kv_lora_rank + rope]``."""
+    """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``."""
 
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model = model
         self.config = config
         device = model.embed_tokens.device
         self.device = device
-        shape = (config.num_pages, config.page_size, model.config.kv_cache_dim)
+        shape = (config.num_device_pages, config.page_size, model.config.kv_cache_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
 

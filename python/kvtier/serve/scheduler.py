@@ -1,11 +1,12 @@
-"""Continuous-batching scheduler with chunked prefill and recompute preemption (torch-free)."""
+"""Continuous-batching scheduler with chunked prefill, asynchronous prefix loads and recompute
+preemption."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtier.serve.block_manager import BlockManager
+from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
 
@@ -26,16 +27,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """FCFS: running sequences first (decodes and unfinished prefills), then new admissions.
+    """FCFS: running sequences first (decodes and unfinished prefills), then admissions.
 
-    When pages run out, the most recently admitted running sequence is preempted: its pages
-    are freed (they stay in the prefix cache) and it waits to be recomputed.
+    An admitted sequence first gets its cached prefix from the pool; while blocks load from a
+    lower tier it waits in ``loading`` and the batch goes on without it. When pages run out, the
+    most recently admitted running sequence is preempted: its pages are freed (they stay in the
+    prefix cache) and it is recomputed later.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, pool: KVPool):
         self.config = config
-        self.block_manager = block_manager
+        self.pool = pool
         self.waiting: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -43,12 +47,13 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.loading or self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.pool.free(seq)
         seq.num_computed_tokens = 0
+        seq.prefix_done = False
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -66,7 +71,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):
+            while not self.pool.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -76,18 +81,35 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _collect_loaded(self) -> None:
+        """Move sequences whose prefix loads ended to the front of the waiting queue."""
+        for seq in list(self.loading):
+            if self.pool.finish_prefix(seq) is not None:
+                self.loading.remove(seq)
+                self._record_cached(seq)
+                self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _record_cached(seq: Sequence) -> None:
+        seq.prefix_done = True
+        if not seq.output_token_ids:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.page_ids:
-                cached = bm.allocate_cached_prefix(seq)
-                if not seq.output_token_ids:
-                    seq.num_cached_tokens = cached
+            if not seq.prefix_done:
+                if self.pool.begin_prefix(seq):
+                    self.waiting.popleft()
+                    self.loading.append(seq)
+                    continue
+                self._record_cached(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.allocate(seq, seq.num_computed_tokens + n):
-                bm.free(seq)
-                seq.num_computed_tokens = 0
+            if not self.pool.allocate(seq, seq.num_computed_tokens + n):
+                if not self.running and not self.loading and seq.num_computed_tokens:
+                    # Alone and stuck: give the cached prefix back and recompute from scratch.
+                    self.pool.free(seq)
+                    seq.num_computed_tokens, seq.prefix_done = 0, False
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -97,6 +119,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work within ``max_num_batched_tokens``."""
+        self.pool.poll()
+        self._collect_loaded()
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
@@ -106,4 +130,4 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self.pool.free(seq)

@@ -1,14 +1,28 @@
-"""BlockManager: page accounting, hash-chained prefix reuse, LRU reuse of freed pages (no torch)."""
+"""KVPool, device tier only: page accounting, hash-chained prefix reuse, LRU reuse of freed pages."""
 
-from kvtier.serve.block_manager import BlockManager
+import torch
+
+from kvtier.cache.policy import PoolConfig
+from kvtier.cache.pool import KVPool
 from kvtier.serve.params import RequestMetrics, SamplingParams
 from kvtier.serve.request import Sequence
 
 PS = 4
 
 
+def BlockManager(num_pages, page_size, salt=b"", enable_prefix_caching=True):
+    config = PoolConfig(page_size=page_size, num_device_pages=num_pages, salt=salt,
+                        enable_prefix_caching=enable_prefix_caching)
+    return KVPool(config, [torch.zeros(num_pages, page_size, 8)])
+
+
 def seq(tokens, sid=0):
     return Sequence(sid, list(tokens), SamplingParams(), RequestMetrics(0.0))
+
+
+def begin_prefix_tokens(bm, s):
+    assert not bm.begin_prefix(s)  # device-only: nothing to wait for
+    return s.num_computed_tokens
 
 
 def compute(bm, s, upto=None):
@@ -34,22 +48,22 @@ def test_prefix_reuse_shares_pages_and_leaves_one_token():
     a = seq(range(100, 112))  # exactly 3 full pages
     compute(bm, a)
     b = seq(list(range(100, 108)) + [1, 2, 3])
-    assert bm.allocate_cached_prefix(b) == 8 and b.page_ids == a.page_ids[:2]
+    assert begin_prefix_tokens(bm, b) == 8 and b.page_ids == a.page_ids[:2]
     assert [bm.ref_counts[p] for p in a.page_ids] == [2, 2, 1]
     same = seq(range(100, 112), 2)  # identical prompt: the last page is recomputed
-    assert bm.allocate_cached_prefix(same) == 8
+    assert begin_prefix_tokens(bm, same) == 8
 
 
 def test_no_reuse_across_salts_or_when_disabled():
     salted = BlockManager(16, PS, salt=b"tenant-a")
     compute(salted, seq(range(12)))
-    assert salted.allocate_cached_prefix(seq(range(13), 1)) == 12  # same tenant: all 3 pages reused
+    assert begin_prefix_tokens(salted, seq(range(13), 1)) == 12  # same tenant: all 3 pages reused
     other_tenant = BlockManager(16, PS, salt=b"tenant-b")
-    other_tenant.hash_to_page = dict(salted.hash_to_page)  # the other tenant's pages are present
-    assert other_tenant.allocate_cached_prefix(seq(range(13), 2)) == 0
+    other_tenant.index = salted.index  # the other tenant's blocks are present
+    assert begin_prefix_tokens(other_tenant, seq(range(13), 2)) == 0
     disabled = BlockManager(16, PS, enable_prefix_caching=False)
     compute(disabled, seq(range(12)))
-    assert not disabled.hash_to_page and disabled.allocate_cached_prefix(seq(range(13), 3)) == 0
+    assert disabled.index.num_blocks() == 0 and begin_prefix_tokens(disabled, seq(range(13), 3)) == 0
 
 
 def test_freed_pages_stay_reusable_until_evicted_lru():
@@ -60,13 +74,13 @@ def test_freed_pages_stay_reusable_until_evicted_lru():
     bm.free(a)
     assert bm.num_free_pages == 4
     b = seq(list(range(8)) + [9])
-    assert bm.allocate_cached_prefix(b) == 8 and b.page_ids == pages
+    assert begin_prefix_tokens(bm, b) == 8 and b.page_ids == pages
     bm.free(b)
     # Filling the pool evicts the cached pages; their hashes are dropped with them.
     c = seq(range(500, 516), 2)
     compute(bm, c)
-    assert not bm.hash_to_page.keys() & set(b.block_hashes)
-    assert bm.allocate_cached_prefix(seq(list(range(8)) + [9], 3)) == 0
+    assert bm.index.match(b.block_hashes).shape[0] == 0
+    assert begin_prefix_tokens(bm, seq(list(range(8)) + [9], 3)) == 0
 
 
 def test_tail_pages_are_evicted_before_head_pages():
@@ -86,4 +100,4 @@ def test_generated_tokens_are_registered_too():
     a.output_token_ids += [7, 8, 9]
     compute(bm, a)
     b = seq(list(range(6)) + [7, 8, 9, 10], 1)
-    assert bm.allocate_cached_prefix(b) == 8
+    assert begin_prefix_tokens(bm, b) == 8
