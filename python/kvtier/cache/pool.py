@@ -125,6 +125,8 @@ class KVPool:
         page, _ = self.free_pages.popitem(last=False)
         old = self.page_hash[page]
         if old is not None:
+            if self.config.write_policy == "write-back":
+                self._write_back_to_host(old, page)
             self.index.remove(old, Tier.DEVICE)
             self.page_hash[page] = None
             self.stats.evictions["device"] += 1
@@ -338,6 +340,23 @@ class KVPool:
         self._ref_page(page)
         handle = self.copy_engine.gather(self.kv_caches, [page], self.host.slot(slot))
         self.writes.append(_Write(h, page, slot, handle))
+
+    def _write_back_to_host(self, h: bytes, page: int) -> None:
+        """Copy an evicted page down before its page is reused (write-back), synchronously."""
+        if self.host is None or self.view is None or self.index.match([h], [Tier.HOST]).shape[0]:
+            return
+        slot = self._host_slot()
+        if slot is None:
+            return
+        try:
+            ok = self.copy_engine.gather(self.kv_caches, [page], self.host.slot(slot)).result() == [0]
+        except CopyError:
+            ok = False
+        if ok and self.index.insert(h, Tier.HOST, slot):
+            self.stats.bytes_written["host"] += self.block_bytes
+        else:
+            self.stats.copy_errors += not ok
+            self.host.release(slot)
 
     def poll(self, wait: bool = False) -> None:
         """Finish background writes whose copies ended (all of them when ``wait``)."""

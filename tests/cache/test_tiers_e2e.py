@@ -1,0 +1,113 @@
+"""End to end through the engine: a prefix evicted from device pages comes back from a lower
+tier, and the logits are those of a run that recomputes everything."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.cache.cost_model import CostModel, TierCost
+from kvtier.cache.prefix_index import Tier
+
+PS = 16
+PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, ignore_eos=True)
+
+
+def prompt(n, seed):
+    return torch.randint(0, 163840, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def always_load(llm):
+    """A cost model under which loading always wins (the decision itself is tested elsewhere)."""
+    llm.engine.pool.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in (Tier.HOST, Tier.DISK)},
+                                           prefill_tok_s=1.0)
+    return llm
+
+
+def reference_logprobs(p):
+    llm = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    return llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
+
+
+@pytest.fixture(scope="module")
+def shared():
+    first = prompt(200, 1)
+    second = first[:170] + prompt(30, 2)
+    return first, second, reference_logprobs(second)
+
+
+def flush_device(llm, n_prompts=2):
+    """Run unrelated prompts that take every device page, so cached device copies are evicted."""
+    for i in range(n_prompts):
+        llm.generate(prompt_token_ids=[prompt(250, 100 + i)], sampling_params=dataclasses.replace(PARAMS, max_tokens=1))
+
+
+def test_prefix_comes_back_from_host(shared):
+    first, second, want = shared
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20))
+    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    flush_device(llm)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    hit = 170 // PS * PS
+    assert out.num_cached_tokens == hit
+    assert out.cached_tokens_by_tier["host"] > 0 and sum(out.cached_tokens_by_tier.values()) == hit
+    assert out.prompt_logprobs[:hit] == [None] * hit
+    got = torch.tensor(out.prompt_logprobs[hit:], dtype=torch.float64)
+    ref = torch.tensor(want.prompt_logprobs[hit:], dtype=torch.float64)
+    assert float((got - ref).abs().max()) <= 1e-4
+    assert out.token_ids == want.token_ids
+    stats = llm.engine.pool.stats
+    assert stats.bytes_loaded["host"] > 0 and stats.copy_errors == 0
+
+
+def test_cost_model_recomputes_when_loading_is_slower(shared):
+    first, second, want = shared
+    llm = LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20)
+    llm.engine.pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(10.0, 1.0)}, prefill_tok_s=1e9)
+    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    flush_device(llm)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert out.num_cached_tokens == 0 and llm.engine.pool.stats.bytes_loaded["host"] == 0
+    assert out.token_ids == want.token_ids
+
+
+def test_failed_host_copy_is_recomputed_and_counted(shared, monkeypatch):
+    first, second, want = shared
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20))
+    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    flush_device(llm)
+    pool = llm.engine.pool
+    real_scatter = pool.copy_engine.scatter
+    calls = []
+
+    def failing_third(staging, pools, pages):  # the third block's copy fails as a whole
+        calls.append(pages)
+        return real_scatter(staging, pools, [10**9] if len(calls) == 3 else pages)
+
+    monkeypatch.setattr(pool.copy_engine, "scatter", failing_third)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert out.num_cached_tokens == 2 * PS  # shrunk to the contiguous loaded prefix
+    assert pool.stats.copy_errors == 1
+    got = torch.tensor(out.prompt_logprobs[2 * PS:], dtype=torch.float64)
+    ref = torch.tensor(want.prompt_logprobs[2 * PS:], dtype=torch.float64)
+    assert float((got - ref).abs().max()) <= 1e-4 and out.token_ids == want.token_ids
+
+
+def test_write_back_copies_only_on_eviction(shared):
+    first, second, want = shared
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20,
+                          cache_write_policy="write-back"))
+    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    pool = llm.engine.pool
+    assert pool.stats.bytes_written["host"] == 0 and not pool.writes  # nothing copied yet
+    flush_device(llm)
+    assert pool.stats.bytes_written["host"] > 0
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert out.cached_tokens_by_tier["host"] > 0 and out.token_ids == want.token_ids
+    hit = out.num_cached_tokens
+    got = torch.tensor(out.prompt_logprobs[hit:], dtype=torch.float64)
+    assert float((got - torch.tensor(want.prompt_logprobs[hit:], dtype=torch.float64)).abs().max()) <= 1e-4
