@@ -41,7 +41,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
     t0 = time.perf_counter()
     llm = LLM(args.model, seed=args.seed, page_size=args.page_size, num_device_pages=args.num_device_pages,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              host_cache_bytes=args.host_cache_bytes)
     load_s = time.perf_counter() - t0
     prompts = _synthetic_prompts(args.num_prompts, args.prompt_len, args.shared_prefix_len,
                                  llm.config.vocab_size, args.seed)
@@ -56,9 +57,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     generated = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     cached = sum(o.num_cached_tokens for o in outs)
+    by_tier = {t: sum(o.cached_tokens_by_tier.get(t, 0) for o in outs) for t in ("device", "host", "disk")}
     result = {
         "provenance": provenance(model=args.model, backend=resolve_backend("mla_decode", "auto", "cpu", torch.float32)),
         "requests": len(outs), "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
+        "hit_tokens": by_tier, "copy_errors": llm.engine.pool.stats.copy_errors,
         "generated_tokens": generated, "wall_s": wall, "load_s": load_s,
         "ttft_ms": {"p50": statistics.median(ttft), "p99": _percentile(ttft, 99)},
         "e2e_ms": {"p50": statistics.median(e2e), "p99": _percentile(e2e, 99)},
@@ -70,6 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     rows = [
         ("prompt tokens (served from cache)", f"{prompt_tokens} ({cached}, {cached / prompt_tokens:.0%})"),
+        ("  of which device / host / disk", " / ".join(str(by_tier[t]) for t in ("device", "host", "disk"))),
         ("generated tokens", str(generated)),
         ("TTFT p50 / p99 (ms)", f"{result['ttft_ms']['p50']:.1f} / {result['ttft_ms']['p99']:.1f}"),
         ("end-to-end p50 / p99 (ms)", f"{result['e2e_ms']['p50']:.1f} / {result['e2e_ms']['p99']:.1f}"),
@@ -107,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
     g.add_argument("--num-device-pages", type=int, default=1024, help="pages per layer in the device KV pool")
+    g.add_argument("--host-cache-bytes", type=int, default=0, help="host-memory KV tier budget (0 = none)")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--seed", type=int, default=0)
