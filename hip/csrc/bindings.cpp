@@ -5,9 +5,11 @@
 
 #include <cstring>
 #include <string>
+#include <tuple>
 
 #include "block_hash.h"
 #include "copy_engine.h"
+#include "disk_tier.h"
 #include "prefix_index.h"
 
 namespace py = pybind11;
@@ -163,6 +165,76 @@ std::vector<std::int64_t> to_pages(const py::array_t<std::int64_t, py::array::c_
   return std::vector<std::int64_t>(a.data(), a.data() + a.shape(0));
 }
 
+using MetaTuple = std::tuple<std::uint32_t, std::uint32_t, std::uint32_t, std::uint32_t, std::uint64_t>;
+
+kvtier::BlockMeta to_meta(const MetaTuple& t) {
+  kvtier::BlockMeta m;
+  std::tie(m.num_layers, m.page_size, m.row_bytes, m.dtype, m.payload_bytes) = t;
+  return m;
+}
+
+MetaTuple from_meta(const kvtier::BlockMeta& m) {
+  return {m.num_layers, m.page_size, m.row_bytes, m.dtype, m.payload_bytes};
+}
+
+py::list blocks_list(const std::vector<std::pair<kvtier::BlockHash, kvtier::BlockMeta>>& blocks) {
+  py::list out;
+  for (auto& [h, meta] : blocks) out.append(py::make_tuple(from_hash(h), from_meta(meta)));
+  return out;
+}
+
+void bind_disk_tier(py::module_& m) {
+  using kvtier::DiskTier;
+  py::class_<DiskTier, std::shared_ptr<DiskTier>>(m, "DiskTier", "Native disk tier; see kvtier.cache.disk_tier.")
+      .def(py::init<std::string, std::uint64_t, bool>(), py::arg("dir"), py::arg("capacity_bytes"),
+           py::arg("try_direct_io") = true, py::call_guard<py::gil_scoped_release>())
+      .def("write", [](DiskTier& d, const py::bytes& h, const MetaTuple& meta, std::uintptr_t ptr) {
+        auto key = to_hash(h, 0);
+        py::gil_scoped_release r;
+        return static_cast<int>(d.write(key, to_meta(meta), reinterpret_cast<const void*>(ptr)));
+      }, py::arg("hash"), py::arg("meta"), py::arg("payload_ptr"))
+      .def("read", [](DiskTier& d, const py::bytes& h, const MetaTuple& meta, std::uintptr_t ptr, std::uint64_t n) {
+        auto key = to_hash(h, 0);
+        py::gil_scoped_release r;
+        return static_cast<int>(d.read(key, to_meta(meta), reinterpret_cast<void*>(ptr), n));
+      }, py::arg("hash"), py::arg("meta"), py::arg("out_ptr"), py::arg("out_bytes"))
+      .def("remove", [](DiskTier& d, const py::bytes& h) { return d.remove(to_hash(h, 0)); }, py::arg("hash"))
+      .def("contains", [](const DiskTier& d, const py::bytes& h) { return d.contains(to_hash(h, 0)); },
+           py::arg("hash"))
+      .def("used_bytes", &DiskTier::used_bytes)
+      .def("capacity_bytes", &DiskTier::capacity_bytes)
+      .def("num_blocks", &DiskTier::num_blocks)
+      .def("direct_io", &DiskTier::direct_io)
+      .def("blocks", [](const DiskTier& d) { return blocks_list(d.blocks()); })
+      .def("scan", [](DiskTier& d) {
+        std::vector<std::pair<kvtier::BlockHash, kvtier::BlockMeta>> b;
+        {
+          py::gil_scoped_release r;
+          b = d.scan();
+        }
+        return blocks_list(b);
+      })
+      .def("block_path", [](const DiskTier& d, const py::bytes& h) { return d.block_path(to_hash(h, 0)); },
+           py::arg("hash"))
+      .def_static("file_bytes_for", &DiskTier::file_bytes_for, py::arg("payload_bytes"));
+  m.def("disk_status_name", [](int s) { return std::string(kvtier::to_string(static_cast<kvtier::DiskStatus>(s))); });
+}
+
+// A disk job over n blocks laid out back to back (block_bytes each) at ptr.
+kvtier::CopyEngine::Job disk_job(std::shared_ptr<kvtier::DiskTier> disk, std::vector<kvtier::BlockHash> keys,
+                         kvtier::BlockMeta meta, std::uint8_t* ptr, bool write) {
+  return [disk, keys, meta, ptr, write] {
+    std::vector<int> status;
+    status.reserve(keys.size());
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      std::uint8_t* p = ptr + i * meta.payload_bytes;
+      auto st = write ? disk->write(keys[i], meta, p) : disk->read(keys[i], meta, p, meta.payload_bytes);
+      status.push_back(static_cast<int>(st));
+    }
+    return status;
+  };
+}
+
 void bind_copy_engine(py::module_& m) {
   using kvtier::CopyEngine;
   py::enum_<kvtier::JobState>(m, "JobState")
@@ -201,6 +273,14 @@ void bind_copy_engine(py::module_& m) {
         return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
       }, py::arg("layer_ptrs"), py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"),
          py::arg("pages"), py::arg("staging_ptr"), py::arg("block") = true)
+      .def("submit_disk", [](CopyEngine& e, std::shared_ptr<kvtier::DiskTier> disk, const py::sequence& hashes,
+                             const MetaTuple& meta, std::uintptr_t ptr, bool write, bool block) {
+        auto job = disk_job(std::move(disk), to_hashes(hashes), to_meta(meta), reinterpret_cast<std::uint8_t*>(ptr),
+                            write);
+        py::gil_scoped_release r;
+        return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
+      }, py::arg("disk"), py::arg("hashes"), py::arg("meta"), py::arg("ptr"), py::arg("write"),
+         py::arg("block") = true)
       .def("poll", &CopyEngine::poll, py::arg("handle"))
       .def("wait", &CopyEngine::wait, py::arg("handle"), py::arg("timeout_s") = -1.0,
            py::call_guard<py::gil_scoped_release>())
@@ -215,8 +295,9 @@ void bind_copy_engine(py::module_& m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine (later: disk tier)";
+  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier";
   bind_prefix_index(m);
+  bind_disk_tier(m);
   bind_copy_engine(m);
   m.attr("BLOCK_HASH_BYTES") = py::int_(kvtier::kBlockHashBytes);
   m.def("block_hashes", &block_hashes, py::arg("token_ids"), py::arg("page_size"),

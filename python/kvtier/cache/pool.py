@@ -1,19 +1,18 @@
 """The tiered KV pool: device pages, host slots and disk blocks behind one prefix index.
 
-Scheduler-facing contract (what the first allocator offered, plus asynchronous loads):
+Scheduler-facing contract:
 
 * ``begin_prefix(seq)``: give a page-less sequence its cached prefix. Blocks already in device
-  pages are reused at once; blocks in host or disk are loaded into fresh device pages by the
-  copy engine when the cost model says loading beats recomputing. Returns True when the
-  sequence must wait for loads (poll ``finish_prefix``).
-* ``finish_prefix(seq)``: None while loads run; else the tokens ready. A failed or corrupt
-  load shrinks the hit to the contiguous prefix that loaded; the rest is recomputed.
-* ``allocate``, ``register_computed``, ``free``: as before. Full computed blocks are indexed as
-  device copies and, with write-through, copied to host (and from host to disk) in the
-  background; pages and host copies stay referenced while a copy reads them.
-* ``poll()``: advance background copies (call once per step).
-
-Invariant: a block is computed on, or served, only after its copy finished successfully.
+  pages are reused at once; blocks in host memory or on disk are loaded into fresh device pages
+  by the copy engine (disk -> host slot -> device page) when the cost model says loading beats
+  recomputing. Returns True when the sequence must wait for loads (poll ``finish_prefix``).
+* ``finish_prefix(seq)``: None while loads run; else the tokens ready. A failed, corrupt or
+  missing block shrinks the hit to the contiguous prefix that loaded; the rest is recomputed.
+* ``allocate``, ``register_computed``, ``free``: page accounting. Full computed blocks are
+  indexed as device copies; with write-through they are copied device -> host -> disk in the
+  background (with write-back, only when evicted). A page or host copy stays referenced while
+  a copy reads it, and a block is served only after its copy finished successfully.
+* ``poll()``: advance background writes (once per step).
 """
 
 from __future__ import annotations
@@ -26,58 +25,58 @@ import torch
 
 from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.cost_model import CostModel, probe
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.serve.request import Sequence
-from kvtier.transfer import CopyEngine, CopyError, PagePoolView
+from kvtier.transfer import CopyEngine, CopyError, CopyHandle, PagePoolView
+
+_PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
 
 @dataclass
 class _BlockLoad:
-    index: int            # block number in the sequence
     hash: bytes
-    page: int             # destination device page
-    source: Tier          # tier it is loaded from (DEVICE = already resident)
-    handle: object = None
+    page: int                  # destination device page
+    source: Tier               # DEVICE = already resident
+    handle: CopyHandle | None = None
+    stage: Tier | None = None  # tier the running copy reads from (its copy there is locked)
+    staging: torch.Tensor | None = None  # where a disk read lands before going to the device page
     ok: bool | None = None
     started: float = 0.0
 
 
 @dataclass
-class _PrefixLoad:
-    blocks: list[_BlockLoad] = field(default_factory=list)
-
-    def done(self) -> bool:
-        return all(b.ok is not None for b in self.blocks)
-
-
-@dataclass
 class _Write:
     hash: bytes
-    page: int
-    slot: int
-    handle: object
+    target: Tier               # HOST (from a device page) or DISK (from a host slot)
+    handle: CopyHandle
+    page: int = -1
+    slot: int = -1
 
 
 @dataclass
 class PoolStats:
-    """Counters of one pool (tokens, bytes, errors)."""
+    """Counters of one pool: hit tokens and bytes per tier, evictions, copy errors."""
 
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    copy_errors: int = 0
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    copy_errors: int = 0
 
 
 class KVPool:
-    """Device pages + host slots (+ disk) of the paged MLA cache, indexed by block hash.
+    """Device pages + host slots + disk blocks of the paged MLA cache, indexed by block hash.
 
     Args:
         config: sizes and policies.
         kv_caches: the model's per-layer page pools ``[num_device_pages, page_size, row]``.
         cost_model: load-vs-recompute decisions; None probes the tiers at start-up.
+
+    Raises:
+        ValueError: bad config; RuntimeError: the disk directory cannot be used.
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None):
@@ -92,26 +91,48 @@ class KVPool:
         # Unreferenced pages in reuse order (front first); those with a hash are cached copies.
         self.free_pages: OrderedDict[int, None] = OrderedDict((p, None) for p in range(self.num_pages))
         self.copy_engine = CopyEngine(config.copy_threads, max_queued=256)
-        self.view = PagePoolView.of(kv_caches) if kv_caches[0].device.type == "cpu" else None
-        self.block_bytes = len(kv_caches) * kv_caches[0][0].numel() * kv_caches[0].element_size()
+        self.meta = BlockMeta.of_pools(kv_caches)
+        self.block_bytes = self.meta.payload_bytes
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
-        self.loads: dict[int, _PrefixLoad] = {}
+        self.disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes) if config.disk_cache_dir else None
+        self._disk_slots = 0
+        if self.disk is not None:
+            self._recover_disk()
+        self.loads: dict[int, list[_BlockLoad]] = {}
         self.writes: list[_Write] = []
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
-    # ---- cost model ---------------------------------------------------------------------
+    # ---- start-up -----------------------------------------------------------------------------
+    def _recover_disk(self) -> None:
+        """Index every intact block of this layout already on disk (after a restart)."""
+        for h, meta in self.disk.blocks():
+            if meta == self.meta and self.index.insert(h, Tier.DISK, self._disk_slots):
+                self._disk_slots += 1
+
     def _probe(self) -> CostModel:
         model = CostModel()
-        if self.host is not None and self.host.num_slots and self.view is not None:
+        if self.kv_caches[0].device.type != "cpu":
+            return model
+        if self.host is not None and self.host.num_slots:
             slot = self.host.slot(0)
-
-            def host_to_device() -> int:
-                self.copy_engine.scatter(slot, self.kv_caches, [0]).result()
-                return self.block_bytes
-            model.tiers[Tier.HOST] = probe(host_to_device)
+            model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
+        if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
+            buf = torch.zeros(self.block_bytes, dtype=torch.uint8)
+            if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
+                model.tiers[Tier.DISK] = probe(lambda: self._disk_probe_read(buf))
+                self.disk.remove(_PROBE_HASH)
         return model
 
-    # ---- device pages ---------------------------------------------------------------------
+    def _disk_probe_read(self, buf: torch.Tensor) -> int:
+        self.disk.read(_PROBE_HASH, self.meta, buf)
+        return self.block_bytes
+
+    @staticmethod
+    def _copy_ok(handle: CopyHandle) -> int:
+        handle.result()
+        return 1
+
+    # ---- device pages -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return len(self.free_pages)
@@ -119,14 +140,12 @@ class KVPool:
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_ids))
 
-    def _take_page(self) -> int | None:
-        if not self.free_pages:
-            return None
+    def _take_page(self) -> int:
         page, _ = self.free_pages.popitem(last=False)
         old = self.page_hash[page]
         if old is not None:
             if self.config.write_policy == "write-back":
-                self._write_back_to_host(old, page)
+                self._copy_page_to_host(old, page, wait=True)
             self.index.remove(old, Tier.DEVICE)
             self.page_hash[page] = None
             self.stats.evictions["device"] += 1
@@ -138,18 +157,12 @@ class KVPool:
             del self.free_pages[page]
         self.ref_counts[page] += 1
 
-    def _unref_page(self, page: int) -> None:
+    def _unref_page(self, page: int, reuse_first: bool = False) -> None:
         self.ref_counts[page] -= 1
         if self.ref_counts[page] == 0:
             self.free_pages[page] = None
-
-    def _drop_page(self, page: int) -> None:
-        """Unreference a page whose content must not be reused (a failed load)."""
-        assert self.page_hash[page] is None
-        self.ref_counts[page] -= 1
-        if self.ref_counts[page] == 0:
-            self.free_pages[page] = None
-            self.free_pages.move_to_end(page, last=False)
+            if reuse_first:
+                self.free_pages.move_to_end(page, last=False)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Add pages so ``seq`` holds ``num_tokens`` tokens; False (nothing changed) if too few are free."""
@@ -161,18 +174,18 @@ class KVPool:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s pages; its last pages become reusable first, its first pages last."""
-        load = self.loads.pop(seq.seq_id, None)
-        if load is not None:  # preempted while loading: wait for the copies that write its pages
-            for b in load.blocks:
-                self._finish_block(b, wait=True)
-            self._release_load(seq, load, keep=0)
+        loads = self.loads.pop(seq.seq_id, None)
+        if loads is not None:  # preempted while loading: let the copies into its pages end first
+            while not all(self._advance(b, wait=True) for b in loads):
+                pass
+            self._keep_loaded(seq, loads, keep=0)
             return
         for page in reversed(seq.page_ids):
             self._unref_page(page)
         seq.page_ids = []
         seq.num_registered_blocks = 0
 
-    # ---- hashing ---------------------------------------------------------------------------
+    # ---- hashing ------------------------------------------------------------------------------
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
         have = len(seq.block_hashes)
         if have < num_blocks:
@@ -180,7 +193,7 @@ class KVPool:
             parent = seq.block_hashes[-1] if have else None
             seq.block_hashes += block_hashes(seq.token_ids(have * ps, num_blocks * ps), ps, parent, self.config.salt)
 
-    # ---- prefix reuse and loads ------------------------------------------------------------
+    # ---- prefix reuse and loads ---------------------------------------------------------------
     def begin_prefix(self, seq: Sequence) -> bool:
         """Reuse or start loading ``seq``'s cached prefix; True when it must wait for loads."""
         assert not seq.page_ids, "sequence already holds pages"
@@ -189,29 +202,32 @@ class KVPool:
         max_blocks = (seq.num_tokens - 1) // self.page_size
         self._hash_blocks(seq, max_blocks)
         hashes = seq.block_hashes[:max_blocks]
-        rows = self.index.match(hashes)
+        rows = self.index.match(hashes, self._usable_tiers())
         sources = [self._best_source(row) for row in rows]
         take = self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
-        # Reference resident pages first, so that taking pages for loads cannot evict them.
-        for i in range(take):
+        for i in range(take):  # reference resident pages first: loads must not evict them
             if sources[i] == Tier.DEVICE:
                 self._ref_page(int(rows[i][Tier.DEVICE]))
         take = self._fit_to_free_pages(rows, sources, take)
-        load = _PrefixLoad()
-        for i in range(take):
-            load.blocks.append(self._start_block(i, hashes[i], rows[i], sources[i]))
-        seq.page_ids = [b.page for b in load.blocks]
-        if any(b.ok is None for b in load.blocks):
-            self.loads[seq.seq_id] = load
+        loads = [self._start_load(hashes[i], rows[i], sources[i]) for i in range(take)]
+        seq.page_ids = [b.page for b in loads]
+        if any(b.ok is None for b in loads):
+            self.loads[seq.seq_id] = loads
             return True
-        self._complete(seq, load)
+        self._complete(seq, loads)
         return False
 
-    def _best_source(self, row) -> Tier:
-        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
-            if row[tier] >= 0 and (tier != Tier.HOST or self.host is not None):
-                return tier
-        return Tier.REMOTE
+    def _usable_tiers(self) -> list[Tier]:
+        tiers = [Tier.DEVICE]
+        if self.host is not None:
+            tiers.append(Tier.HOST)
+        if self.disk is not None:
+            tiers.append(Tier.DISK)
+        return tiers
+
+    @staticmethod
+    def _best_source(row) -> Tier:
+        return next(t for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if row[t] >= 0)
 
     def _fit_to_free_pages(self, rows, sources: list[Tier], take: int) -> int:
         """Shrink ``take`` until its loads fit in the free pages; unreference dropped resident pages."""
@@ -224,83 +240,105 @@ class KVPool:
                 needed -= 1
         return take
 
-    def _start_block(self, i: int, h: bytes, row, source: Tier) -> _BlockLoad:
+    def _start_load(self, h: bytes, row, source: Tier) -> _BlockLoad:
         if source == Tier.DEVICE:  # referenced in begin_prefix
-            return _BlockLoad(i, h, int(row[Tier.DEVICE]), source, ok=True)
-        page = self._take_page()
-        block = _BlockLoad(i, h, page, source, started=time.perf_counter())
-        if source == Tier.HOST and self.index.lock([h], Tier.HOST):
-            try:
-                block.handle = self.copy_engine.scatter(self.host.slot(int(row[Tier.HOST])), self.kv_caches, [page])
-            except (CopyError, ValueError):
-                self.index.unlock([h], Tier.HOST)
-                block.ok = False
+            return _BlockLoad(h, int(row[Tier.DEVICE]), source, ok=True)
+        b = _BlockLoad(h, self._take_page(), source, started=time.perf_counter())
+        if source == Tier.HOST:
+            self._submit_host_to_device(b, int(row[Tier.HOST]))
         else:
-            block.ok = False
-        return block
+            self._submit_disk_read(b)
+        return b
 
-    def _finish_block(self, b: _BlockLoad, wait: bool) -> None:
-        if b.ok is not None:
-            return
-        if not wait and not b.handle.done():
-            return
-        try:
-            b.ok = b.handle.result() == [0]
-        except CopyError:
+    def _submit_host_to_device(self, b: _BlockLoad, slot: int) -> None:
+        if not self.index.lock([b.hash], Tier.HOST):
             b.ok = False
-        self.index.unlock([b.hash], b.source)
-        if b.ok:
-            name = b.source.name.lower()
-            self.stats.bytes_loaded[name] += self.block_bytes
-            self.cost_model.observe_copy(b.source, self.block_bytes, time.perf_counter() - b.started)
-        else:
+            return
+        b.stage = Tier.HOST
+        b.handle = self.copy_engine.scatter(self.host.slot(slot), self.kv_caches, [b.page])
+
+    def _submit_disk_read(self, b: _BlockLoad) -> None:
+        if not self.index.lock([b.hash], Tier.DISK):
+            b.ok = False
+            return
+        b.stage = Tier.DISK
+        b.staging = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.host is not None
+                                and self.host.storage.is_pinned())
+        b.handle = self.copy_engine.disk_read(self.disk, [b.hash], self.meta, b.staging)
+
+    def _end_stage(self, b: _BlockLoad, status: list[int]) -> None:
+        """Account for the copy that just ended and start the next one, if any."""
+        stage, ok = b.stage, status == [0]
+        if stage is not None:
+            self.index.unlock([b.hash], stage)
+        b.handle, b.stage = None, None
+        if not ok:
             self.stats.copy_errors += 1
+            if stage == Tier.DISK and status and status[0] in (DiskStatus.CORRUPT, DiskStatus.MISSING):
+                self.index.remove(b.hash, Tier.DISK)  # the disk tier already dropped the file
+            b.ok, b.staging = False, None
+        elif stage == Tier.DISK:  # in the staging buffer: copy it into the device page
+            self.stats.bytes_loaded["disk"] += self.block_bytes
+            b.handle = self.copy_engine.scatter(b.staging, self.kv_caches, [b.page])
+        else:
+            if stage == Tier.HOST:
+                self.stats.bytes_loaded["host"] += self.block_bytes
+            self.cost_model.observe_copy(b.source, self.block_bytes, time.perf_counter() - b.started)
+            b.ok, b.staging = True, None
+
+    def _advance(self, b: _BlockLoad, wait: bool) -> bool:
+        """Move one block load on; True once it ended."""
+        while b.ok is None:
+            if not wait and not b.handle.done():
+                return False
+            try:
+                status = b.handle.result()
+            except CopyError:
+                status = [-1]
+            self._end_stage(b, status)
+        return True
 
     def wait_for_loads(self, timeout_s: float) -> None:
-        """Block (GIL released) until one pending load ends or ``timeout_s`` passes."""
-        for load in self.loads.values():
-            for b in load.blocks:
+        """Block (GIL released) until one pending load stage ends or ``timeout_s`` passes."""
+        for loads in self.loads.values():
+            for b in loads:
                 if b.ok is None:
                     b.handle.wait(timeout_s)
                     return
 
     def finish_prefix(self, seq: Sequence) -> int | None:
         """None while ``seq``'s loads run; else the number of tokens now in its pages."""
-        load = self.loads.get(seq.seq_id)
-        if load is None:
+        loads = self.loads.get(seq.seq_id)
+        if loads is None:
             return seq.num_computed_tokens
-        for b in load.blocks:
-            self._finish_block(b, wait=False)
-        if not load.done():
+        if not all([self._advance(b, wait=False) for b in loads]):
             return None
         del self.loads[seq.seq_id]
-        self._complete(seq, load)
+        self._complete(seq, loads)
         return seq.num_computed_tokens
 
-    def _complete(self, seq: Sequence, load: _PrefixLoad) -> None:
+    def _complete(self, seq: Sequence, loads: list[_BlockLoad]) -> None:
         keep = 0
-        while keep < len(load.blocks) and load.blocks[keep].ok:
+        while keep < len(loads) and loads[keep].ok:
             keep += 1
-        self._release_load(seq, load, keep)
-        for b in load.blocks[:keep]:
-            self.stats.hit_tokens[b.source.name.lower()] += self.page_size
+        self._keep_loaded(seq, loads, keep)
+        for b in loads[:keep]:
+            tier = b.source.name.lower()
+            self.stats.hit_tokens[tier] += self.page_size
+            seq.cached_tokens_by_tier[tier] += self.page_size
             if b.source != Tier.DEVICE:
                 self._register_page(b.page, b.hash)
-            seq.cached_tokens_by_tier[b.source.name.lower()] += self.page_size
-        self.index.touch([b.hash for b in load.blocks[:keep]])
+        self.index.touch([b.hash for b in loads[:keep]])
         seq.num_computed_tokens = keep * self.page_size
         seq.num_registered_blocks = keep
 
-    def _release_load(self, seq: Sequence, load: _PrefixLoad, keep: int) -> None:
+    def _keep_loaded(self, seq: Sequence, loads: list[_BlockLoad], keep: int) -> None:
         """Keep the first ``keep`` blocks' pages on ``seq``; give back the others."""
-        for b in load.blocks[keep:]:
-            if b.source == Tier.DEVICE:
-                self._unref_page(b.page)
-            else:
-                self._drop_page(b.page)
-        seq.page_ids = [b.page for b in load.blocks[:keep]]
+        for b in loads[keep:]:
+            self._unref_page(b.page, reuse_first=b.source != Tier.DEVICE)
+        seq.page_ids = [b.page for b in loads[:keep]]
 
-    # ---- registration and write-through ----------------------------------------------------
+    # ---- registration and writes down the tiers -----------------------------------------------
     def _register_page(self, page: int, h: bytes) -> None:
         if self.index.insert(h, Tier.DEVICE, page):
             self.page_hash[page] = h
@@ -317,62 +355,96 @@ class KVPool:
             h, page = seq.block_hashes[b], seq.page_ids[b]
             self._register_page(page, h)
             if self.config.write_policy == "write-through":
-                self._write_to_host(h, page)
+                self._copy_page_to_host(h, page, wait=False)
         seq.num_registered_blocks = full
 
-    def _host_slot(self) -> int | None:
+    def _in_tier(self, h: bytes, tier: Tier) -> bool:
+        return self.index.match([h], [tier]).shape[0] == 1
+
+    def _host_slot(self) -> int:
+        """A free host slot, evicting the least recently used unreferenced copy if needed; -1 if none.
+
+        When every slot is held by copies still in flight, those are finished first (back-pressure).
+        """
         slot = self.host.allocate()
         if slot is not None:
             return slot
+        if not self.index.eviction_candidates(Tier.HOST, 1) and self.writes:
+            self.poll(wait=True)
+            slot = self.host.allocate()
+            if slot is not None:
+                return slot
         for h, victim in self.index.eviction_candidates(Tier.HOST, 1):
+            if self.config.write_policy == "write-back" and self.disk is not None and not self._in_tier(h, Tier.DISK):
+                self._copy_slot_to_disk(h, victim, wait=True)
             res, slot = self.index.remove(h, Tier.HOST)
             if res == RemoveResult.REMOVED:
                 self.stats.evictions["host"] += 1
                 return slot
-        return None
+        return -1
 
-    def _write_to_host(self, h: bytes, page: int) -> None:
-        if self.host is None or self.view is None or self.index.match([h], [Tier.HOST]).shape[0]:
+    def _copy_page_to_host(self, h: bytes, page: int, wait: bool) -> None:
+        if self.host is None or self._in_tier(h, Tier.HOST):
             return
         slot = self._host_slot()
-        if slot is None:
+        if slot < 0:
             return
-        self._ref_page(page)
         handle = self.copy_engine.gather(self.kv_caches, [page], self.host.slot(slot))
-        self.writes.append(_Write(h, page, slot, handle))
+        if wait:  # write-back during eviction: the page is being taken, nothing else can touch it
+            self._finish_write(_Write(h, Tier.HOST, handle, slot=slot))
+        else:  # the page stays referenced until the copy ended
+            self._ref_page(page)
+            self.writes.append(_Write(h, Tier.HOST, handle, page=page, slot=slot))
 
-    def _write_back_to_host(self, h: bytes, page: int) -> None:
-        """Copy an evicted page down before its page is reused (write-back), synchronously."""
-        if self.host is None or self.view is None or self.index.match([h], [Tier.HOST]).shape[0]:
+    def _disk_room(self) -> bool:
+        """Evict least recently used disk blocks until one more block file fits."""
+        need = DiskTier.file_bytes(self.block_bytes)
+        while self.disk.used_bytes + need > self.disk.capacity_bytes:
+            victims = self.index.eviction_candidates(Tier.DISK, 1)
+            if not victims:
+                return False
+            self.index.remove(victims[0][0], Tier.DISK)
+            self.disk.remove(victims[0][0])
+            self.stats.evictions["disk"] += 1
+        return True
+
+    def _copy_slot_to_disk(self, h: bytes, slot: int, wait: bool) -> None:
+        if self.disk is None or self._in_tier(h, Tier.DISK) or not self._disk_room():
             return
-        slot = self._host_slot()
-        if slot is None:
+        if not self.index.lock([h], Tier.HOST):
             return
+        w = _Write(h, Tier.DISK, self.copy_engine.disk_write(self.disk, [h], self.meta, self.host.slot(slot)), slot=slot)
+        self._finish_write(w) if wait else self.writes.append(w)
+
+    def _finish_write(self, w: _Write) -> None:
         try:
-            ok = self.copy_engine.gather(self.kv_caches, [page], self.host.slot(slot)).result() == [0]
+            ok = w.handle.result() == [0]
         except CopyError:
             ok = False
-        if ok and self.index.insert(h, Tier.HOST, slot):
-            self.stats.bytes_written["host"] += self.block_bytes
-        else:
-            self.stats.copy_errors += not ok
-            self.host.release(slot)
-
-    def poll(self, wait: bool = False) -> None:
-        """Finish background writes whose copies ended (all of them when ``wait``)."""
-        pending = []
-        for w in self.writes:
-            if not wait and not w.handle.done():
-                pending.append(w)
-                continue
-            try:
-                ok = w.handle.result() == [0]
-            except CopyError:
-                ok = False
-            self._unref_page(w.page)
+        if w.target == Tier.HOST:
+            if w.page >= 0:
+                self._unref_page(w.page)
             if ok and self.index.insert(w.hash, Tier.HOST, w.slot):
                 self.stats.bytes_written["host"] += self.block_bytes
+                if self.config.write_policy == "write-through":
+                    self._copy_slot_to_disk(w.hash, w.slot, wait=False)
             else:
-                self.stats.copy_errors += not ok
                 self.host.release(w.slot)
-        self.writes = pending
+        else:
+            self.index.unlock([w.hash], Tier.HOST)
+            if ok and self.index.insert(w.hash, Tier.DISK, self._disk_slots):
+                self._disk_slots += 1
+                self.stats.bytes_written["disk"] += self.block_bytes
+        self.stats.copy_errors += not ok
+
+    def poll(self, wait: bool = False) -> None:
+        """Finish background writes whose copies ended (all of them, and their follow-ups, when ``wait``)."""
+        while self.writes:
+            ready = [w for w in self.writes if wait or w.handle.done()]
+            if not ready:
+                return
+            self.writes = [w for w in self.writes if w not in ready]
+            for w in ready:
+                self._finish_write(w)
+            if not wait:
+                return

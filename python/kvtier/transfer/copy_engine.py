@@ -8,7 +8,7 @@ threads for CPU tensors; the tensors a job touches are kept alive until it is co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 import torch
@@ -139,6 +139,25 @@ class CopyEngine:
                                         view.num_pages, pg, staging.data_ptr())
         self._keepalive[h] = (tuple(pools), staging)
         return CopyHandle(self, h, len(pg))
+
+    def disk_write(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor) -> CopyHandle:
+        """Write blocks ``staging[i * payload_bytes:]`` under ``hashes[i]`` to ``disk``, asynchronously.
+
+        Per-block results are :class:`kvtier.cache.disk_tier.DiskStatus` codes (0 = OK).
+        """
+        return self._disk(disk, hashes, meta, staging, write=True)
+
+    def disk_read(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor) -> CopyHandle:
+        """Read blocks ``hashes`` from ``disk`` into ``staging`` back to back, asynchronously."""
+        return self._disk(disk, hashes, meta, staging, write=False)
+
+    def _disk(self, disk, hashes, meta, staging, write):
+        need = len(hashes) * meta.payload_bytes
+        if staging.device.type != "cpu" or not staging.is_contiguous() or staging.numel() * staging.element_size() < need:
+            raise ValueError(f"staging must be a contiguous CPU tensor of at least {need} bytes")
+        h = self._native.submit_disk(disk.native, list(hashes), astuple(meta), staging.data_ptr(), write)
+        self._keepalive[h] = (disk, staging)
+        return CopyHandle(self, h, len(hashes))
 
     @property
     def queued(self) -> int:

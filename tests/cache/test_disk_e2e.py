@@ -1,0 +1,155 @@
+"""Disk tier through the engine: hits served from disk, faults that end in recomputation,
+restart recovery, a full filesystem."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from kvtier import LLM
+from kvtier.cache.disk_tier import DiskTier
+from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt, reference_logprobs
+
+HOST_BYTES = 2 * 15360  # two tiny-preset blocks: the prefix cannot stay in host memory
+
+
+@pytest.fixture(scope="module")
+def shared():
+    first = prompt(200, 11)
+    second = first[:170] + prompt(30, 12)
+    return first, second, reference_logprobs(second)
+
+
+def disk_llm(path, **kw):
+    args = dict(page_size=PS, num_device_pages=17, host_cache_bytes=HOST_BYTES, disk_cache_dir=str(path),
+                disk_cache_bytes=64 << 20)
+    args.update(kw)
+    return always_load(LLM("tiny", **args))
+
+
+def warm(llm, first):
+    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    flush_device(llm)
+    llm.engine.pool.poll(wait=True)
+
+
+def assert_matches(out, want, min_hit):
+    hit = out.num_cached_tokens
+    assert hit >= min_hit
+    assert out.prompt_logprobs[:hit] == [None] * hit
+    got = torch.tensor(out.prompt_logprobs[hit:], dtype=torch.float64)
+    ref = torch.tensor(want.prompt_logprobs[hit:], dtype=torch.float64)
+    assert float((got - ref).abs().max()) <= 1e-4
+    assert out.token_ids == want.token_ids
+
+
+def test_prefix_comes_back_from_disk(shared, tmp_path):
+    first, second, want = shared
+    llm = disk_llm(tmp_path)
+    warm(llm, first)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert_matches(out, want, min_hit=170 // PS * PS)
+    assert out.cached_tokens_by_tier["disk"] > 0
+    assert sum(out.cached_tokens_by_tier.values()) == out.num_cached_tokens
+    assert llm.engine.pool.stats.copy_errors == 0
+
+
+def block_files(llm, prompt_tokens, blocks):
+    pool = llm.engine.pool
+    from kvtier.cache import block_hashes
+    hs = block_hashes(prompt_tokens[: blocks * PS], PS)
+    return [pool.disk.path(h) for h in hs]
+
+
+@pytest.mark.parametrize("fault", ["flip-byte", "truncate", "delete"])
+def test_damaged_disk_block_is_recomputed(shared, tmp_path, fault):
+    first, second, want = shared
+    llm = disk_llm(tmp_path)
+    warm(llm, first)
+    victim = block_files(llm, first, 10)[4]  # the fifth block of the shared prefix
+    assert victim.exists()
+    if fault == "flip-byte":
+        data = bytearray(victim.read_bytes())
+        data[5000] ^= 0x40
+        victim.write_bytes(bytes(data))
+    elif fault == "truncate":
+        os.truncate(victim, victim.stat().st_size // 2)
+    else:
+        victim.unlink()
+    damaged = victim.read_bytes() if victim.exists() else None
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert_matches(out, want, min_hit=0)
+    assert out.num_cached_tokens <= 4 * PS  # never past the damaged block
+    assert llm.engine.pool.stats.copy_errors >= 1
+    llm.engine.pool.poll(wait=True)
+    # The damaged file was dropped; the recomputed block was written through again, intact.
+    assert victim.exists() and victim.read_bytes() != damaged
+
+
+def test_restart_recovers_intact_blocks(shared, tmp_path):
+    first, second, want = shared
+    warm(disk_llm(tmp_path), first)
+    files = block_files(disk_llm(tmp_path, disk_cache_bytes=64 << 20), first, 10)
+    data = bytearray(files[7].read_bytes())
+    data[100] ^= 1
+    files[7].write_bytes(bytes(data))
+    stray = files[0].with_name(files[0].stem + ".7.tmp")  # what a crash mid-write leaves
+    stray.write_bytes(b"half a block")
+    fresh = disk_llm(tmp_path)  # a new engine and pool on the same directory
+    assert not stray.exists() and not files[7].exists()  # cleaned up at start-up
+    out = fresh.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert out.cached_tokens_by_tier["disk"] == 7 * PS  # blocks 0..6 intact, 7 corrupt
+    assert_matches(out, want, min_hit=7 * PS)
+
+
+def test_failing_disk_copy_is_recomputed(shared, tmp_path, monkeypatch):
+    first, second, want = shared
+    llm = disk_llm(tmp_path)
+    warm(llm, first)
+    pool = llm.engine.pool
+    real = pool.copy_engine.disk_read
+    calls = []
+
+    def broken_second(disk, hashes, meta, staging):
+        calls.append(hashes)
+        if len(calls) == 2:
+            return real(disk, [b"\0" * 16], meta, staging)  # a block that is not there: the read fails
+        return real(disk, hashes, meta, staging)
+
+    monkeypatch.setattr(pool.copy_engine, "disk_read", broken_second)
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert_matches(out, want, min_hit=0)
+    assert pool.stats.copy_errors >= 1
+
+
+def test_full_filesystem_keeps_serving(shared, tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("tmpfs mount not permitted here")
+    try:
+        first, second, want = shared
+        llm = disk_llm(mnt, disk_cache_bytes=64 << 20)  # the budget is larger than the filesystem
+        warm(llm, first)
+        pool = llm.engine.pool
+        assert 0 < pool.disk.used_bytes <= 64 * 1024
+        assert pool.stats.copy_errors >= 1  # writes beyond the filesystem failed and were counted
+        out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+        assert_matches(out, want, min_hit=0)
+        assert not [p for p in mnt.iterdir() if p.suffix == ".tmp"]
+    finally:
+        subprocess.run(["umount", str(mnt)])
+
+
+def test_disk_budget_evicts_least_recently_used(tmp_path):
+    blocks_budget = 4 * DiskTier.file_bytes(15360)
+    llm = disk_llm(tmp_path, disk_cache_bytes=blocks_budget)
+    warm(llm, prompt(200, 13))
+    pool = llm.engine.pool
+    assert pool.disk.used_bytes <= blocks_budget
+    assert pool.stats.evictions["disk"] > 0
+    pool.index.check_invariants()
