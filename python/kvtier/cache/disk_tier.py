@@ -7,8 +7,9 @@ payload, CRC-32 of the header) then the payload, zero-padded to a multiple of 40
 rename); a block that fails any check on read or at start-up is deleted, never served.
 O_DIRECT is used where the filesystem accepts it, buffered I/O elsewhere.
 
-One K2 block (61 layers x 64-token page x 576 bf16) is 4,498,432 payload bytes: a
-4,501,504-byte file.
+Bytes of one K2 block (61 layers x page_size tokens x 576 values x 2 bytes in bf16):
+1,124,352 payload bytes (a 1,126,400-byte file) at page_size 16, 4,497,408 (a 4,501,504-byte
+file) at page_size 64; fp8 halves the payload.
 """
 
 from __future__ import annotations
