@@ -1,4 +1,4 @@
-"""The ``kvtier`` command.
+"""The kvtier command.
 
 Subcommands:
   generate            offline generation over synthetic prompts that share a prefix; prints
@@ -39,6 +39,8 @@ def _synthetic_prompts(n: int, length: int, shared: int, vocab: int, seed: int) 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
+    if args.num_prompts < 1 or args.prompt_len < 1 or args.max_tokens < 1:
+        raise ValueError("--num-prompts, --prompt-len and --max-tokens must be >= 1")
     t0 = time.perf_counter()
     llm = LLM(args.model, seed=args.seed, page_size=args.page_size, num_device_pages=args.num_device_pages,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -59,7 +61,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cached = sum(o.num_cached_tokens for o in outs)
     by_tier = {t: sum(o.cached_tokens_by_tier.get(t, 0) for o in outs) for t in ("device", "host", "disk")}
     result = {
-        "provenance": provenance(model=args.model, backend=resolve_backend("mla_decode", "auto", "cpu", torch.float32)),
+        "provenance": provenance(model=args.model, backend=resolve_backend(
+            "mla_decode", "auto", llm.engine.runner.device, llm.engine.runner.model.dtype),
+            dtype=str(llm.engine.runner.model.dtype), args=vars(args) | {"func": None}),
         "requests": len(outs), "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
         "hit_tokens": by_tier, "copy_errors": llm.engine.pool.stats.copy_errors,
         "generated_tokens": generated, "wall_s": wall, "load_s": load_s,
@@ -118,10 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout checkpoint")
-    c.add_argument("path")
-    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"])
+    c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
+                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
     c.set_defaults(func=cmd_create_checkpoint)
     return parser
 

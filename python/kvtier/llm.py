@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvtier.model.checkpoint import random_tensors
 from kvtier.model.config import PRESETS, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.loader import load_model, load_weights
-from kvtier.model.weights import checkpoint_specs
+from kvtier.model.weights import checkpoint_bytes
 from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +35,7 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
     config = preset(name)
-    size = sum(math.prod(s.shape) for s in checkpoint_specs(config).values()) * torch.finfo(dtype).bits // 8
+    size = checkpoint_bytes(config, torch.finfo(dtype).bits // 8)
     if size > MAX_RANDOM_PRESET_BYTES:
         raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
                          "simulation. Pass a checkpoint directory to run it.")
@@ -77,6 +78,10 @@ class LLM:
         else:
             raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
         self.config = net.config
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; expected some of {sorted(known)}")
         self.engine = Engine(net, EngineConfig(seed=seed, **engine_args))
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -92,12 +97,17 @@ class LLM:
         Raises:
             ValueError: text prompts, a mismatched ``sampling_params`` list, an empty prompt, a
             token id outside [0, vocab_size) or a prompt longer than max_position_embeddings.
-            All prompts are checked before any is queued.
+            All prompts are checked before any is queued; if generation is interrupted, this
+            call's unfinished requests are dropped and the engine keeps serving. A request whose
+            sampling fails finishes with ``finish_reason="error"`` and its ``error`` message.
         """
         if prompts is not None:
-            raise ValueError("text prompts need a tokenizer, which is not loaded; pass prompt_token_ids")
+            raise ValueError("prompts takes text, which needs a tokenizer (not loaded yet); pass token ids as "
+                             "prompt_token_ids=[[...], ...]")
         if prompt_token_ids is None:
             raise ValueError("prompt_token_ids is required")
+        if len(prompt_token_ids) and not isinstance(prompt_token_ids[0], Seq | np.ndarray | torch.Tensor):
+            prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list of ids
         n = len(prompt_token_ids)
         params = sampling_params or SamplingParams()
         params_list = [params] * n if isinstance(params, SamplingParams) else list(params)
@@ -107,7 +117,13 @@ class LLM:
                            for i, (p, sp) in enumerate(zip(prompt_token_ids, params_list))]
         ids = [self.engine.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts_checked, params_list))]
         done: dict[int, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    done[out.request_id] = out
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: drop this call's unfinished requests so the engine
+            # keeps serving later calls; cached blocks stay.
+            self.engine.abort([i for i in ids if i not in done])
+            raise
         return [done[i] for i in ids]

@@ -114,14 +114,11 @@ def test_misshaped_tensor_is_named(bf16_dir, tmp_path):
         load_model(path)
 
 
-def test_unexpected_tensor_is_named_but_mtp_layers_are_skipped(bf16_dir, tmp_path):
+def test_unexpected_tensor_is_named(bf16_dir, tmp_path):
     extra = "model.layers.0.self_attn.q_norm_bogus.weight"
     path = rewrite(bf16_dir, tmp_path / "u", lambda t: t.__setitem__(extra, torch.zeros(3)))
     with pytest.raises(ValueError, match="unexpected tensor"):
         load_model(path)
-    mtp = f"model.layers.{SMALL.num_hidden_layers}.eh_proj.weight"
-    path = rewrite(bf16_dir, tmp_path / "mtp", lambda t: t.__setitem__(mtp, torch.zeros(3)))
-    assert load_model(path).config == SMALL
 
 
 def test_bad_config_errors(bf16_dir, tmp_path):
@@ -141,3 +138,40 @@ def test_index_names_the_shards(bf16_dir):
     for name, fname in list(index["weight_map"].items())[:20]:
         with safe_open(str(bf16_dir / fname), "pt") as f:
             assert name in f.keys()
+
+
+def test_integer_tensor_and_1d_fp8_are_named(bf16_dir, tmp_path):
+    path = rewrite(bf16_dir, tmp_path / "int", lambda t: t.__setitem__("model.norm.weight",
+                                                                         t["model.norm.weight"].long()))
+    with pytest.raises(ValueError, match="'model.norm.weight' has dtype torch.int64"):
+        load_model(path)
+    path = rewrite(bf16_dir, tmp_path / "fp8norm", lambda t: t.__setitem__(
+        "model.norm.weight", t["model.norm.weight"].float().to(torch.float8_e4m3fn)))
+    with pytest.raises(ValueError, match="FP8 tensor 'model.norm.weight' must be a 2-D weight"):
+        load_model(path)
+
+
+def test_malformed_config_json_names_the_file(bf16_dir, tmp_path):
+    bad = rewrite(bf16_dir, tmp_path / "json", lambda t: None)
+    (bad / "config.json").write_text("{ not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_model(bad)
+
+
+def test_extra_layers_beyond_mtp_are_rejected(bf16_dir, tmp_path):
+    # A checkpoint with one more decoder layer than config.json says is not silently truncated.
+    extra = {k.replace("model.layers.2.", f"model.layers.{SMALL.num_hidden_layers}."): v
+             for k, v in read_all(bf16_dir).items() if k.startswith("model.layers.2.")}
+    path = rewrite(bf16_dir, tmp_path / "extra", lambda t: t.update(extra))
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        load_model(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model(path).config.num_hidden_layers == SMALL.num_hidden_layers
+
+
+def test_random_full_size_checkpoint_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="GiB, more than max_total_bytes"):
+        create_random_checkpoint(tmp_path / "k2", "kimi-k2")
+    assert not (tmp_path / "k2").exists()

@@ -118,3 +118,82 @@ def test_bad_model_and_text_prompts(llm):
 
 def test_tiny_config_is_the_preset(llm):
     assert llm.config == preset("tiny")
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_generate_leaves_a_working_engine(monkeypatch):
+    llm = LLM("tiny", page_size=16, num_device_pages=64, max_num_batched_tokens=16)
+    prompts = [prompt(40, 20), prompt(25, 21)]
+    want = [o.token_ids for o in LLM("tiny", page_size=16, num_device_pages=64).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY)]
+    real_run, calls = llm.engine.runner.run, []
+
+    def run_then_interrupt(batch):
+        calls.append(1)
+        out = real_run(batch)
+        if len(calls) == 4:
+            raise Interrupt  # after the model ran, before postprocessing (like Ctrl-C)
+        return out
+
+    monkeypatch.setattr(llm.engine.runner, "run", run_then_interrupt)
+    with pytest.raises(Interrupt):
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert not llm.engine.has_unfinished() and llm.engine.pool.num_free_pages == 64
+    monkeypatch.setattr(llm.engine.runner, "run", real_run)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == want
+
+
+def test_a_failing_request_finishes_with_an_error_and_others_complete(llm, monkeypatch):
+    from kvtier.serve import engine as engine_module
+    real_sample = engine_module.ops.sample
+
+    def sample(logits, temperature, top_p, **kw):
+        if float(top_p[0]) == 0.5:
+            raise RuntimeError("sampler exploded")
+        return real_sample(logits, temperature, top_p, **kw)
+
+    monkeypatch.setattr(engine_module.ops, "sample", sample)
+    bad = dataclasses.replace(GREEDY, top_p=0.5)
+    outs = llm.generate(prompt_token_ids=[prompt(10, 22), prompt(10, 23)], sampling_params=[GREEDY, bad])
+    assert len(outs[0].token_ids) == 6 and outs[0].error is None
+    assert outs[1].finish_reason == "error" and "sampler exploded" in outs[1].error
+
+
+def test_preempted_prefill_does_not_count_its_own_pages_as_cached():
+    llm = LLM("tiny", page_size=16, num_device_pages=14, max_num_batched_tokens=8)
+    a = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    b = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+    outs = llm.generate(prompt_token_ids=[prompt(20, 24), prompt(200, 25)], sampling_params=[a, b])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert outs[1].num_cached_tokens == outs[1].prompt_logprobs.count(None) == 0
+
+
+def test_page_budget_leaves_out_the_last_token():
+    tight = LLM("tiny", page_size=16, num_device_pages=2)
+    out = tight.generate(prompt_token_ids=[prompt(31, 26)], sampling_params=dataclasses.replace(GREEDY, max_tokens=2))
+    assert len(out[0].token_ids) == 2
+
+
+def test_flat_prompt_and_unknown_engine_argument(llm):
+    assert len(llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=GREEDY)[0].token_ids) == 6
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['gpu_memory_utilization'\]"):
+        LLM("tiny", gpu_memory_utilization=0.9)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": "0.5"}, "temperature"),
+    ({"max_tokens": True}, "max_tokens"), ({"seed": 2**70}, "seed"), ({"logprobs": 5}, "logprobs"),
+])
+def test_more_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_tiny_temperature_is_greedy(llm):
+    p = prompt(12, 27)
+    greedy = llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids
+    tiny = llm.generate(prompt_token_ids=[p], sampling_params=dataclasses.replace(GREEDY, temperature=1e-38))[0]
+    assert tiny.token_ids == greedy

@@ -42,7 +42,7 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         ps = self.page_size
-        if not isinstance(ps, int) or ps <= 0 or ps & (ps - 1):
+        if not isinstance(ps, int) or isinstance(ps, bool) or ps <= 0 or ps & (ps - 1):
             raise ValueError(f"page_size must be a power of two, got {ps!r}")
         if not isinstance(self.num_device_pages, int) or self.num_device_pages <= 0:
             raise ValueError(f"num_device_pages must be a positive int, got {self.num_device_pages!r}")

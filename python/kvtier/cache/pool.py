@@ -322,10 +322,11 @@ class KVPool:
         while keep < len(loads) and loads[keep].ok:
             keep += 1
         self._keep_loaded(seq, loads, keep)
+        seq.prefix_tokens_by_tier = {"device": 0, "host": 0, "disk": 0}
         for b in loads[:keep]:
             tier = b.source.name.lower()
             self.stats.hit_tokens[tier] += self.page_size
-            seq.cached_tokens_by_tier[tier] += self.page_size
+            seq.prefix_tokens_by_tier[tier] += self.page_size
             if b.source != Tier.DEVICE:
                 self._register_page(b.page, b.hash)
         self.index.touch([b.hash for b in loads[:keep]])

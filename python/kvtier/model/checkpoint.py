@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvtier.model.config import KimiK2Config, preset
-from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.model.weights import TensorSpec, checkpoint_bytes, checkpoint_specs
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -67,7 +67,8 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
 
 
 def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config = "tiny", seed: int = 0,
-                             dtype: str = "bfloat16", max_shard_bytes: int = 64 << 20) -> Path:
+                             dtype: str = "bfloat16", max_shard_bytes: int = 64 << 20,
+                             max_total_bytes: int = 8 << 30) -> Path:
     """Write a deterministic random checkpoint (config.json + sharded safetensors + index).
 
     Args:
@@ -77,11 +78,18 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
         dtype: ``float32`` | ``bfloat16`` | ``fp8`` (linear weights as e4m3 with 128x128
             ``weight_scale_inv`` block scales, other tensors bf16/fp32 as in DeepSeek-V3 releases).
         max_shard_bytes: start a new shard once one exceeds this many bytes.
+        max_total_bytes: refuse (ValueError) configs whose checkpoint would be larger.
 
     Returns:
         The checkpoint directory.
     """
     config = preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    size = checkpoint_bytes(config, CHECKPOINT_DTYPES[dtype].itemsize)
+    if size > max_total_bytes:
+        raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
+                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]

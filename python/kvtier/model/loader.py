@@ -73,7 +73,10 @@ def read_config(model_dir: str | Path) -> tuple[KimiK2Config, dict]:
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: a model directory needs config.json")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
     try:
         return KimiK2Config.from_hf_dict(raw), raw
     except ValueError as e:
@@ -101,9 +104,13 @@ def _fetch(source: TensorSource, available: set[str], name: str, spec: TensorSpe
     if name not in available:
         raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {spec.shape})")
     t = source.get(name)
+    if not (t.is_floating_point() or t.dtype in FP8_DTYPES):
+        raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point or FP8 dtype")
     if tuple(t.shape) != spec.shape:
         raise ValueError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {spec.shape}")
     if t.dtype in FP8_DTYPES:
+        if t.dim() != 2:
+            raise ValueError(f"FP8 tensor {name!r} must be a 2-D weight with block scales, got shape {tuple(t.shape)}")
         scale_name = f"{name}_scale_inv"
         if scale_name not in available:
             raise ValueError(f"FP8 tensor {name!r} has no {scale_name!r}")
@@ -111,20 +118,25 @@ def _fetch(source: TensorSource, available: set[str], name: str, spec: TensorSpe
     return t
 
 
-def _check_unexpected(config: KimiK2Config, available: set[str], specs: Mapping[str, TensorSpec]) -> None:
+def _check_unexpected(config: KimiK2Config, available: set[str], specs: Mapping[str, TensorSpec],
+                      num_mtp_layers: int) -> None:
     for name in sorted(available - specs.keys()):
         if name.endswith("_scale_inv") and name[: -len("_scale_inv")] in specs:
             continue
         m = _LAYER.match(name)
-        if m and int(m.group(1)) >= config.num_hidden_layers:
+        if m and config.num_hidden_layers <= int(m.group(1)) < config.num_hidden_layers + num_mtp_layers:
             continue  # multi-token-prediction layers: not used for plain decoding
         if name.endswith("rotary_emb.inv_freq"):
             continue
         raise ValueError(f"checkpoint has unexpected tensor {name!r} (not a DeepSeek-V3 parameter of this config)")
 
 
-def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[int, int] = (128, 128)) -> None:
+def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[int, int] = (128, 128),
+                 num_mtp_layers: int = 0) -> None:
     """Fill every parameter of ``model`` from ``source`` (checked names, shapes and dtypes).
+
+    ``num_mtp_layers`` layers after the last decoder layer (multi-token prediction,
+    ``num_nextn_predict_layers`` in config.json) are skipped; any other extra tensor is an error.
 
     Raises:
         ValueError: a missing, misshaped or unexpected tensor, naming it.
@@ -137,7 +149,7 @@ def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[in
         available_lm = "model.embed_tokens.weight"
     else:
         available_lm = "lm_head.weight"
-    _check_unexpected(config, available, specs)
+    _check_unexpected(config, available, specs, num_mtp_layers)
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, spec in specs.items():
@@ -169,5 +181,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
     block = tuple(quant.get("weight_block_size", (128, 128)))
     model = KimiK2ForCausalLM(config, dtype)
-    load_weights(model, SafetensorsSource(model_dir), block)
+    text = raw.get("text_config", raw) if raw.get("model_type") not in ("kimi_k2", "deepseek_v3") else raw
+    load_weights(model, SafetensorsSource(model_dir), block, int(text.get("num_nextn_predict_layers") or 0))
     return model.to(device)

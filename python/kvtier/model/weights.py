@@ -5,6 +5,7 @@ One table serves the loader (to check and place tensors) and the random-checkpoi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvtier.model.config import KimiK2Config
@@ -78,6 +79,11 @@ def _layer_specs(c: KimiK2Config, i: int) -> dict[str, TensorSpec]:
         specs.update(_mlp_specs(f"{p}.mlp.shared_experts", f"{t}.mlp.shared_experts", c.hidden_size,
                                 c.moe_intermediate_size * c.n_shared_experts))
     return specs
+
+
+def checkpoint_bytes(config: KimiK2Config, bytes_per_element: float) -> int:
+    """Bytes of all checkpoint tensors at ``bytes_per_element`` (for size guards)."""
+    return int(sum(math.prod(s.shape) for s in checkpoint_specs(config).values()) * bytes_per_element)
 
 
 def checkpoint_specs(config: KimiK2Config) -> dict[str, TensorSpec]:

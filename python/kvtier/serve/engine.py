@@ -50,7 +50,7 @@ class Engine:
             raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
                              f"max_position_embeddings={max_pos}")
         ps = self.config.page_size
-        pages = -(-min(len(prompt) + params.max_tokens, max_pos) // ps)
+        pages = -(-(min(len(prompt) + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
         if pages > self.config.num_device_pages:
             raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
                              f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
@@ -86,9 +86,23 @@ class Engine:
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
             seq.num_computed_tokens += n
             self.pool.register_computed(seq)
-            if self._postprocess(seq, results[seq.seq_id]):
+            try:
+                done = self._postprocess(seq, results[seq.seq_id])
+            except Exception as e:  # one bad request must not stop the others
+                seq.error = f"{type(e).__name__}: {e}"
+                seq.metrics.finish_time = time.perf_counter()
+                self.scheduler.finish(seq, "error")
+                done = True
+            if done:
                 finished.append(self._output(self._sequences.pop(seq.seq_id)))
         return finished
+
+    def abort(self, request_ids) -> None:
+        """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
+        for rid in request_ids:
+            seq = self._sequences.pop(rid, None)
+            if seq is not None:
+                self.scheduler.abort(seq)
 
     def _postprocess(self, seq: Sequence, res: SeqLogits) -> bool:
         """Record logprobs and the sampled token; True when ``seq`` finished."""
@@ -102,7 +116,8 @@ class Engine:
         params = seq.params
         logits = res.next_token[None]
         as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
-        token = int(ops.sample(logits, as_f32(params.temperature), as_f32(params.top_p),
+        temperature = 0.0 if params.greedy else params.temperature
+        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p),
                                generator=seq.generator or self.generator)[0])
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
@@ -130,6 +145,7 @@ class Engine:
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
+            error=seq.error,
             cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,

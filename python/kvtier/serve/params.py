@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to generate for one request (vLLM-compatible names).
+    """How to generate for one request (names as in vLLM; ``logprobs`` and
+    ``prompt_logprobs`` are booleans: only the chosen token's log-probability is returned).
 
     Attributes:
         max_tokens: tokens to generate at most (>= 1).
-        temperature: 0 = greedy; > 0 scales logits before sampling.
+        temperature: below 1e-5 = greedy; otherwise scales logits before sampling.
         top_p: nucleus mass in (0, 1].
         seed: per-request generator seed; None uses the engine's generator.
         ignore_eos: keep generating past end-of-sequence tokens.
@@ -32,12 +45,23 @@ class SamplingParams:
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool (top-N alternatives are not returned), "
+                                 f"got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures below 1e-5 sample greedily (vLLM's threshold): smaller ones overflow softmax."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -75,7 +99,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from cached blocks, from any tier.
         cached_tokens_by_tier: the same tokens split by the tier they came from
             (``{"device", "host", "disk"}``).
-        finish_reason: ``"length"`` or ``"stop"`` (an end-of-sequence token).
+        finish_reason: ``"length"``, ``"stop"`` (an end-of-sequence token) or ``"error"``.
+        error: what went wrong when ``finish_reason == "error"``, else None.
         metrics: timings.
     """
 
@@ -87,4 +112,5 @@ class RequestOutput:
     num_cached_tokens: int
     finish_reason: str | None
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]

@@ -39,9 +39,13 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
-    # Where the reused prompt tokens came from (tokens per tier), set when the prefix is placed.
+    # Where the reused prompt tokens came from (tokens per tier): of the last prefix placement,
+    # and as reported (the first admission's).
+    prefix_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     prefix_done: bool = False  # the cached prefix was matched (and loaded) since the last admission
+    admitted: bool = False  # admitted at least once (num_cached_tokens is set on the first admission only)
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs and not self.prompt_logprobs:

@@ -70,6 +70,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_computed_tokens >= seq.num_tokens:
+                # Computed but never sampled (a step was interrupted): recompute the last token.
+                seq.num_computed_tokens = seq.num_tokens - 1
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.pool.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
@@ -91,9 +94,12 @@ class Scheduler:
 
     @staticmethod
     def _record_cached(seq: Sequence) -> None:
+        """Mark the prefix placed; the first admission defines what the request reports as cached."""
         seq.prefix_done = True
-        if not seq.output_token_ids:
+        if not seq.admitted:
+            seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
+            seq.cached_tokens_by_tier = dict(seq.prefix_tokens_by_tier)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
@@ -106,10 +112,10 @@ class Scheduler:
                 self._record_cached(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.allocate(seq, seq.num_computed_tokens + n):
-                if not self.running and not self.loading and seq.num_computed_tokens:
-                    # Alone and stuck: give the cached prefix back and recompute from scratch.
-                    self.pool.free(seq)
-                    seq.num_computed_tokens, seq.prefix_done = 0, False
+                # No room yet: a waiting sequence holds no pages (its reused blocks stay cached,
+                # loaded ones now on device), so waiting can never deadlock the pool.
+                self.pool.free(seq)
+                seq.num_computed_tokens, seq.prefix_done = 0, False
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -125,6 +131,17 @@ class Scheduler:
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
         return batch
+
+    def abort(self, seq: Sequence) -> None:
+        """Remove ``seq`` wherever it is and free its pages."""
+        for queue in (self.running, self.loading):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
