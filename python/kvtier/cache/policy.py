@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 WRITE_POLICIES = ("write-through", "write-back")
-CACHE_POLICIES = ("lru",)
+CACHE_POLICIES = ("lru", "tool-aware")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class PoolConfig:
         host_cache_bytes: host tier budget in bytes (0 = no host tier).
         disk_cache_dir: directory of the disk tier (None = no disk tier).
         disk_cache_bytes: disk tier budget in bytes.
-        cache_policy: eviction order (``lru``).
+        cache_policy: eviction policy: ``lru`` or ``tool-aware`` (:class:`ToolAwarePolicy`).
         write_policy: ``write-through`` (copy each full block down at once) or ``write-back``
             (copy down only when evicted).
         enable_prefix_caching: reuse blocks by hash at all.
@@ -55,3 +55,93 @@ class PoolConfig:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.copy_threads < 1:
             raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
+
+
+class LRUPolicy:
+    """Evict the least recently freed device page first (the pool's free-page order)."""
+
+    name = "lru"
+
+    def pick_page(self, free_pages, page_hash, now: float) -> int:
+        """The free page to reuse next; ``free_pages`` is in LRU order (front = oldest)."""
+        return next(iter(free_pages))
+
+    def tool_wait(self, session_id, hashes: list[bytes], expected_wait_s: float, now: float) -> None:
+        """A session starts waiting on a tool (no effect under LRU)."""
+
+    def tool_return(self, session_id) -> None:
+        """The session's tool returned (no effect under LRU)."""
+
+    def due_prefetches(self, now: float) -> list[list[bytes]]:
+        """Block chains to load back onto the device now (none under LRU)."""
+        return []
+
+
+@dataclass
+class _Waiting:
+    hashes: list[bytes]
+    keep_until: float
+    prefetch_at: float
+    prefetched: bool = False
+
+
+class ToolAwarePolicy(LRUPolicy):
+    """Keep a tool-waiting session's device blocks for a TTL, then demote, then prefetch back.
+
+    While a session waits on a tool expected to take ``w`` seconds, its device blocks are
+    skipped by eviction for ``ttl = min(ttl_fraction * w, max_ttl_s)`` (short waits: the
+    session is back before the pages are needed elsewhere). After the TTL the blocks are
+    ordinary LRU victims: they are demoted to the lower tiers (write-through copied them
+    already; write-back copies them on eviction). ``prefetch_lead_s`` before the expected
+    return, blocks no longer on the device are loaded back, so the next turn finds them there.
+    If every free page is protected, the oldest is taken anyway (a TTL never blocks progress).
+
+    Args:
+        ttl_fraction: share of the expected wait during which blocks stay on the device.
+        max_ttl_s: upper bound of the TTL in seconds.
+        prefetch_lead_s: how long before the expected return to start loading back.
+    """
+
+    name = "tool-aware"
+
+    def __init__(self, ttl_fraction: float = 0.5, max_ttl_s: float = 30.0, prefetch_lead_s: float = 2.0):
+        if not (0 <= ttl_fraction and 0 <= max_ttl_s and 0 <= prefetch_lead_s):
+            raise ValueError("ttl_fraction, max_ttl_s and prefetch_lead_s must be >= 0")
+        self.ttl_fraction, self.max_ttl_s, self.prefetch_lead_s = ttl_fraction, max_ttl_s, prefetch_lead_s
+        self.sessions: dict[object, _Waiting] = {}
+        self._protected: dict[bytes, float] = {}
+
+    def tool_wait(self, session_id, hashes, expected_wait_s, now):
+        if expected_wait_s < 0:
+            raise ValueError(f"expected_wait_s must be >= 0, got {expected_wait_s}")
+        ttl = min(self.ttl_fraction * expected_wait_s, self.max_ttl_s)
+        w = _Waiting(list(hashes), now + ttl, now + max(expected_wait_s - self.prefetch_lead_s, 0.0))
+        self.sessions[session_id] = w
+        for h in w.hashes:
+            self._protected[h] = max(self._protected.get(h, 0.0), w.keep_until)
+
+    def tool_return(self, session_id):
+        w = self.sessions.pop(session_id, None)
+        if w is not None:
+            for h in w.hashes:
+                self._protected.pop(h, None)
+
+    def pick_page(self, free_pages, page_hash, now):
+        for page in free_pages:
+            h = page_hash[page]
+            if h is None or self._protected.get(h, 0.0) <= now:
+                return page
+        return next(iter(free_pages))
+
+    def due_prefetches(self, now):
+        due = []
+        for w in self.sessions.values():
+            if not w.prefetched and now >= w.prefetch_at:
+                w.prefetched = True
+                due.append(w.hashes)
+        return due
+
+
+def make_policy(name: str) -> LRUPolicy:
+    """The eviction policy called ``name`` (see :data:`CACHE_POLICIES`)."""
+    return {"lru": LRUPolicy, "tool-aware": ToolAwarePolicy}[name]()

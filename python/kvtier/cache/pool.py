@@ -27,7 +27,7 @@ from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.cost_model import CostModel, probe
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.host_tier import HostTier
-from kvtier.cache.policy import PoolConfig
+from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.serve.request import Sequence
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle, PagePoolView
@@ -65,6 +65,7 @@ class PoolStats:
     bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     copy_errors: int = 0
+    prefetched_blocks: int = 0
 
 
 class KVPool:
@@ -100,6 +101,9 @@ class KVPool:
             self._recover_disk()
         self.loads: dict[int, list[_BlockLoad]] = {}
         self.writes: list[_Write] = []
+        self.prefetches: list[_BlockLoad] = []
+        self.policy = make_policy(config.cache_policy)
+        self.clock = time.monotonic  # seconds; replaceable in tests
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -141,7 +145,8 @@ class KVPool:
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_ids))
 
     def _take_page(self) -> int:
-        page, _ = self.free_pages.popitem(last=False)
+        page = self.policy.pick_page(self.free_pages, self.page_hash, self.clock())
+        del self.free_pages[page]
         old = self.page_hash[page]
         if old is not None:
             if self.config.write_policy == "write-back":
@@ -371,7 +376,7 @@ class KVPool:
         if slot is not None:
             return slot
         if not self.index.eviction_candidates(Tier.HOST, 1) and self.writes:
-            self.poll(wait=True)
+            self._finish_writes(wait=True)
             slot = self.host.allocate()
             if slot is not None:
                 return slot
@@ -438,8 +443,52 @@ class KVPool:
                 self.stats.bytes_written["disk"] += self.block_bytes
         self.stats.copy_errors += not ok
 
+    # ---- tool-aware retention and prefetch ------------------------------------------------------
+    def tool_wait(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
+        """A session starts waiting on a tool expected to take ``expected_wait_s`` seconds.
+
+        ``hashes`` are its block hashes (``Sequence.block_hashes``). What happens to its blocks
+        is the eviction policy's business (nothing under ``lru``).
+        """
+        self.policy.tool_wait(session_id, hashes, expected_wait_s, self.clock())
+
+    def tool_return(self, session_id) -> None:
+        """The session's tool returned; its blocks lose any special treatment."""
+        self.policy.tool_return(session_id)
+
+    def _start_prefetches(self) -> None:
+        for hashes in self.policy.due_prefetches(self.clock()):
+            rows = self.index.match(hashes, self._usable_tiers())
+            for h, row in zip(hashes, rows):
+                source = self._best_source(row)
+                if source == Tier.DEVICE or not self.free_pages:
+                    continue
+                self.prefetches.append(self._start_load(h, row, source))
+
+    def _finish_prefetches(self, wait: bool) -> None:
+        pending = []
+        for b in self.prefetches:
+            if not self._advance(b, wait):
+                pending.append(b)
+                continue
+            if b.ok and not self._in_tier(b.hash, Tier.DEVICE):
+                self._register_page(b.page, b.hash)
+                self.stats.prefetched_blocks += 1
+                self._unref_page(b.page)  # a cached, unreferenced device copy
+            else:
+                self._unref_page(b.page, reuse_first=True)
+        self.prefetches = pending
+
     def poll(self, wait: bool = False) -> None:
-        """Finish background writes whose copies ended (all of them, and their follow-ups, when ``wait``)."""
+        """Advance background work: finish ended writes and prefetches, start due prefetches.
+
+        With ``wait``, block until every write (and its follow-up copies) and prefetch ended.
+        """
+        self._start_prefetches()
+        self._finish_prefetches(wait)
+        self._finish_writes(wait)
+
+    def _finish_writes(self, wait: bool) -> None:
         while self.writes:
             ready = [w for w in self.writes if wait or w.handle.done()]
             if not ready:

@@ -1,0 +1,85 @@
+"""Tool-aware retention: protected while the tool runs (TTL), demoted after, prefetched before return."""
+
+import pytest
+import torch
+
+from kvtier.cache.cost_model import CostModel, TierCost
+from kvtier.cache.policy import PoolConfig, ToolAwarePolicy
+from kvtier.cache.pool import KVPool
+from kvtier.cache.prefix_index import Tier
+from kvtier.serve.params import RequestMetrics, SamplingParams
+from kvtier.serve.request import Sequence
+
+PS = 4
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make_pool(policy="tool-aware", pages=8):
+    config = PoolConfig(page_size=PS, num_device_pages=pages, host_cache_bytes=64 * PS * 8 * 4, cache_policy=policy)
+    pool = KVPool(config, [torch.randn(pages, PS, 8)],
+                  CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0))
+    pool.clock = Clock()
+    return pool
+
+
+def run(pool, tokens, sid):
+    """Compute a sequence fully (fake model: the pages keep whatever they hold) and free it."""
+    s = Sequence(sid, list(tokens), SamplingParams(), RequestMetrics(0.0))
+    pool.begin_prefix(s)
+    while pool.finish_prefix(s) is None:
+        pool.wait_for_loads(0.1)
+    assert pool.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    pool.register_computed(s)
+    pool.poll(wait=True)
+    pool.free(s)
+    return s
+
+
+def on_device(pool, hashes):
+    return [pool.index.match([h], [Tier.DEVICE]).shape[0] == 1 for h in hashes]
+
+
+@pytest.mark.parametrize("policy, kept", [("lru", False), ("tool-aware", True)])
+def test_waiting_session_keeps_device_blocks_during_its_ttl(policy, kept):
+    pool = make_pool(policy)
+    agent = run(pool, range(12), 0)  # 3 blocks
+    run(pool, range(200, 220), 3)  # 5 blocks: the agent's pages are now the least recently used
+    pool.tool_wait("agent", agent.block_hashes, expected_wait_s=20.0)
+    pool.clock.now += 5.0  # inside the TTL (0.5 * 20 s)
+    run(pool, range(100, 112), 1)  # another request needs 3 pages: LRU would take the agent's
+    assert all(on_device(pool, agent.block_hashes[:3])) is kept
+
+
+def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
+    pool = make_pool()
+    agent = run(pool, range(12), 0)
+    hashes = agent.block_hashes[:3]
+    assert pool.index.match(hashes, [Tier.HOST]).shape[0] == 3  # written through to host
+    pool.tool_wait("agent", hashes, expected_wait_s=20.0)
+    pool.clock.now += 11.0  # TTL (10 s) over: ordinary victims now
+    run(pool, range(100, 132), 1)  # 8 blocks: the whole device pool
+    assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 3
+    pool.clock.now += 7.5  # 18.5 s: within prefetch_lead_s (2 s) of the expected return
+    pool.poll(wait=True)
+    assert all(on_device(pool, hashes)) and pool.stats.prefetched_blocks == 3
+    back = run(pool, list(range(12)) + [7], 2)  # the returning turn finds its prefix on device
+    assert back.prefix_tokens_by_tier["device"] == 12
+    pool.index.check_invariants()
+
+
+def test_protection_never_blocks_progress():
+    pool = make_pool(pages=3)
+    agent = run(pool, range(12), 0)
+    pool.tool_wait("agent", agent.block_hashes, expected_wait_s=100.0)
+    run(pool, range(50, 62), 1)  # every free page is protected: the oldest is taken anyway
+    pool.tool_return("agent")
+    with pytest.raises(ValueError, match="expected_wait_s"):
+        ToolAwarePolicy().tool_wait("x", [], -1.0, 0.0)
