@@ -154,6 +154,19 @@ AlignedBuf aligned_buf(std::uint64_t len) {
   return AlignedBuf(static_cast<std::uint8_t*>(p));
 }
 
+// A per-thread aligned buffer of at least `len` bytes, reused across calls: block files are
+// all the same size, so each copy thread allocates (and page-faults in) its buffer once.
+// Bounded: one buffer of the largest file per thread that ever did I/O here.
+std::uint8_t* thread_scratch(std::uint64_t len) {
+  thread_local AlignedBuf buf;
+  thread_local std::uint64_t cap = 0;
+  if (cap < len) {
+    buf = aligned_buf(len);
+    cap = len;
+  }
+  return buf.get();
+}
+
 // Closes on scope exit.
 struct Fd {
   int fd = -1;
@@ -280,12 +293,11 @@ DiskStatus DiskTier::write(const BlockHash& hash, const BlockMeta& meta, const v
   DiskStatus st = DiskStatus::kIoError;
   try {
     // Header, payload and zero padding in one aligned buffer: one write, valid for O_DIRECT.
-    AlignedBuf buf = aligned_buf(file_bytes);
-    encode_header(buf.get(), hash, meta, crc32_of(payload, meta.payload_bytes));
-    if (meta.payload_bytes > 0) std::memcpy(buf.get() + kDiskHeaderBytes, payload, meta.payload_bytes);
-    std::memset(buf.get() + kDiskHeaderBytes + meta.payload_bytes, 0,
-                file_bytes - kDiskHeaderBytes - meta.payload_bytes);
-    st = write_file(hash, buf.get(), file_bytes);
+    std::uint8_t* buf = thread_scratch(file_bytes);
+    encode_header(buf, hash, meta, crc32_of(payload, meta.payload_bytes));
+    if (meta.payload_bytes > 0) std::memcpy(buf + kDiskHeaderBytes, payload, meta.payload_bytes);
+    std::memset(buf + kDiskHeaderBytes + meta.payload_bytes, 0, file_bytes - kDiskHeaderBytes - meta.payload_bytes);
+    st = write_file(hash, buf, file_bytes);
   } catch (const std::bad_alloc&) {
     st = DiskStatus::kIoError;
   }
@@ -382,21 +394,24 @@ DiskStatus DiskTier::load_checked(const std::string& path, const BlockHash& hash
   const auto file_bytes = static_cast<std::uint64_t>(sb.st_size);
   if (file_bytes < kDiskAlign || file_bytes % kDiskAlign != 0) return DiskStatus::kCorrupt;
 
-  // First page: header checks before trusting payload_bytes for the big read.
-  AlignedBuf page = aligned_buf(kDiskAlign);
-  DiskStatus st = read_all(fd.fd, page.get(), kDiskAlign, 0);
+  // First page: header checks before trusting payload_bytes for the big read. Both land in
+  // the thread's scratch buffer (sized for the whole file once the header is checked).
+  DiskStatus st = read_all(fd.fd, thread_scratch(kDiskAlign), kDiskAlign, 0);
   if (st != DiskStatus::kOk) return st;
   BlockMeta meta;
   std::uint32_t payload_crc;
-  if (!decode_header(page.get(), hash, &meta, &payload_crc)) return DiskStatus::kCorrupt;
+  if (!decode_header(thread_scratch(kDiskAlign), hash, &meta, &payload_crc)) return DiskStatus::kCorrupt;
   if (expected != nullptr && meta != *expected) return DiskStatus::kCorrupt;
   if (file_bytes != file_bytes_for(meta.payload_bytes)) return DiskStatus::kCorrupt;
 
-  AlignedBuf all = aligned_buf(file_bytes);
-  std::memcpy(all.get(), page.get(), kDiskAlign);
-  st = read_all(fd.fd, all.get() + kDiskAlign, file_bytes - kDiskAlign, kDiskAlign);
+  // Growing the scratch buffer drops its content, so read the whole file again (the first page
+  // costs 4 KiB more) and check the header once more on what was actually read.
+  std::uint8_t* all = thread_scratch(file_bytes);
+  st = read_all(fd.fd, all, file_bytes, 0);
   if (st != DiskStatus::kOk) return st;
-  const std::uint8_t* payload = all.get() + kDiskHeaderBytes;
+  BlockMeta again;
+  if (!decode_header(all, hash, &again, &payload_crc) || again != meta) return DiskStatus::kCorrupt;
+  const std::uint8_t* payload = all + kDiskHeaderBytes;
   if (crc32_of(payload, meta.payload_bytes) != payload_crc) return DiskStatus::kCorrupt;
   if (out != nullptr && meta.payload_bytes > 0) std::memcpy(out, payload, meta.payload_bytes);
   if (meta_out != nullptr) *meta_out = meta;
