@@ -77,7 +77,8 @@ class KVPool:
         cost_model: load-vs-recompute decisions; None probes the tiers at start-up.
 
     Raises:
-        ValueError: bad config; RuntimeError: the disk directory cannot be used.
+        ValueError: bad config, or a host/disk tier over GPU page pools (not supported yet);
+        RuntimeError: the disk directory cannot be used.
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None):
@@ -94,6 +95,9 @@ class KVPool:
         self.copy_engine = CopyEngine(config.copy_threads, max_queued=256)
         self.meta = BlockMeta.of_pools(kv_caches)
         self.block_bytes = self.meta.payload_bytes
+        if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
+            raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
+                             "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
         self.disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes) if config.disk_cache_dir else None
         self._disk_slots = 0
