@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
-import time
 
 import numpy as np
+
+from timing import median_s
 
 from kvtier.cache import block_hashes, block_hashes_py
 from kvtier.provenance import provenance
 
-
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -41,8 +32,8 @@ def main() -> None:
     prov = provenance()
     rows = []
     for page_size in (16, 64):
-        native = _median_s(lambda: block_hashes(ids, page_size), args.repeats)
-        python = _median_s(lambda: block_hashes_py(as_list, page_size), args.repeats)
+        native = median_s(lambda: block_hashes(ids, page_size), args.repeats)
+        python = median_s(lambda: block_hashes_py(as_list, page_size), args.repeats)
         rows.append({"op": "block_hashes", "tokens": args.tokens, "page_size": page_size,
                      "native_median_ms": native * 1e3, "python_median_ms": python * 1e3,
                      "native_mtok_s": args.tokens / native / 1e6, "speedup": python / native,

@@ -13,22 +13,13 @@ cache, so the ratio is memory-bound. Goal (tiered-pool issue): >= 0.7 of memcpy.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from timing import median_s
+
 from kvtier.transfer import CopyEngine, PagePoolView
 
-
-def median_s(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -81,16 +81,22 @@ void PrefixIndex::touch(const BlockHash* hashes, std::size_t n) {
   }
 }
 
+// Under mu_: the entries of hashes[0..n) that have a copy in `tier`; false if one has none.
+bool PrefixIndex::copies_in(const BlockHash* hashes, std::size_t n, int tier, std::vector<Entry*>* out) {
+  out->reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    auto it = map_.find(hashes[i]);
+    if (it == map_.end() || it->second.slots[tier] < 0) return false;
+    out->push_back(&it->second);
+  }
+  return true;
+}
+
 bool PrefixIndex::lock(const BlockHash* hashes, std::size_t n, int tier) {
   check_tier(tier);
   std::lock_guard<std::mutex> g(mu_);
   std::vector<Entry*> entries;
-  entries.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    auto it = map_.find(hashes[i]);
-    if (it == map_.end() || it->second.slots[tier] < 0) return false;
-    entries.push_back(&it->second);
-  }
+  if (!copies_in(hashes, n, tier, &entries)) return false;
   for (Entry* e : entries) ++e->refs[tier];
   return true;
 }
@@ -99,12 +105,7 @@ bool PrefixIndex::unlock(const BlockHash* hashes, std::size_t n, int tier) {
   check_tier(tier);
   std::lock_guard<std::mutex> g(mu_);
   std::vector<Entry*> entries;
-  entries.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    auto it = map_.find(hashes[i]);
-    if (it == map_.end() || it->second.slots[tier] < 0) return false;
-    entries.push_back(&it->second);
-  }
+  if (!copies_in(hashes, n, tier, &entries)) return false;
   // The same block may appear several times: check the total per entry first.
   std::unordered_map<Entry*, std::int32_t> need;
   for (Entry* e : entries) ++need[e];

@@ -99,6 +99,7 @@ class PrefixIndex {
   using Map = std::unordered_map<BlockHash, Entry, BlockHashHasher>;
 
   static void check_tier(int tier);
+  bool copies_in(const BlockHash* hashes, std::size_t n, int tier, std::vector<Entry*>* out);
   void push_event(EventKind kind, int tier, const BlockHash& hash, std::int64_t slot);
 
   mutable std::mutex mu_;
