@@ -12,7 +12,7 @@ import torch
 from kvtier.model.checkpoint import random_tensors
 from kvtier.model.config import PRESETS, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
-from kvtier.model.loader import load_model, load_weights
+from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
 from kvtier.model.weights import checkpoint_bytes
 from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
@@ -55,7 +55,9 @@ class LLM:
         seed: seed of the random preset weights and of the engine's sampler.
         **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_device_pages,
             max_num_batched_tokens, max_num_seqs, enable_prefix_caching, host_cache_bytes,
-            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy).
+            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy, cache_salt).
+            Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
+            compute dtype and ``cache_salt``, so a disk cache directory can be shared safely.
 
     Raises:
         ValueError: an unknown preset or a bad engine argument; FileNotFoundError for a
@@ -73,8 +75,10 @@ class LLM:
         torch_dtype = _resolve_dtype(dtype, device)
         if Path(model).is_dir():
             net = load_model(model, torch_dtype, device)
+            model_id = checkpoint_fingerprint(model)
         elif str(model) in PRESETS:
             net = _random_model(str(model), seed, torch_dtype, device)
+            model_id = f"preset:{model}:seed:{seed}".encode()
         else:
             raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
         self.config = net.config
@@ -82,7 +86,7 @@ class LLM:
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; expected some of {sorted(known)}")
-        self.engine = Engine(net, EngineConfig(seed=seed, **engine_args))
+        self.engine = Engine(net, EngineConfig(seed=seed, **engine_args), model_id)
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:

@@ -60,7 +60,7 @@ def test_prefix_comes_back_from_disk(shared, tmp_path):
 def block_files(llm, prompt_tokens, blocks):
     pool = llm.engine.pool
     from kvtier.cache import block_hashes
-    hs = block_hashes(prompt_tokens[: blocks * PS], PS)
+    hs = block_hashes(prompt_tokens[: blocks * PS], PS, salt=pool.config.salt)
     return [pool.disk.path(h) for h in hs]
 
 

@@ -52,7 +52,7 @@ def test_waiting_session_keeps_device_blocks_during_its_ttl(policy, kept):
     pool = make_pool(policy)
     agent = run(pool, range(12), 0)  # 3 blocks
     run(pool, range(200, 220), 3)  # 5 blocks: the agent's pages are now the least recently used
-    pool.tool_wait("agent", agent.block_hashes, expected_wait_s=20.0)
+    pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
     pool.clock.now += 5.0  # inside the TTL (0.5 * 20 s)
     run(pool, range(100, 112), 1)  # another request needs 3 pages: LRU would take the agent's
     assert all(on_device(pool, agent.block_hashes[:3])) is kept
@@ -63,7 +63,7 @@ def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
     agent = run(pool, range(12), 0)
     hashes = agent.block_hashes[:3]
     assert pool.index.match(hashes, [Tier.HOST]).shape[0] == 3  # written through to host
-    pool.tool_wait("agent", hashes, expected_wait_s=20.0)
+    pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
     pool.clock.now += 11.0  # TTL (10 s) over: ordinary victims now
     run(pool, range(100, 132), 1)  # 8 blocks: the whole device pool
     assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 3
@@ -78,7 +78,7 @@ def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
 def test_protection_never_blocks_progress():
     pool = make_pool(pages=3)
     agent = run(pool, range(12), 0)
-    pool.tool_wait("agent", agent.block_hashes, expected_wait_s=100.0)
+    pool.tool_wait("agent", list(range(12)), expected_wait_s=100.0)
     run(pool, range(50, 62), 1)  # every free page is protected: the oldest is taken anyway
     pool.tool_return("agent")
     with pytest.raises(ValueError, match="expected_wait_s"):

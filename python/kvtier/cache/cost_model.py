@@ -26,6 +26,11 @@ class TierCost:
         return self.latency_s + nbytes / self.bandwidth_Bps
 
 
+# Used for a tier the start-up probe could not measure (e.g. a full disk): 1 ms and 1 GB/s, a
+# conservative NVMe-class figure; observed copies then correct it.
+UNPROBED_TIER = TierCost(latency_s=1e-3, bandwidth_Bps=1e9)
+
+
 @dataclass
 class CostModel:
     """Per-tier load costs and the prefill rate, with online updates.
@@ -41,9 +46,10 @@ class CostModel:
     alpha: float = 0.2
 
     def load_s(self, tier: Tier, nbytes: int) -> float:
+        """Seconds to load ``nbytes`` from ``tier``; an unprobed tier gets :data:`UNPROBED_TIER`."""
         if tier == Tier.DEVICE:
             return 0.0
-        return self.tiers[tier].load_s(nbytes)
+        return self.tiers.get(tier, UNPROBED_TIER).load_s(nbytes)
 
     def recompute_s(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tok_s
@@ -64,9 +70,9 @@ class CostModel:
 
     def observe_copy(self, tier: Tier, nbytes: int, seconds: float) -> None:
         """Fold one observed load (``nbytes`` in ``seconds``) into the tier's bandwidth."""
-        cost = self.tiers.get(tier)
-        if cost is None or seconds <= 0 or nbytes <= 0:
+        if seconds <= 0 or nbytes <= 0 or tier == Tier.DEVICE:
             return
+        cost = self.tiers.setdefault(tier, TierCost(UNPROBED_TIER.latency_s, UNPROBED_TIER.bandwidth_Bps))
         rate = nbytes / max(seconds - cost.latency_s, seconds * 0.1)
         cost.bandwidth_Bps += self.alpha * (rate - cost.bandwidth_Bps)
 

@@ -115,16 +115,20 @@ class ToolAwarePolicy(LRUPolicy):
         if expected_wait_s < 0:
             raise ValueError(f"expected_wait_s must be >= 0, got {expected_wait_s}")
         ttl = min(self.ttl_fraction * expected_wait_s, self.max_ttl_s)
-        w = _Waiting(list(hashes), now + ttl, now + max(expected_wait_s - self.prefetch_lead_s, 0.0))
-        self.sessions[session_id] = w
-        for h in w.hashes:
-            self._protected[h] = max(self._protected.get(h, 0.0), w.keep_until)
+        self.sessions[session_id] = _Waiting(list(hashes), now + ttl,
+                                             now + max(expected_wait_s - self.prefetch_lead_s, 0.0))
+        self._rebuild()
 
     def tool_return(self, session_id):
-        w = self.sessions.pop(session_id, None)
-        if w is not None:
+        if self.sessions.pop(session_id, None) is not None:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """A block is protected until the latest TTL of the waiting sessions that hold it."""
+        self._protected = {}
+        for w in self.sessions.values():
             for h in w.hashes:
-                self._protected.pop(h, None)
+                self._protected[h] = max(self._protected.get(h, 0.0), w.keep_until)
 
     def pick_page(self, free_pages, page_hash, now):
         for page in free_pages:

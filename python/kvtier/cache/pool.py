@@ -135,10 +135,10 @@ class KVPool:
         self.disk.read(_PROBE_HASH, self.meta, buf)
         return self.block_bytes
 
-    @staticmethod
-    def _copy_ok(handle: CopyHandle) -> int:
+    def _copy_ok(self, handle: CopyHandle) -> int:
+        """Wait for a probe copy; returns the bytes it moved."""
         handle.result()
-        return 1
+        return self.block_bytes
 
     # ---- device pages -------------------------------------------------------------------------
     @property
@@ -409,7 +409,8 @@ class KVPool:
     def _disk_room(self) -> bool:
         """Evict least recently used disk blocks until one more block file fits."""
         need = DiskTier.file_bytes(self.block_bytes)
-        while self.disk.used_bytes + need > self.disk.capacity_bytes:
+        in_flight = need * sum(1 for w in self.writes if w.target == Tier.DISK)
+        while self.disk.used_bytes + in_flight + need > self.disk.capacity_bytes:
             victims = self.index.eviction_candidates(Tier.DISK, 1)
             if not victims:
                 return False
@@ -448,12 +449,14 @@ class KVPool:
         self.stats.copy_errors += not ok
 
     # ---- tool-aware retention and prefetch ------------------------------------------------------
-    def tool_wait(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
+    def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
         """A session starts waiting on a tool expected to take ``expected_wait_s`` seconds.
 
-        ``hashes`` are its block hashes (``Sequence.block_hashes``). What happens to its blocks
-        is the eviction policy's business (nothing under ``lru``).
+        ``token_ids`` are the session's tokens so far (its full blocks are hashed with this
+        pool's salt). What happens to those blocks is the eviction policy's business (nothing
+        under ``lru``).
         """
+        hashes = block_hashes(token_ids, self.page_size, None, self.config.salt)
         self.policy.tool_wait(session_id, hashes, expected_wait_s, self.clock())
 
     def tool_return(self, session_id) -> None:
@@ -465,8 +468,8 @@ class KVPool:
             rows = self.index.match(hashes, self._usable_tiers())
             for h, row in zip(hashes, rows):
                 source = self._best_source(row)
-                if source == Tier.DEVICE or not self.free_pages:
-                    continue
+                if source == Tier.DEVICE or len(self.free_pages) <= self.num_pages // 4:
+                    continue  # prefetch never eats the last quarter of the pool
                 self.prefetches.append(self._start_load(h, row, source))
 
     def _finish_prefetches(self, wait: bool) -> None:

@@ -8,6 +8,7 @@ says otherwise) are dequantized on load: ``w = fp8.float() * scale_inv[i // 128,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -66,6 +67,25 @@ def _canonical(name: str) -> str:
         if name.startswith(p):
             return name[len(p):]
     return name
+
+
+def checkpoint_fingerprint(model_dir: str | Path, sample_bytes: int = 1 << 20) -> bytes:
+    """32-byte identity of a checkpoint directory, cheap enough to compute at every start.
+
+    SHA-256 over config.json and, per ``*.safetensors`` shard (sorted by name), its name, size
+    and first and last ``sample_bytes`` bytes: two checkpoints with different weights (a
+    fine-tune, another random seed) differ there, while reading whole shards would take minutes.
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        size = shard.stat().st_size
+        h.update(f"{shard.name}:{size}".encode())
+        with shard.open("rb") as f:
+            h.update(f.read(sample_bytes))
+            f.seek(max(size - sample_bytes, 0))
+            h.update(f.read(sample_bytes))
+    return h.digest()
 
 
 def read_config(model_dir: str | Path) -> tuple[KimiK2Config, dict]:

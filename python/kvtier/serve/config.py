@@ -22,6 +22,8 @@ class EngineConfig:
         disk_cache_bytes: disk tier budget in bytes.
         cache_policy: eviction policy name (``lru``).
         cache_write_policy: ``write-through`` or ``write-back``.
+        cache_salt: tenant isolation: engines with different salts never share cached blocks
+            (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
 
     Raises:
@@ -38,6 +40,7 @@ class EngineConfig:
     disk_cache_bytes: int = 0
     cache_policy: str = "lru"
     cache_write_policy: str = "write-through"
+    cache_salt: str = ""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,8 +50,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.pool_config()  # validates the cache fields
 
-    def pool_config(self) -> PoolConfig:
-        return PoolConfig(page_size=self.page_size, num_device_pages=self.num_device_pages,
+    def pool_config(self, model_id: bytes = b"") -> PoolConfig:
+        """The pool's config; block hashes are salted with ``model_id`` and ``cache_salt``."""
+        return PoolConfig(salt=model_id + self.cache_salt.encode(), page_size=self.page_size, num_device_pages=self.num_device_pages,
                           host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
                           disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
                           write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)

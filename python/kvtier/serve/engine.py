@@ -21,11 +21,13 @@ from kvtier.serve.scheduler import Scheduler
 class Engine:
     """Continuous batching over one model and its paged cache."""
 
-    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
+    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig, model_id: bytes = b""):
+        """``model_id`` identifies the weights and compute dtype; it salts every block hash so
+        that a disk cache shared by several models never serves one model's KV to another."""
         self.model_config = model.config
         self.config = config
         self.runner = ModelRunner(model, config)
-        self.pool = KVPool(config.pool_config(), self.runner.kv_caches)
+        self.pool = KVPool(config.pool_config(model_id + str(model.dtype).encode()), self.runner.kv_caches)
         self.scheduler = Scheduler(config, self.pool)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
@@ -73,11 +75,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; returns the requests that finished in it."""
         batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.loading:
-                self.pool.wait_for_loads(timeout_s=0.05)
-                return []
+        if not batch and self.scheduler.loading:
+            self.pool.wait_for_loads(timeout_s=0.05)
+            return []
+        if not batch:  # pages may be held by background copies: let them finish, then retry once
+            self.pool.poll(wait=True)
+            batch = self.scheduler.schedule()
+        if not batch and not self.scheduler.loading:
             raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
+        if not batch:
+            return []
         t0 = time.perf_counter()
         results = self.runner.run(batch)
         if batch.extends:

@@ -112,10 +112,12 @@ class Scheduler:
                 self._record_cached(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.allocate(seq, seq.num_computed_tokens + n):
-                # No room yet: a waiting sequence holds no pages (its reused blocks stay cached,
-                # loaded ones now on device), so waiting can never deadlock the pool.
-                self.pool.free(seq)
-                seq.num_computed_tokens, seq.prefix_done = 0, False
+                # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
+                # loaded ones are now device copies), so waiting can never deadlock the pool.
+                for w in self.waiting:
+                    if w.page_ids or w.prefix_done:
+                        self.pool.free(w)
+                        w.num_computed_tokens, w.prefix_done = 0, False
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

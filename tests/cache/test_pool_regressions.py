@@ -1,0 +1,100 @@
+"""Regressions found by trying to break the pool: each test names the failure it guards against."""
+
+import time
+
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
+from kvtier.cache.policy import ToolAwarePolicy
+from kvtier.cache.prefix_index import Tier
+from tests.cache.test_tiers_e2e import always_load, prompt
+
+PS, BLOCK = 16, 15360
+PARAMS = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True, ignore_eos=True)
+
+
+class SlowHandle:
+    """A copy that looks as if it took ``delay`` seconds (a busy copy engine)."""
+
+    def __init__(self, handle, delay):
+        self.handle, self.deadline = handle, time.monotonic() + delay
+
+    def done(self):
+        return time.monotonic() >= self.deadline and self.handle.done()
+
+    def wait(self, timeout_s=None):
+        time.sleep(max(0.0, min(self.deadline - time.monotonic(), timeout_s or 1e9)))
+        return self.done()
+
+    def result(self):
+        time.sleep(max(0.0, self.deadline - time.monotonic()))
+        return self.handle.result()
+
+
+def test_unprobed_tier_gets_a_default_cost():
+    model = CostModel()
+    assert model.load_s(Tier.DISK, 10**9) == UNPROBED_TIER.load_s(10**9)
+    model.observe_copy(Tier.DISK, 10**9, 0.5)
+    assert Tier.DISK in model.tiers
+
+
+def test_default_probe_measures_bytes_per_second():
+    llm = LLM("tiny", page_size=PS, num_device_pages=8, host_cache_bytes=4 * BLOCK)
+    assert llm.engine.pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 1e7  # bytes, not copies, per second
+
+
+def test_pages_held_by_a_running_write_do_not_stop_the_next_request():
+    llm = LLM("tiny", page_size=PS, num_device_pages=9, host_cache_bytes=64 * BLOCK)
+    real = llm.engine.pool.copy_engine.gather
+    llm.engine.pool.copy_engine.gather = lambda *a: SlowHandle(real(*a), 0.3)
+    llm.generate(prompt_token_ids=[prompt(8 * PS + 1, 1)], sampling_params=PARAMS)
+    out = llm.generate(prompt_token_ids=[prompt(8 * PS + 1, 2)], sampling_params=PARAMS)[0]
+    assert len(out.token_ids) == 1
+
+
+def test_two_loaded_prefixes_that_cannot_both_fit_take_turns():
+    n = 8 * PS + 1
+    a, b = prompt(n, 1), prompt(n, 2)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=10, host_cache_bytes=64 * BLOCK))
+    for p in (a, b, prompt(n, 3), prompt(n, 4)):
+        llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    outs = llm.generate(prompt_token_ids=[a, b], sampling_params=PARAMS)
+    assert outs[0].cached_tokens_by_tier["host"] > 0
+
+
+def test_another_model_on_the_same_disk_dir_is_never_served_its_blocks(tmp_path):
+    p = prompt(6 * PS + 1, 7)
+    args = dict(page_size=PS, num_device_pages=16, host_cache_bytes=16 * BLOCK, disk_cache_dir=str(tmp_path),
+                disk_cache_bytes=1 << 24)
+    first = LLM("tiny", seed=0, **args)
+    first.generate(prompt_token_ids=[p], sampling_params=PARAMS)
+    first.engine.pool.poll(wait=True)
+    other = always_load(LLM("tiny", seed=1, **args))  # same shapes, other weights
+    assert other.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0].num_cached_tokens == 0
+    same = always_load(LLM("tiny", seed=0, **args))
+    assert same.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0].cached_tokens_by_tier["disk"] > 0
+
+
+def test_disk_writes_in_flight_count_against_the_budget(tmp_path):
+    from kvtier.cache.disk_tier import DiskTier
+    llm = LLM("tiny", page_size=PS, num_device_pages=16, host_cache_bytes=64 * BLOCK, disk_cache_dir=str(tmp_path),
+              disk_cache_bytes=2 * DiskTier.file_bytes(BLOCK))
+    llm.generate(prompt_token_ids=[prompt(6 * PS + 1, 1)], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    assert llm.engine.pool.stats.copy_errors == 0 and llm.engine.pool.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
+
+
+def test_returning_session_keeps_others_protection():
+    pol = ToolAwarePolicy()
+    shared, a_only, b_only = b"s" * 16, b"a" * 16, b"b" * 16
+    pol.tool_wait("A", [shared, a_only], expected_wait_s=20.0, now=0.0)
+    pol.tool_wait("B", [shared, b_only], expected_wait_s=40.0, now=0.0)
+    pol.tool_return("A")
+    from collections import OrderedDict
+    assert pol.pick_page(OrderedDict.fromkeys([0, 1]), [shared, None], 5.0) == 1  # B still protects shared
+    pol.tool_wait("C", [a_only], 100.0, 0.0)
+    pol.tool_wait("C", [b_only], 100.0, 0.0)  # a new wait replaces the old one
+    pol.tool_return("C")
+    assert pol.pick_page(OrderedDict.fromkeys([0]), [a_only], 1.0) == 0 and not pol._protected.get(a_only)
