@@ -98,3 +98,11 @@ def test_returning_session_keeps_others_protection():
     pol.tool_wait("C", [b_only], 100.0, 0.0)  # a new wait replaces the old one
     pol.tool_return("C")
     assert pol.pick_page(OrderedDict.fromkeys([0]), [a_only], 1.0) == 0 and not pol._protected.get(a_only)
+
+
+def test_disk_tier_needs_a_host_block_and_waits_must_be_finite(tmp_path):
+    import pytest
+    with pytest.raises(ValueError, match="disk_cache_dir needs host_cache_bytes >= one block"):
+        LLM("tiny", page_size=PS, num_device_pages=8, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="expected_wait_s must be a finite number"):
+        ToolAwarePolicy().tool_wait("s", [], float("nan"), 0.0)

@@ -197,3 +197,21 @@ def test_tiny_temperature_is_greedy(llm):
     greedy = llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0].token_ids
     tiny = llm.generate(prompt_token_ids=[p], sampling_params=dataclasses.replace(GREEDY, temperature=1e-38))[0]
     assert tiny.token_ids == greedy
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_prompt_logprobs_never_have_holes(trial):
+    """Shared prefixes, tight pages, small budgets: entries are None exactly for the reported
+    cached tokens, whatever admissions, retries and preemptions happened."""
+    import random
+    rng = random.Random(trial)
+    shared = prompt(rng.randint(2, 5) * 16, trial)
+    a, b = shared + prompt(rng.randint(1, 40), 1000 + trial), shared + prompt(rng.randint(1, 40), 2000 + trial)
+    tokens = [rng.randint(1, 8), rng.randint(1, 8)]
+    need = max(-(-(len(a) + tokens[0] - 1) // 16), -(-(len(b) + tokens[1] - 1) // 16))
+    llm = LLM("tiny", page_size=16, num_device_pages=need + rng.randint(0, 4), max_num_seqs=rng.choice([2, 3]),
+              max_num_batched_tokens=rng.choice([8, 16, 24, 40, 56]))
+    params = [SamplingParams(max_tokens=m, temperature=0.0, prompt_logprobs=True, ignore_eos=True) for m in tokens]
+    for out in llm.generate(prompt_token_ids=[a, b], sampling_params=params):
+        c = out.num_cached_tokens
+        assert out.prompt_logprobs[:c] == [None] * c and None not in out.prompt_logprobs[c:]

@@ -112,8 +112,8 @@ class ToolAwarePolicy(LRUPolicy):
         self._protected: dict[bytes, float] = {}
 
     def tool_wait(self, session_id, hashes, expected_wait_s, now):
-        if expected_wait_s < 0:
-            raise ValueError(f"expected_wait_s must be >= 0, got {expected_wait_s}")
+        if not 0 <= expected_wait_s < float("inf"):
+            raise ValueError(f"expected_wait_s must be a finite number >= 0, got {expected_wait_s}")
         ttl = min(self.ttl_fraction * expected_wait_s, self.max_ttl_s)
         self.sessions[session_id] = _Waiting(list(hashes), now + ttl,
                                              now + max(expected_wait_s - self.prefetch_lead_s, 0.0))

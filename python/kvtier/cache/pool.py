@@ -98,6 +98,9 @@ class KVPool:
         if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
             raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
                              "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
+        if config.disk_cache_dir and config.host_cache_bytes < self.block_bytes:
+            raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({self.block_bytes} bytes): blocks "
+                             f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
         self.disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes) if config.disk_cache_dir else None
         self._disk_slots = 0
@@ -193,6 +196,16 @@ class KVPool:
             self._unref_page(page)
         seq.page_ids = []
         seq.num_registered_blocks = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep only the pages of ``seq``'s first ``num_tokens // page_size`` full blocks (a
+        placed prefix that must not be reused whole); the rest stay cached but unreferenced."""
+        keep = min(num_tokens // self.page_size, len(seq.page_ids))
+        for page in reversed(seq.page_ids[keep:]):
+            self._unref_page(page)
+        seq.page_ids = seq.page_ids[:keep]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, keep * self.page_size)
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
 
     # ---- hashing ------------------------------------------------------------------------------
     def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
@@ -411,13 +424,18 @@ class KVPool:
         need = DiskTier.file_bytes(self.block_bytes)
         in_flight = need * sum(1 for w in self.writes if w.target == Tier.DISK)
         while self.disk.used_bytes + in_flight + need > self.disk.capacity_bytes:
-            victims = self.index.eviction_candidates(Tier.DISK, 1)
-            if not victims:
+            if not self._evict_disk(1):
                 return False
-            self.index.remove(victims[0][0], Tier.DISK)
-            self.disk.remove(victims[0][0])
-            self.stats.evictions["disk"] += 1
         return True
+
+    def _evict_disk(self, n: int) -> bool:
+        """Drop up to ``n`` least recently used unreferenced disk blocks; False if none could go."""
+        victims = self.index.eviction_candidates(Tier.DISK, n)
+        for h, _ in victims:
+            self.index.remove(h, Tier.DISK)
+            self.disk.remove(h)
+            self.stats.evictions["disk"] += 1
+        return bool(victims)
 
     def _copy_slot_to_disk(self, h: bytes, slot: int, wait: bool) -> None:
         if self.disk is None or self._in_tier(h, Tier.DISK) or not self._disk_room():
@@ -429,9 +447,10 @@ class KVPool:
 
     def _finish_write(self, w: _Write) -> None:
         try:
-            ok = w.handle.result() == [0]
+            status = w.handle.result()
         except CopyError:
-            ok = False
+            status = [-1]
+        ok = status == [0]
         if w.target == Tier.HOST:
             if w.page >= 0:
                 self._unref_page(w.page)
@@ -446,6 +465,8 @@ class KVPool:
             if ok and self.index.insert(w.hash, Tier.DISK, self._disk_slots):
                 self._disk_slots += 1
                 self.stats.bytes_written["disk"] += self.block_bytes
+            elif not ok and status[:1] == [DiskStatus.FULL]:
+                self._evict_disk(2)  # the filesystem filled before the budget: make room for later writes
         self.stats.copy_errors += not ok
 
     # ---- tool-aware retention and prefetch ------------------------------------------------------

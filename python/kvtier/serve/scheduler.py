@@ -89,13 +89,23 @@ class Scheduler:
         for seq in list(self.loading):
             if self.pool.finish_prefix(seq) is not None:
                 self.loading.remove(seq)
-                self._record_cached(seq)
+                seq.prefix_done = True
                 self.waiting.appendleft(seq)
 
+    def _cap_reuse(self, seq: Sequence) -> None:
+        """A re-admitted request that wants prompt logprobs may reuse only tokens whose logprobs
+        it already has (or reported as cached), so ``prompt_logprobs`` never has holes."""
+        if not (seq.admitted and seq.params.prompt_logprobs):
+            return
+        entries = seq.prompt_logprobs
+        first_missing = next((i for i in range(seq.num_cached_tokens, len(entries)) if entries[i] is None),
+                             seq.num_prompt_tokens)
+        if seq.num_computed_tokens > first_missing:
+            self.pool.truncate(seq, first_missing)
+
     @staticmethod
-    def _record_cached(seq: Sequence) -> None:
-        """Mark the prefix placed; the first admission defines what the request reports as cached."""
-        seq.prefix_done = True
+    def _record_admission(seq: Sequence) -> None:
+        """The first admission that runs defines what the request reports as cached."""
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -109,7 +119,8 @@ class Scheduler:
                     self.waiting.popleft()
                     self.loading.append(seq)
                     continue
-                self._record_cached(seq)
+                seq.prefix_done = True
+            self._cap_reuse(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.pool.allocate(seq, seq.num_computed_tokens + n):
                 # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
@@ -120,6 +131,7 @@ class Scheduler:
                         w.num_computed_tokens, w.prefix_done = 0, False
                 break
             self.waiting.popleft()
+            self._record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._place(batch, seq, n)
