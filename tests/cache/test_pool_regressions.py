@@ -2,7 +2,6 @@
 
 import time
 
-import torch
 
 from kvtier import LLM, SamplingParams
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel

@@ -77,7 +77,7 @@ def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
 
 def test_protection_never_blocks_progress():
     pool = make_pool(pages=3)
-    agent = run(pool, range(12), 0)
+    run(pool, range(12), 0)
     pool.tool_wait("agent", list(range(12)), expected_wait_s=100.0)
     run(pool, range(50, 62), 1)  # every free page is protected: the oldest is taken anyway
     pool.tool_return("agent")

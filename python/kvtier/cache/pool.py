@@ -30,7 +30,7 @@ from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.serve.request import Sequence
-from kvtier.transfer import CopyEngine, CopyError, CopyHandle, PagePoolView
+from kvtier.transfer import CopyEngine, CopyError, CopyHandle
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
