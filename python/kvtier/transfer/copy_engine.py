@@ -124,19 +124,17 @@ class CopyEngine:
             ValueError: bad pools or a too-small staging buffer (a page id out of range fails
             the job with CopyError instead).
         """
-        view, pg = PagePoolView.of(pools), np.asarray(pages, dtype=np.int64)
-        self._check_staging(view, pg, staging)
-        h = self._native.submit_gather(list(view.layer_ptrs), view.page_stride_bytes, view.page_bytes,
-                                       view.num_pages, pg, staging.data_ptr())
-        self._keepalive[h] = (tuple(pools), staging)
-        return CopyHandle(self, h, len(pg))
+        return self._pages(self._native.submit_gather, pools, pages, staging)
 
     def scatter(self, staging: torch.Tensor, pools: Sequence[torch.Tensor], pages: Sequence[int]) -> CopyHandle:
         """Copy page-first blocks from ``staging`` into ``pages`` of every layer pool, asynchronously."""
+        return self._pages(self._native.submit_scatter, pools, pages, staging)
+
+    def _pages(self, submit, pools, pages, staging) -> CopyHandle:
         view, pg = PagePoolView.of(pools), np.asarray(pages, dtype=np.int64)
         self._check_staging(view, pg, staging)
-        h = self._native.submit_scatter(list(view.layer_ptrs), view.page_stride_bytes, view.page_bytes,
-                                        view.num_pages, pg, staging.data_ptr())
+        h = submit(list(view.layer_ptrs), view.page_stride_bytes, view.page_bytes, view.num_pages, pg,
+                   staging.data_ptr())
         self._keepalive[h] = (tuple(pools), staging)
         return CopyHandle(self, h, len(pg))
 
