@@ -235,6 +235,28 @@ kvtier::CopyEngine::Job disk_job(std::shared_ptr<kvtier::DiskTier> disk, std::ve
   };
 }
 
+// A binding that queues a gather (pools -> staging) or scatter (staging -> pools) job.
+auto submit_pages(bool gather) {
+  return [gather](kvtier::CopyEngine& e, const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t stride,
+                  std::int64_t page_bytes, std::int64_t num_pages,
+                  const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& pages,
+                  std::uintptr_t staging, bool block) {
+    auto pools = make_pools(layer_ptrs, stride, page_bytes, num_pages);
+    auto pg = to_pages(pages);
+    auto* buf = reinterpret_cast<std::uint8_t*>(staging);
+    kvtier::CopyEngine::Job job = [pools, pg, buf, gather] {
+      if (gather) {
+        kvtier::gather_pages(pools, pg.data(), pg.size(), buf);
+      } else {
+        kvtier::scatter_pages(pools, pg.data(), pg.size(), buf);
+      }
+      return std::vector<int>(pg.size(), 0);
+    };
+    py::gil_scoped_release r;
+    return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
+  };
+}
+
 void bind_copy_engine(py::module_& m) {
   using kvtier::CopyEngine;
   py::enum_<kvtier::JobState>(m, "JobState")
@@ -243,36 +265,12 @@ void bind_copy_engine(py::module_& m) {
       .value("FAILED", kvtier::JobState::kFailed);
   py::class_<CopyEngine>(m, "CopyEngine", "Native copy engine; see kvtier.transfer for the contract.")
       .def(py::init<int, std::size_t>(), py::arg("num_threads"), py::arg("max_queued"))
-      .def("submit_gather", [](CopyEngine& e, const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t stride,
-                               std::int64_t page_bytes, std::int64_t num_pages,
-                               const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& pages,
-                               std::uintptr_t staging, bool block) {
-        auto pools = make_pools(layer_ptrs, stride, page_bytes, num_pages);
-        auto pg = to_pages(pages);
-        auto* dst = reinterpret_cast<std::uint8_t*>(staging);
-        CopyEngine::Job job = [pools, pg, dst] {
-          kvtier::gather_pages(pools, pg.data(), pg.size(), dst);
-          return std::vector<int>(pg.size(), 0);
-        };
-        py::gil_scoped_release r;
-        return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
-      }, py::arg("layer_ptrs"), py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"),
-         py::arg("pages"), py::arg("staging_ptr"), py::arg("block") = true)
-      .def("submit_scatter", [](CopyEngine& e, const std::vector<std::uintptr_t>& layer_ptrs, std::int64_t stride,
-                                std::int64_t page_bytes, std::int64_t num_pages,
-                                const py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>& pages,
-                                std::uintptr_t staging, bool block) {
-        auto pools = make_pools(layer_ptrs, stride, page_bytes, num_pages);
-        auto pg = to_pages(pages);
-        const auto* src = reinterpret_cast<const std::uint8_t*>(staging);
-        CopyEngine::Job job = [pools, pg, src] {
-          kvtier::scatter_pages(pools, pg.data(), pg.size(), src);
-          return std::vector<int>(pg.size(), 0);
-        };
-        py::gil_scoped_release r;
-        return block ? e.submit(std::move(job)) : e.try_submit(std::move(job));
-      }, py::arg("layer_ptrs"), py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"),
-         py::arg("pages"), py::arg("staging_ptr"), py::arg("block") = true)
+      .def("submit_gather", submit_pages(true), "pools -> page-first staging", py::arg("layer_ptrs"),
+           py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"), py::arg("pages"),
+           py::arg("staging_ptr"), py::arg("block") = true)
+      .def("submit_scatter", submit_pages(false), "page-first staging -> pools", py::arg("layer_ptrs"),
+           py::arg("page_stride_bytes"), py::arg("page_bytes"), py::arg("num_pages"), py::arg("pages"),
+           py::arg("staging_ptr"), py::arg("block") = true)
       .def("submit_disk", [](CopyEngine& e, std::shared_ptr<kvtier::DiskTier> disk, const py::sequence& hashes,
                              const MetaTuple& meta, std::uintptr_t ptr, bool write, bool block) {
         auto job = disk_job(std::move(disk), to_hashes(hashes), to_meta(meta), reinterpret_cast<std::uint8_t*>(ptr),

@@ -33,10 +33,6 @@ class HostTier:
         self.storage = torch.empty(self.num_slots, block_bytes, dtype=torch.uint8, pin_memory=pin)
         self._free = list(range(self.num_slots - 1, -1, -1))
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
     def allocate(self) -> int | None:
         """A free slot id, or None when every slot is taken."""
         return self._free.pop() if self._free else None

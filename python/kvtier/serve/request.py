@@ -66,7 +66,3 @@ class Sequence:
         if end <= n:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids[start:] if start < n else []) + self.output_token_ids[max(start - n, 0):end - n]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
