@@ -1,0 +1,84 @@
+"""What one replay run records: a row per request and the counters of the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """One replayed request (one turn of one session).
+
+    Times are seconds since the start of the run (``time.perf_counter`` based).
+
+    Attributes:
+        session_id: the session this turn belongs to.
+        turn: index of the turn within its session (0-based).
+        input_tokens: prompt length in tokens (after token scaling).
+        output_tokens: tokens generated.
+        arrival_s: when the request was submitted to the engine.
+        first_token_s: when its first output token was sampled (None: never, e.g. an error).
+        finish_s: when it finished (None: not finished when the run ended).
+        cached_tokens: prompt tokens served from cached blocks, any tier.
+        cached_tokens_by_tier: the same split by tier: ``{"device", "host", "disk"}``.
+        error: the engine's error for this request, or None.
+    """
+
+    session_id: str
+    turn: int
+    input_tokens: int
+    output_tokens: int
+    arrival_s: float
+    first_token_s: float | None
+    finish_s: float | None
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token in seconds (None when no token came)."""
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first, in seconds (None for fewer than 2 tokens)."""
+        if self.first_token_s is None or self.finish_s is None or self.output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Arrival to finish in seconds."""
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass
+class ConfigRun:
+    """One cache configuration's replay of the workload.
+
+    Attributes:
+        name: configuration name (``device-only``, ``tiered``, ...).
+        records: one per request submitted.
+        wall_s: seconds from the first submission to the last finish.
+        recomputed_tokens: prompt tokens that were prefilled (not served from any cache),
+            including recomputation after preemption.
+        bytes_moved: bytes copied per direction, e.g. ``{"device->host", "host->device",
+            "host->disk", "disk->host"}``.
+        copy_errors: failed copies (each ended in recomputation).
+        evictions: blocks evicted per tier.
+        preemptions: running requests preempted when device pages ran out.
+        device_pages: device pages per layer; ``working_set_pages``: pages the concurrent
+            sessions' contexts need at their peak (for the capacity ratio printed).
+    """
+
+    name: str
+    records: list[RequestRecord]
+    wall_s: float
+    recomputed_tokens: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    copy_errors: int = 0
+    evictions: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    device_pages: int = 0
+    working_set_pages: int = 0
