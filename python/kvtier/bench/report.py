@@ -1,0 +1,440 @@
+"""Turn replay runs into numbers: a JSON summary, a terminal table, a TTFT plot, a progress line.
+
+Method (applies to every function here):
+
+- A request is *finished* when it has a ``finish_s`` and no ``error``. Latency percentiles and
+  token counts (input, output, cache hits) are taken over finished requests only; unfinished and
+  errored requests are counted (``requests``, ``errors``) but contribute no latency or tokens.
+- Percentiles use numpy's ``"linear"`` method (the default of ``numpy.percentile``:
+  interpolate linearly between the two closest order statistics). One value gives that value
+  for every percentile; no value gives None.
+- All times are seconds (floats) in the JSON; the table shows milliseconds.
+- ``throughput_tok_s`` is total token throughput: (input + output tokens of finished requests)
+  / ``wall_s``, counting cached prompt tokens too, as the AMD/Moonshot serving figures count it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from kvtier.bench.records import ConfigRun, RequestRecord
+
+BASELINE = "device-only"
+"""Name of the run the others are compared against (ratios appear when it is present)."""
+
+TIERS = ("device", "host", "disk")
+DIRECTIONS = ("device->host", "host->device", "host->disk", "disk->host")
+"""Canonical order of ``bytes_moved`` keys in the table; other keys follow, sorted."""
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _finished(run: ConfigRun) -> list[RequestRecord]:
+    return [r for r in run.records if r.finish_s is not None and r.error is None]
+
+
+def _percentiles(values: list[float], qs: dict[str, float]) -> dict[str, float | None]:
+    if not values:
+        return {k: None for k in qs}
+    got = np.percentile(np.asarray(values, dtype=np.float64), list(qs.values()), method="linear")
+    return {k: float(v) for k, v in zip(qs, got, strict=True)}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if num is None or den is None or den == 0 else num / den
+
+
+def summarize(run: ConfigRun) -> dict:
+    """Summarize one configuration's replay as a JSON-ready dict.
+
+    Args:
+        run: the configuration's records and counters (see ``kvtier.bench.records``).
+
+    Returns:
+        ``{"ttft_s": {"p50", "p90", "p99"}, "tpot_s": {"p50", "p99"}, "e2e_s": {"p50", "p99"},
+        "throughput_tok_s", "requests", "hit_tokens": {"device", "host", "disk"},
+        "recomputed_tokens", "bytes_moved": {direction: bytes}, "errors",
+        "hit_rate": {"device", "host", "disk", "total"}, "input_tokens", "output_tokens",
+        "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors", "device_pages",
+        "working_set_pages"}``.
+
+        - ``*_s`` percentiles: seconds, numpy ``"linear"`` percentiles over finished requests
+          (TPOT only over those with >= 2 output tokens); None when there is no such request.
+        - ``throughput_tok_s``: tokens/s, (input + output tokens of finished requests) /
+          ``wall_s``; None when ``wall_s`` is 0.
+        - ``requests``: records submitted (finished or not); ``errors``: records with an error.
+        - ``input_tokens``, ``output_tokens``, ``hit_tokens``: tokens, finished requests only.
+        - ``hit_rate[tier]``: ``hit_tokens[tier] / input_tokens``; ``hit_rate["total"]``:
+          ``cached_tokens`` (any tier) / ``input_tokens``; None when ``input_tokens`` is 0.
+        - ``bytes_moved`` (bytes), ``evictions`` (blocks) and the counters are copied from ``run``.
+
+    Raises:
+        ValueError: ``run.wall_s`` is negative or not finite (names the run).
+
+    Example:
+        >>> from kvtier.bench.records import ConfigRun, RequestRecord
+        >>> r = RequestRecord("s0", 0, input_tokens=100, output_tokens=3, arrival_s=0.0,
+        ...                   first_token_s=0.5, finish_s=1.5, cached_tokens=64,
+        ...                   cached_tokens_by_tier={"device": 64, "host": 0, "disk": 0})
+        >>> s = summarize(ConfigRun("tiered", [r], wall_s=2.0))
+        >>> s["ttft_s"]["p99"], s["tpot_s"]["p50"], s["hit_rate"]["device"], s["throughput_tok_s"]
+        (0.5, 0.5, 0.64, 51.5)
+    """
+    if not (math.isfinite(run.wall_s) and run.wall_s >= 0):
+        raise ValueError(f"run {run.name!r}: wall_s must be finite and >= 0 seconds, got {run.wall_s!r}")
+    done = _finished(run)
+    ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in done if r.tpot_s is not None]
+    e2e = [r.e2e_s for r in done]
+    input_tokens = sum(r.input_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    hit_tokens = {t: sum(r.cached_tokens_by_tier.get(t, 0) for r in done) for t in TIERS}
+    cached = sum(r.cached_tokens for r in done)
+    hit_rate = {t: _ratio(hit_tokens[t], input_tokens) for t in TIERS}
+    hit_rate["total"] = _ratio(cached, input_tokens)
+    return {
+        "ttft_s": _percentiles(ttft, {"p50": 50, "p90": 90, "p99": 99}),
+        "tpot_s": _percentiles(tpot, {"p50": 50, "p99": 99}),
+        "e2e_s": _percentiles(e2e, {"p50": 50, "p99": 99}),
+        "throughput_tok_s": _ratio(float(input_tokens + output_tokens), float(run.wall_s)),
+        "requests": len(run.records),
+        "hit_tokens": hit_tokens,
+        "recomputed_tokens": run.recomputed_tokens,
+        "bytes_moved": dict(run.bytes_moved),
+        "errors": sum(r.error is not None for r in run.records),
+        "hit_rate": hit_rate,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "wall_s": float(run.wall_s),
+        "preemptions": run.preemptions,
+        "evictions": dict(run.evictions),
+        "copy_errors": run.copy_errors,
+        "device_pages": run.device_pages,
+        "working_set_pages": run.working_set_pages,
+    }
+
+
+def _compare(baseline: dict, summary: dict) -> dict:
+    return {"ttft_p99_ratio": _ratio(baseline["ttft_s"]["p99"], summary["ttft_s"]["p99"]),
+            "throughput_ratio": _ratio(summary["throughput_tok_s"], baseline["throughput_tok_s"])}
+
+
+def _summaries(runs: list[ConfigRun]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for run in runs:
+        if run.name in out:
+            raise ValueError(f"runs: configuration name {run.name!r} appears more than once")
+        out[run.name] = summarize(run)
+    return out
+
+
+def bench_json(runs: list[ConfigRun], provenance: dict) -> dict:
+    """The ``kvtier bench --json`` document.
+
+    Args:
+        runs: one per configuration; names must be unique.
+        provenance: where the result came from, passed through unchanged; build it with
+            ``kvtier.provenance.provenance(**extra)``.
+
+    Returns:
+        ``{"provenance": provenance, "configs": {name: summarize(run)}}``, plus, when a run named
+        ``"device-only"`` and at least one other run exist, ``"comparison": {name:
+        {"ttft_p99_ratio", "throughput_ratio"}}`` for every other run, where
+        ``ttft_p99_ratio`` = device-only p99 TTFT / this run's (> 1: this run is faster) and
+        ``throughput_ratio`` = this run's throughput / device-only's (> 1: more tokens/s);
+        a ratio is None when either side is None or the denominator is 0.
+
+    Raises:
+        ValueError: two runs share a name, or a run's ``wall_s`` is invalid (see ``summarize``).
+    """
+    configs = _summaries(runs)
+    data = {"provenance": provenance, "configs": configs}
+    if BASELINE in configs and len(configs) > 1:
+        data["comparison"] = {name: _compare(configs[BASELINE], s)
+                              for name, s in configs.items() if name != BASELINE}
+    return data
+
+
+# --------------------------------------------------------------------------- files
+
+
+def check_writable(path: str | os.PathLike) -> None:
+    """Fail early when ``write_json(path, ...)`` could not write ``path``.
+
+    Creates and removes a temporary file beside ``path`` (the same operation ``write_json``
+    performs); an existing ``path`` is not opened or modified, and no file is left behind.
+
+    Raises:
+        ValueError: naming ``path``, when it is a directory or another non-regular file, its
+            parent directory does not exist, or a file cannot be created in that directory.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ValueError(f"output path {str(p)!r} exists and is not a regular file")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ValueError(f"output path {str(p)!r}: directory {str(parent)!r} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{p.name}.", suffix=".tmp")
+    except OSError as e:
+        raise ValueError(f"output path {str(p)!r} is not writable: {e.strerror}") from e
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_json(path: str | os.PathLike, data: dict) -> Path:
+    """Write ``data`` to ``path`` as JSON (indent 2) atomically: temp file, fsync, rename.
+
+    A reader sees either the old file or the complete new one. An existing file's permission
+    bits are kept; a new file gets the usual ``0o666 & ~umask``.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: ``data`` holds NaN or infinity (not valid JSON); nothing is written.
+        TypeError: ``data`` holds a value JSON cannot encode; nothing is written.
+        OSError: the directory is missing or not writable (``check_writable`` reports it early).
+    """
+    p = Path(path)
+    mode = p.stat().st_mode & 0o7777 if p.is_file() else _new_file_mode()
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return p
+
+
+# --------------------------------------------------------------------------- table
+
+
+def _ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+def _times(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _table_rows(runs: list[ConfigRun], s: dict[str, dict]) -> list[tuple[str, list[str]]]:
+    names = [r.name for r in runs]
+
+    def col(cell) -> list[str]:
+        return [cell(s[n]) for n in names]
+
+    finished = {r.name: len(_finished(r)) for r in runs}
+    rows = [("requests (finished)", [f"{s[n]['requests']} ({finished[n]})" for n in names])]
+    rows += [(f"TTFT {q} (ms)", col(lambda x, q=q: _ms(x["ttft_s"][q]))) for q in ("p50", "p90", "p99")]
+    rows += [(f"TPOT {q} (ms)", col(lambda x, q=q: _ms(x["tpot_s"][q]))) for q in ("p50", "p99")]
+    rows += [(f"e2e {q} (ms)", col(lambda x, q=q: _ms(x["e2e_s"][q]))) for q in ("p50", "p99")]
+    rows.append(("throughput (tok/s)", col(lambda x: "n/a" if x["throughput_tok_s"] is None
+                                          else f"{x['throughput_tok_s']:.1f}")))
+    rows += [(f"hit rate {t}", col(lambda x, t=t: _pct(x["hit_rate"][t]))) for t in (*TIERS, "total")]
+    rows.append(("recomputed tokens", col(lambda x: str(x["recomputed_tokens"]))))
+    seen = {d for x in s.values() for d in x["bytes_moved"]}
+    dirs = [d for d in DIRECTIONS if d in seen] + sorted(seen - set(DIRECTIONS))
+    rows += [(f"bytes moved {d}", col(lambda x, d=d: _bytes(x["bytes_moved"].get(d, 0)))) for d in dirs]
+    rows.append(("device pages / working set", col(lambda x: f"{x['device_pages']} / {x['working_set_pages']}")))
+    for label, key in (("copy errors", "copy_errors"), ("request errors", "errors"), ("preemptions", "preemptions")):
+        rows.append((label, col(lambda x, key=key: str(x[key]))))
+    if BASELINE in s and len(s) > 1:
+        cmp = {n: _compare(s[BASELINE], s[n]) for n in names}
+        rows.append((f"TTFT p99 speedup vs {BASELINE}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))
+        rows.append((f"throughput vs {BASELINE}", [_times(cmp[n]["throughput_ratio"]) for n in names]))
+    return rows
+
+
+def render_table(runs: list[ConfigRun], console: Console | None = None) -> Table:
+    """Print one column per configuration and one row per metric; return the ``rich`` table.
+
+    Times are shown in milliseconds, hit rates in percent, bytes in binary units (B, KiB, MiB,
+    GiB); "n/a" marks a value with no data. When a ``device-only`` run and others exist, two
+    ratio rows follow: p99 TTFT speedup (device-only / config) and throughput (config /
+    device-only). Without a terminal (CI logs, files) the output is plain text, no colour codes.
+
+    Args:
+        runs: configurations in column order; names must be unique.
+        console: where to print; a new ``rich.console.Console()`` (stdout) when None.
+
+    Raises:
+        ValueError: as ``bench_json``.
+    """
+    s = _summaries(runs)
+    table = Table(title="kvtier bench: per-configuration results")
+    table.add_column("metric")
+    for run in runs:
+        table.add_column(escape(run.name), justify="right")
+    for label, cells in _table_rows(runs, s):
+        table.add_row(escape(label), *(escape(c) for c in cells))
+    (console or Console()).print(table)
+    return table
+
+
+# --------------------------------------------------------------------------- plot
+
+
+def plot_ttft(runs: list[ConfigRun], path: str | os.PathLike) -> Path:
+    """Plot each configuration's TTFT empirical CDF (log x, seconds) with its p99 marked; write PNG.
+
+    Uses a standalone ``matplotlib.figure.Figure`` on the Agg canvas: pyplot's global state
+    and the caller's backend and figures are untouched. A configuration with no finished
+    request is not drawn and is listed in the legend as such. TTFT values <= 0 s cannot be
+    shown on the log axis and are masked by matplotlib.
+
+    Args:
+        runs: configurations to draw (finished requests only; p99 as in ``summarize``).
+        path: the PNG to write; its directory must exist.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    drawn = False
+    for run in runs:
+        ttft = np.sort([r.ttft_s for r in _finished(run) if r.ttft_s is not None])
+        if ttft.size == 0:
+            ax.plot([], [], " ", label=f"{run.name}: no finished requests")
+            continue
+        p99 = _percentiles(ttft.tolist(), {"p99": 99})["p99"]
+        frac = np.arange(1, ttft.size + 1) / ttft.size
+        (line,) = ax.step(np.r_[ttft[0], ttft], np.r_[0.0, frac], where="post",
+                          label=f"{run.name} (n={ttft.size}, p99 {p99:.3g} s)")
+        ax.axvline(p99, color=line.get_color(), linestyle="--", linewidth=1)
+        drawn = True
+    if drawn:
+        ax.set_xscale("log")
+    else:
+        ax.text(0.5, 0.5, "no finished requests", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Time to first token per configuration (empirical CDF; dashed: p99)")
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of finished requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="best")
+    fig.savefig(path, format="png")
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ReplayProgress:
+    """Progress of one configuration's replay; made by ``replay_progress``.
+
+    On a terminal it drives a ``rich.progress`` bar. Otherwise it prints a plain line at the
+    start, at each further 10% of ``total`` and at the end, carrying the latest status text.
+    """
+
+    def __init__(self, total: int, name: str, console: Console, bar=None):  # bar: rich.progress.Progress
+        self.total, self.name, self.console, self._bar = total, name, console, bar
+        self.done, self.status, self._next_line = 0, "", 0.0
+        self._t0 = time.perf_counter()
+        self._task = bar.add_task(name, total=total, status="") if bar is not None else None
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` more requests as completed (finished or failed)."""
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, advance=n)
+        elif self.done >= self._next_line and self.done < self.total:
+            self._line()
+
+    def update_status(self, text: str) -> None:
+        """Show ``text`` (e.g. "waiting for stragglers") beside the count."""
+        self.status = text
+        if self._bar is not None:
+            self._bar.update(self._task, status=text)
+
+    def _line(self) -> None:
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        msg = f"{self.name}: {self.done}/{self.total} requests ({pct:.0f}%), {time.perf_counter() - self._t0:.1f} s"
+        self.console.print(msg + (f", {self.status}" if self.status else ""), markup=False, highlight=False)
+        self._next_line = (math.floor(10 * self.done / self.total) + 1) * self.total / 10 if self.total else math.inf
+
+
+@contextlib.contextmanager
+def replay_progress(total_requests: int, config_name: str, console: Console | None = None) -> Iterator[ReplayProgress]:
+    """Show replay progress for one configuration while the ``with`` block runs.
+
+    Args:
+        total_requests: requests the replay will submit (>= 0).
+        config_name: shown as the bar's description / line prefix.
+        console: where to draw; a new ``rich.console.Console()`` when None.
+
+    Yields:
+        a ``ReplayProgress`` with ``advance(n=1)`` and ``update_status(text)``.
+
+    Raises:
+        ValueError: ``total_requests`` < 0.
+
+    Example:
+        >>> import io
+        >>> with replay_progress(2, "tiered", Console(file=io.StringIO())) as p:
+        ...     p.advance(); p.advance()
+    """
+    if total_requests < 0:
+        raise ValueError(f"total_requests must be >= 0, got {total_requests}")
+    console = console or Console()
+    if not console.is_terminal:
+        p = ReplayProgress(total_requests, config_name, console)
+        p._line()
+        try:
+            yield p
+        finally:
+            p._line()
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[status]}"), console=console, transient=False) as bar:
+        yield ReplayProgress(total_requests, config_name, console, bar)
