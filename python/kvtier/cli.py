@@ -1,6 +1,9 @@
 """The kvtier command.
 
 Subcommands:
+  bench               replay coding-agent sessions (a trace or the built-in workload) under
+                      several cache configurations; prints TTFT/TPOT/throughput/hits per tier,
+                      writes a TTFT plot and, with --json, the numbers with provenance
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
   create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
@@ -9,6 +12,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -96,6 +100,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvtier.bench import report
+    from kvtier.bench.run import BenchOptions, run_all
+
+    console = Console()
+    opts = BenchOptions(
+        model=args.model, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
+        configs=args.configs, token_scale=args.token_scale, time_scale=args.time_scale,
+        max_think_s=args.max_think_s, max_turns=args.max_turns or None, device_fraction=args.device_fraction,
+        num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
+        host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads)
+    for path in (args.json, args.plot):  # fail now, not after a long run
+        if path:
+            report.check_writable(path)
+    with contextlib.ExitStack() as stack:
+        bars: list = []
+
+        def on_start(name: str, total: int) -> None:
+            stack.close()
+            bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
+
+        workload, sizing, runs, prov = run_all(opts, on_start=on_start, on_finish=lambda r: bars[-1].advance())
+    console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
+                  f"{workload.block_size}-token blocks; device tier {sizing.device_pages} pages = "
+                  f"{sizing.device_pages / sizing.working_set_pages:.2f} of the working set "
+                  f"({sizing.working_set_pages} pages); host tier {sizing.host_cache_bytes / 2**20:.1f} MiB")
+    report.render_table(runs, console=console)
+    if args.plot:
+        console.print(f"wrote {report.plot_ttft(runs, args.plot)}")
+    if args.json:
+        report.write_json(args.json, report.bench_json(runs, prov))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_create_checkpoint(args: argparse.Namespace) -> int:
     path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
     print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}")
@@ -106,6 +146,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="replay coding-agent sessions under several cache configurations")
+    b.add_argument("--trace", metavar="PATH", help="kv-cache-tester .json/.json.gz or Mooncake .jsonl file, or a "
+                   "folder of them (default: the built-in workload generator)")
+    b.add_argument("--sessions", type=int, default=32, help="sessions replayed")
+    b.add_argument("--concurrency", type=int, default=16, help="sessions active at once")
+    b.add_argument("--configs", default="device-only,tiered",
+                   help="comma-separated: device-only, tiered, tiered-tool-aware, no-cache")
+    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    b.add_argument("--token-scale", type=float, default=1 / 64,
+                   help="factor on every token length; block size x scale must be an integer")
+    b.add_argument("--time-scale", type=float, default=0.01, help="factor on think times")
+    b.add_argument("--max-think-s", type=float, default=1.0, help="cap on a scaled think time (s)")
+    b.add_argument("--max-turns", type=int, default=12, help="turns kept per session (0 = all)")
+    b.add_argument("--device-fraction", type=float, default=0.25,
+                   help="device KV pages as a fraction of the sessions' working set")
+    b.add_argument("--num-device-pages", type=int, default=None, help="device KV pages (overrides the fraction)")
+    b.add_argument("--host-fraction", type=float, default=1.0,
+                   help="host tier as a fraction of the working set's KV bytes")
+    b.add_argument("--host-cache-bytes", type=int, default=None, help="host tier bytes (overrides the fraction)")
+    b.add_argument("--disk-cache-dir", default=None, help="where the per-run disk tiers go (default: temp dir)")
+    b.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see kvtier.bench.run)")
+    b.add_argument("--plot", metavar="PATH", default="kvtier-bench-ttft.png", help="TTFT distribution PNG ('' = none)")
+    b.add_argument("--json", metavar="PATH", help="write the results with provenance here")
+    b.set_defaults(func=cmd_bench)
     g = sub.add_parser("generate", help="offline generation over synthetic shared-prefix prompts")
     g.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
     g.add_argument("--num-prompts", type=int, default=8)

@@ -44,6 +44,25 @@ def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> Kimi
     return model.to(device)
 
 
+def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
+                     seed: int = 0) -> tuple[KimiK2ForCausalLM, bytes]:
+    """The model and its identity for cache salting: ``(model, model_id)``.
+
+    ``model`` is a checkpoint directory (``model_id`` = its fingerprint) or a preset name
+    (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
+    share the returned model (each has its own KV pages).
+
+    Raises:
+        ValueError: neither a directory nor a known preset, or a bad ``dtype``.
+    """
+    torch_dtype = _resolve_dtype(dtype, device)
+    if Path(model).is_dir():
+        return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
+    if str(model) in PRESETS:
+        return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
+    raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+
+
 class LLM:
     """A model with its engine, for offline generation.
 
@@ -72,15 +91,7 @@ class LLM:
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                  **engine_args):
-        torch_dtype = _resolve_dtype(dtype, device)
-        if Path(model).is_dir():
-            net = load_model(model, torch_dtype, device)
-            model_id = checkpoint_fingerprint(model)
-        elif str(model) in PRESETS:
-            net = _random_model(str(model), seed, torch_dtype, device)
-            model_id = f"preset:{model}:seed:{seed}".encode()
-        else:
-            raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
         self.config = net.config
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
         unknown = sorted(set(engine_args) - known)

@@ -32,6 +32,7 @@ class Engine:
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
+        self.num_prefill_tokens = 0  # tokens run as prefill (prompt chunks and recomputation), not decodes
 
     def check_request(self, prompt_token_ids, params: SamplingParams, index: int = 0) -> list[int]:
         """The prompt as a list of Python ints, after checking it fits this engine.
@@ -87,6 +88,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         results = self.runner.run(batch)
+        self.num_prefill_tokens += sum(n for _, n in batch.extends)
         if batch.extends:
             self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
         finished = []

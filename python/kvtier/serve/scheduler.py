@@ -29,10 +29,15 @@ class ScheduledBatch:
 class Scheduler:
     """FCFS: running sequences first (decodes and unfinished prefills), then admissions.
 
-    An admitted sequence first gets its cached prefix from the pool; while blocks load from a
-    lower tier it waits in ``loading`` and the batch goes on without it. When pages run out, the
-    most recently admitted running sequence is preempted: its pages are freed (they stay in the
-    prefix cache) and it is recomputed later.
+    An admitted sequence first gets its cached prefix from the pool; the pool's cost model
+    decides, block run by block run, whether loading from the tier holding it beats
+    recomputing. While blocks load from a lower tier the sequence waits in ``loading`` and the
+    batch goes on without it. When pages run out, the most recently admitted running sequence
+    is preempted: its pages are released into the prefix cache, so its full blocks are offloaded
+    rather than lost (an evicted page is copied to the host tier when there is one: at once under
+    write-through, at eviction under write-back). When it is re-admitted it matches them like any
+    returning prompt and loads them back; only its last, partial block and whatever no tier kept
+    are recomputed.
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool):

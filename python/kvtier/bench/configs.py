@@ -1,0 +1,74 @@
+"""The cache configurations ``kvtier bench`` compares, and how they are sized.
+
+- ``device-only``: prefix caching in device pages only, LRU: what engines do by default.
+- ``tiered``: device pages, then host memory, then disk, with the probed cost model deciding
+  what to load and what to recompute; LRU; write-back (a block is copied down a tier when it is
+  evicted from the one above).
+- ``tiered-tool-aware``: ``tiered`` with the tool-aware policy, told about tool waits.
+- ``no-cache``: no prefix caching at all (every prompt is prefilled in full).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvtier.serve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One cache configuration.
+
+    Attributes:
+        name: as given to ``--configs``.
+        enable_prefix_caching: reuse cached blocks at all.
+        host: use a host-memory tier (sized by the bench's ``host_cache_bytes``).
+        disk: use a disk tier (in a fresh directory per run).
+        cache_policy: ``lru`` or ``tool-aware``.
+        cache_write_policy: ``write-through`` or ``write-back``.
+        tool_aware: the replay tells the pool about tool waits.
+    """
+
+    name: str
+    enable_prefix_caching: bool = True
+    host: bool = False
+    disk: bool = False
+    cache_policy: str = "lru"
+    cache_write_policy: str = "write-back"
+    tool_aware: bool = False
+
+    def engine_config(self, base: EngineConfig, host_cache_bytes: int, disk_dir: str | None,
+                      disk_cache_bytes: int) -> EngineConfig:
+        """``base`` with this configuration's cache fields."""
+        return dataclasses.replace(
+            base, enable_prefix_caching=self.enable_prefix_caching,
+            host_cache_bytes=host_cache_bytes if self.host else 0,
+            disk_cache_dir=disk_dir if self.disk else None,
+            disk_cache_bytes=disk_cache_bytes if self.disk else 0,
+            cache_policy=self.cache_policy, cache_write_policy=self.cache_write_policy)
+
+
+CONFIGS = {c.name: c for c in (
+    BenchConfig("device-only"),
+    BenchConfig("tiered", host=True, disk=True),
+    BenchConfig("tiered-tool-aware", host=True, disk=True, cache_policy="tool-aware", tool_aware=True),
+    BenchConfig("no-cache", enable_prefix_caching=False),
+)}
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    """``"device-only,tiered"`` -> configurations, in order.
+
+    Raises:
+        ValueError: an unknown or repeated name, or an empty list; names the valid ones.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--configs is empty; expected a comma-separated subset of {list(CONFIGS)}")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown configuration(s) {unknown}; expected some of {list(CONFIGS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--configs names a configuration twice: {names}")
+    return [CONFIGS[n] for n in names]

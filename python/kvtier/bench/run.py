@@ -1,0 +1,206 @@
+"""``kvtier bench``: one workload, several cache configurations, one run.
+
+Every configuration replays the same sessions through a fresh engine over the same model
+weights; only the cache differs. Sizes are derived from the workload so that the device tier
+holds clearly less than the sessions' working set (``device_fraction``), as on a real node
+where ~1 TiB of agent context meets a few hundred GB of HBM (WORKLOAD.md, "Sizing").
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvtier.bench.configs import BenchConfig, parse_configs
+from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.bench.replay import replay, working_set_pages
+from kvtier.bench.workload import Workload, generate_workload, load_trace
+from kvtier.cache.disk_tier import DiskTier
+from kvtier.llm import load_for_serving
+from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.ops import resolve_backend
+from kvtier.provenance import provenance
+from kvtier.serve import Engine, EngineConfig, SamplingParams
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What ``kvtier bench`` runs. Sizes in pages are per layer; bytes are bytes.
+
+    Attributes:
+        model: preset name or checkpoint directory.
+        trace: trace file or folder (kv-cache-tester or Mooncake); None = built-in workload.
+        sessions: sessions replayed (the first N after filtering).
+        concurrency: sessions active at once.
+        configs: comma-separated configuration names (see ``kvtier.bench.configs``).
+        token_scale: factor on every token length (block sizes scale with it).
+        time_scale: factor on think times; ``max_think_s`` caps a scaled think time (seconds).
+        max_turns: turns kept per session (None = all).
+        device_fraction: device pages as a fraction of the working set (ignored when
+            ``num_device_pages`` is given).
+        host_fraction: host tier bytes as a fraction of the working set's KV bytes (ignored
+            when ``host_cache_bytes`` is given).
+        disk_cache_dir: parent of the per-run disk tier directories (None = the system temp dir).
+        max_num_batched_tokens: token budget per engine step.
+        seed: model weights, built-in workload and sampling.
+        threads: torch intra-op threads during the run. Default 1: the model's ops are small
+            at CPU scale and the copy engine's worker threads need cores too; with every core
+            given to torch, an op's threads wait on each other whenever another thread is
+            scheduled (on 2 cores a 4-request decode run took 34 s with 2 threads under
+            contention vs 0.55 s with 1).
+    """
+
+    model: str = "tiny"
+    trace: str | None = None
+    sessions: int = 32
+    concurrency: int = 16
+    configs: str = "device-only,tiered"
+    token_scale: float = 1 / 64
+    time_scale: float = 0.01
+    max_think_s: float = 1.0
+    max_turns: int | None = 12
+    device_fraction: float = 0.25
+    num_device_pages: int | None = None
+    host_fraction: float = 1.0
+    host_cache_bytes: int | None = None
+    disk_cache_dir: str | None = None
+    max_num_batched_tokens: int = 1024
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("token_scale", "time_scale", "device_fraction"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.host_fraction < math.inf or not 0 <= self.max_think_s:
+            raise ValueError("--host-fraction and --max-think-s must be >= 0")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
+        parse_configs(self.configs)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Tier sizes derived for a workload.
+
+    Attributes:
+        page_size: tokens per page (= the workload's scaled block size).
+        working_set_pages: see :func:`kvtier.bench.replay.working_set_pages`.
+        device_pages: device pages per layer.
+        block_bytes: KV bytes of one page over all layers.
+        host_cache_bytes: host tier budget.
+        disk_cache_bytes: disk tier budget (room for every distinct block of the workload).
+    """
+
+    page_size: int
+    working_set_pages: int
+    device_pages: int
+    block_bytes: int
+    host_cache_bytes: int
+    disk_cache_bytes: int
+
+
+def load_workload(opts: BenchOptions, max_input_tokens: int) -> Workload:
+    """The trace (or built-in workload) scaled and filtered as ``opts`` says."""
+    common = dict(token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
+                  max_turns=opts.max_turns, max_input_tokens=max_input_tokens)
+    if opts.trace is None:
+        return generate_workload(num_sessions=opts.sessions, seed=opts.seed, **common)
+    return load_trace(opts.trace, max_sessions=opts.sessions, **common)
+
+
+def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM) -> Sizing:
+    """Device pages, host and disk bytes for ``workload`` (see :class:`BenchOptions`)."""
+    ps = workload.block_size
+    ws = working_set_pages(workload, ps, opts.concurrency)
+    largest = max(-(-(t.input_tokens + t.output_tokens) // ps) for s in workload.sessions for t in s.turns)
+    device = opts.num_device_pages or max(math.ceil(opts.device_fraction * ws), 2 * largest)
+    cfg = model.config
+    block_bytes = cfg.num_hidden_layers * ps * cfg.kv_cache_dim * torch.finfo(model.dtype).bits // 8
+    host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
+    distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
+    disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
+    return Sizing(ps, ws, device, block_bytes, host, disk)
+
+
+def _warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
+    """One uncached prefill and a few decodes, so the first timed request pays no one-time costs."""
+    engine = Engine(model, EngineConfig(page_size=base.page_size, num_device_pages=base.num_device_pages,
+                                        max_num_batched_tokens=base.max_num_batched_tokens,
+                                        enable_prefix_caching=False))
+    n = min(base.max_num_batched_tokens, model.config.max_position_embeddings - 8, base.num_device_pages * base.page_size - 8)
+    engine.add_request(list(range(300, 300 + n)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, base: EngineConfig,
+               sizing: Sizing, workload: Workload, opts: BenchOptions, on_finish=None) -> ConfigRun:
+    """Replay ``workload`` under ``config`` with a fresh engine (and a fresh disk directory)."""
+    disk_dir = tempfile.mkdtemp(prefix=f"kvtier-bench-{config.name}-", dir=opts.disk_cache_dir) if config.disk else None
+    try:
+        engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes),
+                        model_id)
+        run = replay(engine, workload, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
+                     on_finish=on_finish)
+        engine.pool.poll(wait=True)  # no copy may still write into disk_dir when it is removed
+        del engine
+        gc.collect()
+        return run
+    finally:
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def bench_provenance(opts: BenchOptions, workload: Workload, sizing: Sizing, model: KimiK2ForCausalLM) -> dict:
+    """Everything needed to reproduce or judge a run (``provenance`` in the JSON)."""
+    device = model.embed_tokens.device
+    return provenance(
+        model=opts.model, dtype=str(model.dtype),
+        backend=resolve_backend("mla_decode", "auto", device, model.dtype),
+        workload={"name": workload.name, "source": workload.source, "format": workload.format,
+                  "sessions": len(workload.sessions), "requests": workload.num_requests()},
+        token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
+        sizing=asdict(sizing), options=asdict(opts), torch_threads=torch.get_num_threads())
+
+
+def prepare(opts: BenchOptions):
+    """Load the model and the workload and size the tiers: ``(model, model_id, workload, sizing, base)``."""
+    model, model_id = load_for_serving(opts.model, seed=opts.seed)
+    workload = load_workload(opts, model.config.max_position_embeddings)
+    if not workload.sessions:
+        raise ValueError("the workload has no session that fits the model's context "
+                         f"(max_position_embeddings={model.config.max_position_embeddings} tokens after scaling)")
+    sizing = size_tiers(opts, workload, model)
+    base = EngineConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
+                        max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
+                        seed=opts.seed)
+    return model, model_id, workload, sizing, base
+
+
+def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload, Sizing, list[ConfigRun], dict]:
+    """Run every configuration of ``opts``; returns ``(workload, sizing, runs, provenance)``.
+
+    ``on_start(config_name, num_requests)`` and ``on_finish(record)`` report progress.
+    """
+    configs = parse_configs(opts.configs)
+    torch.set_num_threads(opts.threads)
+    model, model_id, workload, sizing, base = prepare(opts)
+    _warm_up(model, base)
+    runs = []
+    for config in configs:
+        if on_start is not None:
+            on_start(config.name, workload.num_requests())
+        runs.append(run_config(config, model, model_id, base, sizing, workload, opts, on_finish))
+    return workload, sizing, runs, bench_provenance(opts, workload, sizing, model)
+
+
+__all__ = ["BenchOptions", "Sizing", "RequestRecord", "prepare", "run_all", "run_config", "size_tiers"]
