@@ -5,7 +5,10 @@ random bytes. Baseline: one file written sequentially with O_DIRECT in block-siz
 from a page-aligned buffer, then fdatasync, then read back the same way (O_DIRECT, so the page
 cache serves neither side). Measured: the same bytes as one disk-tier file per block through
 the copy engine (``--threads`` workers, one job per block: the tier's own O_DIRECT path,
-checksums, temp file + rename + fdatasync), then read back and verified. Both run in the same
+CRC-32C checksums, temp file + rename, no fsync; see the crash-safety note in
+hip/runtime/disk_tier.h), then read back, checksums verified. The engine's source and
+destination buffers are page-aligned (``aligned_empty``), as the pool's host slots and disk
+staging buffers are, so O_DIRECT moves them without a bounce copy. Both run in the same
 directory (``--dir``, default a temp dir under /tmp) in the same process, after one warm-up
 block, ``--rounds`` times alternating (baseline, engine, baseline, ...) because a shared or
 virtual disk drifts by tens of percent from second to second; each round's ratio uses that
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 from kvtier.cache import block_hashes
-from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.transfer import CopyEngine
 
 
@@ -59,7 +62,7 @@ def through_engine(directory: Path, payload: torch.Tensor, blocks: int, threads:
     handles = [engine.disk_write(disk, [h], meta, payload) for h in hashes[:blocks]]
     ok = all(h.result() == [DiskStatus.OK] for h in handles)
     write_s = time.perf_counter() - t0
-    outs = [torch.empty_like(payload) for _ in range(threads * 2)]
+    outs = [aligned_empty(payload.numel()) for _ in range(threads * 2)]
     t0 = time.perf_counter()
     handles = [engine.disk_read(disk, [h], meta, outs[i % len(outs)]) for i, h in enumerate(hashes[:blocks])]
     ok = ok and all(h.result() == [DiskStatus.OK] for h in handles)
@@ -76,7 +79,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     nbytes = 61 * 64 * 576 * 2
-    payload = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    payload = aligned_empty(nbytes)  # page-aligned, as the pool's staging buffers and host slots
+    payload.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     aligned = mmap.mmap(-1, -(-nbytes // 4096) * 4096)
     aligned[:nbytes] = payload.numpy().tobytes()
     total = args.blocks * nbytes / 1e9

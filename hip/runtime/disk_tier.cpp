@@ -3,8 +3,8 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -14,6 +14,8 @@
 #include <memory>
 #include <stdexcept>
 #include <system_error>
+
+#include "crc32c.h"
 
 namespace kvtier {
 namespace {
@@ -52,19 +54,7 @@ std::uint64_t get_u64(const std::uint8_t* p) {
   return v;
 }
 
-// zlib's crc32() takes a 32-bit length: feed it in 1 GiB pieces.
-std::uint32_t crc32_of(const void* data, std::uint64_t len) {
-  const auto* p = static_cast<const Bytef*>(data);
-  uLong crc = crc32(0L, Z_NULL, 0);
-  while (len > 0) {
-    const uInt n = static_cast<uInt>(std::min<std::uint64_t>(len, std::uint64_t{1} << 30));
-    crc = crc32(crc, p, n);
-    p += n;
-    len -= n;
-  }
-  return static_cast<std::uint32_t>(crc);
-}
-
+// Fills h[0, kDiskHeaderBytes); the rest of the header page stays as it is (zero).
 void encode_header(std::uint8_t* h, const BlockHash& hash, const BlockMeta& m, std::uint32_t payload_crc) {
   std::memset(h, 0, kDiskHeaderBytes);
   std::memcpy(h + kOffMagic, kMagic, sizeof(kMagic));
@@ -76,16 +66,18 @@ void encode_header(std::uint8_t* h, const BlockHash& hash, const BlockMeta& m, s
   put_u32(h + kOffDtype, m.dtype);
   put_u64(h + kOffPayloadBytes, m.payload_bytes);
   put_u32(h + kOffPayloadCrc, payload_crc);
-  put_u32(h + kOffHeaderCrc, crc32_of(h, kOffHeaderCrc));
+  put_u32(h + kOffHeaderCrc, crc32c(h, kOffHeaderCrc));
 }
 
-// Checks everything the header alone can tell; fills *meta and *payload_crc.
+// Checks everything the header page alone can tell; fills *meta and *payload_crc.
 bool decode_header(const std::uint8_t* h, const BlockHash& hash, BlockMeta* meta, std::uint32_t* payload_crc) {
   if (std::memcmp(h + kOffMagic, kMagic, sizeof(kMagic)) != 0) return false;
   if (get_u32(h + kOffVersion) != kDiskFormatVersion) return false;
-  if (get_u32(h + kOffHeaderCrc) != crc32_of(h, kOffHeaderCrc)) return false;
+  if (get_u32(h + kOffHeaderCrc) != crc32c(h, kOffHeaderCrc)) return false;
   if (std::memcmp(h + kOffHash, hash.data(), kBlockHashBytes) != 0) return false;
   if (get_u64(h + kOffReserved) != 0) return false;
+  for (std::uint64_t i = kDiskHeaderBytes; i < kDiskPayloadOffset; ++i)
+    if (h[i] != 0) return false;
   meta->num_layers = get_u32(h + kOffNumLayers);
   meta->page_size = get_u32(h + kOffPageSize);
   meta->row_bytes = get_u32(h + kOffRowBytes);
@@ -147,25 +139,57 @@ struct FreeDeleter {
 };
 using AlignedBuf = std::unique_ptr<std::uint8_t, FreeDeleter>;
 
-// `len` must be a multiple of kDiskAlign (every buffer here is a whole file or a header page).
-AlignedBuf aligned_buf(std::uint64_t len) {
+std::uint64_t round_up(std::uint64_t n) { return (n + kDiskAlign - 1) / kDiskAlign * kDiskAlign; }
+
+bool is_aligned(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % kDiskAlign == 0; }
+
+// `len` must be a multiple of kDiskAlign. Zero-filled when `zero`.
+AlignedBuf aligned_buf(std::uint64_t len, bool zero = false) {
   void* p = std::aligned_alloc(kDiskAlign, static_cast<std::size_t>(len));
   if (p == nullptr) throw std::bad_alloc();
+  if (zero) std::memset(p, 0, static_cast<std::size_t>(len));
   return AlignedBuf(static_cast<std::uint8_t*>(p));
 }
 
-// A per-thread aligned buffer of at least `len` bytes, reused across calls: block files are
-// all the same size, so each copy thread allocates (and page-faults in) its buffer once.
-// Bounded: one buffer of the largest file per thread that ever did I/O here.
-std::uint8_t* thread_scratch(std::uint64_t len) {
-  thread_local AlignedBuf buf;
-  thread_local std::uint64_t cap = 0;
-  if (cap < len) {
-    buf = aligned_buf(len);
-    cap = len;
+// Per-thread aligned buffers, reused across calls (each copy thread allocates them once):
+//   header:  the header page written; only write_file() touches it, and only its first
+//            kDiskHeaderBytes, so the rest stays zero.
+//   read_header: the header page read (whatever the file holds).
+//   tail:   the last, partial payload page plus its zero padding.
+//   bounce: the payload for O_DIRECT from/to a caller buffer that is not kDiskAlign-aligned,
+//           and for scan(); at most one buffer of the largest payload per thread.
+struct ThreadBufs {
+  AlignedBuf header = aligned_buf(kDiskAlign, true);
+  AlignedBuf read_header = aligned_buf(kDiskAlign);
+  AlignedBuf tail = aligned_buf(kDiskAlign);
+  AlignedBuf bounce;
+  std::uint64_t bounce_cap = 0;
+
+  std::uint8_t* bounce_of(std::uint64_t len) {
+    if (bounce_cap < len) {
+      bounce = aligned_buf(len);
+      bounce_cap = len;
+    }
+    return bounce.get();
   }
-  return buf.get();
+};
+ThreadBufs& thread_bufs() {
+  thread_local ThreadBufs bufs;
+  return bufs;
 }
+
+// The file as (up to) three pieces, all valid for O_DIRECT when `body` is aligned: the header
+// page, the whole payload pages (payload_bytes rounded down) and the tail page.
+struct Pieces {
+  iovec iov[3];
+  int n = 0;
+  std::uint64_t bytes = 0;
+  void add(void* p, std::uint64_t len) {
+    if (len == 0) return;
+    iov[n++] = iovec{p, static_cast<std::size_t>(len)};
+    bytes += len;
+  }
+};
 
 // Closes on scope exit.
 struct Fd {
@@ -189,29 +213,46 @@ DiskStatus status_of_errno(int err) {
   return DiskStatus::kIoError;
 }
 
-// Writes buf[0, len) at offset 0. A short write to a regular file means the filesystem ran out
+// Drops the first `done` bytes of the pieces (after a short transfer).
+void advance(Pieces* pc, std::uint64_t done, int* first) {
+  while (done > 0) {
+    iovec& v = pc->iov[*first];
+    if (done < v.iov_len) {
+      v.iov_base = static_cast<std::uint8_t*>(v.iov_base) + done;
+      v.iov_len -= static_cast<std::size_t>(done);
+      return;
+    }
+    done -= v.iov_len;
+    ++*first;
+  }
+}
+
+// Writes the pieces at offset 0. A short write to a regular file means the filesystem ran out
 // of space (and with O_DIRECT the rest could not be written at an unaligned offset anyway).
-DiskStatus write_all(int fd, const std::uint8_t* buf, std::uint64_t len) {
+DiskStatus write_pieces(int fd, Pieces pc) {
   std::uint64_t done = 0;
-  while (done < len) {
-    const ssize_t n = ::pwrite(fd, buf + done, static_cast<std::size_t>(len - done), static_cast<off_t>(done));
+  int first = 0;
+  while (done < pc.bytes) {
+    const ssize_t n = ::pwritev(fd, pc.iov + first, pc.n - first, static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return status_of_errno(errno);
-    if (static_cast<std::uint64_t>(n) < len - done) return DiskStatus::kFull;
+    if (static_cast<std::uint64_t>(n) < pc.bytes - done) return DiskStatus::kFull;
     done += static_cast<std::uint64_t>(n);
   }
   return DiskStatus::kOk;
 }
 
-// Reads buf[0, len) from `offset`. kCorrupt when the file ends first.
-DiskStatus read_all(int fd, std::uint8_t* buf, std::uint64_t len, std::uint64_t offset) {
+// Reads the pieces from `offset`. kCorrupt when the file ends first.
+DiskStatus read_pieces(int fd, Pieces pc, std::uint64_t offset) {
   std::uint64_t done = 0;
-  while (done < len) {
-    const ssize_t n = ::pread(fd, buf + done, static_cast<std::size_t>(len - done), static_cast<off_t>(offset + done));
+  int first = 0;
+  while (done < pc.bytes) {
+    const ssize_t n = ::preadv(fd, pc.iov + first, pc.n - first, static_cast<off_t>(offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return DiskStatus::kIoError;
     if (n == 0) return DiskStatus::kCorrupt;
     done += static_cast<std::uint64_t>(n);
+    advance(&pc, static_cast<std::uint64_t>(n), &first);
   }
   return DiskStatus::kOk;
 }
@@ -223,9 +264,10 @@ bool probe_direct_io(const std::string& dir) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
   bool ok = fd >= 0;
   if (ok) {
-    AlignedBuf buf = aligned_buf(kDiskAlign);
-    std::memset(buf.get(), 0, kDiskAlign);
-    ok = write_all(fd, buf.get(), kDiskAlign) == DiskStatus::kOk;
+    AlignedBuf buf = aligned_buf(kDiskAlign, true);
+    Pieces pc;
+    pc.add(buf.get(), kDiskAlign);
+    ok = write_pieces(fd, pc) == DiskStatus::kOk;
     ::close(fd);
   }
   ::unlink(path.c_str());  // even when open failed: Linux creates the file before refusing O_DIRECT
@@ -248,7 +290,7 @@ const char* to_string(DiskStatus s) {
 }
 
 std::uint64_t DiskTier::file_bytes_for(std::uint64_t payload_bytes) {
-  return (kDiskHeaderBytes + payload_bytes + kDiskAlign - 1) / kDiskAlign * kDiskAlign;
+  return kDiskPayloadOffset + round_up(payload_bytes);
 }
 
 // ---- construction -------------------------------------------------------------------------------
@@ -258,15 +300,14 @@ DiskTier::DiskTier(std::string dir, std::uint64_t capacity_bytes, bool try_direc
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) throw std::runtime_error("DiskTier: cannot create " + dir_ + ": " + ec.message());
-  dir_fd_ = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd_ < 0) throw std::runtime_error("DiskTier: cannot open " + dir_ + ": " + std::strerror(errno));
+  const int dir_fd = ::open(dir_.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_fd < 0) throw std::runtime_error("DiskTier: cannot open " + dir_ + ": " + std::strerror(errno));
+  ::close(dir_fd);
   direct_io_ = try_direct_io && probe_direct_io(dir_);
   scan();
 }
 
-DiskTier::~DiskTier() {
-  if (dir_fd_ >= 0) ::close(dir_fd_);
-}
+DiskTier::~DiskTier() = default;
 
 std::string DiskTier::block_path(const BlockHash& hash) const { return dir_ + "/" + to_hex(hash) + kBlockSuffix; }
 
@@ -292,12 +333,7 @@ DiskStatus DiskTier::write(const BlockHash& hash, const BlockMeta& meta, const v
   }
   DiskStatus st = DiskStatus::kIoError;
   try {
-    // Header, payload and zero padding in one aligned buffer: one write, valid for O_DIRECT.
-    std::uint8_t* buf = thread_scratch(file_bytes);
-    encode_header(buf, hash, meta, crc32_of(payload, meta.payload_bytes));
-    if (meta.payload_bytes > 0) std::memcpy(buf + kDiskHeaderBytes, payload, meta.payload_bytes);
-    std::memset(buf + kDiskHeaderBytes + meta.payload_bytes, 0, file_bytes - kDiskHeaderBytes - meta.payload_bytes);
-    st = write_file(hash, buf, file_bytes);
+    st = write_file(hash, meta, static_cast<const std::uint8_t*>(payload));
   } catch (const std::bad_alloc&) {
     st = DiskStatus::kIoError;
   }
@@ -330,26 +366,46 @@ void DiskTier::finish_write(const BlockHash& hash, const BlockMeta& meta, std::u
   cv_.notify_all();
 }
 
-// temp file -> write -> fdatasync -> close -> rename over the final name -> fsync(dir).
-// On failure the temp file is unlinked and the final name untouched.
-DiskStatus DiskTier::write_file(const BlockHash& hash, const std::uint8_t* buf, std::uint64_t len) {
+// temp file -> one pwritev (header page, payload pages, tail page) -> [fdatasync when buffered]
+// -> close -> rename over the final name. No fsync of the directory: see "Crash safety" in
+// disk_tier.h. On failure the temp file is unlinked and the final name untouched.
+DiskStatus DiskTier::write_file(const BlockHash& hash, const BlockMeta& meta, const std::uint8_t* payload) {
+  ThreadBufs& bufs = thread_bufs();
+  encode_header(bufs.header.get(), hash, meta, crc32c(payload, meta.payload_bytes));
+  const std::uint64_t body = meta.payload_bytes / kDiskAlign * kDiskAlign;
+  const std::uint64_t tail = meta.payload_bytes - body;
+  // O_DIRECT needs aligned memory: a caller buffer that is not goes through the bounce buffer.
+  const std::uint8_t* src = payload;
+  if (direct_io_ && body > 0 && !is_aligned(payload)) {
+    std::uint8_t* bounce = bufs.bounce_of(body);
+    std::memcpy(bounce, payload, body);
+    src = bounce;
+  }
+  if (tail > 0) {
+    std::memcpy(bufs.tail.get(), payload + body, tail);
+    std::memset(bufs.tail.get() + tail, 0, kDiskAlign - tail);
+  }
+  Pieces pc;
+  pc.add(bufs.header.get(), kDiskPayloadOffset);
+  pc.add(const_cast<std::uint8_t*>(src), body);
+  pc.add(bufs.tail.get(), tail > 0 ? kDiskAlign : 0);
+
   const std::string tmp = temp_path(hash);
   Fd fd(::open(tmp.c_str(), open_flags(O_WRONLY | O_CREAT | O_EXCL), 0644));
   if (fd.fd < 0) {
     const DiskStatus st = status_of_errno(errno);
     return st == DiskStatus::kMissing ? DiskStatus::kIoError : st;  // the directory vanished
   }
-  DiskStatus st = write_all(fd.fd, buf, len);
-  if (st == DiskStatus::kOk && ::fdatasync(fd.fd) != 0) st = status_of_errno(errno);
+  DiskStatus st = write_pieces(fd.fd, pc);
+  // Buffered I/O only fills the page cache: write it back now so that its errors (EIO, a late
+  // ENOSPC) fail this write. O_DIRECT has already handed the data to the device.
+  if (st == DiskStatus::kOk && !direct_io_ && ::fdatasync(fd.fd) != 0) st = status_of_errno(errno);
   if (::close(fd.release()) != 0 && st == DiskStatus::kOk) st = status_of_errno(errno);
   if (st == DiskStatus::kOk && ::rename(tmp.c_str(), block_path(hash).c_str()) != 0) st = status_of_errno(errno);
   if (st != DiskStatus::kOk) {
     ::unlink(tmp.c_str());
     return st == DiskStatus::kMissing ? DiskStatus::kIoError : st;
   }
-  // Makes the rename durable. Best effort: the block is in place either way, and a lost
-  // directory entry after a crash only loses a cached copy.
-  ::fsync(dir_fd_);
   return DiskStatus::kOk;
 }
 
@@ -367,7 +423,7 @@ DiskStatus DiskTier::read(const BlockHash& hash, const BlockMeta& expected, void
     if (it == map_.end()) return DiskStatus::kMissing;
     gen = it->second.gen;
   }
-  const DiskStatus st = load(block_path(hash), hash, &expected, out, nullptr);
+  const DiskStatus st = load(block_path(hash), hash, &expected, static_cast<std::uint8_t*>(out), nullptr);
   // A corrupt file is dropped; a vanished one too (deleted behind our back). drop() only acts
   // if the entry is still the one looked up above, so a concurrent remove + re-write is safe.
   if (st == DiskStatus::kCorrupt || st == DiskStatus::kMissing) drop(hash, &gen);
@@ -377,7 +433,7 @@ DiskStatus DiskTier::read(const BlockHash& hash, const BlockMeta& expected, void
 // Reads and verifies the block file at `path`. expected == nullptr: any meta is accepted.
 // out == nullptr: only verify. meta_out may be nullptr.
 DiskStatus DiskTier::load(const std::string& path, const BlockHash& hash, const BlockMeta* expected,
-                          void* out, BlockMeta* meta_out) const {
+                          std::uint8_t* out, BlockMeta* meta_out) const {
   try {
     return load_checked(path, hash, expected, out, meta_out);
   } catch (const std::bad_alloc&) {
@@ -386,34 +442,51 @@ DiskStatus DiskTier::load(const std::string& path, const BlockHash& hash, const 
 }
 
 DiskStatus DiskTier::load_checked(const std::string& path, const BlockHash& hash, const BlockMeta* expected,
-                                  void* out, BlockMeta* meta_out) const {
+                                  std::uint8_t* out, BlockMeta* meta_out) const {
   Fd fd(::open(path.c_str(), open_flags(O_RDONLY)));
   if (fd.fd < 0) return status_of_errno(errno);
   struct stat sb;
   if (::fstat(fd.fd, &sb) != 0) return DiskStatus::kIoError;
   const auto file_bytes = static_cast<std::uint64_t>(sb.st_size);
-  if (file_bytes < kDiskAlign || file_bytes % kDiskAlign != 0) return DiskStatus::kCorrupt;
+  if (file_bytes < kDiskPayloadOffset || file_bytes % kDiskAlign != 0) return DiskStatus::kCorrupt;
 
-  // First page: header checks before trusting payload_bytes for the big read. Both land in
-  // the thread's scratch buffer (sized for the whole file once the header is checked).
-  DiskStatus st = read_all(fd.fd, thread_scratch(kDiskAlign), kDiskAlign, 0);
-  if (st != DiskStatus::kOk) return st;
+  ThreadBufs& bufs = thread_bufs();
   BlockMeta meta;
   std::uint32_t payload_crc;
-  if (!decode_header(thread_scratch(kDiskAlign), hash, &meta, &payload_crc)) return DiskStatus::kCorrupt;
-  if (expected != nullptr && meta != *expected) return DiskStatus::kCorrupt;
-  if (file_bytes != file_bytes_for(meta.payload_bytes)) return DiskStatus::kCorrupt;
+  if (expected == nullptr) {  // scan: the header says how long the payload is
+    Pieces head;
+    head.add(bufs.read_header.get(), kDiskPayloadOffset);
+    const DiskStatus st = read_pieces(fd.fd, head, 0);
+    if (st != DiskStatus::kOk) return st;
+    if (!decode_header(bufs.read_header.get(), hash, &meta, &payload_crc)) return DiskStatus::kCorrupt;
+  } else {
+    meta = *expected;
+  }
+  if (meta.payload_bytes > kMaxPayloadBytes || file_bytes != file_bytes_for(meta.payload_bytes)) {
+    return DiskStatus::kCorrupt;
+  }
 
-  // Growing the scratch buffer drops its content, so read the whole file again (the first page
-  // costs 4 KiB more) and check the header once more on what was actually read.
-  std::uint8_t* all = thread_scratch(file_bytes);
-  st = read_all(fd.fd, all, file_bytes, 0);
+  // The whole file in one preadv: header page, payload pages straight into `out` when O_DIRECT
+  // allows it (else via the bounce buffer), tail page.
+  const std::uint64_t body = meta.payload_bytes / kDiskAlign * kDiskAlign;
+  const std::uint64_t tail = meta.payload_bytes - body;
+  const bool bounce = out == nullptr || (direct_io_ && body > 0 && !is_aligned(out));
+  std::uint8_t* dst = bounce ? bufs.bounce_of(round_up(meta.payload_bytes)) : out;
+  Pieces pc;
+  pc.add(bufs.read_header.get(), kDiskPayloadOffset);
+  pc.add(dst, body);
+  pc.add(bufs.tail.get(), tail > 0 ? kDiskAlign : 0);
+  const DiskStatus st = read_pieces(fd.fd, pc, 0);
   if (st != DiskStatus::kOk) return st;
   BlockMeta again;
-  if (!decode_header(all, hash, &again, &payload_crc) || again != meta) return DiskStatus::kCorrupt;
-  const std::uint8_t* payload = all + kDiskHeaderBytes;
-  if (crc32_of(payload, meta.payload_bytes) != payload_crc) return DiskStatus::kCorrupt;
-  if (out != nullptr && meta.payload_bytes > 0) std::memcpy(out, payload, meta.payload_bytes);
+  if (!decode_header(bufs.read_header.get(), hash, &again, &payload_crc) || again != meta) return DiskStatus::kCorrupt;
+  std::uint32_t crc = crc32c(dst, body);
+  crc = crc32c_extend(crc, bufs.tail.get(), tail);
+  if (crc != payload_crc) return DiskStatus::kCorrupt;
+  if (out != nullptr) {
+    if (bounce) std::memcpy(out, dst, body);
+    if (tail > 0) std::memcpy(out + body, bufs.tail.get(), tail);
+  }
   if (meta_out != nullptr) *meta_out = meta;
   return DiskStatus::kOk;
 }

@@ -71,20 +71,34 @@ BlockMeta make_meta(std::uint64_t payload_bytes) {
   return m;
 }
 
-DiskStatus put(DiskTier& t, const BlockHash& h, std::uint64_t n) {
-  const auto p = make_payload(h, n);
-  return t.write(h, make_meta(n), p.data());
+// A buffer of n bytes that starts `shift` bytes past a kDiskAlign boundary (0: O_DIRECT goes
+// straight to it; else through the tier's bounce buffer), followed by 64 guard bytes.
+struct Buffer {
+  std::vector<std::uint8_t> storage;
+  std::uint8_t* p;
+  Buffer(std::uint64_t n, std::size_t shift, std::uint8_t fill) : storage(n + 64 + 2 * kvtier::kDiskAlign, fill) {
+    const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
+    p = storage.data() + (kvtier::kDiskAlign - base % kvtier::kDiskAlign) + shift;
+  }
+};
+
+DiskStatus put(DiskTier& t, const BlockHash& h, std::uint64_t n, std::size_t shift = 0) {
+  const auto want = make_payload(h, n);
+  Buffer b(n, shift, 0);
+  std::copy(want.begin(), want.end(), b.p);
+  return t.write(h, make_meta(n), b.p);
 }
 
 // kOk and bit-identical to make_payload(h, n); never touches bytes past the payload.
-bool read_matches(DiskTier& t, const BlockHash& h, std::uint64_t n, DiskStatus* st_out = nullptr) {
-  std::vector<std::uint8_t> out(n + 64, 0xA5);
-  const DiskStatus st = t.read(h, make_meta(n), out.data(), out.size());
+bool read_matches(DiskTier& t, const BlockHash& h, std::uint64_t n, DiskStatus* st_out = nullptr,
+                  std::size_t shift = 0) {
+  Buffer b(n, shift, 0xA5);
+  const DiskStatus st = t.read(h, make_meta(n), b.p, n + 64);
   if (st_out != nullptr) *st_out = st;
   if (st != DiskStatus::kOk) return false;
   const auto want = make_payload(h, n);
-  for (std::size_t i = n; i < out.size(); ++i) CHECK(out[i] == 0xA5);
-  return std::equal(want.begin(), want.end(), out.begin());
+  for (std::size_t i = n; i < n + 64; ++i) CHECK(b.p[i] == 0xA5);
+  return std::equal(want.begin(), want.end(), b.p);
 }
 
 std::vector<std::string> list_dir(const std::string& dir) {
@@ -183,11 +197,23 @@ void test_round_trip(bool try_direct) {
     CHECK(t.used_bytes() == used);
     CHECK(file_size(t.block_path(h)) % kvtier::kDiskAlign == 0);
   }
+  // Aligned and unaligned caller buffers (straight O_DIRECT or the bounce buffer) read alike.
   for (std::size_t i = 0; i < sizeof(kSizes) / sizeof(kSizes[0]); ++i) {
-    CHECK(read_matches(t, make_hash(static_cast<std::int64_t>(i)), kSizes[i]));
+    for (std::size_t shift : {0, 8, 100}) {
+      DiskStatus st;
+      CHECK(read_matches(t, make_hash(static_cast<std::int64_t>(i)), kSizes[i], &st, shift));
+    }
   }
-  CHECK(DiskTier::file_bytes_for(0) == 4096 && DiskTier::file_bytes_for(4096 - 64) == 4096 &&
-        DiskTier::file_bytes_for(4096 - 63) == 8192);
+  // An unaligned source buffer writes the same file.
+  for (std::size_t i = 0; i < sizeof(kSizes) / sizeof(kSizes[0]); ++i) {
+    const BlockHash h = make_hash(static_cast<std::int64_t>(100 + i));
+    CHECK(put(t, h, kSizes[i], 24) == DiskStatus::kOk);
+    CHECK(read_matches(t, h, kSizes[i]));
+    CHECK(t.remove(h));
+  }
+  // The header page, then the payload rounded up to whole pages.
+  CHECK(DiskTier::file_bytes_for(0) == 4096 && DiskTier::file_bytes_for(1) == 8192 &&
+        DiskTier::file_bytes_for(4096) == 8192 && DiskTier::file_bytes_for(4097) == 12288);
   // Too small an output buffer: refused before any I/O, block kept.
   const BlockHash h5 = make_hash(4);
   std::vector<std::uint8_t> small(4999);
@@ -230,11 +256,11 @@ void test_existing_hash() {
 
 void test_capacity() {
   TempDir dir;
-  const std::uint64_t fb = DiskTier::file_bytes_for(5000);  // 8192
+  const std::uint64_t fb = DiskTier::file_bytes_for(5000);  // 12288
   DiskTier t(dir.path, 3 * fb + 100);
   for (int i = 0; i < 3; ++i) CHECK(put(t, make_hash(i), 5000) == DiskStatus::kOk);
   CHECK(put(t, make_hash(3), 5000) == DiskStatus::kFull);
-  CHECK(put(t, make_hash(4), 1) == DiskStatus::kFull);  // 4096 bytes on disk, 100 left
+  CHECK(put(t, make_hash(4), 1) == DiskStatus::kFull);  // 8192 bytes on disk, 100 left
   CHECK(!t.contains(make_hash(3)) && !exists(t.block_path(make_hash(3))));
   CHECK(put(t, make_hash(5), 4 * fb) == DiskStatus::kTooLarge);  // can never fit
   for (int i = 0; i < 3; ++i) CHECK(read_matches(t, make_hash(i), 5000));
@@ -270,21 +296,29 @@ void test_corruption() {
   CHECK(put(t, make_hash(1000), 777) == DiskStatus::kOk);  // a bystander that must survive
   std::int64_t i = 0;
   const std::uint64_t n = 3 * 4096 + 17;
-  // Payload bytes: first, middle, last.
-  for (std::uint64_t off : {std::uint64_t{0}, n / 2, n - 1}) {
-    expect_corrupt(t, i++, n, [&](const std::string& p) { flip_byte(p, kvtier::kDiskHeaderBytes + off); });
+  // Payload bytes: first, middle, first and last of the tail page.
+  for (std::uint64_t off : {std::uint64_t{0}, n / 2, 3 * std::uint64_t{4096}, n - 1}) {
+    expect_corrupt(t, i++, n, [&](const std::string& p) { flip_byte(p, kvtier::kDiskPayloadOffset + off); });
   }
-  expect_corrupt(t, i++, 1, [](const std::string& p) { flip_byte(p, 64); });
+  expect_corrupt(t, i++, 1, [](const std::string& p) { flip_byte(p, kvtier::kDiskPayloadOffset); });
+  expect_corrupt(t, i++, 4096, [](const std::string& p) { flip_byte(p, kvtier::kDiskPayloadOffset + 4095); });
+  // The zero rest of the header page.
+  for (std::uint64_t off : {std::uint64_t{64}, std::uint64_t{2000}, kvtier::kDiskPayloadOffset - 1}) {
+    expect_corrupt(t, i++, n, [&](const std::string& p) { flip_byte(p, off); });
+  }
   // Every header field: magic, version, hash, meta, payload length, payload CRC, reserved, CRC.
   for (std::uint64_t off : {0, 4, 8, 23, 24, 28, 32, 36, 40, 47, 48, 52, 56, 60, 63}) {
     expect_corrupt(t, i++, n, [&](const std::string& p) { flip_byte(p, off); });
   }
-  // Truncations: inside the payload, to the header, to nothing, one byte short of the padding.
-  for (std::uint64_t len : {std::uint64_t{64} + n / 2, std::uint64_t{64}, std::uint64_t{0}, std::uint64_t{4 * 4096 - 1}}) {
+  // Truncations: inside the payload, to the header page, into it, to nothing, one byte short of
+  // the padding, a whole page short.
+  const std::uint64_t fb = DiskTier::file_bytes_for(n);  // 5 pages
+  for (std::uint64_t len : {kvtier::kDiskPayloadOffset + n / 2, kvtier::kDiskPayloadOffset, std::uint64_t{64},
+                            std::uint64_t{0}, fb - 1, fb - 4096}) {
     expect_corrupt(t, i++, n, [&](const std::string& p) { CHECK(::truncate(p.c_str(), static_cast<off_t>(len)) == 0); });
   }
   // Grown by a page.
-  expect_corrupt(t, i++, n, [&](const std::string& p) { CHECK(::truncate(p.c_str(), 5 * 4096) == 0); });
+  expect_corrupt(t, i++, n, [&](const std::string& p) { CHECK(::truncate(p.c_str(), static_cast<off_t>(fb + 4096)) == 0); });
   // The file of another block under this name (hash mismatch).
   {
     const BlockHash other = make_hash(5000);
@@ -333,7 +367,7 @@ void test_restart() {
     DiskTier t(dir.path, std::uint64_t{1} << 30);
     for (std::size_t i = 0; i < sizes.size(); ++i) CHECK(put(t, make_hash(static_cast<std::int64_t>(i)), sizes[i]) == DiskStatus::kOk);
     payload_flipped = t.block_path(make_hash(1));
-    flip_byte(payload_flipped, 64 + 4000);
+    flip_byte(payload_flipped, kvtier::kDiskPayloadOffset + 4000);
     truncated = t.block_path(make_hash(3));
     CHECK(::truncate(truncated.c_str(), 4096) == 0);
     for (std::size_t i : {0, 2, 4, 5}) {
@@ -366,7 +400,7 @@ void test_restart() {
   const auto again = t.scan();
   CHECK(again.size() == intact.size() && t.used_bytes() == intact_used);
   // Restart with a smaller capacity: blocks are kept, new writes refused until evicted.
-  DiskTier small(dir.path, 4096);
+  DiskTier small(dir.path, DiskTier::file_bytes_for(1));
   CHECK(small.num_blocks() == intact.size() && small.used_bytes() > small.capacity_bytes());
   CHECK(put(small, make_hash(50), 1) == DiskStatus::kFull);
 }
@@ -509,7 +543,7 @@ int main() {
   test_corruption();
   test_restart();
   test_concurrent(std::uint64_t{1} << 30);
-  test_concurrent(24 * 4096);  // tight: many kFull refusals
+  test_concurrent(32 * 4096);  // tight: many kFull refusals
   test_full_filesystem();
   test_direct_io_fallback();
   std::printf("disk_tier: ok\n");

@@ -1,14 +1,15 @@
 """Disk tier (native ``kvtier._C.DiskTier``): one checksummed file per page-first KV block.
 
-File ``<dir>/<32 hex digits of the block hash>.kvb``: a 64-byte header (magic ``KVTB``,
-version, hash, num_layers, page_size, row_bytes, dtype code, payload length, CRC-32 of the
-payload, CRC-32 of the header) then the payload, zero-padded to a multiple of 4096 bytes
-(``hip/runtime/disk_tier.h`` has the byte table). Writes are atomic (temp file, fdatasync,
-rename); a block that fails any check on read or at start-up is deleted, never served.
-O_DIRECT is used where the filesystem accepts it, buffered I/O elsewhere.
+File ``<dir>/<32 hex digits of the block hash>.kvb`` (format version 2): a 4096-byte header
+page (magic ``KVTB``, version, hash, num_layers, page_size, row_bytes, dtype code, payload
+length, CRC-32C of the payload, CRC-32C of the header, then zeros) followed by the payload,
+zero-padded to a multiple of 4096 bytes (``hip/runtime/disk_tier.h`` has the byte table and the
+crash-safety argument). Writes go to a temp file renamed into place; a block that fails any
+check on read or at start-up is deleted, never served. O_DIRECT is used where the filesystem
+accepts it, buffered I/O elsewhere; buffers from :func:`aligned_empty` skip the bounce copy.
 
 Bytes of one K2 block (61 layers x page_size tokens x 576 values x 2 bytes in bf16):
-1,124,352 payload bytes (a 1,126,400-byte file) at page_size 16, 4,497,408 (a 4,501,504-byte
+1,124,352 payload bytes (a 1,130,496-byte file) at page_size 16, 4,497,408 (a 4,501,504-byte
 file) at page_size 64; fp8 halves the payload.
 """
 
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 
 from kvtier import _C
+
+DISK_ALIGN = 4096  # O_DIRECT alignment: buffers on this boundary skip the bounce copy
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float8_e4m3fn: 4,
                torch.float8_e4m3fnuz: 5}
@@ -114,8 +117,29 @@ class DiskTier:
 
     @staticmethod
     def file_bytes(payload_bytes: int) -> int:
-        """Bytes one block file takes: ``round_up(64 + payload_bytes, 4096)``."""
+        """Bytes one block file takes: ``4096 + round_up(payload_bytes, 4096)``."""
         return _C.DiskTier.file_bytes_for(payload_bytes)
+
+
+def aligned_empty(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised ``[nbytes]`` uint8 CPU tensor whose first byte sits on a 4096-byte page.
+
+    Disk reads and writes go straight between such a buffer and the block file with O_DIRECT;
+    any other buffer costs a copy through the tier's bounce buffer (same result, slower). The
+    tensor is a view into a slightly larger allocation, which it keeps alive.
+
+    Args:
+        nbytes: length in bytes (>= 0).
+        pin_memory: allocate page-locked host memory (for device copies).
+
+    Example:
+        >>> buf = aligned_empty(3 * 4096 + 17)
+        >>> buf.data_ptr() % DISK_ALIGN, buf.numel()
+        (0, 12305)
+    """
+    raw = torch.empty(nbytes + DISK_ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
+    shift = -raw.data_ptr() % DISK_ALIGN
+    return raw[shift:shift + nbytes]
 
 
 def _check_buffer(t: torch.Tensor, nbytes: int) -> None:

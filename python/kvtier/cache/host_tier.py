@@ -2,19 +2,26 @@
 
 One slot holds one block: page ``p`` of every layer, back to back (``block_bytes`` bytes).
 The storage is pinned when a CUDA device is present (faster, asynchronous device copies),
-plain memory otherwise.
+plain memory otherwise. Every slot starts on a 4096-byte page (rows are padded to whole pages),
+so disk writes from a slot and reads into one go straight through O_DIRECT without a copy.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvtier.cache.disk_tier import DISK_ALIGN, aligned_empty
+
 
 class HostTier:
     """``num_slots`` block slots in one ``[num_slots, block_bytes]`` uint8 tensor.
 
+    The tensor is a view of page-aligned rows of ``block_bytes`` rounded up to 4096 (so it is
+    contiguous only when ``block_bytes`` is a multiple of 4096); each slot is contiguous.
+
     Args:
-        capacity_bytes: memory budget; ``capacity_bytes // block_bytes`` slots are made.
+        capacity_bytes: memory budget; ``capacity_bytes // block_bytes`` slots are made (the
+            page padding, under 4 KiB a slot, is not counted).
         block_bytes: bytes of one page-first block (``num_layers * page_size * row * element_size``).
         pin: pin the storage (default: when CUDA is available).
 
@@ -30,7 +37,9 @@ class HostTier:
         self.block_bytes = block_bytes
         self.num_slots = capacity_bytes // block_bytes
         pin = torch.cuda.is_available() if pin is None else pin
-        self.storage = torch.empty(self.num_slots, block_bytes, dtype=torch.uint8, pin_memory=pin)
+        row = -(-block_bytes // DISK_ALIGN) * DISK_ALIGN
+        rows = aligned_empty(self.num_slots * row, pin_memory=pin).view(self.num_slots, row)
+        self.storage = rows[:, :block_bytes]
         self._free = list(range(self.num_slots - 1, -1, -1))
 
     def allocate(self) -> int | None:

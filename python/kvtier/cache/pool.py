@@ -25,7 +25,7 @@ import torch
 
 from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.cost_model import CostModel, probe
-from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
@@ -128,7 +128,7 @@ class KVPool:
             slot = self.host.slot(0)
             model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
         if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
-            buf = torch.zeros(self.block_bytes, dtype=torch.uint8)
+            buf = aligned_empty(self.block_bytes).zero_()
             if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
                 model.tiers[Tier.DISK] = probe(lambda: self._disk_probe_read(buf))
                 self.disk.remove(_PROBE_HASH)
@@ -284,8 +284,7 @@ class KVPool:
             b.ok = False
             return
         b.stage = Tier.DISK
-        b.staging = torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.host is not None
-                                and self.host.storage.is_pinned())
+        b.staging = aligned_empty(self.block_bytes, pin_memory=self.host is not None and self.host.storage.is_pinned())
         b.handle = self.copy_engine.disk_read(self.disk, [b.hash], self.meta, b.staging)
 
     def _end_stage(self, b: _BlockLoad, status: list[int]) -> None:
