@@ -284,7 +284,7 @@ void bind_copy_engine(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("collect", [](CopyEngine& e, CopyEngine::Handle h) {
         auto r = e.collect(h);
-        return py::make_tuple(r.state, r.block_status, r.error);
+        return py::make_tuple(r.state, r.block_status, r.error, r.run_s);
       }, py::arg("handle"))
       .def("queued", &CopyEngine::queued)
       .def_property_readonly("num_threads", &CopyEngine::num_threads);

@@ -83,6 +83,7 @@ void CopyEngine::worker_loop() {
     }
     space_cv_.notify_one();
     JobResult local;
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       local.block_status = slot.job();
       local.state = JobState::kDone;
@@ -93,6 +94,7 @@ void CopyEngine::worker_loop() {
       local.state = JobState::kFailed;
       local.error = "unknown exception";
     }
+    local.run_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     {
       std::lock_guard<std::mutex> g(mu_);
       *slot.result = std::move(local);

@@ -43,6 +43,7 @@ struct JobResult {
   JobState state = JobState::kPending;
   std::vector<int> block_status;  // per block: 0 = ok, else a job-specific code
   std::string error;              // set when the job threw
+  double run_s = 0.0;             // seconds the job itself ran on its worker (no queueing)
 };
 
 class CopyEngine {

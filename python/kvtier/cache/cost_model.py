@@ -57,19 +57,28 @@ class CostModel:
     def blocks_to_load(self, sources: list[Tier], block_bytes: int, page_size: int) -> int:
         """How many leading blocks of a matched run to take.
 
-        ``sources[i]`` is the fastest tier holding block i. Returns the prefix length with the
-        largest saving ``recompute_s(k * page_size) - sum(load_s)``; 0 when nothing saves time.
+        ``sources[i]`` is the fastest tier holding block i. The loads of one prefix are
+        submitted together and overlap, so a tier's latency is paid once per prefix and its
+        bandwidth per block. Returns the prefix length with the largest saving
+        ``recompute_s(k * page_size) - load time``; 0 when nothing saves time.
         """
         best_k, best_saving, spent = 0, 0.0, 0.0
+        paid_latency: set[Tier] = set()
         for k, tier in enumerate(sources, start=1):
-            spent += self.load_s(tier, block_bytes)
+            if tier != Tier.DEVICE:
+                cost = self.tiers.get(tier, UNPROBED_TIER)
+                spent += block_bytes / cost.bandwidth_Bps
+                if tier not in paid_latency:
+                    spent += cost.latency_s
+                    paid_latency.add(tier)
             saving = self.recompute_s(k * page_size) - spent
             if saving > best_saving:
                 best_k, best_saving = k, saving
         return best_k
 
     def observe_copy(self, tier: Tier, nbytes: int, seconds: float) -> None:
-        """Fold one observed load (``nbytes`` in ``seconds``) into the tier's bandwidth."""
+        """Fold one observed load (``nbytes`` in ``seconds`` of copy time, as the copy engine
+        measured it on its worker: no queueing) into the tier's bandwidth."""
         if seconds <= 0 or nbytes <= 0 or tier == Tier.DEVICE:
             return
         cost = self.tiers.setdefault(tier, TierCost(UNPROBED_TIER.latency_s, UNPROBED_TIER.bandwidth_Bps))

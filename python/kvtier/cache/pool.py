@@ -44,7 +44,7 @@ class _BlockLoad:
     stage: Tier | None = None  # tier the running copy reads from (its copy there is locked)
     staging: torch.Tensor | None = None  # where a disk read lands before going to the device page
     ok: bool | None = None
-    started: float = 0.0
+    copy_s: float = 0.0  # seconds its copy jobs ran (worker time), for the cost model
 
 
 @dataclass
@@ -265,7 +265,7 @@ class KVPool:
     def _start_load(self, h: bytes, row, source: Tier) -> _BlockLoad:
         if source == Tier.DEVICE:  # referenced in begin_prefix
             return _BlockLoad(h, int(row[Tier.DEVICE]), source, ok=True)
-        b = _BlockLoad(h, self._take_page(), source, started=time.perf_counter())
+        b = _BlockLoad(h, self._take_page(), source)
         if source == Tier.HOST:
             self._submit_host_to_device(b, int(row[Tier.HOST]))
         else:
@@ -304,7 +304,7 @@ class KVPool:
         else:
             if stage == Tier.HOST:
                 self.stats.bytes_loaded["host"] += self.block_bytes
-            self.cost_model.observe_copy(b.source, self.block_bytes, time.perf_counter() - b.started)
+            self.cost_model.observe_copy(b.source, self.block_bytes, b.copy_s)
             b.ok, b.staging = True, None
 
     def _advance(self, b: _BlockLoad, wait: bool) -> bool:
@@ -316,6 +316,7 @@ class KVPool:
                 status = b.handle.result()
             except CopyError:
                 status = [-1]
+            b.copy_s += b.handle.run_s
             self._end_stage(b, status)
         return True
 

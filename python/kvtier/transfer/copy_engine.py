@@ -63,11 +63,16 @@ class PagePoolView:
 
 
 class CopyHandle:
-    """A submitted copy; ``wait()`` then ``result()``."""
+    """A submitted copy; ``wait()`` then ``result()``.
+
+    After ``result()``, ``run_s`` holds the seconds the job ran on its worker thread (copy
+    time without queueing or the wait to be noticed): what the cost model learns bandwidth from.
+    """
 
     def __init__(self, engine: CopyEngine, handle: int, num_blocks: int):
         self._engine, self.handle, self.num_blocks = engine, handle, num_blocks
         self._result: list[int] | None = None
+        self.run_s = 0.0
 
     def done(self) -> bool:
         """True once the job ended (successfully or not); never blocks."""
@@ -88,7 +93,7 @@ class CopyHandle:
         """
         if self._result is None:
             self.wait()
-            state, statuses, error = self._engine._native.collect(self.handle)
+            state, statuses, error, self.run_s = self._engine._native.collect(self.handle)
             self._engine._keepalive.pop(self.handle, None)
             if state == _C.JobState.FAILED:
                 self._result = []
