@@ -108,7 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = BenchOptions(
         model=args.model, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
         configs=args.configs, token_scale=args.token_scale, time_scale=args.time_scale,
-        max_think_s=args.max_think_s, max_turns=args.max_turns or None, device_fraction=args.device_fraction,
+        max_think_s=args.max_think_s, max_turns=args.max_turns or None, ramp_s=args.ramp_s, device_fraction=args.device_fraction,
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads)
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--time-scale", type=float, default=0.01, help="factor on think times")
     b.add_argument("--max-think-s", type=float, default=1.0, help="cap on a scaled think time (s)")
     b.add_argument("--max-turns", type=int, default=12, help="turns kept per session (0 = all)")
+    b.add_argument("--ramp-s", type=float, default=10.0,
+                   help="seconds over which the first --concurrency sessions start (0 = all at once)")
     b.add_argument("--device-fraction", type=float, default=0.25,
                    help="device KV pages as a fraction of the sessions' working set")
     b.add_argument("--num-device-pages", type=int, default=None, help="device KV pages (overrides the fraction)")

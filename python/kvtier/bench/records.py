@@ -22,6 +22,8 @@ class RequestRecord:
         cached_tokens: prompt tokens served from cached blocks, any tier.
         cached_tokens_by_tier: the same split by tier: ``{"device", "host", "disk"}``.
         error: the engine's error for this request, or None.
+        output_token_ids, logprobs: the generated tokens and their log-probabilities, kept only
+            when the replay was asked for them (``replay(..., keep_outputs=True)``).
     """
 
     session_id: str
@@ -34,6 +36,8 @@ class RequestRecord:
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     error: str | None = None
+    output_token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
 
     @property
     def ttft_s(self) -> float | None:

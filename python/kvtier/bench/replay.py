@@ -5,6 +5,11 @@ submitted ``think_time_s`` after turn k-1 finished (WORKLOAD.md's closed loop). 
 ends, the next one in the workload starts. The engine steps while it has work; when every
 active session is thinking, the loop sleeps until the next submission is due.
 
+The first ``concurrency`` sessions start evenly spread over ``ramp_s`` seconds (session i at
+``i * ramp_s / concurrency``): sessions of a running service are not in phase, and starting
+them all at once would make the p99 TTFT measure one start-up burst of first turns. Later
+sessions start as soon as a slot frees.
+
 Between a turn that stopped on ``tool_use`` and the next one, the session is waiting on a
 tool: with ``tool_aware`` the pool is told (``KVPool.tool_wait``) with an *estimated* wait (the
 median of the tool waits observed so far in this run; before any, WORKLOAD.md's p50 of 9 s
@@ -64,7 +69,7 @@ def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> i
 
 
 def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
-           on_finish: Callable[[RequestRecord], None] | None = None,
+           keep_outputs: bool = False, ramp_s: float = 0.0, on_finish: Callable[[RequestRecord], None] | None = None,
            clock: Callable[[], float] = time.perf_counter,
            sleep: Callable[[float], None] = time.sleep) -> ConfigRun:
     """Replay ``workload`` through ``engine``; returns the run's records and counters.
@@ -75,17 +80,22 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         name: the configuration's name, copied into the result.
         concurrency: sessions active at once (>= 1).
         tool_aware: tell the pool about tool waits (see the module docstring).
+        keep_outputs: keep each request's generated tokens and logprobs in its record.
+        ramp_s: seconds over which the first ``concurrency`` sessions start (see the module
+            docstring); 0 starts them together.
         on_finish: called with each request's record as it finishes (progress display).
         clock, sleep: time source and sleep, in seconds (tests may pass fakes).
 
     Raises:
-        ValueError: ``concurrency`` < 1.
+        ValueError: ``concurrency`` < 1 or ``ramp_s`` < 0.
 
     A turn the engine refuses (e.g. a prompt longer than the model's context) is recorded
     with its error and the session goes on with its next turn.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    if not 0 <= ramp_s < float("inf"):
+        raise ValueError(f"ramp_s must be a finite number >= 0, got {ramp_s}")
     vocab = engine.model_config.vocab_size
     block_size = workload.block_size
     queue = deque(s for s in workload.sessions if s.turns)
@@ -121,7 +131,8 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
             if tool_aware:
                 pool.tool_return(a.session.session_id)
         a.prompt = prompt_token_ids(turn, block_size, vocab, low=_TOKEN_LOW)
-        params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True,
+                                logprobs=keep_outputs)
         try:
             rid = engine.add_request(a.prompt, params)
         except ValueError as e:
@@ -131,9 +142,12 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         a.request_id = rid
         by_request[rid] = a
 
+    started = 0
     while queue or active:
         while queue and len(active) < concurrency:
-            active.append(_Active(queue.popleft(), due_s=clock() - t0))
+            offset = started * ramp_s / concurrency if started < concurrency else 0.0
+            active.append(_Active(queue.popleft(), due_s=max(clock() - t0, offset)))
+            started += 1
         now = clock() - t0
         for a in list(active):
             if a.request_id is None and a.due_s <= now:
@@ -141,7 +155,7 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         if engine.has_unfinished():
             for out in engine.step():
                 a = by_request.pop(out.request_id)
-                finish(a, _record(out, a, t0))
+                finish(a, _record(out, a, t0, keep_outputs))
             continue
         due = [a.due_s for a in active if a.request_id is None]
         if due:
@@ -149,14 +163,16 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
     return _run_result(name, engine, records, clock() - t0, workload, concurrency)
 
 
-def _record(out: RequestOutput, a: _Active, t0: float) -> RequestRecord:
+def _record(out: RequestOutput, a: _Active, t0: float, keep_outputs: bool) -> RequestRecord:
     m = out.metrics
     rel = lambda t: None if t is None else t - t0  # noqa: E731
     return RequestRecord(
         session_id=a.session.session_id, turn=a.next_turn, input_tokens=len(out.prompt_token_ids),
         output_tokens=len(out.token_ids), arrival_s=m.arrival_time - t0, first_token_s=rel(m.first_token_time),
         finish_s=rel(m.finish_time), cached_tokens=out.num_cached_tokens,
-        cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error)
+        cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error,
+        output_token_ids=list(out.token_ids) if keep_outputs else None,
+        logprobs=list(out.logprobs) if keep_outputs and out.logprobs is not None else None)
 
 
 def _run_result(name: str, engine: Engine, records: list[RequestRecord], wall_s: float, workload: Workload,

@@ -41,6 +41,8 @@ class BenchOptions:
         token_scale: factor on every token length (block sizes scale with it).
         time_scale: factor on think times; ``max_think_s`` caps a scaled think time (seconds).
         max_turns: turns kept per session (None = all).
+        ramp_s: seconds over which the first ``concurrency`` sessions start
+            (see :mod:`kvtier.bench.replay`).
         device_fraction: device pages as a fraction of the working set (ignored when
             ``num_device_pages`` is given).
         host_fraction: host tier bytes as a fraction of the working set's KV bytes (ignored
@@ -64,6 +66,7 @@ class BenchOptions:
     time_scale: float = 0.01
     max_think_s: float = 1.0
     max_turns: int | None = 12
+    ramp_s: float = 10.0
     device_fraction: float = 0.25
     num_device_pages: int | None = None
     host_fraction: float = 1.0
@@ -80,8 +83,8 @@ class BenchOptions:
         for name in ("token_scale", "time_scale", "device_fraction"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.host_fraction < math.inf or not 0 <= self.max_think_s:
-            raise ValueError("--host-fraction and --max-think-s must be >= 0")
+        if not 0 <= self.host_fraction < math.inf or not 0 <= self.max_think_s or not 0 <= self.ramp_s < math.inf:
+            raise ValueError("--host-fraction, --max-think-s and --ramp-s must be >= 0")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         parse_configs(self.configs)
@@ -150,7 +153,7 @@ def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, b
         engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes),
                         model_id)
         run = replay(engine, workload, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
-                     on_finish=on_finish)
+                     ramp_s=opts.ramp_s, on_finish=on_finish)
         engine.pool.poll(wait=True)  # no copy may still write into disk_dir when it is removed
         del engine
         gc.collect()
