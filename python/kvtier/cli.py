@@ -123,6 +123,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
 
         workload, sizing, runs, prov = run_all(opts, on_start=on_start, on_finish=lambda r: bars[-1].advance())
+    if sizing.device_floor_applied:
+        console.print(f"[yellow]note:[/] the device tier was raised to {sizing.device_pages} pages so that the largest "
+                      f"turn fits; it is {sizing.device_pages / sizing.working_set_pages:.2f} of the working set, "
+                      f"not --device-fraction {opts.device_fraction}")
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{workload.block_size}-token blocks; device tier {sizing.device_pages} pages = "
                   f"{sizing.device_pages / sizing.working_set_pages:.2f} of the working set "
@@ -133,6 +137,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         report.write_json(args.json, report.bench_json(runs, prov))
         console.print(f"wrote {args.json}")
+    failed = False
+    for run in runs:
+        errors = sorted({r.error for r in run.records if r.error})
+        if errors:
+            console.print(f"[red]{run.name}[/]: {sum(1 for r in run.records if r.error)} request(s) failed, e.g. "
+                          + "; ".join(errors[:3]), markup=True, highlight=False)
+        failed = failed or (bool(run.records) and all(r.error for r in run.records))
+    if failed:
+        print("kvtier bench: error: every request of a configuration failed (see above)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -203,9 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"kvtier {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

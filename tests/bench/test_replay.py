@@ -96,6 +96,9 @@ def test_cache_never_changes_results(model, tmp_path):
     plain = replay(_engine(model, device_pages=40, caching=False), wl, "no-cache", concurrency=6, keep_outputs=True)
     hits = {t: sum(r.cached_tokens_by_tier[t] for r in tiered.records) for t in ("device", "host", "disk")}
     assert all(v > 0 for v in hits.values()), hits
+    # a block credited to host or disk was really loaded from there (at least once)
+    assert hits["host"] // PAGE * block_bytes <= tiered.bytes_moved["host->device"]
+    assert hits["disk"] // PAGE * block_bytes <= tiered.bytes_moved["disk->device"]
     assert tiered.copy_errors == 0 and sum(r.cached_tokens for r in plain.records) == 0
     key = lambda r: (r.session_id, r.turn)  # noqa: E731
     for a, b in zip(sorted(tiered.records, key=key), sorted(plain.records, key=key)):
@@ -168,3 +171,44 @@ def test_cli_end_to_end_json_and_plot(tmp_path):
         assert set(cfg["ttft_s"]) == {"p50", "p90", "p99"} and cfg["ttft_s"]["p99"] > 0
         assert set(cfg["hit_tokens"]) == {"device", "host", "disk"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_disk_cache_dir_fails_before_the_run(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    for bad in (tmp_path / "missing", not_a_dir):
+        assert main(["bench", "--disk-cache-dir", str(bad), "--plot", ""]) == 2
+        err = capsys.readouterr().err
+        assert "--disk-cache-dir" in err and str(bad) in err
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", ["empty.jsonl", "no requests"]),
+    ("\n\n", ["empty.jsonl", "no requests"]),
+])
+def test_cli_empty_trace_names_the_file(tmp_path, capsys, text, words):
+    (tmp_path / "empty.jsonl").write_text(text)
+    assert main(["bench", "--trace", str(tmp_path / "empty.jsonl"), "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+
+
+def test_null_api_time_is_a_trace_error(tmp_path):
+    from kvtier.bench.workload import TraceError, load_trace
+    reqs = [{"t": 0, "type": "n", "in": 130, "out": 5, "hash_ids": [1, 2], "stop": "tool_use", "api_time": None},
+            {"t": 9, "type": "n", "in": 200, "out": 5, "hash_ids": [1, 2, 3], "stop": "end_turn"}]
+    path = tmp_path / "trace_x.json"
+    path.write_text(json.dumps({"id": "x", "block_size": 64, "requests": reqs}))
+    with pytest.raises(TraceError, match="trace_x.json.*api_time"):
+        load_trace(path)
+
+
+def test_host_tier_budget_includes_padding():
+    from kvtier.cache.host_tier import HostTier
+    small = HostTier(96_000, 960, pin=False)  # small blocks are packed
+    assert small.num_slots == 100
+    big = HostTier(10 * 8192, 5000, pin=False)  # 5000 B blocks take 8192 B rows
+    assert big.num_slots == 10 and big.slot(9).numel() == 5000
+    assert big.slot(1).data_ptr() % 4096 == 0
+    with pytest.raises(ValueError, match="host slot"):
+        big.release(3)  # never allocated

@@ -16,7 +16,9 @@ class RequestRecord:
         turn: index of the turn within its session (0-based).
         input_tokens: prompt length in tokens (after token scaling).
         output_tokens: tokens generated.
-        arrival_s: when the request was submitted to the engine.
+        arrival_s: when the request was due (its session's previous turn finished plus the
+            think time): what a client measures TTFT from, even if the replay loop was busy
+            with an engine step at that moment and submitted it a little later.
         first_token_s: when its first output token was sampled (None: never, e.g. an error).
         finish_s: when it finished (None: not finished when the run ended).
         cached_tokens: prompt tokens served from cached blocks, any tier.
@@ -68,7 +70,7 @@ class ConfigRun:
         recomputed_tokens: prompt tokens that were prefilled (not served from any cache),
             including recomputation after preemption.
         bytes_moved: bytes copied per direction, e.g. ``{"device->host", "host->device",
-            "host->disk", "disk->host"}``.
+            "host->disk", "disk->device"}`` (a disk block goes through a host staging buffer).
         copy_errors: failed copies (each ended in recomputation).
         evictions: blocks evicted per tier.
         preemptions: running requests preempted when device pages ran out.

@@ -145,7 +145,7 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
     started = 0
     while queue or active:
         while queue and len(active) < concurrency:
-            offset = started * ramp_s / concurrency if started < concurrency else 0.0
+            offset = min(started, concurrency - 1) * ramp_s / concurrency  # never ahead of the ramp
             active.append(_Active(queue.popleft(), due_s=max(clock() - t0, offset)))
             started += 1
         now = clock() - t0
@@ -168,7 +168,7 @@ def _record(out: RequestOutput, a: _Active, t0: float, keep_outputs: bool) -> Re
     rel = lambda t: None if t is None else t - t0  # noqa: E731
     return RequestRecord(
         session_id=a.session.session_id, turn=a.next_turn, input_tokens=len(out.prompt_token_ids),
-        output_tokens=len(out.token_ids), arrival_s=m.arrival_time - t0, first_token_s=rel(m.first_token_time),
+        output_tokens=len(out.token_ids), arrival_s=min(a.due_s, m.arrival_time - t0), first_token_s=rel(m.first_token_time),
         finish_s=rel(m.finish_time), cached_tokens=out.num_cached_tokens,
         cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error,
         output_token_ids=list(out.token_ids) if keep_outputs else None,

@@ -35,7 +35,7 @@ BASELINE = "device-only"
 """Name of the run the others are compared against (ratios appear when it is present)."""
 
 TIERS = ("device", "host", "disk")
-DIRECTIONS = ("device->host", "host->device", "host->disk", "disk->host")
+DIRECTIONS = ("device->host", "host->device", "host->disk", "disk->device")
 """Canonical order of ``bytes_moved`` keys in the table; other keys follow, sorted."""
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,7 +46,8 @@ class BenchOptions:
         ramp_s: seconds over which the first ``concurrency`` sessions start
             (see :mod:`kvtier.bench.replay`).
         device_fraction: device pages as a fraction of the working set (ignored when
-            ``num_device_pages`` is given).
+            ``num_device_pages`` is given); raised, with a warning, to the pages of the
+            largest single turn plus 16 when that is more (a request must fit on its own).
         host_fraction: host tier bytes as a fraction of the working set's KV bytes (ignored
             when ``host_cache_bytes`` is given).
         disk_cache_dir: parent of the per-run disk tier directories (None = the system temp dir).
@@ -80,14 +83,26 @@ class BenchOptions:
         for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("token_scale", "time_scale", "device_fraction"):
+        for name in ("token_scale", "device_fraction"):
             if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.host_fraction < math.inf or not 0 <= self.max_think_s or not 0 <= self.ramp_s < math.inf:
-            raise ValueError("--host-fraction, --max-think-s and --ramp-s must be >= 0")
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("time_scale", "host_fraction", "ramp_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 <= self.max_think_s:  # inf = no cap
+            raise ValueError(f"--max-think-s must be >= 0, got {self.max_think_s}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
-        parse_configs(self.configs)
+        for name in ("num_device_pages", "host_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name == "num_device_pages" else 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {1 if name == 'num_device_pages' else 0}, "
+                                 f"got {value}")
+        configs = parse_configs(self.configs)
+        if self.disk_cache_dir is not None and any(c.disk for c in configs):
+            d = Path(self.disk_cache_dir)
+            if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"--disk-cache-dir {self.disk_cache_dir!r} must be an existing, writable directory")
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,8 @@ class Sizing:
         block_bytes: KV bytes of one page over all layers.
         host_cache_bytes: host tier budget.
         disk_cache_bytes: disk tier budget (room for every distinct block of the workload).
+        device_floor_applied: the device tier was raised above ``device_fraction`` of the
+            working set so that the largest turn fits.
     """
 
     page_size: int
@@ -109,6 +126,7 @@ class Sizing:
     block_bytes: int
     host_cache_bytes: int
     disk_cache_bytes: int
+    device_floor_applied: bool = False
 
 
 def load_workload(opts: BenchOptions, max_input_tokens: int) -> Workload:
@@ -125,13 +143,15 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     ps = workload.block_size
     ws = working_set_pages(workload, ps, opts.concurrency)
     largest = max(-(-(t.input_tokens + t.output_tokens) // ps) for s in workload.sessions for t in s.turns)
-    device = opts.num_device_pages or max(math.ceil(opts.device_fraction * ws), 2 * largest)
+    floor = largest + 16
+    wanted = opts.num_device_pages or math.ceil(opts.device_fraction * ws)
+    device = max(wanted, floor) if opts.num_device_pages is None else wanted
     cfg = model.config
     block_bytes = cfg.num_hidden_layers * ps * cfg.kv_cache_dim * torch.finfo(model.dtype).bits // 8
     host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
     distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
     disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
-    return Sizing(ps, ws, device, block_bytes, host, disk)
+    return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted)
 
 
 def _warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
@@ -139,7 +159,8 @@ def _warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
     engine = Engine(model, EngineConfig(page_size=base.page_size, num_device_pages=base.num_device_pages,
                                         max_num_batched_tokens=base.max_num_batched_tokens,
                                         enable_prefix_caching=False))
-    n = min(base.max_num_batched_tokens, model.config.max_position_embeddings - 8, base.num_device_pages * base.page_size - 8)
+    n = max(1, min(base.max_num_batched_tokens, model.config.max_position_embeddings - 8,
+                   (base.num_device_pages - 1) * base.page_size - 4))
     engine.add_request(list(range(300, 300 + n)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()

@@ -27,8 +27,8 @@ Sources (see ``../shared/docs/WORKLOAD.md`` and ``../shared/traces/SOURCE.md``):
     is then derived from the timestamps: ``max(0, t_k - t_{k-1} - api_time_{k-1})``, the
     relation the other requests satisfy to within the 1 s rounding of ``t``.
   * A sub-agent becomes its own session ``"<parent id>/<agent_id>"`` placed right after its
-    parent; like every session it starts at replay time 0 (its offset inside the parent is
-    not modelled).
+    parent; the replay starts it like any other session, when a slot frees (its offset inside
+    the parent is not modelled), and ``max_sessions`` counts it as a session.
 
 - **Mooncake** (``*.jsonl``: ``timestamp`` ms, ``input_length``, ``output_length``,
   ``hash_ids`` of 512-token prefix-chained blocks, ids global to the file). There are no
@@ -229,7 +229,7 @@ def _kv_request(r: dict, path: Path, loc: str, block_size: int, prev: dict | Non
     if prev is None:
         think = 0.0
     else:  # absent in 22 real requests: derive it from the timestamps (module docstring)
-        gap = t - float(prev["t"]) - float(prev.get("api_time", 0.0))
+        gap = t - _get_float(prev, "t", path, loc) - _get_float(prev, "api_time", path, loc, default=0.0)
         think = _get_float(r, "think_time", path, loc, default=max(0.0, gap))
     stop = r.get("stop", "")
     if not isinstance(stop, str):
@@ -519,6 +519,8 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
     formats = set()
     for ns, f in enumerate(_trace_files(path)):
         fmt, sessions = _read_file(f, ns)
+        if not sessions:
+            raise TraceError(f"{f}: no requests in this trace file")
         formats.add(fmt)
         raw.extend(sessions)
     seen: dict[str, int] = {}

@@ -2,8 +2,10 @@
 
 One slot holds one block: page ``p`` of every layer, back to back (``block_bytes`` bytes).
 The storage is pinned when a CUDA device is present (faster, asynchronous device copies),
-plain memory otherwise. Every slot starts on a 4096-byte page (rows are padded to whole pages),
-so disk writes from a slot and reads into one go straight through O_DIRECT without a copy.
+plain memory otherwise. Blocks of 4096 bytes or more start each slot on a 4096-byte page
+(rows padded to whole pages), so disk writes from a slot and reads into one go straight through
+O_DIRECT without a copy; smaller blocks are packed (the disk tier copies them through an aligned
+buffer), so padding never more than doubles a slot.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from kvtier.cache.disk_tier import DISK_ALIGN, aligned_empty
 class HostTier:
     """``num_slots`` block slots in one ``[num_slots, block_bytes]`` uint8 tensor.
 
-    The tensor is a view of page-aligned rows of ``block_bytes`` rounded up to 4096 (so it is
-    contiguous only when ``block_bytes`` is a multiple of 4096); each slot is contiguous.
+    For ``block_bytes >= 4096`` the tensor is a view of page-aligned rows of ``block_bytes``
+    rounded up to 4096 (contiguous only when ``block_bytes`` is a multiple of 4096); each slot
+    is contiguous.
 
     Args:
-        capacity_bytes: memory budget; ``capacity_bytes // block_bytes`` slots are made (the
-            page padding, under 4 KiB a slot, is not counted).
+        capacity_bytes: memory budget, padding included: ``capacity_bytes // row_bytes`` slots
+            are made, where ``row_bytes`` is ``block_bytes`` (rounded up to 4096 when it is at
+            least 4096).
         block_bytes: bytes of one page-first block (``num_layers * page_size * row * element_size``).
         pin: pin the storage (default: when CUDA is available).
 
@@ -35,16 +39,24 @@ class HostTier:
         if capacity_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {capacity_bytes}")
         self.block_bytes = block_bytes
-        self.num_slots = capacity_bytes // block_bytes
+        row = -(-block_bytes // DISK_ALIGN) * DISK_ALIGN if block_bytes >= DISK_ALIGN else block_bytes
+        self.num_slots = capacity_bytes // row
         pin = torch.cuda.is_available() if pin is None else pin
-        row = -(-block_bytes // DISK_ALIGN) * DISK_ALIGN
-        rows = aligned_empty(self.num_slots * row, pin_memory=pin).view(self.num_slots, row)
+        try:
+            rows = aligned_empty(self.num_slots * row, pin_memory=pin).view(self.num_slots, row)
+        except RuntimeError as e:  # out of memory: name the budget, not torch's allocator
+            raise ValueError(f"host_cache_bytes={capacity_bytes} cannot be allocated: {e}") from None
         self.storage = rows[:, :block_bytes]
         self._free = list(range(self.num_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * self.num_slots
 
     def allocate(self) -> int | None:
         """A free slot id, or None when every slot is taken."""
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
 
     def release(self, slot: int) -> None:
         """Return ``slot`` to the free list.
@@ -52,8 +64,9 @@ class HostTier:
         Raises:
             ValueError: the slot is out of range or already free.
         """
-        if not 0 <= slot < self.num_slots or slot in self._free:
+        if not 0 <= slot < self.num_slots or self._is_free[slot]:
             raise ValueError(f"host slot {slot} is not an allocated slot of [0, {self.num_slots})")
+        self._is_free[slot] = 1
         self._free.append(slot)
 
     def slot(self, slot: int) -> torch.Tensor:

@@ -346,8 +346,13 @@ class KVPool:
         self._keep_loaded(seq, loads, keep)
         seq.prefix_tokens_by_tier = {"device": 0, "host": 0, "disk": 0}
         for b in loads[:keep]:
-            tier = b.source.name.lower()
-            self.stats.hit_tokens[tier] += self.page_size
+            # A block this sequence loaded from a lower tier in an earlier lookup (it was sent
+            # back to wait after its loads ended) is now a device copy: keep crediting the tier
+            # it came from, and count each block's hit once.
+            tier = seq.hit_tiers.get(b.hash)
+            if tier is None:
+                tier = seq.hit_tiers[b.hash] = b.source.name.lower()
+                self.stats.hit_tokens[tier] += self.page_size
             seq.prefix_tokens_by_tier[tier] += self.page_size
             if b.source != Tier.DEVICE:
                 self._register_page(b.page, b.hash)

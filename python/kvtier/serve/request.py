@@ -43,6 +43,8 @@ class Sequence:
     # and as reported (the first admission's).
     prefix_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    # Tier each reused block was first served from to this sequence (hash -> tier name).
+    hit_tiers: dict[bytes, str] = field(default_factory=dict)
     prefix_done: bool = False  # the cached prefix was matched (and loaded) since the last admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is set on the first admission only)
     error: str | None = None
