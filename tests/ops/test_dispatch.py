@@ -30,6 +30,9 @@ def _calls():
         "moe_route": lambda b: ops.moe_route(torch.randn(3, 16), torch.zeros(16), 2, 4, 2, 1.0, backend=b),
         "fused_moe": lambda b: ops.fused_moe(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3),
                                              torch.ones(2, 1), torch.tensor([[0], [3]], dtype=torch.int32), backend=b),
+        "gather_pages": lambda b: ops.gather_pages([kv, kv], torch.tensor([2, 0]), backend=b),
+        "scatter_pages": lambda b: _written([kv.clone()], lambda pools: ops.scatter_pages(
+            torch.ones(1, 1, 4, 24), pools, torch.tensor([3]), backend=b))[0],
         "sample": lambda b: ops.sample(torch.randn(2, 8), torch.zeros(2), torch.ones(2), backend=b),
         "rms_norm": lambda b: ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, backend=b),
         "silu_and_mul": lambda b: ops.silu_and_mul(torch.randn(2, 8), backend=b),
