@@ -1,0 +1,110 @@
+"""MoE, sampling and page-copy kernel benchmarks: one CSV row per (op, shape, dtype, backend).
+
+Columns: op, shape, dtype, backend, resolved_backend, device, median_us, p20_us, p80_us, gb_s,
+tflop_s, commit. Bytes and FLOPs come from the formulas in :mod:`kvtier.reference` (moe, pages,
+sampling). On a GPU: K2 shapes (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048; sampling over
+the 163840 vocab; gather of 64-token pages x 61 layers x 576), triton vs torch. On CPU: the torch
+backend at small shapes (the interpreter is not a timing target).
+
+Usage: python perf/bench_moe.py [--csv out.csv] [--repeats 20] [--backends torch triton]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import time
+
+import torch
+
+from kvtier import ops
+from kvtier.ops.dispatch import resolve_backend
+
+FIELDS = ["op", "shape", "dtype", "backend", "resolved_backend", "device", "median_us", "p20_us", "p80_us", "gb_s",
+          "tflop_s", "commit"]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _times_us(fn, repeats: int, device: torch.device) -> list[float]:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return sorted(out)
+
+
+def _cases(device: torch.device, dtype: torch.dtype):
+    gpu = device.type == "cuda"
+    num_experts, top_k, hidden, inter = (384, 8, 7168, 2048) if gpu else (16, 4, 256, 128)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, device=device).to(dtype) / hidden ** 0.5
+    w2 = torch.randn(num_experts, hidden, inter, device=device).to(dtype) / inter ** 0.5
+    bias = torch.zeros(num_experts, device=device)
+    es = torch.tensor([], dtype=dtype).element_size()
+    for num_tokens in ((1, 8, 64, 512, 4096) if gpu else (1, 16, 64)):
+        x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+        logits = torch.randn(num_tokens, num_experts, device=device)
+        n_group = 1
+        yield ("moe_route", f"T{num_tokens}-E{num_experts}-k{top_k}", lambda b, lg=logits: ops.moe_route(
+            lg, bias, top_k, n_group, n_group, 2.827, backend=b), num_tokens * num_experts * 4 + 8 * num_tokens * top_k, 0)
+        w, ids = ops.moe_route(logits, bias, top_k, 1, 1, 2.827)
+        hit = int(torch.unique(ids).numel())
+        nbytes = hit * 3 * inter * hidden * es + 2 * num_tokens * hidden * es
+        flops = 6 * num_tokens * top_k * hidden * inter
+        yield ("fused_moe", f"T{num_tokens}-E{num_experts}-k{top_k}-H{hidden}-I{inter}",
+               lambda b, x=x, w=w, ids=ids: ops.fused_moe(x, w13, w2, w, ids, backend=b), nbytes, flops)
+    vocab = 163840 if gpu else 4096
+    for batch in ((1, 64) if gpu else (1, 8)):
+        lg = torch.randn(batch, vocab, device=device).to(dtype)
+        t, p = torch.ones(batch, device=device), torch.full((batch,), 0.9, device=device)
+        yield ("sample", f"B{batch}-V{vocab}-topp0.9", lambda b, lg=lg, t=t, p=p: ops.sample(lg, t, p, backend=b),
+               batch * vocab * es * 34, 0)
+    layers, page_size, row, blocks = (61, 64, 576, 32) if gpu else (4, 16, 576, 8)
+    pools = [torch.randn(2 * blocks, page_size, row, device=device).to(dtype) for _ in range(layers)]
+    pages = torch.randperm(2 * blocks, device=device)[:blocks]
+    yield ("gather_pages", f"L{layers}-P{page_size}-R{row}-N{blocks}",
+           lambda b: ops.gather_pages(pools, pages, backend=b), 2 * blocks * layers * page_size * row * es, 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", default="-")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--backends", nargs="+", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = args.backends or (["torch", "triton"] if device.type == "cuda" else ["torch"])
+    commit = _commit()
+    out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
+    writer = csv.DictWriter(out, FIELDS)
+    writer.writeheader()
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    for op, shape, fn, nbytes, flops in _cases(device, dtype):
+        for backend in backends:
+            resolved = resolve_backend(op, backend, device, dtype)
+            t = _times_us(lambda: fn(backend), args.repeats, device)
+            med = t[len(t) // 2]
+            writer.writerow({"op": op, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
+                             "resolved_backend": resolved, "device": dev_name, "median_us": f"{med:.1f}",
+                             "p20_us": f"{t[len(t) // 5]:.1f}", "p80_us": f"{t[(4 * len(t)) // 5]:.1f}",
+                             "gb_s": f"{nbytes / med / 1e3:.2f}", "tflop_s": f"{flops / med / 1e6:.4f}",
+                             "commit": commit})
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()
