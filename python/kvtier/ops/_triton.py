@@ -1,10 +1,11 @@
 """Helpers shared by the Triton launchers (imported only when a Triton backend is resolved).
 
-- :func:`launchable` returns the kernel to launch: the compiled ``@triton.jit`` function, or, when
-  ``TRITON_INTERPRET=1`` is set *now*, an interpreted copy of its body. Triton decides
-  interpreted-vs-compiled when a function is decorated, i.e. at import; deciding here at launch
-  instead makes the interpreter independent of import order (a test process can import the
-  kernels, run them interpreted on CPU tensors, and compile them for GPU targets).
+- :func:`launchable` returns the kernel to launch: the compiled ``@triton.jit`` function for GPU
+  tensors, an interpreted copy of its body for CPU tensors. Triton decides interpreted-vs-compiled
+  when a function is decorated; deciding here at launch makes our kernels independent of import
+  order, but triton's own library (``tl.sum``, ``tl.cdiv``) is fixed when triton is first imported,
+  so ``TRITON_INTERPRET=1`` must be set before that (``tests/conftest.py`` does it on CPU-only
+  machines; the dispatcher reports the backend unavailable otherwise).
 - :func:`arch_of` names a device's architecture (``"sm_90"``, ``"gfx942"``; ``"cpu"``), the key of
   per-arch launch configurations.
 - :func:`triton_dot_dtype` picks the dtype that ``tl.dot`` consumes.
@@ -17,7 +18,7 @@ import functools
 import torch
 import triton.language as tl
 
-from kvtier.ops.dispatch import triton_interpreting
+from kvtier.ops.dispatch import _interpreter_unready
 
 
 @functools.cache
@@ -30,8 +31,9 @@ def _interpreted(kernel):
 def launchable(kernel, device: torch.device):
     """``kernel`` itself for GPU tensors; its interpreted body for CPU tensors under the interpreter."""
     if device.type == "cpu":
-        if not triton_interpreting():
-            raise RuntimeError("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+        reason = _interpreter_unready()
+        if reason is not None:
+            raise RuntimeError(reason)
         return _interpreted(kernel)
     return kernel
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -58,6 +59,17 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def _interpreter_unready() -> str | None:
+    """Why Triton cannot interpret kernels in this process now, or None."""
+    if not triton_interpreting():
+        return "triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1)"
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction":
+        return ("TRITON_INTERPRET=1 was set after triton was imported; set it before the first import "
+                "(triton's own library functions are compiled-only otherwise)")
+    return None
+
+
 def _device_type(device: torch.device | str) -> str:
     return torch.device(device).type
 
@@ -72,10 +84,10 @@ def unavailable_reason(op: str, backend: str, device: torch.device | str = "cpu"
     if backend == "triton":
         if not _has_module("triton"):
             return "triton not installed"
-        if dev == "cuda" or (dev == "cpu" and triton_interpreting()):
+        if dev == "cuda":
             return None
         if dev == "cpu":
-            return "triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1)"
+            return _interpreter_unready()
         return f"triton does not support device type {dev!r}"
     if backend == "hip":
         if not _has_module("kvtier._hip"):
