@@ -30,10 +30,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
+        self.backend = backend  # of the paged attention ops (mla_extend, mla_decode)
         nh, qk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = _param(nh * qk, c.hidden_size, dtype=dtype)
@@ -73,10 +74,10 @@ class MLAttention(nn.Module):
         npf = batch.num_prefill_tokens
         if npf:
             ops.mla_extend(q_abs[:npf], kv_cache, batch.prefill_block_table, batch.prefill_cu_seqlens_q,
-                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf])
+                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf], backend=self.backend)
         if batch.num_decode_tokens:
             ops.mla_decode(q_abs[npf:], kv_cache, batch.decode_block_table, batch.decode_seq_lens,
-                           c.sm_scale, c.kv_lora_rank, out=latent[npf:])
+                           c.sm_scale, c.kv_lora_rank, out=latent[npf:], backend=self.backend)
         attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
         return F.linear(attn, self.o_proj)
 
@@ -136,9 +137,13 @@ class DecoderLayer(nn.Module):
 
 
 class KimiK2ForCausalLM(nn.Module):
-    """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`."""
+    """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`.
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32):
+    ``backend`` (``"auto"|"torch"|"triton"|...``, see :mod:`kvtier.ops`) selects the paged attention
+    kernels; :meth:`set_backend` changes it on a built model.
+    """
+
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32, backend: str = "auto"):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -147,6 +152,13 @@ class KimiK2ForCausalLM(nn.Module):
         self.norm = _param(config.hidden_size, dtype=dtype)
         self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
+        self.set_backend(backend)
+
+    def set_backend(self, backend: str) -> None:
+        """Run the paged attention ops of every layer on ``backend`` (checked at the next forward)."""
+        self.backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
