@@ -18,6 +18,7 @@ Usage::
 
     python perf/compile_gate.py                      # all kernels, all targets; writes the table
     python perf/compile_gate.py --kernels mla_decode_partial --targets sm_90 --no-write
+    python perf/compile_gate.py --warm-cache         # reuse triton's cache (default: a fresh one)
 
 Writes ``perf/results/kernel_resources.md`` and ``.csv``; exits 1 when a kernel fails to compile
 or spills to memory (VGPR spills, scratch, or CUDA local memory).
@@ -39,6 +40,8 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # must precede the first @triton.jit (kernel import)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+if "--warm-cache" not in sys.argv:  # cold builds by default: honest compile times, no stale binaries
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtier-compile-gate-")
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -116,7 +119,8 @@ def compile_case(entry, case, target_name: str) -> Row:
         for key, value in res.items():
             setattr(row, key, value)
     except Exception as exc:  # noqa: BLE001 - a failed build is a gate result, reported per row
-        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        row.error = f"{type(exc).__name__}: " + " / ".join(lines[:1] + lines[-2:])[:300]
     row.compile_s = round(time.perf_counter() - t0, 2)
     return row
 
@@ -195,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--targets", nargs="*", choices=list(TARGETS), help="default: all")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite perf/results/kernel_resources.*")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--warm-cache", action="store_true", help="reuse triton's on-disk cache (faster reruns)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     rows, import_errors = run_gate(args.kernels, args.targets)

@@ -17,6 +17,18 @@ import math
 import torch
 
 
+def mla_decode_bytes(batch: int, num_heads: int, seq_len: int, dim: int, kv_lora_rank: int, kv_bytes: int,
+                     q_bytes: int) -> int:
+    """DRAM bytes of one decode step: each sequence's ``seq_len`` cache rows once (shared by all heads),
+    q in, out out (lse and block_table ignored)."""
+    return batch * (seq_len * dim * kv_bytes + num_heads * (dim + kv_lora_rank) * q_bytes)
+
+
+def mla_decode_flops(batch: int, num_heads: int, seq_len: int, dim: int, kv_lora_rank: int) -> int:
+    """FLOPs of one decode step: scores ``2*H*L*D`` plus values ``2*H*L*kv_lora_rank`` per sequence."""
+    return batch * 2 * num_heads * seq_len * (dim + kv_lora_rank)
+
+
 def _gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
                kv_scale: float | None = None) -> torch.Tensor:
     """[seq_len, D] fp32 rows of one sequence (times ``kv_scale``); reads only pages that hold its tokens."""
