@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the main job: a short generation with the tiny random
-# Kimi K2-shaped model over prompts that share a prefix, reporting TTFT, throughput and
-# prefix-cache hits. Extra arguments go to `kvtier generate`.
+# Set up (scripts/setup.sh), then run the main job: `kvtier bench` replays the built-in
+# coding-agent workload (24 sessions, 12 at a time, statistics from ../shared/docs/WORKLOAD.md)
+# through the tiny random Kimi K2-shaped model, once with a device-only prefix cache and once
+# with the tiered pool, and prints TTFT/TPOT/throughput/hits per tier for both. Extra arguments
+# go to `kvtier bench` (e.g. --trace ../shared/traces/kv-cache-tester --json out.json).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 . scripts/setup.sh
-kvtier generate --model tiny --num-prompts 8 --prompt-len 512 --shared-prefix-len 448 --max-tokens 32 "$@"
+kvtier bench "$@"

@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="replay coding-agent sessions under several cache configurations")
     b.add_argument("--trace", metavar="PATH", help="kv-cache-tester .json/.json.gz or Mooncake .jsonl file, or a "
                    "folder of them (default: the built-in workload generator)")
-    b.add_argument("--sessions", type=int, default=32, help="sessions replayed")
-    b.add_argument("--concurrency", type=int, default=16, help="sessions active at once")
+    b.add_argument("--sessions", type=int, default=24, help="sessions replayed")
+    b.add_argument("--concurrency", type=int, default=12, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",
                    help="comma-separated: device-only, tiered, tiered-tool-aware, no-cache")
     b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="factor on every token length; block size x scale must be an integer")
     b.add_argument("--time-scale", type=float, default=0.01, help="factor on think times")
     b.add_argument("--max-think-s", type=float, default=1.0, help="cap on a scaled think time (s)")
-    b.add_argument("--max-turns", type=int, default=12, help="turns kept per session (0 = all)")
+    b.add_argument("--max-turns", type=int, default=8, help="turns kept per session (0 = all)")
     b.add_argument("--ramp-s", type=float, default=10.0,
                    help="seconds over which the first --concurrency sessions start (0 = all at once)")
     b.add_argument("--device-fraction", type=float, default=0.25,

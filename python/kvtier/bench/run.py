@@ -59,13 +59,13 @@ class BenchOptions:
 
     model: str = "tiny"
     trace: str | None = None
-    sessions: int = 32
-    concurrency: int = 16
+    sessions: int = 24
+    concurrency: int = 12
     configs: str = "device-only,tiered"
     token_scale: float = 1 / 64
     time_scale: float = 0.01
     max_think_s: float = 1.0
-    max_turns: int | None = 12
+    max_turns: int | None = 8
     ramp_s: float = 10.0
     device_fraction: float = 0.25
     num_device_pages: int | None = None
