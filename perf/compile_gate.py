@@ -6,8 +6,10 @@ Kernels come from the registry in :mod:`kvtier.triton_kernels` (each module regi
 kernels and their K2 compile cases), so a new kernel joins by registering.
 
 Resources per (kernel, case, target):
-- CUDA (sm_90): ``REG``/``SHARED``/``LOCAL`` from ``cuobjdump --dump-resource-usage`` on the
-  cubin; spills = the local-memory bytes per thread (LOCAL; 0 means no spill stores).
+- CUDA (sm_90): ``REG``/``STACK``/``SHARED``/``LOCAL`` from ``cuobjdump --dump-resource-usage``
+  on the cubin; spills = the stack frame plus local memory, bytes per thread. ptxas puts spilled
+  registers in the stack frame (``ptxas -v``: "N bytes stack frame, M bytes spill stores"), and
+  Triton kernels make no calls, so a non-zero STACK means spills.
 - AMD (gfx942, gfx950; wave64): the AMDGPU metadata in the AMDGCN text (``.vgpr_count``,
   ``.agpr_count``, ``.sgpr_count``, ``.vgpr_spill_count``, ``.sgpr_spill_count``,
   ``.group_segment_fixed_size`` = LDS bytes, ``.private_segment_fixed_size`` = scratch bytes).
@@ -23,6 +25,11 @@ Usage::
 Writes ``perf/results/kernel_resources.md`` and ``.csv``; exits 1 when a kernel fails to compile
 or spills to memory (VGPR spills, scratch, or CUDA local memory).
 Run without ``TRITON_INTERPRET`` (the gate removes it from its own environment).
+
+Each case is built as Triton's JIT would specialise it at launch (:func:`jit_specialize`):
+pointers 16-byte aligned, integer arguments from the case's ``values`` (1 -> constexpr, multiples
+of 16 -> divisibility hint). A build without these hints is a different kernel (scalar loads, no
+software pipelining) with different registers and spills.
 """
 
 from __future__ import annotations
@@ -100,7 +107,27 @@ def _cuda_resources(cubin: bytes, name: str) -> dict:
     if m is None:
         raise RuntimeError(f"no resource line in cuobjdump output: {text!r}")
     reg, stack, shared, local = (int(x) for x in m.groups())
-    return {"vgprs": reg, "spill_bytes": local, "static_shared_bytes": shared}
+    return {"vgprs": reg, "spill_bytes": stack + local, "static_shared_bytes": shared}
+
+
+def jit_specialize(fn, case) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of ``case`` as Triton's JIT specialises a launch: every
+    pointer argument 16-byte aligned (``tt.divisibility`` 16; torch allocations are), and each
+    integer argument named in ``case.values`` a constexpr when it is 1 or divisible by 16 when it
+    is a multiple of 16. Integers without a value get no hint (as for an unaligned runtime value)."""
+    signature, constexprs = dict(case.signature), dict(case.constexprs)
+    unknown = sorted(set(case.values) - set(signature))
+    if unknown:
+        raise ValueError(f"{case.label}: values for unknown arguments {unknown}")
+    names = list(fn.arg_names)
+    attrs = dict(case.attrs)
+    for name, ty in case.signature.items():
+        value = case.values.get(name)
+        if ty.startswith("i") and value == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        elif ty.startswith("*") or (ty.startswith("i") and value is not None and value % 16 == 0):
+            attrs.setdefault((names.index(name),), []).append(["tt.divisibility", 16])
+    return signature, constexprs, attrs
 
 
 def compile_case(entry, case, target_name: str) -> Row:
@@ -109,7 +136,7 @@ def compile_case(entry, case, target_name: str) -> Row:
     row = Row(entry.name, case.label, target_name, case.num_warps, case.num_stages)
     t0 = time.perf_counter()
     try:
-        src = ASTSource(entry.fn, case.signature, case.constexprs, case.attrs)
+        src = ASTSource(entry.fn, *jit_specialize(entry.fn, case))
         kernel = triton.compile(src, target=target, options={"num_warps": case.num_warps,
                                                              "num_stages": case.num_stages})
         row.shared_bytes = kernel.metadata.shared
@@ -167,8 +194,9 @@ def write_tables(rows: list[Row], import_errors: list[str], seconds: float, out_
         "bf16 q/out, bf16 or fp8 e4m3 KV (e4m3fnuz on gfx942); h64 = 64 heads, h8-tp8 = 8 heads per rank.",
         "",
         "Columns: `regs` = registers per thread (CUDA) or VGPRs incl. AGPRs (AMD, of 512); `sgpr spills` go to",
-        "VGPR lanes (no memory traffic); `vgpr spills` / `spill B` (CUDA local memory, AMD scratch, bytes per",
-        "thread) go to memory and fail the gate. `shared` = Triton's shared-memory/LDS estimate in bytes.",
+        "VGPR lanes (no memory traffic); `vgpr spills` / `spill B` (CUDA stack frame + local memory, AMD scratch,",
+        "bytes per thread) go to memory and fail the gate. `shared` = Triton's shared-memory/LDS estimate in bytes.",
+        "Builds are specialised as the JIT does at launch (16-byte-aligned pointers; the K2 strides and sizes).",
         "",
         "| kernel | case | target | warps | stages | regs | agprs | sgprs | vgpr spills | sgpr spills | spill B | shared B | compile s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -31,6 +31,12 @@ class CompileCase:
             ``"constexpr"``); every argument of the kernel appears.
         constexprs: values of the ``constexpr`` arguments.
         num_warps, num_stages: launch options, as the launcher uses them.
+        attrs: extra Triton attributes by argument index (rarely needed; see ``values``).
+        values: the runtime values of integer arguments at this shape (strides, sizes). The gate
+            specialises the build as Triton's JIT does at launch: a value of 1 becomes a
+            constexpr, a multiple of 16 gets ``tt.divisibility`` 16; every pointer argument is
+            taken as 16-byte aligned (torch allocations are). Without them the gate would build a
+            variant that never runs (no vectorised loads, no pipelining) and report its resources.
     """
 
     label: str
@@ -39,6 +45,7 @@ class CompileCase:
     num_warps: int = 4
     num_stages: int = 2
     attrs: dict = field(default_factory=dict)
+    values: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,11 @@ _K2_DECODE = [("h64", 64, 8), ("h8-tp8", 8, 32)]
 
 def _partial_cases(arch: str) -> list[CompileCase]:
     cases = []
-    for (label, _, splits) in _K2_DECODE:
+    for (label, heads, splits) in _K2_DECODE:
+        # runtime values as the launcher passes them: contiguous q [B, H, 576] and cache [P, 64, 576]
+        values = {"num_heads": heads, "kv_lora_rank": 512, "rope_dim": 64, "stride_q_b": heads * 576,
+                  "stride_q_h": 576, "stride_q_d": 1, "stride_kv_page": 64 * 576, "stride_kv_slot": 576,
+                  "stride_kv_d": 1}
         for kv_type, dot in (("bf16", "bf16"), (fp8_e4m3_name(arch), "bf16")):
             sig = {"q_ptr": "*bf16", "kv_ptr": f"*{kv_type}", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                    "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sm_scale": "fp32", "kv_scale": "fp32",
@@ -173,18 +177,20 @@ def _partial_cases(arch: str) -> list[CompileCase]:
             for k in consts:
                 sig[k] = "constexpr"
             cases.append(CompileCase(f"{label}-kv{'fp8' if kv_type != 'bf16' else 'bf16'}", sig, consts,
-                                     cfg["num_warps"], cfg["num_stages"]))
+                                     cfg["num_warps"], cfg["num_stages"], values=values))
     return cases
 
 
 def _merge_cases(arch: str) -> list[CompileCase]:
     cases = []
-    for (label, _, splits) in _K2_DECODE:
+    for (label, heads, splits) in _K2_DECODE:
         sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
                "num_heads": "i32", "kv_lora_rank": "i32", "stride_o_b": "i32", "stride_o_h": "i32",
                "stride_o_d": "i32", "NUM_SPLITS": "constexpr", "BLOCK_S": "constexpr", "BLOCK_C": "constexpr"}
         consts = {"NUM_SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits), "BLOCK_C": 512}
-        cases.append(CompileCase(f"{label}-bf16", sig, consts, MERGE_NUM_WARPS, 1))
+        values = {"num_heads": heads, "kv_lora_rank": 512, "stride_o_b": heads * 512, "stride_o_h": 512,
+                  "stride_o_d": 1}
+        cases.append(CompileCase(f"{label}-bf16", sig, consts, MERGE_NUM_WARPS, 1, values=values))
     return cases
 
 

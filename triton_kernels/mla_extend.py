@@ -100,9 +100,11 @@ def mla_extend_kernel(
     tl.store(lse_ptr + (q_start + tok).to(tl.int64) * num_heads + head, lse, mask=mask_m)
 
 
-# Per compiler backend, from the compile gate's resource table at K2 shapes (see mla_decode).
+# Per compiler backend, from the compile gate's resource table at K2 shapes (see mla_decode). CUDA:
+# 8 warps and BLOCK_N 32: a [32, 512] fp32 accumulator on 4 warps spilled on sm_90 (80 B/thread bf16 KV,
+# 344 B fp8 KV); on 8 warps it fits (199 / 254 registers, no stack frame).
 EXTEND_CONFIG = {
-    "cuda": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "cuda": {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
     "hip": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
 
@@ -127,8 +129,13 @@ def _extend_cases(arch: str) -> list[CompileCase]:
         for k in consts:
             sig[k] = "constexpr"
         # the head count is a runtime argument (rows = tokens x heads), so one build serves 64 and 8 heads
+        # (num_heads gets no hint: 64 would be specialised as a multiple of 16, 8 not); strides of
+        # contiguous q [T, H, 576], out [T, H, 512] and cache [P, 64, 576], which are multiples of 16 at H = 8 and 64
+        values = {"kv_lora_rank": 512, "rope_dim": 64, "stride_q_t": 8 * 576, "stride_q_h": 576, "stride_q_d": 1,
+                  "stride_kv_page": 64 * 576, "stride_kv_slot": 576, "stride_kv_d": 1, "stride_o_t": 8 * 512,
+                  "stride_o_h": 512, "stride_o_d": 1}
         cases.append(CompileCase(f"k2-kv{'bf16' if kv_type == 'bf16' else 'fp8'}", sig, consts, cfg["num_warps"],
-                                 cfg["num_stages"]))
+                                 cfg["num_stages"], values=values))
     return cases
 
 

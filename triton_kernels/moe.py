@@ -19,8 +19,12 @@ computes a ``[BLOCK_M, BLOCK_N]`` tile of one expert's rows:
 
 Loads are in the storage dtype. ``UPCAST`` converts them to fp32 before the dot (the wrapper
 sets it under the interpreter, whose bf16 arithmetic is wrong); compiled, bf16/fp16 tiles go to
-``tl.dot`` as they are with fp32 accumulation. ``INPUT_PRECISION`` is "ieee" for fp32 inputs. FLOPs: ``6 * T * top_k * H * I``; bytes: the weights of
-every hit expert (``3 * I * H * elem``) + activations.
+``tl.dot`` as they are with fp32 accumulation. The dots use ``input_precision="ieee"`` on every
+target and dtype: it is the only value all three targets accept (gfx950 rejects "tf32"), it keeps
+fp32 inputs exact (no TF32 rounding, matching the fp32 reference), and for bf16/fp16 operands the
+flag changes nothing (the MMA/MFMA multiplies 16-bit operands exactly; checked: the same
+mma.sync/wgmma and v_mfma instructions as with "tf32"). FLOPs: ``6 * T * top_k * H * I``; bytes:
+the weights of every hit expert (``3 * I * H * elem``) + activations.
 """
 
 import triton
@@ -85,7 +89,6 @@ def moe_route_kernel(router_logits, stride_t, bias, topk_weights, topk_ids, num_
 def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, N, K,
                      stride_am, stride_we, stride_wn, stride_om, gate_offset,
                      GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, UPCAST: tl.constexpr,
-                     INPUT_PRECISION: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's sorted rows.
 
@@ -128,12 +131,12 @@ def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded
         if UPCAST:
             x = x.to(tl.float32)
             wt = wt.to(tl.float32)
-        acc = tl.dot(x, wt, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(x, wt, acc, input_precision="ieee")
         if GATED:
             ut = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if UPCAST:
                 ut = ut.to(tl.float32)
-            acc_up = tl.dot(x, ut, acc_up, input_precision=INPUT_PRECISION)
+            acc_up = tl.dot(x, ut, acc_up, input_precision="ieee")
             u_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -171,11 +174,15 @@ def _gemm_cases(arch: str) -> list[CompileCase]:
                    "sorted_ids": "*i32", "expert_ids": "*i32", "num_padded": "*i32", "num_pairs": "i32",
                    "top_k": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_we": "i32",
                    "stride_wn": "i32", "stride_om": "i32", "gate_offset": "i32"}
-            consts = {"GATED": gated, "A_PER_TOKEN": gated, "UPCAST": False, "INPUT_PRECISION": "tf32",
+            consts = {"GATED": gated, "A_PER_TOKEN": gated, "UPCAST": False,
                       "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
             sig.update({c: "constexpr" for c in consts})
+            inter, hidden = (n // 2, k) if gated else (k, n)
+            # runtime values as the launcher passes them (N = output columns: I gated, H down)
+            values = {"top_k": 8, "N": inter if gated else hidden, "K": k, "stride_am": k, "stride_we": n * k,
+                      "stride_wn": k, "stride_om": inter if gated else hidden, "gate_offset": inter if gated else 0}
             cases.append(CompileCase(f"k2-{'w13' if gated else 'w2'}-m{m}-bf16", sig, consts, cfg["num_warps"],
-                                     cfg["num_stages"]))
+                                     cfg["num_stages"], values=values))
     return cases
 
 

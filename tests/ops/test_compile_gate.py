@@ -55,3 +55,14 @@ def test_full_gate(tmp_path):
     proc, rows = _run_gate(tmp_path)
     assert {r["target"] for r in rows} == TARGETS
     assert proc.returncode == 0, proc.stdout[-5000:]
+
+
+def test_gate_builds_fused_moe_gemm_without_spills(tmp_path):
+    """The grouped GEMM at every K2 tile config: gfx950 accepts its dot precision ("tf32" did not
+    compile there) and sm_90 builds it without a stack frame (spills), as launched (aligned
+    pointers, K2 strides)."""
+    proc, rows = _run_gate(tmp_path, "--kernels", "fused_moe_gemm", "--targets", "gfx950", "sm_90")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {r["target"] for r in rows} == {"gfx950", "sm_90"} and len(rows) == 12
+    for r in rows:
+        assert not r["error"] and r["spill_bytes"] == "0", r

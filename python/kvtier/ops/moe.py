@@ -134,7 +134,6 @@ def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     block_m = cfg1["BLOCK_M"]
     sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
     num_pairs = topk_ids.numel()
-    precision = "ieee" if dtype == torch.float32 else "tf32"
     act = torch.empty(num_pairs, inter, dtype=dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     flat_w = topk_weights.reshape(-1).contiguous()
@@ -143,7 +142,7 @@ def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         grid = (expert_ids.numel(), -(-n // cfg["BLOCK_N"]))
         _launch(fused_moe_kernel, grid, a, w, out, flat_w, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
                n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), inter if gated else 0,
-               GATED=gated, A_PER_TOKEN=gated, UPCAST=interpret, INPUT_PRECISION=precision, BLOCK_M=block_m,
+               GATED=gated, A_PER_TOKEN=gated, UPCAST=interpret, BLOCK_M=block_m,
                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
     return y.view(num_tokens, top_k, hidden).sum(1).to(dtype)
