@@ -97,10 +97,11 @@ class DenseMLP(nn.Module):
 class MoE(nn.Module):
     """noaux_tc-routed experts (w13 [E, 2I, H], w2 [E, H, I]) plus shared experts."""
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
+        self.backend = backend  # of moe_route and fused_moe
         self.gate_weight = _param(c.n_routed_experts, c.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
         self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size, dtype=dtype)
@@ -113,8 +114,9 @@ class MoE(nn.Module):
         c = self.config
         router_logits = F.linear(x.float(), self.gate_weight)
         weights, ids = ops.moe_route(router_logits, self.e_score_correction_bias, c.num_experts_per_tok,
-                                     c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+                                     c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob,
+                                     backend=self.backend)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, backend=self.backend)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -139,8 +141,9 @@ class DecoderLayer(nn.Module):
 class KimiK2ForCausalLM(nn.Module):
     """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`.
 
-    ``backend`` (``"auto"|"torch"|"triton"|...``, see :mod:`kvtier.ops`) selects the paged attention
-    kernels; :meth:`set_backend` changes it on a built model.
+    ``backend`` (``"auto"|"torch"|"triton"|...``, see :mod:`kvtier.ops`) selects the kernels of the
+    paged attention ops (mla_extend, mla_decode) and of the routed experts (moe_route, fused_moe);
+    the engine samples on it too. :meth:`set_backend` changes it on a built model.
     """
 
     def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32, backend: str = "auto"):
@@ -155,10 +158,12 @@ class KimiK2ForCausalLM(nn.Module):
         self.set_backend(backend)
 
     def set_backend(self, backend: str) -> None:
-        """Run the paged attention ops of every layer on ``backend`` (checked at the next forward)."""
+        """Run the paged attention and MoE ops of every layer on ``backend`` (checked at the next forward)."""
         self.backend = backend
         for layer in self.layers:
             layer.self_attn.backend = backend
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
