@@ -24,9 +24,13 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` run only with ``--run-slow`` or when ``-m`` selects them explicitly."""
     import pytest
 
-    if config.getoption("--run-slow") or "slow" in (config.getoption("-m") or ""):
-        return
-    skip = pytest.mark.skip(reason="slow: pass --run-slow (or -m slow) to run")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    if not (config.getoption("--run-slow") or "slow" in (config.getoption("-m") or "")):
+        skip = pytest.mark.skip(reason="slow: pass --run-slow (or -m slow) to run")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    if torch.cuda.is_available():  # the interpreter tests need TRITON_INTERPRET before triton's import
+        skip_interp = pytest.mark.skip(reason="interpreter test: run on a CPU-only machine (GPUs: pytest -m gpu)")
+        for item in items:
+            if "_interpret" in item.fixturenames or "_interpreter" in item.fixturenames:
+                item.add_marker(skip_interp)
