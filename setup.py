@@ -49,7 +49,7 @@ class CMakeBuild(build_ext):
 setup(
     packages=find_packages("python") + ["kvtier.triton_kernels"],
     package_dir={"": "python", "kvtier.triton_kernels": "triton_kernels"},
-    package_data={"kvtier": ["py.typed"]},
+    package_data={"kvtier": ["py.typed"], "kvtier.triton_kernels": ["configs/*.json"]},
     ext_modules=[
         # Host runtime: block hash (later: prefix index, copy engine, disk tier, token buffer).
         CMakeExtension("kvtier._C", target="kvtier_C"),

@@ -7,6 +7,7 @@ Subcommands:
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
   create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+  kernels             --profile DIR: every kernel op once under torch.profiler, a Chrome trace
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier import LLM, SamplingParams
+from kvtier import kernels_cli
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -210,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
     c.set_defaults(func=cmd_create_checkpoint)
+    kernels_cli.add_parser(sub)
     return parser
 
 

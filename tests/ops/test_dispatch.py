@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvtier import ops
+from kvtier.ops import dispatch
 
 
 def _written(cache, write):
@@ -30,6 +31,9 @@ def _calls():
         "moe_route": lambda b: ops.moe_route(torch.randn(3, 16), torch.zeros(16), 2, 4, 2, 1.0, backend=b),
         "fused_moe": lambda b: ops.fused_moe(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3),
                                              torch.ones(2, 1), torch.tensor([[0], [3]], dtype=torch.int32), backend=b),
+        "gather_pages": lambda b: ops.gather_pages([kv, kv], torch.tensor([2, 0]), backend=b),
+        "scatter_pages": lambda b: _written([kv.clone()], lambda pools: ops.scatter_pages(
+            torch.ones(1, 1, 4, 24), pools, torch.tensor([3]), backend=b))[0],
         "sample": lambda b: ops.sample(torch.randn(2, 8), torch.zeros(2), torch.ones(2), backend=b),
         "rms_norm": lambda b: ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, backend=b),
         "silu_and_mul": lambda b: ops.silu_and_mul(torch.randn(2, 8), backend=b),
@@ -47,7 +51,8 @@ def test_every_public_op_is_covered():
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("backend", ["triton", "hip", "aiter"])
-def test_unbuilt_backend_raises_backend_unavailable(op, backend):
+def test_unbuilt_backend_raises_backend_unavailable(op, backend, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # CPU tensors: triton only under the interpreter
     with pytest.raises(ops.BackendUnavailableError, match=backend):
         _calls()[op](backend)
 
@@ -75,10 +80,72 @@ def test_auto_and_torch_agree(op):
     assert _same(auto, explicit)
 
 
-def test_resolve_backend_is_pure_and_explicit():
+def test_resolve_backend_is_pure_and_explicit(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert ops.resolve_backend("mla_decode", "auto", "cpu", torch.bfloat16) == "torch"
     assert ops.resolve_backend("mla_decode", "torch", "cpu", torch.float32) == "torch"
     assert ops.is_backend_supported("mla_decode", "torch")
     assert not ops.is_backend_supported("mla_decode", "triton")
     assert set(ops.BACKENDS) == {"auto", "torch", "triton", "hip", "aiter"}
     assert issubclass(ops.BackendUnavailableError, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-op registry and the availability reasons
+
+triton_installed = pytest.mark.skipif(not dispatch._has_module("triton"), reason="triton not installed")
+
+
+def test_registry_records_implemented_backends():
+    assert "triton" in dispatch.implemented_backends("mla_decode")
+    assert dispatch.implemented_backends("an_op_nobody_registered") == {"torch"}
+    dispatch.register_backend("_test_only_op", "triton")
+    assert dispatch.implemented_backends("_test_only_op") == {"torch", "triton"}
+    with pytest.raises(ValueError, match="backend"):
+        dispatch.register_backend("_test_only_op", "auto")
+
+
+def test_unimplemented_backend_names_the_op_and_what_exists():
+    reason = dispatch.unavailable_reason("an_op_nobody_registered", "triton", "cuda")
+    assert "no 'triton' implementation" in reason and "torch" in reason
+    with pytest.raises(ops.BackendUnavailableError, match="no 'triton' implementation"):
+        ops.resolve_backend("an_op_nobody_registered", "triton", "cuda", torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="ROCm build")
+def test_aiter_reports_it_needs_rocm():
+    dispatch.register_backend("_test_aiter_op", "aiter")
+    with pytest.raises(ops.BackendUnavailableError, match="aiter needs ROCm"):
+        ops.resolve_backend("_test_aiter_op", "aiter", "cuda", torch.bfloat16)
+
+
+def test_hip_reports_it_is_not_built():
+    dispatch.register_backend("_test_hip_op", "hip")
+    if not dispatch._has_module("kvtier._hip"):
+        assert "not built" in dispatch.unavailable_reason("_test_hip_op", "hip", "cuda")
+
+
+@triton_installed
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ops.BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        ops.resolve_backend("mla_decode", "triton", "cpu", torch.float32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if dispatch._interpreter_unready() is None:  # the interpreter was on when triton was imported
+        assert ops.resolve_backend("mla_decode", "triton", "cpu", torch.float32) == "triton"
+    # auto never picks the interpreter
+    assert ops.resolve_backend("mla_decode", "auto", "cpu", torch.float32) == "torch"
+
+
+@triton_installed
+def test_auto_picks_triton_on_a_gpu_where_implemented():
+    # pure: no GPU needed to ask what auto means for a CUDA/HIP tensor
+    assert ops.resolve_backend("mla_decode", "auto", "cuda", torch.bfloat16) == "triton"
+    assert ops.resolve_backend("mla_extend", "auto", "cuda:1", torch.float16) == "triton"
+    assert ops.resolve_backend("an_op_nobody_registered", "auto", "cuda", torch.bfloat16) == "torch"
+
+
+def test_triton_not_installed_is_the_reason(monkeypatch):
+    monkeypatch.setattr(dispatch, "_has_module", lambda name: False)
+    assert dispatch.unavailable_reason("mla_decode", "triton", "cuda") == "triton not installed"
+    assert ops.resolve_backend("mla_decode", "auto", "cuda", torch.bfloat16) == "torch"

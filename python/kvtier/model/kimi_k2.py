@@ -30,10 +30,11 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
+        self.backend = backend  # of the paged attention ops (mla_extend, mla_decode)
         nh, qk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = _param(nh * qk, c.hidden_size, dtype=dtype)
@@ -73,10 +74,10 @@ class MLAttention(nn.Module):
         npf = batch.num_prefill_tokens
         if npf:
             ops.mla_extend(q_abs[:npf], kv_cache, batch.prefill_block_table, batch.prefill_cu_seqlens_q,
-                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf])
+                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf], backend=self.backend)
         if batch.num_decode_tokens:
             ops.mla_decode(q_abs[npf:], kv_cache, batch.decode_block_table, batch.decode_seq_lens,
-                           c.sm_scale, c.kv_lora_rank, out=latent[npf:])
+                           c.sm_scale, c.kv_lora_rank, out=latent[npf:], backend=self.backend)
         attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
         return F.linear(attn, self.o_proj)
 
@@ -96,10 +97,11 @@ class DenseMLP(nn.Module):
 class MoE(nn.Module):
     """noaux_tc-routed experts (w13 [E, 2I, H], w2 [E, H, I]) plus shared experts."""
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
+        self.backend = backend  # of moe_route and fused_moe
         self.gate_weight = _param(c.n_routed_experts, c.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
         self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size, dtype=dtype)
@@ -112,8 +114,9 @@ class MoE(nn.Module):
         c = self.config
         router_logits = F.linear(x.float(), self.gate_weight)
         weights, ids = ops.moe_route(router_logits, self.e_score_correction_bias, c.num_experts_per_tok,
-                                     c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids)
+                                     c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob,
+                                     backend=self.backend)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, backend=self.backend)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -136,9 +139,14 @@ class DecoderLayer(nn.Module):
 
 
 class KimiK2ForCausalLM(nn.Module):
-    """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`."""
+    """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`.
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32):
+    ``backend`` (``"auto"|"torch"|"triton"|...``, see :mod:`kvtier.ops`) selects the kernels of the
+    paged attention ops (mla_extend, mla_decode) and of the routed experts (moe_route, fused_moe);
+    the engine samples on it too. :meth:`set_backend` changes it on a built model.
+    """
+
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32, backend: str = "auto"):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -147,6 +155,15 @@ class KimiK2ForCausalLM(nn.Module):
         self.norm = _param(config.hidden_size, dtype=dtype)
         self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
+        self.set_backend(backend)
+
+    def set_backend(self, backend: str) -> None:
+        """Run the paged attention and MoE ops of every layer on ``backend`` (checked at the next forward)."""
+        self.backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:

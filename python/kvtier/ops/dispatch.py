@@ -1,38 +1,125 @@
 """Backend resolution: one pure function decides what ``backend="auto"`` means.
 
-Only the ``torch`` backend (the fp32 reference) exists yet; ``triton``, ``hip`` and ``aiter``
-are named so callers get a clear "unavailable" error instead of a silent fallback.
+Two facts decide whether ``op`` can run on ``backend``:
+
+1. the op *implements* it: a per-op registry, filled by the op modules at import
+   (``register_backend("fused_moe", "triton")``); every op implements ``torch`` (the fp32
+   reference in :mod:`kvtier.reference`);
+2. the backend is *available* for the device in this installation: ``triton`` needs the
+   ``triton`` package and a CUDA/HIP device, or ``TRITON_INTERPRET=1`` for CPU tensors (the
+   interpreter, for tests at small shapes); ``hip`` needs the ``kvtier._hip`` extension; ``aiter``
+   needs a ROCm build of torch and the ``aiter`` package.
+
+``"auto"`` picks ``triton`` for a GPU tensor when both hold, else ``torch``; it never picks the
+interpreter. Explicitly requested backends that cannot run raise
+:class:`BackendUnavailableError` with the reason; nothing falls back silently.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sys
+
 import torch
 
 BACKENDS = ("auto", "torch", "triton", "hip", "aiter")
-_AVAILABLE = {"torch"}
+
+_IMPLEMENTED: dict[str, set[str]] = {}
 
 
 class BackendUnavailableError(RuntimeError):
     """The requested backend is not built or not supported for these inputs."""
 
 
+def register_backend(op: str, *backends: str) -> None:
+    """Declare that ``op`` has an implementation on each of ``backends`` (besides ``torch``)."""
+    for backend in backends:
+        if backend not in BACKENDS or backend == "auto":
+            raise ValueError(f"backend must be one of {BACKENDS[1:]}, got {backend!r}")
+    _IMPLEMENTED.setdefault(op, {"torch"}).update(backends)
+
+
+def implemented_backends(op: str) -> frozenset[str]:
+    """The backends ``op`` has code for (available here or not)."""
+    return frozenset(_IMPLEMENTED.get(op, {"torch"}))
+
+
+@functools.cache
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def triton_interpreting() -> bool:
+    """``TRITON_INTERPRET`` is set to a true value: Triton kernels run on CPU tensors (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _interpreter_unready() -> str | None:
+    """Why Triton cannot interpret kernels in this process now, or None."""
+    if not triton_interpreting():
+        return "triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1)"
+    standard = sys.modules.get("triton.language.standard")
+    if standard is not None and type(standard.cdiv).__name__ != "InterpretedFunction":
+        return ("TRITON_INTERPRET=1 was set after triton was imported; set it before the first import "
+                "(triton's own library functions are compiled-only otherwise)")
+    return None
+
+
+def _device_type(device: torch.device | str) -> str:
+    return torch.device(device).type
+
+
+def unavailable_reason(op: str, backend: str, device: torch.device | str = "cpu") -> str | None:
+    """Why ``op`` cannot run on ``backend`` for ``device`` here, or None when it can."""
+    if backend not in implemented_backends(op):
+        return f"{op} has no {backend!r} implementation (implemented: {sorted(implemented_backends(op))})"
+    dev = _device_type(device)
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        if not _has_module("triton"):
+            return "triton not installed"
+        if dev == "cuda":
+            return None
+        if dev == "cpu":
+            return _interpreter_unready()
+        return f"triton does not support device type {dev!r}"
+    if backend == "hip":
+        if not _has_module("kvtier._hip"):
+            return "hip kernels are not built (no kvtier._hip extension)"
+        return None if dev == "cuda" else f"hip kernels need a GPU tensor, got device type {dev!r}"
+    if backend == "aiter":
+        if torch.version.hip is None:
+            return "aiter needs ROCm (this torch is built without HIP)"
+        if not _has_module("aiter"):
+            return "aiter not installed"
+        return None if dev == "cuda" else f"aiter needs a GPU tensor, got device type {dev!r}"
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
 def is_backend_supported(op: str, backend: str, device: torch.device | str = "cpu") -> bool:
     """Whether ``op`` can run on ``backend`` for ``device`` in this installation."""
-    return backend in _AVAILABLE
+    return unavailable_reason(op, backend, device) is None
 
 
 def resolve_backend(op: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
-    """Return the concrete backend name for ``op`` (pure function of its arguments).
+    """Return the concrete backend name for ``op`` (pure function of its arguments and the build).
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
-        BackendUnavailableError: ``backend`` is known but not available here.
+        BackendUnavailableError: ``backend`` is known but cannot run here (the message says why).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "torch"
-    if not is_backend_supported(op, backend, device):
-        raise BackendUnavailableError(f"{op}: backend {backend!r} is not available in this build (available: "
-                                      f"{sorted(_AVAILABLE)})")
+        on_gpu = _device_type(device) == "cuda"
+        return "triton" if on_gpu and is_backend_supported(op, "triton", device) else "torch"
+    reason = unavailable_reason(op, backend, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
     return backend

@@ -4,9 +4,153 @@ from __future__ import annotations
 
 import torch
 
+import functools
+import importlib.util
+import json
+from pathlib import Path
+
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
-from kvtier.ops.dispatch import resolve_backend
+from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
+
+register_backend("moe_route", "triton")
+register_backend("fused_moe", "triton")
+
+CONFIG_FILE = Path(importlib.util.find_spec("kvtier.triton_kernels").origin).parent / "configs" / "fused_moe.json"
+_INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _config_table(path: str = "") -> dict:
+    return json.loads(Path(path or CONFIG_FILE).read_text())
+
+
+def fused_moe_config(num_experts: int, n: int, k: int, dtype: torch.dtype, arch: str, num_tokens: int,
+                     table: dict | None = None) -> dict:
+    """Tile config of one grouped GEMM from the data file (:data:`CONFIG_FILE`).
+
+    Key ``(E, N, K, dtype, arch)`` (N = weight rows of the projection, K = reduction), then the
+    smallest token bucket >= ``num_tokens`` (else the largest); unknown keys use ``"default"``.
+    Returns a dict with BLOCK_M/N/K, num_warps, num_stages.
+    """
+    table = table if table is not None else _config_table()
+    key = f"E={num_experts},N={n},K={k},dtype={str(dtype).removeprefix('torch.')},arch={arch}"
+    buckets = table["configs"].get(key, table["default"])
+    sizes = sorted(int(m) for m in buckets)
+    pick = next((m for m in sizes if m >= num_tokens), sizes[-1])
+    return dict(buckets[str(pick)])
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the (token, choice) pairs by expert and pad each expert's rows to ``block_m``.
+
+    Torch ops only, no host sync: sizes are the static upper bound
+    ``max_padded = T * k + E * (block_m - 1)`` (rounded up to ``block_m``).
+
+    Args:
+        topk_ids: [T, k] int32 expert ids.
+        num_experts: E.
+        block_m: rows per tile of the grouped GEMM.
+
+    Returns:
+        sorted_ids [max_padded] int32: flat pair index ``t * k + j`` grouped by expert (ascending
+        pair order within an expert), ``T * k`` in padding rows;
+        expert_ids [max_padded // block_m] int32: expert of each row block, -1 past the used ones;
+        num_padded [1] int32: used length of sorted_ids (a multiple of block_m).
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, max_padded, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    from kvtier.ops._triton import launchable
+
+    launchable(kernel, args[0].device)[grid](*args, **kwargs)
+
+
+@torch.library.custom_op("kvtier::moe_route", mutates_args=())
+def _moe_route_op(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, n_group: int,
+                  topk_group: int, routed_scaling_factor: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from kvtier.triton_kernels.moe import moe_route_kernel
+
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_tokens:
+        _launch(moe_route_kernel, (num_tokens,), router_logits, router_logits.stride(0), e_score_correction_bias,
+               weights, ids, num_experts, num_experts // n_group, n_group, topk_group, top_k,
+               float(routed_scaling_factor), RENORMALIZE=bool(renormalize), BLOCK_E=_pow2(num_experts),
+               BLOCK_G=_pow2(n_group), num_warps=4)
+    return weights, ids
+
+
+@_moe_route_op.register_fake
+def _(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty(t, top_k, dtype=torch.float32),
+            router_logits.new_empty(t, top_k, dtype=torch.int32))
+
+
+@torch.library.custom_op("kvtier::fused_moe", mutates_args=())
+def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    from kvtier.triton_kernels.moe import fused_moe_kernel
+
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    top_k = topk_ids.shape[1]
+    dev, dtype = hidden_states.device, hidden_states.dtype
+    if num_tokens == 0:
+        return torch.empty_like(hidden_states)
+    interpret = triton_interpreting()
+    if interpret:
+        cfg1 = cfg2 = dict(_INTERPRETER_CONFIG)
+    else:
+        from kvtier.ops._triton import arch_of
+
+        arch = arch_of(dev)
+        cfg1 = fused_moe_config(num_experts, two_i, hidden, dtype, arch, num_tokens)
+        cfg2 = fused_moe_config(num_experts, hidden, inter, dtype, arch, num_tokens)
+    block_m = cfg1["BLOCK_M"]
+    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    num_pairs = topk_ids.numel()
+    act = torch.empty(num_pairs, inter, dtype=dtype, device=dev)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
+    flat_w = topk_weights.reshape(-1).contiguous()
+    for cfg, a, w, out, n, k, gated in ((cfg1, hidden_states, w13, act, inter, hidden, True),
+                                         (cfg2, act, w2, y, hidden, inter, False)):
+        grid = (expert_ids.numel(), -(-n // cfg["BLOCK_N"]))
+        _launch(fused_moe_kernel, grid, a, w, out, flat_w, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
+               n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), inter if gated else 0,
+               GATED=gated, A_PER_TOKEN=gated, UPCAST=interpret, BLOCK_M=block_m,
+               BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+               num_stages=cfg["num_stages"])
+    return y.view(num_tokens, top_k, hidden).sum(1).to(dtype)
+
+
+@_fused_moe_op.register_fake
+def _(hidden_states, w13, w2, topk_weights, topk_ids):
+    return torch.empty_like(hidden_states)
 
 
 def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
@@ -28,7 +172,18 @@ def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group
 
     Raises:
         ValueError: inconsistent sizes (named in the message).
+
+    Note:
+        ``backend="triton"`` breaks ties (equal biased scores, equal group scores) towards the
+        lower expert / group id and returns the choices in descending biased-score order.
     """
+    with torch.profiler.record_function("kvtier::moe_route"):
+        return _moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
+                          routed_scaling_factor, renormalize, backend)
+
+
+def _moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
+               renormalize, backend):
     check_tensor(router_logits, "router_logits", ndim=2, dtypes=FLOAT_DTYPES)
     num_experts = router_logits.shape[1]
     check_tensor(e_score_correction_bias, "e_score_correction_bias", shape=[num_experts], dtypes=FLOAT_DTYPES,
@@ -39,7 +194,12 @@ def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group
         raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
     if not 0 < top_k <= topk_group * (num_experts // n_group):
         raise ValueError(f"top_k must be in [1, {topk_group * (num_experts // n_group)}], got {top_k}")
-    resolve_backend("moe_route", backend, router_logits.device, router_logits.dtype)
+    resolved = resolve_backend("moe_route", backend, router_logits.device, router_logits.dtype)
+    if resolved == "triton":
+        if router_logits.stride(-1) != 1:
+            router_logits = router_logits.contiguous()
+        return _moe_route_op(router_logits, e_score_correction_bias.contiguous(), top_k, n_group, topk_group,
+                             float(routed_scaling_factor), bool(renormalize))
     return reference.moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
                                routed_scaling_factor, renormalize)
 
@@ -59,7 +219,19 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
 
     Raises:
         ValueError: misshaped weights or ids out of range.
+
+    Note:
+        ``backend="triton"``: ``moe_align_block_size`` then two grouped-GEMM launches (gate/up with
+        SiLU gating fused, then down weighted by ``topk_weights``); tiles from the data file
+        :data:`CONFIG_FILE` keyed by (E, N, K, dtype, arch). The gated activation is stored in
+        ``hidden_states.dtype`` between the two (as peers do); the per-choice outputs are fp32 and
+        summed over the k choices in fp32, deterministically (no atomics).
     """
+    with torch.profiler.record_function("kvtier::fused_moe"):
+        return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend)
+
+
+def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend):
     check_tensor(hidden_states, "hidden_states", ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden = hidden_states.shape
     dev = hidden_states.device
@@ -75,5 +247,11 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
         raise ValueError(f"topk_ids must be in [0, {num_experts}), got range "
                          f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
-    resolve_backend("fused_moe", backend, hidden_states.device, hidden_states.dtype)
+    resolved = resolve_backend("fused_moe", backend, hidden_states.device, hidden_states.dtype)
+    if resolved == "triton":
+        if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+            raise ValueError(f"backend='triton' needs w13 and w2 in hidden_states.dtype {hidden_states.dtype}, got "
+                             f"{w13.dtype} and {w2.dtype}")
+        return _fused_moe_op(hidden_states.contiguous(), w13.contiguous(), w2.contiguous(), topk_weights.contiguous(),
+                             topk_ids.contiguous())
     return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)

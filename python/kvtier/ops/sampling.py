@@ -6,7 +6,42 @@ import torch
 
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
-from kvtier.ops.dispatch import resolve_backend
+from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
+
+register_backend("sample", "triton")
+
+_BLOCK = 1024  # vocab entries per chunk of the row loop
+_INTERPRETER_ROWS = 64  # rows per program under the interpreter (its cost is per op, not per element)
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    from kvtier.ops._triton import launchable
+
+    launchable(kernel, args[0].device)[grid](*args, **kwargs)
+
+
+@torch.library.custom_op("kvtier::sample", mutates_args=())
+def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+               token_bitmask: torch.Tensor | None) -> torch.Tensor:
+    from kvtier.triton_kernels.sampling import sample_kernel
+
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    has_mask = token_bitmask is not None
+    mask = token_bitmask if has_mask else torch.zeros(1, dtype=torch.int32, device=logits.device)
+    rows = _INTERPRETER_ROWS if triton_interpreting() else 1
+    block = min(_BLOCK, 1 << max(4, (vocab - 1).bit_length()))
+    _launch(sample_kernel, (-(-batch // rows),), logits, logits.stride(0), temperature, top_p, uniforms, mask,
+           mask.stride(0) if has_mask else 0, out, batch, vocab, HAS_MASK=has_mask, ROWS=rows, BLOCK=block,
+           num_warps=8)
+    return out
+
+
+@_sample_op.register_fake
+def _(logits, temperature, top_p, uniforms, token_bitmask):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
 def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, backend="auto"):
@@ -18,14 +53,33 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
         top_p: [batch] fp32 in (0, 1]; keeps the smallest set of tokens whose mass reaches top_p.
         token_bitmask: optional [batch, ceil(vocab / 32)] int32; bit ``j % 32`` of word ``j // 32``
             set means token j is allowed (the layout grammar engines produce).
-        generator: optional ``torch.Generator`` for reproducible draws.
+        generator: optional ``torch.Generator`` (on logits' device) for reproducible draws.
+            ``backend="torch"`` draws with ``torch.multinomial``; ``backend="triton"`` draws one
+            uniform per row with ``torch.rand(batch, generator=generator)`` outside the kernel and
+            samples by inverse CDF, so a given generator state gives the same tokens on every run
+            (but not the same tokens as the torch backend). A batch of greedy rows only draws
+            nothing.
+        backend: "auto" | "torch" | "triton". The triton kernel applies temperature, top-p and
+            the bitmask in one pass per row; greedy rows equal ``argmax`` of the masked logits
+            exactly (ties -> lowest id). With top-p, tokens tied in probability with the last
+            kept one are all kept (the torch backend keeps a sort-order prefix of them).
 
     Returns:
-        [batch] int64 token ids.
+        [batch] int64 token ids; never a token the bitmask disallows (a row whose allowed logits
+        are all -inf or NaN is undefined).
 
     Raises:
         ValueError: misshaped arguments, top_p outside (0, 1], or a bitmask row allowing no token.
+
+    Example:
+        >>> sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.zeros(1), torch.ones(1)).tolist()
+        [1]
     """
+    with torch.profiler.record_function("kvtier::sample"):
+        return _sample(logits, temperature, top_p, token_bitmask, generator, backend)
+
+
+def _sample(logits, temperature, top_p, token_bitmask, generator, backend):
     check_tensor(logits, "logits", ndim=2, dtypes=FLOAT_DTYPES)
     batch, vocab = logits.shape
     check_tensor(temperature, "temperature", shape=[batch], dtypes=[torch.float32])
@@ -41,5 +95,18 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
         empty = torch.nonzero((usable != 0).sum(-1) == 0).flatten().tolist()
         if empty:
             raise ValueError(f"token_bitmask allows no token in row(s) {empty}")
-    resolve_backend("sample", backend, logits.device, logits.dtype)
-    return reference.sample(logits, temperature, top_p, token_bitmask, generator)
+    resolved = resolve_backend("sample", backend, logits.device, logits.dtype)
+    if resolved != "triton":
+        return reference.sample(logits, temperature, top_p, token_bitmask, generator)
+    check_tensor(temperature, "temperature", device=logits.device)
+    check_tensor(top_p, "top_p", device=logits.device)
+    if token_bitmask is not None:
+        check_tensor(token_bitmask, "token_bitmask", device=logits.device)
+        token_bitmask = token_bitmask.contiguous()
+    if batch and bool((temperature > 0).any()):
+        uniforms = torch.rand(batch, generator=generator, device=logits.device, dtype=torch.float32)
+    else:
+        uniforms = torch.zeros(batch, device=logits.device, dtype=torch.float32)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _sample_op(logits, temperature.contiguous(), top_p.contiguous(), uniforms, token_bitmask)

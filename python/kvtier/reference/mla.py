@@ -3,8 +3,13 @@
 Per query token and head, over ``L`` cached tokens of width ``D = kv_lora_rank + rope_dim``:
 ``scores = q . kv^T * sm_scale``, ``out = softmax(scores) @ kv[:, :kv_lora_rank]``.
 
-Bytes (decode, per sequence): ``L*D`` cache elements + ``H*D`` q + ``H*kv_lora_rank`` out.
-FLOPs (decode): ``2*H*L*D + 2*H*L*kv_lora_rank``. Extend: same per query over its visible keys.
+Bytes (decode, per sequence): ``L*D`` cache elements + ``H*D`` q + ``H*kv_lora_rank`` out
+(times each tensor's element size; the cache is read once for all heads, which share it).
+FLOPs (decode): ``2*H*L*D + 2*H*L*kv_lora_rank``. Extend: same per query over its visible keys,
+i.e. ``(2*D + 2*kv_lora_rank) * H * sum_i visible_i`` with ``visible_i = prefix + i + 1``; bytes
+``L*D`` cache + ``n_q*H*(D + kv_lora_rank)`` q/out per sequence.
+
+FP8 caches store ``kv / kv_scale`` (e4m3); the references dequantise ``kv_cache * kv_scale``.
 """
 
 import math
@@ -12,12 +17,26 @@ import math
 import torch
 
 
-def _gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, D] fp32 rows of one sequence; reads only pages that hold its tokens."""
+def mla_decode_bytes(batch: int, num_heads: int, seq_len: int, dim: int, kv_lora_rank: int, kv_bytes: int,
+                     q_bytes: int) -> int:
+    """DRAM bytes of one decode step: each sequence's ``seq_len`` cache rows once (shared by all heads),
+    q in, out out (lse and block_table ignored)."""
+    return batch * (seq_len * dim * kv_bytes + num_heads * (dim + kv_lora_rank) * q_bytes)
+
+
+def mla_decode_flops(batch: int, num_heads: int, seq_len: int, dim: int, kv_lora_rank: int) -> int:
+    """FLOPs of one decode step: scores ``2*H*L*D`` plus values ``2*H*L*kv_lora_rank`` per sequence."""
+    return batch * 2 * num_heads * seq_len * (dim + kv_lora_rank)
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int,
+               kv_scale: float | None = None) -> torch.Tensor:
+    """[seq_len, D] fp32 rows of one sequence (times ``kv_scale``); reads only pages that hold its tokens."""
     page_size = kv_cache.shape[1]
     num_pages = (seq_len + page_size - 1) // page_size
     pages = block_table_row[:num_pages].long()
-    return kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len].float()
+    rows = kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len].float()
+    return rows if kv_scale is None else rows * kv_scale
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: int, first_pos: int):
@@ -37,7 +56,8 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: in
     return out, lse
 
 
-def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None):
+def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None,
+               kv_scale=None):
     """Ragged causal MLA over a paged cache; see :func:`kvtier.ops.mla_extend` for the contract.
 
     Query ``i`` of sequence ``b`` sits at position ``seq_lens[b] - n_q(b) + i`` and sees keys at
@@ -51,18 +71,18 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
     lens = seq_lens.tolist()
     for b, seq_len in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        kv = _gather_kv(kv_cache, block_table[b], seq_len)
+        kv = _gather_kv(kv_cache, block_table[b], seq_len, kv_scale)
         res[start:end], lse[start:end] = _attend(q[start:end].float(), kv, sm_scale, kv_lora_rank,
                                                  seq_len - (end - start))
     out = res.to(q.dtype) if out is None else out.copy_(res)
     return out, lse
 
 
-def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None):
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None, kv_scale=None):
     """One query per sequence attending to all ``seq_lens[b]`` cached tokens (see ops.mla_decode)."""
     batch = q.shape[0]
     cu = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out)
+    return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out, kv_scale=kv_scale)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

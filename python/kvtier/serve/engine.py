@@ -127,7 +127,7 @@ class Engine:
         as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
         temperature = 0.0 if params.greedy else params.temperature
         token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p),
-                               generator=seq.generator or self.generator)[0])
+                               generator=seq.generator or self.generator, backend=self.runner.model.backend)[0])
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
         seq.output_token_ids.append(token)

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU check: one script for a GPU machine without network access.
+#
+#   bash perf/gpu_check.sh            # writes to $OUT, or perf/results/ when OUT is unset
+#   bash perf/gpu_check.sh --dry-run  # any machine: every step, benchmarks at tiny CPU shapes
+#
+# Uses the python3 found there (PYTHON=... to choose another) with its preinstalled torch and
+# triton; installs nothing. Steps, each with a time limit so the whole run stays under 8 minutes
+# on an H200 (GPU_CHECK_BUDGET_S, default 450 s, is shared by the steps; a benchmark that runs out
+# of its share skips its largest remaining shapes and prints them):
+#   1. environment: torch, triton, the device; stops here without a GPU;
+#   2. build in place, offline: `setup.py build_ext --inplace` for the native extension kvtier._C
+#      (needs setuptools, pybind11 and cmake there); if that fails the kernels and benchmarks run
+#      without it (kvtier.ops does not need it), and the output says so;
+#   3. the GPU tests: `pytest tests/ops -m gpu` (compiled Triton kernels vs the torch references at
+#      K2 widths; the interpreter sweeps of tests/ops are CPU-only and skip themselves on a GPU);
+#   4. benchmarks at K2 shapes: perf/bench_mla.py (decode batch 1-128 at 4K-128K, bf16 and fp8 KV,
+#      extend; triton vs the torch reference; % of the measured copy bandwidth) and
+#      perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048);
+#   5. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
+# Files: gpu_check.log, gpu_check_build.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
+# gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
+set -uo pipefail
+DRY=""
+[ "${1:-}" = "--dry-run" ] && DRY="--dry-run"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+DEST="${OUT:-$ROOT/perf/results}"
+mkdir -p "$DEST"
+exec > >(tee "$DEST/gpu_check.log") 2>&1
+BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+T0=$SECONDS
+status=0
+left() { echo $((BUDGET - (SECONDS - T0))); }
+step() { echo; echo "== $1 (t=$((SECONDS - T0)) s, $(left) s left)"; }
+
+step "environment"
+if ! DRY="$DRY" "$PY" - <<'EOF'
+import os, sys, torch
+try:
+    import triton
+    tv = triton.__version__
+except ImportError:
+    tv = "not installed"
+gpu = torch.cuda.is_available()
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}, hip {torch.version.hip}), "
+      f"triton {tv}")
+print(f"device: {torch.cuda.get_device_name(0) if gpu else 'none'}")
+sys.exit(0 if (gpu or os.environ["DRY"]) and tv != "not installed" else 1)
+EOF
+then
+  echo "gpu_check: needs a CUDA/ROCm GPU and triton; stopping"
+  exit 1
+fi
+
+step "build in place (offline)"
+NATIVE="built"
+if ! timeout 120 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log" 2>&1; then
+  NATIVE="NOT built"
+  echo "native extension kvtier._C NOT built (last lines of gpu_check_build.log below); the kernel tests"
+  echo "and benchmarks run without it (kvtier.ops does not import it)"
+  tail -n 5 "$DEST/gpu_check_build.log" | sed 's/^/  | /'
+else
+  echo "native extension kvtier._C built in place"
+fi
+# The source tree as a package: python/kvtier plus triton_kernels/ as kvtier.triton_kernels (the
+# mapping setup.py makes), assembled from symlinks in a temporary directory.
+SRC="$(mktemp -d)"
+trap 'rm -rf "$SRC"' EXIT
+cp -rs "$ROOT/python/kvtier" "$SRC/kvtier"
+ln -s "$ROOT/triton_kernels" "$SRC/kvtier/triton_kernels"
+export PYTHONPATH="$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+"$PY" -c "import kvtier.ops, kvtier.triton_kernels; print('kvtier from', kvtier.__file__)" || status=1
+
+step "GPU tests (pytest -m gpu)"
+timeout 150 "$PY" -m pytest tests/ops -m gpu -q -p no:cacheprovider >"$DEST/gpu_check_pytest.log" 2>&1
+rc=$?
+tail -n 15 "$DEST/gpu_check_pytest.log"
+if [ $rc -ne 0 ]; then
+  echo "GPU tests: FAILED (exit $rc; 124 = time limit)"
+  status=1
+fi
+
+step "MLA benchmarks"
+share=$(( ($(left) - 20) * 11 / 20 ))  # ~55% of what is left; MoE and the summary get the rest
+if [ "$share" -gt 30 ]; then
+  timeout $((share + 60)) "$PY" perf/bench_mla.py $DRY --budget-s "$share" --repeats 10 --csv "$DEST/bench_mla.csv" \
+    --summary "$DEST/gpu_check_summary.md" >/dev/null || { echo "bench_mla.py failed"; status=1; }
+else
+  echo "no time left for the MLA benchmarks"; status=1
+fi
+
+step "MoE benchmarks"
+share=$(( $(left) - 30 ))
+if [ "$share" -gt 20 ]; then
+  timeout $((share + 20)) "$PY" perf/bench_moe.py $DRY --budget-s "$share" --repeats 5 --csv "$DEST/bench_moe.csv" \
+    || { echo "bench_moe.py failed"; status=1; }
+else
+  echo "no time left for the MoE benchmarks"; status=1
+fi
+
+step "summary"
+{
+  echo "# GPU check"
+  echo
+  echo "native extension: $NATIVE; total $((SECONDS - T0)) s; status $([ $status -eq 0 ] && echo ok || echo FAILED)"
+  echo
+  [ -f "$DEST/gpu_check_summary.md" ] && cat "$DEST/gpu_check_summary.md"
+  if [ -f "$DEST/bench_moe.csv" ]; then
+    echo
+    echo "MoE (op, shape, backend, median µs, GB/s, TFLOP/s):"
+    echo
+    cut -d, -f1,2,4,7,10,11 "$DEST/bench_moe.csv" | sed 's/^/    /'
+  fi
+} >"$DEST/gpu_check_summary.tmp" && mv "$DEST/gpu_check_summary.tmp" "$DEST/gpu_check_summary.md"
+cat "$DEST/gpu_check_summary.md"
+exit $status

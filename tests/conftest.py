@@ -1,0 +1,36 @@
+"""Session-wide test setup.
+
+Triton decides interpreted-vs-compiled when a function is decorated, and that includes its own
+standard library (``tl.sum``, ``tl.max``, ``tl.cdiv`` are ``@triton.jit`` functions decorated when
+triton is first imported). So on a machine without a GPU the interpreter is switched on here,
+before anything imports triton; the dispatcher reads ``TRITON_INTERPRET`` at call time, so a test
+can still delete it to see the CPU-without-interpreter behaviour. On a GPU machine it is left
+alone and the Triton tests run compiled kernels.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (wider sweeps)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` run only with ``--run-slow`` or when ``-m`` selects them explicitly."""
+    import pytest
+
+    if not (config.getoption("--run-slow") or "slow" in (config.getoption("-m") or "")):
+        skip = pytest.mark.skip(reason="slow: pass --run-slow (or -m slow) to run")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+    if torch.cuda.is_available():  # the interpreter tests need TRITON_INTERPRET before triton's import
+        skip_interp = pytest.mark.skip(reason="interpreter test: run on a CPU-only machine (GPUs: pytest -m gpu)")
+        for item in items:
+            if "_interpret" in item.fixturenames or "_interpreter" in item.fixturenames:
+                item.add_marker(skip_interp)

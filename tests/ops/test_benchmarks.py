@@ -1,0 +1,49 @@
+"""The kernel benchmarks (perf/bench_mla.py, perf/bench_moe.py) run end to end in their dry mode
+(tiny CPU shapes, the same code paths, the GPU shape list built too) and reject bad arguments;
+perf/gpu_check.sh parses. Their GPU runs happen in perf/gpu_check.sh on a GPU machine."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_bench_mla_dry_run(tmp_path):
+    proc = _run("perf/bench_mla.py", "--dry-run", "--csv", str(tmp_path / "mla.csv"), "--summary",
+                str(tmp_path / "mla.md"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "mla.csv")))
+    assert {r["op"] for r in rows} == {"mla_decode", "mla_extend"}
+    assert all(float(r["median_us"]) > 0 and float(r["pct_copy_bw"]) > 0 for r in rows)
+    assert "% copy BW" in (tmp_path / "mla.md").read_text()
+
+
+def test_bench_moe_dry_run():
+    proc = _run("perf/bench_moe.py", "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = {r["op"] for r in csv.DictReader(io.StringIO(proc.stdout))}
+    assert ops == {"moe_route", "fused_moe", "sample", "gather_pages"}
+
+
+@pytest.mark.parametrize("script", ["perf/bench_mla.py", "perf/bench_moe.py"])
+@pytest.mark.parametrize("bad", [["--repeats", "0"], ["--budget-s", "-1"], ["--backends", "cuda"]])
+def test_bench_rejects_bad_arguments(script, bad):
+    proc = _run(script, "--dry-run", *bad)
+    assert proc.returncode == 2 and "error" in proc.stderr
+
+
+def test_gpu_check_script_parses():
+    assert subprocess.run(["bash", "-n", str(ROOT / "perf" / "gpu_check.sh")]).returncode == 0
