@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then run the C++ host tests (ctest; also an ASan+UBSan build) and the
-# Python tests (pytest).
+# Set up (scripts/setup.sh), then run the C++ host tests (ctest; also an ASan+UBSan build), the
+# Triton compile gate (every kernel at K2 shapes for gfx950, gfx942 and sm_90; no GPU needed) and
+# the Python tests (pytest).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,4 +15,7 @@ for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=D
   cmake --build "$dir" -j "$(nproc)" >/dev/null
   ctest --test-dir "$dir" --output-on-failure
 done
+# Ahead-of-time compile gate: fails on any build error or spill (the table in perf/results/ is
+# written by running it without --no-write).
+python perf/compile_gate.py --no-write
 python -m pytest "$@"
