@@ -15,7 +15,7 @@ def test_device_host_disk_round_trip(dtype, tmp_path):
     layers, pages, page_size, row = 4, 9, 16, 40
     device = [torch.randn(pages, page_size, row, generator=g).to(dtype) for _ in range(layers)]
     meta = BlockMeta.of_pools(device)
-    host = HostTier(4 * meta.payload_bytes, meta.payload_bytes)
+    host = HostTier(4 * HostTier.row_bytes(meta.payload_bytes), meta.payload_bytes)
     disk = DiskTier(tmp_path, 1 << 20)
     engine = CopyEngine(num_threads=3, max_queued=8)
     src_pages, dst_pages = [6, 1, 3, 8], [0, 2, 4, 5]

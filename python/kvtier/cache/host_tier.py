@@ -39,7 +39,7 @@ class HostTier:
         if capacity_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {capacity_bytes}")
         self.block_bytes = block_bytes
-        row = -(-block_bytes // DISK_ALIGN) * DISK_ALIGN if block_bytes >= DISK_ALIGN else block_bytes
+        row = self.row_bytes(block_bytes)
         self.num_slots = capacity_bytes // row
         pin = torch.cuda.is_available() if pin is None else pin
         try:
@@ -49,6 +49,11 @@ class HostTier:
         self.storage = rows[:, :block_bytes]
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_slots
+
+    @staticmethod
+    def row_bytes(block_bytes: int) -> int:
+        """Bytes one slot takes in the budget: ``block_bytes``, rounded up to 4096 when it is at least 4096."""
+        return -(-block_bytes // DISK_ALIGN) * DISK_ALIGN if block_bytes >= DISK_ALIGN else block_bytes
 
     def allocate(self) -> int | None:
         """A free slot id, or None when every slot is taken."""
