@@ -151,3 +151,12 @@ def test_bad_messages_leave_session_unchanged(tok):
     with pytest.raises(ValueError, match=r"messages\[1\]\.role"):
         enc.append(msgs + [{"role": "bot", "content": "x"}])
     assert list(enc.ids) == ids and enc.append(msgs).new_ids == []
+
+
+def test_in_place_edit_is_seen(tok):
+    enc = SessionEncoder(tok)
+    msgs = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"}]
+    enc.append(msgs)
+    msgs[0]["content"] = "changed in place"
+    r = enc.append(msgs)
+    assert r.rolled_back > 0 and list(enc.ids) == tok.encode(render_chat(msgs))

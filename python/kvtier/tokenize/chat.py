@@ -86,7 +86,8 @@ def _tool_calls(msg: dict, index: int, call_counter: list[int]) -> str:
 def _last_final_answer(messages: Sequence[dict]) -> int:
     """Index of the last assistant message without tool calls (-1: none)."""
     for i in range(len(messages) - 1, -1, -1):
-        if messages[i].get("role") == "assistant" and not messages[i].get("tool_calls"):
+        m = messages[i]
+        if isinstance(m, dict) and m.get("role") == "assistant" and not m.get("tool_calls"):
             return i
     return -1
 
@@ -125,18 +126,39 @@ def render_tools(tools: Sequence[dict] | None) -> str:
     return f"<|im_system|>tool_declare<|im_middle|>{json.dumps(list(tools), ensure_ascii=False, separators=(',', ':'))}<|im_end|>"
 
 
-def render_messages(messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    add_generation_prompt: bool = True, thinking: bool = False) -> list[str]:
-    """The rendered conversation as parts: [tool declaration][default system] one per message
-    [generation prompt]. ``"".join(parts) == render_chat(...)``. Raises as :func:`render_chat`."""
+def header_parts(messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[str]:
+    """The parts before the first message: [tool declaration][default system turn]."""
     if not isinstance(messages, (list, tuple)):
         raise ValueError(f"messages: expected a list of dicts, got {type(messages).__name__}")
     parts = [render_tools(tools)] if tools else []
     if messages and not (isinstance(messages[0], dict) and messages[0].get("role") == "system"):
         parts.append(f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM}<|im_end|>")
-    last_final = _last_final_answer(messages) if thinking else -1
+    return parts
+
+
+def history_end(messages: Sequence[dict], thinking: bool) -> int:
+    """Messages ``[0, history_end)`` render without reasoning (thinking: up to the last final answer)."""
+    return _last_final_answer(messages) + 1 if thinking else 0
+
+
+def render_message(msg: dict, index: int, *, thinking: bool = False, history: bool = False,
+                   call_index: int = 0) -> tuple[str, int]:
+    """One message's part and the number of tool calls it holds (for default call ids).
+
+    ``call_index`` counts the tool calls of earlier messages. Raises as :func:`render_chat`.
+    """
+    counter = [call_index]
+    return _render_one(msg, index, thinking, history, counter), counter[0] - call_index
+
+
+def render_messages(messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    add_generation_prompt: bool = True, thinking: bool = False) -> list[str]:
+    """The rendered conversation as parts: [tool declaration][default system] one per message
+    [generation prompt]. ``"".join(parts) == render_chat(...)``. Raises as :func:`render_chat`."""
+    parts = header_parts(messages, tools)
+    n_hist = history_end(messages, thinking)
     counter = [0]
-    parts.extend(_render_one(m, i, thinking, i <= last_final, counter) for i, m in enumerate(messages))
+    parts.extend(_render_one(m, i, thinking, i < n_hist, counter) for i, m in enumerate(messages))
     if add_generation_prompt:
         parts.append(GENERATION_PROMPT)
     return parts

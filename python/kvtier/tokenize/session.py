@@ -18,11 +18,13 @@ rendering differs inside it) the whole sampled turn is rolled back and re-encode
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
-from kvtier.tokenize.chat import GENERATION_PROMPT, render_messages
+from kvtier.tokenize.chat import GENERATION_PROMPT, header_parts, history_end, render_message
 from kvtier.tokenize.tokenizer import KimiTokenizer
 
 
@@ -112,6 +114,9 @@ class SessionEncoder:
         self._length = 0  # total chars of the parts
         self._bound_chars: list[int] = [0]  # safe boundaries: char offset ...
         self._bound_toks: list[int] = [0]  # ... and the number of ids before it
+        # per message: (deep copy, history flag, call index, rendered part, tool calls in it);
+        # a message equal to its copy in the same context is not rendered again
+        self._rendered: list[tuple[dict, bool, int, str, int]] = []
 
     @property
     def ids(self) -> Sequence[int]:
@@ -147,8 +152,28 @@ class SessionEncoder:
         self._store.truncate(b_tok)
         return b_char
 
+    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[list[str], list]:
+        """Parts of the conversation, reusing the parts of messages unchanged since the last call."""
+        parts = header_parts(messages, tools)
+        n_hist = history_end(messages, self.thinking)
+        old, rendered, calls = self._rendered, [], 0
+        for i, msg in enumerate(messages):
+            hist = i < n_hist
+            entry = old[i] if i < len(old) else None
+            if entry is None or entry[1] != hist or entry[2] != calls or entry[0] != msg:
+                part, n = render_message(msg, i, thinking=self.thinking, history=hist, call_index=calls)
+                entry = (copy.deepcopy(msg), hist, calls, part, n)
+            rendered.append(entry)
+            parts.append(entry[3])
+            calls += entry[4]
+        if self.add_generation_prompt:
+            parts.append(GENERATION_PROMPT)
+        return parts, rendered
+
     def append(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> AppendResult:
         """Bring the ids up to date with ``messages`` (the *whole* conversation so far).
+
+        Messages are compared with copies of the previous call's, so in-place edits are seen.
 
         Returns:
             :class:`AppendResult`: the ids added and how many were rolled back first.
@@ -156,30 +181,24 @@ class SessionEncoder:
         Raises:
             ValueError: bad messages or tools (see ``render_chat``); the session is unchanged.
         """
-        parts = render_messages(messages, tools, self.add_generation_prompt, self.thinking)
+        parts, rendered = self._render(messages, tools)
         _, diff = self._first_difference(parts)
-        new_length = sum(map(len, parts))
+        starts = [0, *itertools.accumulate(map(len, parts))]
+        new_length = starts.pop()
+        self._rendered = rendered
         if diff == self._length == new_length:
             return AppendResult([], 0)
         before = len(self._store)
         b_char = self._rollback_to(diff)
         rolled_back = before - len(self._store)
-        text = "".join(parts)
-        new_ids, bounds = self.tokenizer.encode_with_boundaries(text[b_char:], b_char, len(self._store))
+        k = max(0, bisect.bisect_right(starts, b_char) - 1)
+        suffix = parts[k][b_char - starts[k]:] + "".join(parts[k + 1:]) if parts else ""
+        new_ids, bounds = self.tokenizer.encode_with_boundaries(suffix, b_char, len(self._store))
         self._store.append(new_ids)
-        for c, t in bounds:
-            self._bound_chars.append(c)
-            self._bound_toks.append(t)
-        self._set_parts(parts)
+        self._bound_chars.extend(c for c, _ in bounds)
+        self._bound_toks.extend(t for _, t in bounds)
+        self._parts, self._starts, self._length = parts, starts, new_length
         return AppendResult(new_ids, rolled_back)
-
-    def _set_parts(self, parts: list[str]) -> None:
-        self._parts = list(parts)
-        self._starts, pos = [], 0
-        for p in self._parts:
-            self._starts.append(pos)
-            pos += len(p)
-        self._length = pos
 
     def append_generated(self, ids: Sequence[int]) -> None:
         """Record the ids the model sampled after the generation prompt (tito mode only).
