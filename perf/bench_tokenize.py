@@ -91,12 +91,12 @@ def run(tokenizer_dir: Path, turns: int, repeats: int) -> list[dict]:
         text = "".join(parts)
         new_text = text[max(0, prev_len - len(parts[-1])):]  # from the previous generation prompt on
         state = (copy.copy(enc._parts), list(enc._starts), enc._length, list(enc._bound_chars),
-                 list(enc._bound_toks), len(enc), list(enc._rendered))
+                 list(enc._bound_toks), len(enc), list(enc._rendered), enc._n_hist)
         t_inc = []
         for _ in range(repeats):  # replay the turn from the previous state
             enc._parts, enc._starts, enc._length = copy.copy(state[0]), list(state[1]), state[2]
             enc._bound_chars, enc._bound_toks = list(state[3]), list(state[4])
-            enc._rendered = list(state[6])
+            enc._rendered, enc._n_hist = list(state[6]), state[7]
             enc._store.truncate(state[5])
             t0 = time.perf_counter()
             enc.append(msgs, TOOLS)

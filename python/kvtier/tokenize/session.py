@@ -117,6 +117,7 @@ class SessionEncoder:
         # per message: (deep copy, history flag, call index, rendered part, tool calls in it);
         # a message equal to its copy in the same context is not rendered again
         self._rendered: list[tuple[dict, bool, int, str, int]] = []
+        self._n_hist = 0  # messages rendered as history (thinking: up to the last final answer)
 
     @property
     def ids(self) -> Sequence[int]:
@@ -152,23 +153,33 @@ class SessionEncoder:
         self._store.truncate(b_tok)
         return b_char
 
-    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[list[str], list]:
-        """Parts of the conversation, reusing the parts of messages unchanged since the last call."""
+    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[list[str], list, int]:
+        """Parts of the conversation, reusing the parts of messages unchanged since the last call.
+
+        Message ``i`` keeps its part when it and every earlier message equal the copies kept from
+        the last call (so its tool-call index is unchanged) and its history flag is unchanged.
+        """
         parts = header_parts(messages, tools)
         n_hist = history_end(messages, self.thinking)
-        old, rendered, calls = self._rendered, [], 0
-        for i, msg in enumerate(messages):
-            hist = i < n_hist
-            entry = old[i] if i < len(old) else None
-            if entry is None or entry[1] != hist or entry[2] != calls or entry[0] != msg:
-                part, n = render_message(msg, i, thinking=self.thinking, history=hist, call_index=calls)
-                entry = (copy.deepcopy(msg), hist, calls, part, n)
-            rendered.append(entry)
-            parts.append(entry[3])
-            calls += entry[4]
+        old, j = self._rendered, 0
+        for entry, msg in zip(old, messages):
+            if entry[0] != msg:
+                break
+            j += 1
+        if n_hist != self._n_hist:
+            j = min(j, n_hist, self._n_hist)
+        rendered = old[:j]
+        parts.extend([e[3] for e in rendered])
+        calls = rendered[-1][2] + rendered[-1][4] if rendered else 0
+        for i in range(j, len(messages)):
+            msg, hist = messages[i], i < n_hist
+            part, n = render_message(msg, i, thinking=self.thinking, history=hist, call_index=calls)
+            rendered.append((copy.deepcopy(msg), hist, calls, part, n))
+            parts.append(part)
+            calls += n
         if self.add_generation_prompt:
             parts.append(GENERATION_PROMPT)
-        return parts, rendered
+        return parts, rendered, n_hist
 
     def append(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> AppendResult:
         """Bring the ids up to date with ``messages`` (the *whole* conversation so far).
@@ -181,11 +192,11 @@ class SessionEncoder:
         Raises:
             ValueError: bad messages or tools (see ``render_chat``); the session is unchanged.
         """
-        parts, rendered = self._render(messages, tools)
+        parts, rendered, n_hist = self._render(messages, tools)
         _, diff = self._first_difference(parts)
         starts = [0, *itertools.accumulate(map(len, parts))]
         new_length = starts.pop()
-        self._rendered = rendered
+        self._rendered, self._n_hist = rendered, n_hist
         if diff == self._length == new_length:
             return AppendResult([], 0)
         before = len(self._store)
