@@ -135,7 +135,7 @@ class LLM:
             if session_id is not None:
                 self._sessions[session_id] = enc
         enc.append(messages, tools)
-        return self.generate(prompt_token_ids=[list(enc.ids)], sampling_params=sampling_params)[0]
+        return self.generate(prompt_token_ids=[np.asarray(enc.ids).tolist()], sampling_params=sampling_params)[0]
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:

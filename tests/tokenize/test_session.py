@@ -56,7 +56,7 @@ def _check_conversation(tok, data, steps: int):
         assert r.rolled_back <= len(before)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_canonical_incremental_equals_full_encode(tok, data):
     _check_conversation(tok, data, steps=10)
@@ -160,3 +160,15 @@ def test_in_place_edit_is_seen(tok):
     msgs[0]["content"] = "changed in place"
     r = enc.append(msgs)
     assert r.rolled_back > 0 and list(enc.ids) == tok.encode(render_chat(msgs))
+
+
+def test_default_store_is_the_cpp_buffer_when_built(tok):
+    from kvtier import _C
+
+    enc = SessionEncoder(tok, page_size=16)
+    enc.append([{"role": "user", "content": "hello " * 40}])
+    if hasattr(_C, "TokenBuffer"):
+        from kvtier.cache import block_hashes
+
+        assert enc._store.block_hashes() == block_hashes(list(enc.ids), 16)
+    assert list(enc.ids) == tok.encode(render_chat([{"role": "user", "content": "hello " * 40}]))

@@ -58,6 +58,20 @@ class ListIdStore:
         return len(self._ids)
 
 
+def default_store(page_size: int = 64) -> IdStore:
+    """The C++ fused token buffer when the native extension has it, else a :class:`ListIdStore`."""
+    try:
+        from kvtier import _C
+
+        if hasattr(_C, "TokenBuffer"):
+            from kvtier.tokenize.buffer import TokenBuffer
+
+            return TokenBuffer(page_size)
+    except ImportError:
+        pass
+    return ListIdStore()
+
+
 @dataclasses.dataclass(frozen=True)
 class AppendResult:
     """What one ``append`` changed: ``ids = ids[:len(ids_before) - rolled_back] + new_ids``."""
@@ -89,7 +103,10 @@ class SessionEncoder:
             ``"tito"``: as canonical, but ids passed to :meth:`append_generated` are kept
             while the rendering reproduces their text.
         add_generation_prompt, thinking: passed to the template (see ``render_chat``).
-        store: where ids live (default a list; the C++ token buffer fits the same interface).
+        store: where ids live. Default: the fused C++ :class:`kvtier.tokenize.buffer.TokenBuffer`
+            (keeps the block-hash chain of full ``page_size`` pages; ``ids`` is then a read-only
+            uint32 numpy view) when ``kvtier._C`` has it, else a Python list.
+        page_size: tokens per KV page for the default C++ buffer's hash chain.
 
     Example:
         >>> enc = SessionEncoder(tok)                                         # doctest: +SKIP
@@ -99,14 +116,15 @@ class SessionEncoder:
     """
 
     def __init__(self, tokenizer: KimiTokenizer, mode: Literal["canonical", "tito"] = "canonical", *,
-                 add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None):
+                 add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None,
+                 page_size: int = 64):
         if mode not in ("canonical", "tito"):
             raise ValueError(f"mode must be 'canonical' or 'tito', got {mode!r}")
         self.tokenizer = tokenizer
         self.mode = mode
         self.add_generation_prompt = add_generation_prompt
         self.thinking = thinking
-        self._store: IdStore = store if store is not None else ListIdStore()
+        self._store: IdStore = store if store is not None else default_store(page_size)
         if len(self._store):
             raise ValueError("store must start empty")
         self._parts: list[str] = []  # rendered parts the ids encode (last may hold generated text)
