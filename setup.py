@@ -51,7 +51,7 @@ setup(
     package_dir={"": "python", "kvtier.triton_kernels": "triton_kernels"},
     package_data={"kvtier": ["py.typed"], "kvtier.triton_kernels": ["configs/*.json"]},
     ext_modules=[
-        # Host runtime: block hash (later: prefix index, copy engine, disk tier, token buffer).
+        # Host runtime: block hash, prefix index, copy engine, disk tier, token buffer.
         CMakeExtension("kvtier._C", target="kvtier_C"),
     ],
     cmdclass={"build_ext": CMakeBuild},

@@ -4,13 +4,18 @@
 #include <pybind11/stl.h>
 
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "block_hash.h"
 #include "copy_engine.h"
 #include "disk_tier.h"
 #include "prefix_index.h"
+#include "token_buffer.h"
 
 namespace py = pybind11;
 
@@ -290,13 +295,214 @@ void bind_copy_engine(py::module_& m) {
       .def_property_readonly("num_threads", &CopyEngine::num_threads);
 }
 
+// ---- Token buffer -------------------------------------------------------------------------
+// The Python object owns the C++ buffer, a mutex that serialises calls (appends run without
+// the GIL) and the count of live buffer-protocol exports (numpy / memoryview views of the ids).
+// While a view exists the id storage must not move: an append that would reallocate raises
+// BufferError (truncate and appends within capacity() are allowed; views see their effect).
+struct PyTokenBuffer {
+  PyTokenBuffer(long long page_size, const std::string& salt)
+      : buf(check_page_size(page_size), reinterpret_cast<const std::uint8_t*>(salt.data()), salt.size()) {}
+  static std::size_t check_page_size(long long page_size) {
+    if (page_size <= 0) throw py::value_error("page_size must be > 0, got " + std::to_string(page_size));
+    return static_cast<std::size_t>(page_size);
+  }
+  kvtier::TokenBuffer buf;
+  std::mutex mu;
+  std::size_t exports = 0;  // guarded by mu
+};
+
+// Appends above this many ids run without the GIL.
+constexpr std::size_t kTokenBufferReleaseGil = 1024;
+
+// Appends ids[0:n] of type T (int64 or uint64, range-checked) or uint32 (unchecked).
+template <typename T>
+void token_buffer_append(PyTokenBuffer& self, const T* ids, std::size_t n) {
+  auto work = [&] {
+    std::vector<std::uint32_t> narrow;
+    const std::uint32_t* src = nullptr;
+    if constexpr (std::is_same_v<T, std::uint32_t>) {
+      src = ids;
+    } else {
+      narrow.resize(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const T t = ids[i];
+        if (t < 0 || static_cast<std::uint64_t>(t) > 0xFFFFFFFFull)
+          throw py::value_error("ids[" + std::to_string(i) + "] must be in [0, 2**32), got " + std::to_string(t));
+        narrow[i] = static_cast<std::uint32_t>(t);
+      }
+      src = narrow.data();
+    }
+    std::lock_guard<std::mutex> lock(self.mu);
+    const std::size_t need = self.buf.size() + n;
+    if (self.exports > 0 && need > self.buf.capacity())
+      throw py::buffer_error("TokenBuffer.append: " + std::to_string(n) + " ids need capacity " +
+                             std::to_string(need) + " > " + std::to_string(self.buf.capacity()) +
+                             " and the storage cannot move while " + std::to_string(self.exports) +
+                             " view(s) of the ids exist; drop the views or reserve() first");
+    self.buf.append(src, n);
+  };
+  if (n >= kTokenBufferReleaseGil) {
+    py::gil_scoped_release release;
+    work();
+  } else {
+    work();
+  }
+}
+
+void token_buffer_append_obj(PyTokenBuffer& self, const py::object& ids) {
+  py::module_ np = py::module_::import("numpy");
+  py::array arr;
+  try {
+    arr = np.attr("asarray")(ids);
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_OverflowError)) throw;
+    arr = py::array();  // an int outside int64/uint64: found below
+  }
+  if (!arr || arr.dtype().kind() == 'O') {
+    // A sequence holding a Python int numpy could not store (or a non-integer object).
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(ids);
+    for (std::size_t i = 0; i < seq.size(); ++i) {
+      py::object t = seq[i];
+      if (!PyLong_Check(t.ptr()))
+        throw py::type_error("ids[" + std::to_string(i) + "] must be an int, got " +
+                             std::string(py::str(py::type::of(t).attr("__name__"))));
+      if (PyObject_RichCompareBool(t.ptr(), py::int_(0).ptr(), Py_LT) == 1 ||
+          PyObject_RichCompareBool(t.ptr(), py::int_(0xFFFFFFFFull).ptr(), Py_GT) == 1)
+        throw py::value_error("ids[" + std::to_string(i) + "] must be in [0, 2**32), got " +
+                              std::string(py::str(t)));
+    }
+    throw py::type_error("ids must be a sequence of ints or a 1-D integer array");
+  }
+  if (arr.ndim() != 1) throw py::value_error("ids must be 1-D, got " + std::to_string(arr.ndim()) + " dims");
+  const std::size_t n = static_cast<std::size_t>(arr.shape(0));
+  if (n == 0) return;  // also covers [] (numpy makes it float64)
+  const char kind = arr.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error("ids must be integers, got dtype " + std::string(py::str(arr.dtype())));
+  if (kind == 'u' && arr.dtype().itemsize() == 4 && (arr.flags() & py::array::c_style)) {
+    token_buffer_append(self, static_cast<const std::uint32_t*>(arr.data()), n);
+  } else if (kind == 'u') {
+    auto wide = py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    token_buffer_append(self, wide.data(), n);
+  } else {
+    auto wide = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    token_buffer_append(self, wide.data(), n);
+  }
+}
+
+// Buffer protocol: a read-only 1-D view of the ids, format "I" (uint32), no copy.
+extern "C" int token_buffer_getbuffer(PyObject* obj, Py_buffer* view, int flags) {
+  view->obj = nullptr;
+  if ((flags & PyBUF_WRITABLE) == PyBUF_WRITABLE) {
+    PyErr_SetString(PyExc_BufferError, "TokenBuffer ids are read-only");
+    return -1;
+  }
+  PyTokenBuffer* self = nullptr;
+  try {
+    self = py::handle(obj).cast<PyTokenBuffer*>();
+  } catch (...) {
+    PyErr_SetString(PyExc_BufferError, "TokenBuffer: not initialised");
+    return -1;
+  }
+  static const std::uint32_t kEmpty = 0;
+  std::lock_guard<std::mutex> lock(self->mu);
+  auto* shape_strides = new Py_ssize_t[2]{static_cast<Py_ssize_t>(self->buf.size()), 4};
+  const std::uint32_t* data = self->buf.size() > 0 ? self->buf.ids() : &kEmpty;
+  view->buf = const_cast<std::uint32_t*>(data);
+  view->obj = obj;
+  Py_INCREF(obj);
+  view->len = static_cast<Py_ssize_t>(self->buf.size() * sizeof(std::uint32_t));
+  view->itemsize = sizeof(std::uint32_t);
+  view->readonly = 1;
+  view->ndim = 1;
+  view->format = (flags & PyBUF_FORMAT) ? const_cast<char*>("I") : nullptr;
+  view->shape = (flags & PyBUF_ND) == PyBUF_ND ? shape_strides : nullptr;
+  view->strides = (flags & PyBUF_STRIDES) == PyBUF_STRIDES ? shape_strides + 1 : nullptr;
+  view->suboffsets = nullptr;
+  view->internal = shape_strides;
+  ++self->exports;
+  return 0;
+}
+
+extern "C" void token_buffer_releasebuffer(PyObject* obj, Py_buffer* view) {
+  delete[] static_cast<Py_ssize_t*>(view->internal);
+  PyTokenBuffer* self = py::handle(obj).cast<PyTokenBuffer*>();
+  std::lock_guard<std::mutex> lock(self->mu);
+  --self->exports;
+}
+
+void bind_token_buffer(py::module_& m) {
+  py::class_<PyTokenBuffer> cls(m, "TokenBuffer", py::buffer_protocol(),
+                                "Native token buffer; see kvtier.tokenize.buffer.TokenBuffer for the contract.");
+  auto* heap_type = reinterpret_cast<PyHeapTypeObject*>(cls.ptr());
+  heap_type->as_buffer.bf_getbuffer = token_buffer_getbuffer;
+  heap_type->as_buffer.bf_releasebuffer = token_buffer_releasebuffer;
+  cls.def(py::init([](long long page_size, const py::bytes& salt) {
+            return std::make_unique<PyTokenBuffer>(page_size, std::string(salt));
+          }),
+          py::arg("page_size"), py::arg("salt") = py::bytes(""))
+      .def("append", &token_buffer_append_obj, py::arg("ids"))
+      .def("truncate", [](PyTokenBuffer& self, long long n) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        if (n < 0 || static_cast<std::size_t>(n) > self.buf.size())
+          throw py::value_error("truncate: n must be in [0, " + std::to_string(self.buf.size()) + "], got " +
+                                std::to_string(n));
+        self.buf.truncate(static_cast<std::size_t>(n));
+      }, py::arg("n"))
+      .def("reserve", [](PyTokenBuffer& self, long long capacity) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        if (capacity < 0) throw py::value_error("capacity must be >= 0, got " + std::to_string(capacity));
+        if (self.exports > 0 && static_cast<std::size_t>(capacity) > self.buf.capacity())
+          throw py::buffer_error("TokenBuffer.reserve: the storage cannot move while views of the ids exist");
+        self.buf.reserve(static_cast<std::size_t>(capacity));
+      }, py::arg("capacity"))
+      .def("__len__", [](PyTokenBuffer& self) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        return self.buf.size();
+      })
+      .def_property_readonly("ids", [](py::object self) { return py::array(py::memoryview(self)); })
+      .def("block_hashes", [](PyTokenBuffer& self, long long start) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        const auto& hashes = self.buf.hashes();
+        if (start < 0 || static_cast<std::size_t>(start) > hashes.size())
+          throw py::value_error("block_hashes: start must be in [0, " + std::to_string(hashes.size()) + "], got " +
+                                std::to_string(start));
+        py::list out;
+        for (std::size_t i = static_cast<std::size_t>(start); i < hashes.size(); ++i) out.append(from_hash(hashes[i]));
+        return out;
+      }, py::arg("start") = 0)
+      .def_property_readonly("last_hash", [](PyTokenBuffer& self) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        return from_hash(self.buf.last_hash());
+      })
+      .def_property_readonly("num_blocks", [](PyTokenBuffer& self) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        return self.buf.num_blocks();
+      })
+      .def_property_readonly("capacity", [](PyTokenBuffer& self) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        return self.buf.capacity();
+      })
+      .def_property_readonly("page_size", [](PyTokenBuffer& self) { return self.buf.page_size(); })
+      .def_property_readonly("salt", [](PyTokenBuffer& self) {
+        const auto& s = self.buf.salt();
+        return py::bytes(reinterpret_cast<const char*>(s.data()), s.size());
+      })
+      .def_property_readonly("num_views", [](PyTokenBuffer& self) {
+        std::lock_guard<std::mutex> lock(self.mu);
+        return self.exports;
+      });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier";
+  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier, token buffer";
   bind_prefix_index(m);
   bind_disk_tier(m);
   bind_copy_engine(m);
+  bind_token_buffer(m);
   m.attr("BLOCK_HASH_BYTES") = py::int_(kvtier::kBlockHashBytes);
   m.def("block_hashes", &block_hashes, py::arg("token_ids"), py::arg("page_size"),
         py::arg("parent") = py::none(), py::arg("salt") = py::bytes(""),

@@ -90,7 +90,11 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 **engine_args):
+                 tokenizer: str | Path | None = None, **engine_args):
+        # Kimi tokenizer files (tiktoken.model + tokenizer_config.json): ``tokenizer`` or the model directory
+        self._tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
+        self._tokenizer = None
+        self._sessions: dict = {}  # session_id -> SessionEncoder
         net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
         self.config = net.config
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
@@ -98,6 +102,40 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; expected some of {sorted(known)}")
         self.engine = Engine(net, EngineConfig(seed=seed, **engine_args), model_id)
+
+    @property
+    def tokenizer(self):
+        """The Kimi tokenizer (loaded on first use). Raises ValueError when none was given."""
+        if self._tokenizer is None:
+            if self._tokenizer_dir is None:
+                raise ValueError("no tokenizer: pass LLM(..., tokenizer=DIR) with tiktoken.model and "
+                                 "tokenizer_config.json (a preset has none)")
+            from kvtier.tokenize import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self._tokenizer_dir)
+        return self._tokenizer
+
+    def chat(self, messages: Seq[dict], tools: Seq[dict] | None = None,
+             sampling_params: SamplingParams | None = None, session_id=None) -> RequestOutput:
+        """Generate the assistant's next turn for an OpenAI-style conversation.
+
+        The conversation is rendered with the Kimi K2 template and encoded by a per-session
+        :class:`kvtier.tokenize.SessionEncoder` (``session_id`` given: kept across calls, so a
+        growing conversation encodes only what changed; None: a one-off encoder). Decode the
+        reply with ``llm.tokenizer.decode(out.token_ids)``.
+
+        Raises:
+            ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field``).
+        """
+        from kvtier.tokenize import SessionEncoder
+
+        enc = self._sessions.get(session_id) if session_id is not None else None
+        if enc is None:
+            enc = SessionEncoder(self.tokenizer)
+            if session_id is not None:
+                self._sessions[session_id] = enc
+        enc.append(messages, tools)
+        return self.generate(prompt_token_ids=[np.asarray(enc.ids).tolist()], sampling_params=sampling_params)[0]
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:

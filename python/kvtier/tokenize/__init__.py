@@ -1,0 +1,14 @@
+"""Kimi K2 tokenization: the tiktoken tokenizer, the chat template and incremental session encoding.
+
+- :func:`load_tokenizer` → :class:`KimiTokenizer` (``encode``/``decode``) and :class:`StreamDecoder`.
+- :func:`render_chat`: the K2 chat template (K2-0905 style; ``thinking=True`` for K2-Thinking).
+- :class:`SessionEncoder`: per-session ids, re-encoding only from the last special token before
+  the first change (``mode="canonical"``), or keeping sampled ids (``mode="tito"``).
+"""
+
+from kvtier.tokenize.chat import DEFAULT_SYSTEM, GENERATION_PROMPT, render_chat, render_messages
+from kvtier.tokenize.session import AppendResult, IdStore, ListIdStore, SessionEncoder
+from kvtier.tokenize.tokenizer import KimiTokenizer, StreamDecoder, load_tokenizer
+
+__all__ = ["AppendResult", "DEFAULT_SYSTEM", "GENERATION_PROMPT", "IdStore", "KimiTokenizer", "ListIdStore",
+           "SessionEncoder", "StreamDecoder", "load_tokenizer", "render_chat", "render_messages"]

@@ -1,0 +1,255 @@
+"""Incremental, exact encoding of a growing chat session.
+
+:class:`SessionEncoder` keeps a session's ids and, each turn, re-renders the conversation,
+finds the first character where the rendering differs from what the ids encode, and re-encodes
+only from the last *safe boundary* (the end of a special token) at or before it. Special tokens
+split the text before BPE and the 25,000/400,000 windows restart in every segment, so the ids
+after a boundary depend only on the text after it: canonical mode is exactly
+``tokenizer.encode(render_chat(messages, ...))``, every turn. Edits to history, reasoning that
+the thinking template drops and changed tools all move the first difference back; the ids after
+the boundary are rolled back (``AppendResult.rolled_back``) and re-encoded, never kept stale.
+
+Token-in-token-out mode ("tito") additionally keeps the ids the model sampled
+(:meth:`SessionEncoder.append_generated`) for as long as the rendered conversation reproduces
+their text exactly; if it does not (edited answer, dropped reasoning, a truncated turn whose
+rendering differs inside it) the whole sampled turn is rolled back and re-encoded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+from kvtier.tokenize.chat import GENERATION_PROMPT, header_parts, history_end, render_message
+from kvtier.tokenize.tokenizer import KimiTokenizer
+
+
+class IdStore(Protocol):
+    """Storage of a session's ids: what the C++ token buffer also offers."""
+
+    def append(self, ids: Sequence[int]) -> None: ...
+    def truncate(self, n: int) -> None: ...
+    def ids(self) -> Sequence[int]: ...
+    def __len__(self) -> int: ...
+
+
+class ListIdStore:
+    """:class:`IdStore` on a Python list."""
+
+    def __init__(self) -> None:
+        self._ids: list[int] = []
+
+    def append(self, ids: Sequence[int]) -> None:
+        self._ids.extend(ids)
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= len(self._ids):
+            raise ValueError(f"truncate: n must be in [0, {len(self._ids)}], got {n}")
+        del self._ids[n:]
+
+    def ids(self) -> list[int]:
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def default_store(page_size: int = 64) -> IdStore:
+    """The C++ fused token buffer when the native extension has it, else a :class:`ListIdStore`."""
+    try:
+        from kvtier import _C
+
+        if hasattr(_C, "TokenBuffer"):
+            from kvtier.tokenize.buffer import TokenBuffer
+
+            return TokenBuffer(page_size)
+    except ImportError:
+        pass
+    return ListIdStore()
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendResult:
+    """What one ``append`` changed: ``ids = ids[:len(ids_before) - rolled_back] + new_ids``."""
+
+    new_ids: list[int]  # ids appended after the rollback (re-encoded ones included)
+    rolled_back: int  # ids removed from the end before appending
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    """Length of the common prefix, by bisection on C-level slice compares (O(n log n) bytes)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi+1] != b[:hi+1]
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class SessionEncoder:
+    """Encode one chat session incrementally.
+
+    Args:
+        tokenizer: a :class:`KimiTokenizer`.
+        mode: ``"canonical"``: ids always equal ``tokenizer.encode(render_chat(...))``.
+            ``"tito"``: as canonical, but ids passed to :meth:`append_generated` are kept
+            while the rendering reproduces their text.
+        add_generation_prompt, thinking: passed to the template (see ``render_chat``).
+        store: where ids live. Default: the fused C++ :class:`kvtier.tokenize.buffer.TokenBuffer`
+            (keeps the block-hash chain of full ``page_size`` pages; ``ids`` is then a read-only
+            uint32 numpy view) when ``kvtier._C`` has it, else a Python list.
+        page_size: tokens per KV page for the default C++ buffer's hash chain.
+
+    Example:
+        >>> enc = SessionEncoder(tok)                                         # doctest: +SKIP
+        >>> r = enc.append([{"role": "user", "content": "hi"}])                  # doctest: +SKIP
+        >>> enc.ids == tok.encode(render_chat([{"role": "user", "content": "hi"}]))  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, tokenizer: KimiTokenizer, mode: Literal["canonical", "tito"] = "canonical", *,
+                 add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None,
+                 page_size: int = 64):
+        if mode not in ("canonical", "tito"):
+            raise ValueError(f"mode must be 'canonical' or 'tito', got {mode!r}")
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self.add_generation_prompt = add_generation_prompt
+        self.thinking = thinking
+        self._store: IdStore = store if store is not None else default_store(page_size)
+        if len(self._store):
+            raise ValueError("store must start empty")
+        self._parts: list[str] = []  # rendered parts the ids encode (last may hold generated text)
+        self._starts: list[int] = []  # char offset of each part
+        self._length = 0  # total chars of the parts
+        self._bound_chars: list[int] = [0]  # safe boundaries: char offset ...
+        self._bound_toks: list[int] = [0]  # ... and the number of ids before it
+        # per message: (deep copy, history flag, call index, rendered part, tool calls in it);
+        # a message equal to its copy in the same context is not rendered again
+        self._rendered: list[tuple[dict, bool, int, str, int]] = []
+        self._n_hist = 0  # messages rendered as history (thinking: up to the last final answer)
+
+    @property
+    def ids(self) -> Sequence[int]:
+        """All ids of the session so far (the store's sequence; do not mutate)."""
+        return self._store.ids()
+
+    @property
+    def text(self) -> str:
+        """The text the ids stand for."""
+        return "".join(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def _first_difference(self, parts: list[str]) -> tuple[int, int]:
+        """(index of the first differing part, char offset of the first differing char)."""
+        old = self._parts
+        j = 0
+        n = min(len(old), len(parts))
+        while j < n and (old[j] is parts[j] or old[j] == parts[j]):
+            j += 1
+        if j == len(old):
+            return j, self._length
+        if j == len(parts):
+            return j, self._starts[j]
+        return j, self._starts[j] + _common_prefix_len(old[j], parts[j])
+
+    def _rollback_to(self, char: int) -> int:
+        """Drop ids after the last safe boundary ≤ ``char``; returns that boundary's char offset."""
+        k = bisect.bisect_right(self._bound_chars, char) - 1
+        b_char, b_tok = self._bound_chars[k], self._bound_toks[k]
+        del self._bound_chars[k + 1:], self._bound_toks[k + 1:]
+        self._store.truncate(b_tok)
+        return b_char
+
+    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[list[str], list, int]:
+        """Parts of the conversation, reusing the parts of messages unchanged since the last call.
+
+        Message ``i`` keeps its part when it and every earlier message equal the copies kept from
+        the last call (so its tool-call index is unchanged) and its history flag is unchanged.
+        """
+        parts = header_parts(messages, tools)
+        n_hist = history_end(messages, self.thinking)
+        old, j = self._rendered, 0
+        for entry, msg in zip(old, messages):
+            if entry[0] != msg:
+                break
+            j += 1
+        if n_hist != self._n_hist:
+            j = min(j, n_hist, self._n_hist)
+        rendered = old[:j]
+        parts.extend([e[3] for e in rendered])
+        calls = rendered[-1][2] + rendered[-1][4] if rendered else 0
+        for i in range(j, len(messages)):
+            msg, hist = messages[i], i < n_hist
+            part, n = render_message(msg, i, thinking=self.thinking, history=hist, call_index=calls)
+            rendered.append((copy.deepcopy(msg), hist, calls, part, n))
+            parts.append(part)
+            calls += n
+        if self.add_generation_prompt:
+            parts.append(GENERATION_PROMPT)
+        return parts, rendered, n_hist
+
+    def append(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> AppendResult:
+        """Bring the ids up to date with ``messages`` (the *whole* conversation so far).
+
+        Messages are compared with copies of the previous call's, so in-place edits are seen.
+
+        Returns:
+            :class:`AppendResult`: the ids added and how many were rolled back first.
+
+        Raises:
+            ValueError: bad messages or tools (see ``render_chat``); the session is unchanged.
+        """
+        parts, rendered, n_hist = self._render(messages, tools)
+        _, diff = self._first_difference(parts)
+        starts = [0, *itertools.accumulate(map(len, parts))]
+        new_length = starts.pop()
+        self._rendered, self._n_hist = rendered, n_hist
+        if diff == self._length == new_length:
+            return AppendResult([], 0)
+        before = len(self._store)
+        b_char = self._rollback_to(diff)
+        rolled_back = before - len(self._store)
+        k = max(0, bisect.bisect_right(starts, b_char) - 1)
+        suffix = parts[k][b_char - starts[k]:] + "".join(parts[k + 1:]) if parts else ""
+        new_ids, bounds = self.tokenizer.encode_with_boundaries(suffix, b_char, len(self._store))
+        self._store.append(new_ids)
+        self._bound_chars.extend(c for c, _ in bounds)
+        self._bound_toks.extend(t for _, t in bounds)
+        self._parts, self._starts, self._length = parts, starts, new_length
+        return AppendResult(new_ids, rolled_back)
+
+    def append_generated(self, ids: Sequence[int]) -> None:
+        """Record the ids the model sampled after the generation prompt (tito mode only).
+
+        They are kept by later :meth:`append` calls as long as the rendered assistant turn
+        starts with their decoded text.
+
+        Raises:
+            ValueError: canonical mode, or the ids do not follow a generation prompt.
+        """
+        if self.mode != "tito":
+            raise ValueError("append_generated needs mode='tito' (canonical ids are always re-encoded)")
+        if not self._parts or not self._parts[-1].endswith(GENERATION_PROMPT):
+            raise ValueError("append_generated: the session must end with the generation prompt "
+                             f"{GENERATION_PROMPT!r} (append the conversation first)")
+        ids = [int(i) for i in ids]
+        if not ids:
+            return
+        text = self.tokenizer.decode(ids)
+        self._store.append(ids)
+        self._parts[-1] += text
+        self._length += len(text)
+        # the end of a sampled turn is a boundary: later text is encoded after it
+        self._bound_chars.append(self._length)
+        self._bound_toks.append(len(self._store))
