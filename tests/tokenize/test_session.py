@@ -172,3 +172,13 @@ def test_default_store_is_the_cpp_buffer_when_built(tok):
 
         assert enc._store.block_hashes() == block_hashes(list(enc.ids), 16)
     assert list(enc.ids) == tok.encode(render_chat([{"role": "user", "content": "hello " * 40}]))
+
+
+def test_tools_changed_in_place_are_seen(tok):
+    enc = SessionEncoder(tok)
+    tools = copy.deepcopy(TOOLS_A)
+    msgs = [{"role": "user", "content": "go"}]
+    enc.append(msgs, tools)
+    tools[0]["function"]["name"] = "shell"
+    r = enc.append(msgs, tools)
+    assert r.rolled_back > 0 and list(enc.ids) == tok.encode(render_chat(msgs, tools))
