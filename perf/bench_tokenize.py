@@ -90,14 +90,12 @@ def run(tokenizer_dir: Path, turns: int, repeats: int) -> list[dict]:
         parts = render_messages(msgs, TOOLS)
         text = "".join(parts)
         new_text = text[max(0, prev_len - len(parts[-1])):]  # from the previous generation prompt on
-        state = (copy.copy(enc._parts), list(enc._starts), enc._length, list(enc._bound_chars),
-                 list(enc._bound_toks), len(enc), list(enc._rendered), enc._n_hist)
+        state = {k: v for k, v in vars(enc).items() if k != "_store"}
+        n_ids = len(enc)
         t_inc = []
         for _ in range(repeats):  # replay the turn from the previous state
-            enc._parts, enc._starts, enc._length = copy.copy(state[0]), list(state[1]), state[2]
-            enc._bound_chars, enc._bound_toks = list(state[3]), list(state[4])
-            enc._rendered, enc._n_hist = list(state[6]), state[7]
-            enc._store.truncate(state[5])
+            vars(enc).update({k: list(v) if isinstance(v, list) else v for k, v in state.items()})
+            enc._store.truncate(n_ids)
             t0 = time.perf_counter()
             enc.append(msgs, TOOLS)
             t_inc.append(time.perf_counter() - t0)

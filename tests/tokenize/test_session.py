@@ -172,3 +172,34 @@ def test_default_store_is_the_cpp_buffer_when_built(tok):
 
         assert enc._store.block_hashes() == block_hashes(list(enc.ids), 16)
     assert list(enc.ids) == tok.encode(render_chat([{"role": "user", "content": "hello " * 40}]))
+
+
+@pytest.mark.parametrize("store", ["default", "list"])
+def test_ids_kept_across_turns_are_a_snapshot(tok, store):
+    """Keeping ``enc.ids`` never blocks later appends (no pinned C++ view) and never changes."""
+    from kvtier.tokenize import ListIdStore
+
+    enc = SessionEncoder(tok, store=ListIdStore() if store == "list" else None, page_size=4)
+    msgs = [{"role": "user", "content": "hi"}]
+    enc.append(msgs)
+    kept = enc.ids
+    first = list(kept)
+    for k in range(12):  # grows far past any initial capacity, with a rollback in between
+        msgs.append({"role": "assistant" if k % 2 else "user", "content": f"turn {k} " + "数据 " * 300})
+        if k == 6:
+            msgs[1]["content"] = "edited"
+        enc.append(msgs)
+    assert list(kept) == first
+    ids = enc.ids
+    ids[0] = 0 if ids[0] else 1  # the caller's copy: writing to it leaves the session alone
+    assert list(enc.ids) == tok.encode(render_chat(msgs))
+
+
+def test_tools_changed_in_place_are_seen(tok):
+    enc = SessionEncoder(tok)
+    tools = copy.deepcopy(TOOLS_A)
+    msgs = [{"role": "user", "content": "go"}]
+    enc.append(msgs, tools)
+    tools[0]["function"]["name"] = "shell"
+    r = enc.append(msgs, tools)
+    assert r.rolled_back > 0 and list(enc.ids) == tok.encode(render_chat(msgs, tools))
