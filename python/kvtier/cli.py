@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="replay coding-agent sessions under several cache configurations")
     b.add_argument("--trace", metavar="PATH", help="kv-cache-tester .json/.json.gz or Mooncake .jsonl file, or a "
                    "folder of them (default: the built-in workload generator)")
-    b.add_argument("--sessions", type=int, default=24, help="sessions replayed")
-    b.add_argument("--concurrency", type=int, default=12, help="sessions active at once")
+    b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
+    b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",
                    help="comma-separated: device-only, tiered, tiered-tool-aware, no-cache")
     b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")

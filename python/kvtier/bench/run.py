@@ -62,8 +62,8 @@ class BenchOptions:
 
     model: str = "tiny"
     trace: str | None = None
-    sessions: int = 24
-    concurrency: int = 12
+    sessions: int = 16
+    concurrency: int = 8
     configs: str = "device-only,tiered"
     token_scale: float = 1 / 64
     time_scale: float = 0.01
