@@ -10,11 +10,10 @@ provenance (commit, machine, timestamp).
 from __future__ import annotations
 
 import argparse
-import csv
 
 import numpy as np
 
-from timing import median_s
+from timing import append_csv, median_s
 
 from kvtier.cache import block_hashes, block_hashes_py
 from kvtier.provenance import provenance
@@ -43,11 +42,7 @@ def main() -> None:
               f"({r['native_mtok_s']:.1f} Mtok/s), python {r['python_median_ms']:.2f} ms, "
               f"native is {r['speedup']:.1f}x faster")
     if args.csv:
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if f.tell() == 0:
-                w.writeheader()
-            w.writerows(rows)
+        append_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ CPU only; page_size 16 and 64. ``--csv PATH`` appends rows with provenance.
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 
 import numpy as np
+
+from timing import append_csv
 
 from kvtier.cache import block_hashes
 from kvtier.provenance import provenance
@@ -88,11 +89,7 @@ def main() -> None:
               f"{r['last_turn_scratch_ms']:.2f} ms ({r['scratch_ns_per_token']:.0f} ns/token): "
               f"{r['last_turn_speedup']:.0f}x faster")
     if args.csv:
-        with open(args.csv, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            if f.tell() == 0:
-                w.writeheader()
-            w.writerows(rows)
+        append_csv(args.csv, rows)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from timing import median_s
+
 from kvtier.tokenize import SessionEncoder, load_tokenizer, render_chat, render_messages
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parents[1].parent / "shared" / "kimi_tokenizer"
@@ -74,15 +76,6 @@ def session(turns: int, seed: int = 0) -> list[list[dict]]:
     return snaps
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run(tokenizer_dir: Path, turns: int, repeats: int) -> list[dict]:
     tok = load_tokenizer(tokenizer_dir)
     enc, rows, prev_len = SessionEncoder(tok), [], 0
@@ -99,8 +92,8 @@ def run(tokenizer_dir: Path, turns: int, repeats: int) -> list[dict]:
             t0 = time.perf_counter()
             enc.append(msgs, TOOLS)
             t_inc.append(time.perf_counter() - t0)
-        t_full = _median_time(lambda: tok.encode(render_chat(msgs, TOOLS)), repeats)
-        t_new = _median_time(lambda: tok.encode(new_text), repeats)
+        t_full = median_s(lambda: tok.encode(render_chat(msgs, TOOLS)), repeats)
+        t_new = median_s(lambda: tok.encode(new_text), repeats)
         assert list(enc.ids) == tok.encode(text), f"turn {turn}: incremental ids differ from the full encode"
         rows.append({"turn": turn, "tokens": len(enc), "new_chars": len(new_text),
                      "incremental_us": statistics.median(t_inc) * 1e6, "full_us": t_full * 1e6,

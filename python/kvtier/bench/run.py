@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.configs import BenchConfig, parse_configs
-from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.bench.records import ConfigRun
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.disk_tier import DiskTier
@@ -227,4 +227,4 @@ def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload
     return workload, sizing, runs, bench_provenance(opts, workload, sizing, model)
 
 
-__all__ = ["BenchOptions", "Sizing", "RequestRecord", "prepare", "run_all", "run_config", "size_tiers"]
+__all__ = ["BenchOptions", "Sizing", "prepare", "run_all", "run_config", "size_tiers"]
