@@ -4,6 +4,9 @@ Subcommands:
   bench               replay coding-agent sessions (a trace or the built-in workload) under
                       several cache configurations; prints TTFT/TPOT/throughput/hits per tier,
                       writes a TTFT plot and, with --json, the numbers with provenance
+  simulate            the same replay at cluster scale in virtual time: the real scheduler and
+                      tiered pool with the model's step time and every copy modelled (8x MI355X
+                      running Kimi K2 by default); prints the bench table, writes a plot and JSON
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
   create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
@@ -152,6 +155,63 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list_scenarios(console: Console) -> None:
+    from kvtier.bench.sim.scenarios import SCENARIOS
+
+    table = Table(title="kvtier simulate scenarios")
+    for col in ("scenario", "workers x node", "configurations", "description"):
+        table.add_column(col)
+    for s in SCENARIOS.values():
+        table.add_row(s.name, f"{s.workers} x {s.node}", ", ".join(v.name for v in s.variants), s.description)
+    console.print(table)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from kvtier.bench import report
+    from kvtier.bench.sim.run import SimOptions, run_scenario
+
+    console = Console()
+    if args.list:
+        _list_scenarios(console)
+        return 0
+    opts = SimOptions(
+        scenario=args.scenario, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
+        max_turns=args.max_turns, time_scale=args.time_scale, max_think_s=args.max_think_s,
+        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed, configs=args.configs, node=args.node,
+        matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
+        kernel_device=args.kernel_device)
+    opts.resolve()  # bad options fail before anything runs
+    for path in (args.json, args.plot):
+        if path:
+            report.check_writable(path)
+    t0 = time.perf_counter()
+    scn, workload, sizing, runs, prov = run_scenario(
+        opts, on_start=lambda name: console.print(f"simulating {name} ({time.perf_counter() - t0:.0f} s)"))
+    elapsed = time.perf_counter() - t0
+    r = scn.replay
+    console.print(f"{scn.name}: {scn.description}")
+    console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
+                  f"{r.concurrency} at a time; think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
+                  f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported")
+    console.print(f"per worker: {sizing.device_pages} device pages of {sizing.page_size} tokens "
+                  f"({sizing.device_pages * sizing.page_size / 1e6:.2f}M tokens, "
+                  f"{scn.workers * sizing.device_pages / sizing.working_set_pages:.2f} of the working set), "
+                  f"{sizing.host_slots} host and {sizing.store_slots} {scn.store} blocks; "
+                  f"prefill {prov['prefill_tok_s_16k']:.0f} tok/s at 16K-token chunks")
+    report.render_table([sr.run for sr in runs], console=console, baseline=scn.baseline,
+                        title=f"kvtier simulate {scn.name}: per-configuration results (virtual time)")
+    if scn.workers > 1:
+        console.print("migrations (turns served by another worker than the previous turn): "
+                      + ", ".join(f"{sr.run.name} {sr.migrations}" for sr in runs))
+    console.print(f"simulated in {elapsed:.1f} s")
+    if args.plot:
+        console.print(f"wrote {report.plot_ttft([sr.run for sr in runs], args.plot)}")
+    if args.json:
+        report.write_json(args.json, report.bench_json([sr.run for sr in runs], prov, baseline=scn.baseline))
+        console.print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_create_checkpoint(args: argparse.Namespace) -> int:
     path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
     print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}")
@@ -168,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",
-                   help="comma-separated: device-only, tiered, tiered-tool-aware, no-cache")
+                   help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache")
     b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
     b.add_argument("--token-scale", type=float, default=1 / 64,
                    help="factor on every token length; block size x scale must be an integer")
@@ -190,6 +250,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PATH", default="kvtier-bench-ttft.png", help="TTFT distribution PNG ('' = none)")
     b.add_argument("--json", metavar="PATH", help="write the results with provenance here")
     b.set_defaults(func=cmd_bench)
+    m = sub.add_parser("simulate", help="the bench replay at cluster scale, in virtual time")
+    m.add_argument("--scenario", default="kimi-mi355x-128", help="scenario name (--list shows them)")
+    m.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    m.add_argument("--trace", metavar="PATH", help="kv-cache-tester or Mooncake trace file or folder (default: the "
+                   "built-in workload generator)")
+    m.add_argument("--configs", help="comma-separated subset of the scenario's configurations")
+    m.add_argument("--sessions", type=int, help="sessions taken from the workload")
+    m.add_argument("--concurrency", type=int, help="sessions active at once")
+    m.add_argument("--max-turns", type=int, help="turns kept per session")
+    m.add_argument("--time-scale", type=float, help="factor on think times")
+    m.add_argument("--max-think-s", type=float, help="cap on a scaled think time (s)")
+    m.add_argument("--warmup-s", type=float, help="turns due before this (virtual s) are not reported")
+    m.add_argument("--duration-s", type=float, help="no turn is submitted from this virtual time on")
+    m.add_argument("--node", help="hardware of each worker: mi355x or h200")
+    m.add_argument("--matrix-efficiency", type=float, help="fraction of the matrix peak kernels reach")
+    m.add_argument("--kernel-csv", nargs="*", metavar="CSV", help="perf/bench_mla.py or bench_moe.py CSVs measured "
+                   "on a GPU: their best rates replace peak x efficiency")
+    m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
+    m.add_argument("--seed", type=int, help="seed of the built-in workload")
+    m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
+    m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
+    m.set_defaults(func=cmd_simulate)
     g = sub.add_parser("generate", help="offline generation over synthetic shared-prefix prompts")
     g.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
     g.add_argument("--num-prompts", type=int, default=8)

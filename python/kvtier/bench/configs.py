@@ -4,6 +4,8 @@
 - ``tiered``: device pages, then host memory, then disk, with the probed cost model deciding
   what to load and what to recompute; LRU; write-back (a block is copied down a tier when it is
   evicted from the one above).
+- ``tiered-write-through``: ``tiered`` with write-through (every full block is copied down at
+  once, so an eviction never waits for a copy).
 - ``tiered-tool-aware``: ``tiered`` with the tool-aware policy, told about tool waits.
 - ``no-cache``: no prefix caching at all (every prompt is prefilled in full).
 """
@@ -52,6 +54,7 @@ class BenchConfig:
 CONFIGS = {c.name: c for c in (
     BenchConfig("device-only"),
     BenchConfig("tiered", host=True, disk=True),
+    BenchConfig("tiered-write-through", host=True, disk=True, cache_write_policy="write-through"),
     BenchConfig("tiered-tool-aware", host=True, disk=True, cache_policy="tool-aware", tool_aware=True),
     BenchConfig("no-cache", enable_prefix_caching=False),
 )}

@@ -45,7 +45,7 @@ class _Active:
     waiting_on_tool: bool = False
 
 
-class _ToolWaitEstimate:
+class ToolWaitEstimate:
     """Median of the last ``window`` observed tool waits (seconds)."""
 
     def __init__(self, initial_s: float, window: int = 64):
@@ -102,7 +102,7 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
     active: list[_Active] = []
     by_request: dict[int, _Active] = {}
     records: list[RequestRecord] = []
-    tool_wait = _ToolWaitEstimate(TOOL_WAIT_P50_S * workload.time_scale)
+    tool_wait = ToolWaitEstimate(TOOL_WAIT_P50_S * workload.time_scale)
     pool = engine.pool
     t0 = clock()
 

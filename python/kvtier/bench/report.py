@@ -141,30 +141,31 @@ def _summaries(runs: list[ConfigRun]) -> dict[str, dict]:
     return out
 
 
-def bench_json(runs: list[ConfigRun], provenance: dict) -> dict:
-    """The ``kvtier bench --json`` document.
+def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE) -> dict:
+    """The ``kvtier bench --json`` document (``kvtier simulate --json`` writes the same shape).
 
     Args:
         runs: one per configuration; names must be unique.
         provenance: where the result came from, passed through unchanged; build it with
             ``kvtier.provenance.provenance(**extra)``.
+        baseline: name of the run the others are compared with.
 
     Returns:
         ``{"provenance": provenance, "configs": {name: summarize(run)}}``, plus, when a run named
-        ``"device-only"`` and at least one other run exist, ``"comparison": {name:
-        {"ttft_p99_ratio", "throughput_ratio"}}`` for every other run, where
-        ``ttft_p99_ratio`` = device-only p99 TTFT / this run's (> 1: this run is faster) and
-        ``throughput_ratio`` = this run's throughput / device-only's (> 1: more tokens/s);
-        a ratio is None when either side is None or the denominator is 0.
+        ``baseline`` (default ``"device-only"``) and at least one other run exist,
+        ``"comparison": {name: {"ttft_p99_ratio", "throughput_ratio"}}`` for every other run,
+        where ``ttft_p99_ratio`` = the baseline's p99 TTFT / this run's (> 1: this run is
+        faster) and ``throughput_ratio`` = this run's throughput / the baseline's (> 1: more
+        tokens/s); a ratio is None when either side is None or the denominator is 0.
 
     Raises:
         ValueError: two runs share a name, or a run's ``wall_s`` is invalid (see ``summarize``).
     """
     configs = _summaries(runs)
     data = {"provenance": provenance, "configs": configs}
-    if BASELINE in configs and len(configs) > 1:
-        data["comparison"] = {name: _compare(configs[BASELINE], s)
-                              for name, s in configs.items() if name != BASELINE}
+    if baseline in configs and len(configs) > 1:
+        data["comparison"] = {name: _compare(configs[baseline], s)
+                              for name, s in configs.items() if name != baseline}
     return data
 
 
@@ -258,7 +259,7 @@ def _bytes(n: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _table_rows(runs: list[ConfigRun], s: dict[str, dict]) -> list[tuple[str, list[str]]]:
+def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> list[tuple[str, list[str]]]:
     names = [r.name for r in runs]
 
     def col(cell) -> list[str]:
@@ -279,34 +280,38 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict]) -> list[tuple[str, li
     rows.append(("device pages / working set", col(lambda x: f"{x['device_pages']} / {x['working_set_pages']}")))
     for label, key in (("copy errors", "copy_errors"), ("request errors", "errors"), ("preemptions", "preemptions")):
         rows.append((label, col(lambda x, key=key: str(x[key]))))
-    if BASELINE in s and len(s) > 1:
-        cmp = {n: _compare(s[BASELINE], s[n]) for n in names}
-        rows.append((f"TTFT p99 speedup vs {BASELINE}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))
-        rows.append((f"throughput vs {BASELINE}", [_times(cmp[n]["throughput_ratio"]) for n in names]))
+    if baseline in s and len(s) > 1:
+        cmp = {n: _compare(s[baseline], s[n]) for n in names}
+        rows.append((f"TTFT p99 speedup vs {baseline}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))
+        rows.append((f"throughput vs {baseline}", [_times(cmp[n]["throughput_ratio"]) for n in names]))
     return rows
 
 
-def render_table(runs: list[ConfigRun], console: Console | None = None) -> Table:
+def render_table(runs: list[ConfigRun], console: Console | None = None, *, baseline: str = BASELINE,
+                 title: str = "kvtier bench: per-configuration results") -> Table:
     """Print one column per configuration and one row per metric; return the ``rich`` table.
 
     Times are shown in milliseconds, hit rates in percent, bytes in binary units (B, KiB, MiB,
-    GiB); "n/a" marks a value with no data. When a ``device-only`` run and others exist, two
-    ratio rows follow: p99 TTFT speedup (device-only / config) and throughput (config /
-    device-only). Without a terminal (CI logs, files) the output is plain text, no colour codes.
+    GiB); "n/a" marks a value with no data. When a ``baseline`` run (default ``device-only``)
+    and others exist, two ratio rows follow: p99 TTFT speedup (baseline / config) and
+    throughput (config / baseline). Without a terminal (CI logs, files) the output is plain
+    text, no colour codes.
 
     Args:
         runs: configurations in column order; names must be unique.
         console: where to print; a new ``rich.console.Console()`` (stdout) when None.
+        baseline: name of the run the ratio rows compare with.
+        title: the table's title.
 
     Raises:
         ValueError: as ``bench_json``.
     """
     s = _summaries(runs)
-    table = Table(title="kvtier bench: per-configuration results")
+    table = Table(title=title)
     table.add_column("metric")
     for run in runs:
         table.add_column(escape(run.name), justify="right")
-    for label, cells in _table_rows(runs, s):
+    for label, cells in _table_rows(runs, s, baseline):
         table.add_row(escape(label), *(escape(c) for c in cells))
     (console or Console()).print(table)
     return table

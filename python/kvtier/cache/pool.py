@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -75,13 +76,24 @@ class KVPool:
         config: sizes and policies.
         kv_caches: the model's per-layer page pools ``[num_device_pages, page_size, row]``.
         cost_model: load-vs-recompute decisions; None probes the tiers at start-up.
+        copy_engine: moves blocks between tiers; None starts a native
+            :class:`kvtier.transfer.CopyEngine` with ``config.copy_threads`` workers. Anything with
+            its ``gather``/``scatter``/``disk_read``/``disk_write`` methods and handles
+            (``done``, ``wait``, ``result``, ``run_s``) works, e.g. the simulator's virtual-time
+            engine (:mod:`kvtier.bench.sim.copies`).
+        disk: the disk tier; None opens ``config.disk_cache_dir`` (when set) as a
+            :class:`kvtier.cache.disk_tier.DiskTier`. Given, it is used whatever
+            ``disk_cache_dir`` says (it needs the host tier all the same).
+        clock: seconds, monotonic; what the eviction policy's TTLs and prefetch times are
+            measured in. None = ``time.monotonic``.
 
     Raises:
         ValueError: bad config, or a host/disk tier over GPU page pools (not supported yet);
         RuntimeError: the disk directory cannot be used.
     """
 
-    def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None):
+    def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
+                 copy_engine=None, disk=None, clock: Callable[[], float] | None = None):
         self.config = config
         self.page_size = config.page_size
         self.num_pages = config.num_device_pages
@@ -92,17 +104,19 @@ class KVPool:
         self.page_hash: list[bytes | None] = [None] * self.num_pages
         # Unreferenced pages in reuse order (front first); those with a hash are cached copies.
         self.free_pages: OrderedDict[int, None] = OrderedDict((p, None) for p in range(self.num_pages))
-        self.copy_engine = CopyEngine(config.copy_threads, max_queued=256)
+        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(config.copy_threads, max_queued=256)
         self.meta = BlockMeta.of_pools(kv_caches)
         self.block_bytes = self.meta.payload_bytes
         if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
             raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
                              "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
-        if config.disk_cache_dir and config.host_cache_bytes < self.block_bytes:
+        if (config.disk_cache_dir or disk is not None) and config.host_cache_bytes < self.block_bytes:
             raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({self.block_bytes} bytes): blocks "
                              f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
-        self.disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes) if config.disk_cache_dir else None
+        if disk is None and config.disk_cache_dir:
+            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes)
+        self.disk = disk
         self._disk_slots = 0
         if self.disk is not None:
             self._recover_disk()
@@ -110,7 +124,7 @@ class KVPool:
         self.writes: list[_Write] = []
         self.prefetches: list[_BlockLoad] = []
         self.policy = make_policy(config.cache_policy)
-        self.clock = time.monotonic  # seconds; replaceable in tests
+        self.clock = clock if clock is not None else time.monotonic
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -333,7 +347,7 @@ class KVPool:
         loads = self.loads.get(seq.seq_id)
         if loads is None:
             return seq.num_computed_tokens
-        if not all([self._advance(b, wait=False) for b in loads]):
+        if not all([self._advance(b, wait=False) for b in loads if b.ok is None]):  # advance every pending one
             return None
         del self.loads[seq.seq_id]
         self._complete(seq, loads)
@@ -474,6 +488,20 @@ class KVPool:
                 self._evict_disk(2)  # the filesystem filled before the budget: make room for later writes
         self.stats.copy_errors += not ok
 
+    def index_disk_block(self, block_hash: bytes) -> bool:
+        """Index a block another pool stored in this pool's disk tier (a tier several workers
+        share, e.g. a remote store); True if it was not indexed yet.
+
+        Raises:
+            ValueError: this pool has no disk tier.
+        """
+        if self.disk is None:
+            raise ValueError("index_disk_block needs a disk tier")
+        if self.index.insert(block_hash, Tier.DISK, self._disk_slots):
+            self._disk_slots += 1
+            return True
+        return False
+
     # ---- tool-aware retention and prefetch ------------------------------------------------------
     def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
         """A session starts waiting on a tool expected to take ``expected_wait_s`` seconds.
@@ -482,7 +510,12 @@ class KVPool:
         pool's salt). What happens to those blocks is the eviction policy's business (nothing
         under ``lru``).
         """
-        hashes = block_hashes(token_ids, self.page_size, None, self.config.salt)
+        self.tool_wait_blocks(session_id, block_hashes(token_ids, self.page_size, None, self.config.salt),
+                              expected_wait_s)
+
+    def tool_wait_blocks(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
+        """:meth:`tool_wait` given the session's block hashes (16-byte chain hashes with this
+        pool's salt, as ``Sequence.block_hashes`` holds them) instead of its tokens."""
         self.policy.tool_wait(session_id, hashes, expected_wait_s, self.clock())
 
     def tool_return(self, session_id) -> None:
@@ -523,10 +556,12 @@ class KVPool:
 
     def _finish_writes(self, wait: bool) -> None:
         while self.writes:
-            ready = [w for w in self.writes if wait or w.handle.done()]
+            ready, pending = [], []
+            for w in self.writes:
+                (ready if wait or w.handle.done() else pending).append(w)
             if not ready:
                 return
-            self.writes = [w for w in self.writes if w not in ready]
+            self.writes = pending
             for w in ready:
                 self._finish_write(w)
             if not wait:

@@ -1,0 +1,211 @@
+"""Virtual time for the real pool: a clock, a copy engine whose jobs end at modelled times, and
+a disk tier that keeps no data.
+
+:class:`kvtier.cache.pool.KVPool` takes a ``copy_engine``, a ``disk`` and a ``clock``; given these,
+its code runs unchanged (the same locks, stages, error paths and cost-model updates) while no
+byte is copied: a job's end time is computed from the bytes it stands for and the link it uses,
+and its effect (a block stored on or read from the disk tier) happens when the pool collects it.
+
+A job on a :class:`Link` starts when the link is free (jobs on one link queue for its bandwidth;
+their latencies overlap) and ends ``latency_s + bytes / bandwidth_Bps`` later. A pool that waits
+for a job (``handle.wait()`` / ``handle.result()`` before it ended: a write-back eviction, a
+preempted load) *stalls*: its clock jumps to the job's end, as the real engine's thread would
+block.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvtier.bench.sim.hardware import Link
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+
+
+class VirtualClock:
+    """Virtual seconds, callable like ``time.monotonic`` (what ``KVPool(clock=...)`` takes).
+
+    Attributes:
+        now: the current time in seconds; only moves forward.
+    """
+
+    def __init__(self, start_s: float = 0.0):
+        self.now = float(start_s)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        """Move to ``t`` seconds if that is later than now."""
+        self.now = max(self.now, t)
+
+
+class SimDisk:
+    """The disk tier's bookkeeping without files: which blocks it holds and the bytes they take.
+
+    Sizes follow :class:`kvtier.cache.disk_tier.DiskTier` (``file_bytes(payload)`` per block), so
+    the pool's budget arithmetic is unchanged. Several pools may share one instance (a store
+    reachable from several workers): ``on_store`` callbacks ``(block_hash, writer)`` hear of
+    every block a copy engine stored (``writer`` is that engine's ``owner``).
+
+    Args:
+        capacity_bytes: budget in file bytes.
+    """
+
+    def __init__(self, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._capacity = int(capacity_bytes)
+        self._blocks: dict[bytes, BlockMeta] = {}
+        self._used = 0
+        self.on_store: list[Callable[[bytes, object], None]] = []
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def store(self, block_hash: bytes, meta: BlockMeta, writer: object = None) -> DiskStatus:
+        """Record a block (as a finished write would); FULL when it does not fit."""
+        if block_hash in self._blocks:
+            return DiskStatus.OK
+        size = DiskTier.file_bytes(meta.payload_bytes)
+        if self._used + size > self._capacity:
+            return DiskStatus.FULL
+        self._blocks[block_hash] = meta
+        self._used += size
+        for listener in self.on_store:
+            listener(block_hash, writer)
+        return DiskStatus.OK
+
+    def load(self, block_hash: bytes, meta: BlockMeta) -> DiskStatus:
+        """OK when the block is held with this layout; MISSING when absent; CORRUPT (and dropped)
+        when its layout differs, as the real tier's header check would find."""
+        have = self._blocks.get(block_hash)
+        if have is None:
+            return DiskStatus.MISSING
+        if have != meta:
+            self.remove(block_hash)
+            return DiskStatus.CORRUPT
+        return DiskStatus.OK
+
+    # The DiskTier methods the pool calls directly.
+    def write(self, block_hash: bytes, meta: BlockMeta, payload) -> DiskStatus:
+        return self.store(block_hash, meta)
+
+    def read(self, block_hash: bytes, meta: BlockMeta, out) -> DiskStatus:
+        return self.load(block_hash, meta)
+
+    def remove(self, block_hash: bytes) -> bool:
+        meta = self._blocks.pop(block_hash, None)
+        if meta is None:
+            return False
+        self._used -= DiskTier.file_bytes(meta.payload_bytes)
+        return True
+
+    def contains(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    def blocks(self) -> list[tuple[bytes, BlockMeta]]:
+        return list(self._blocks.items())
+
+
+class SimCopyHandle:
+    """A copy job ending at ``end_s`` (the :class:`kvtier.transfer.CopyHandle` interface).
+
+    Attributes:
+        start_s, end_s: when the job starts moving bytes and when it ends (virtual seconds).
+        run_s: after ``result()``: ``end_s - start_s`` (service time without queueing, as the
+            native engine reports its worker time).
+    """
+
+    def __init__(self, engine: SimCopyEngine, start_s: float, end_s: float, num_blocks: int,
+                 effect: Callable[[], list[int]] | None):
+        self._engine, self.start_s, self.end_s, self.num_blocks = engine, start_s, end_s, num_blocks
+        self._effect = effect
+        self._result: list[int] | None = None
+        self.run_s = 0.0
+
+    def done(self) -> bool:
+        return self._result is not None or self._engine.clock.now >= self.end_s
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Stall the clock until the job ends (or ``timeout_s`` passes); True if it ended."""
+        clock = self._engine.clock
+        clock.advance_to(self.end_s if timeout_s is None else min(self.end_s, clock.now + timeout_s))
+        return self.done()
+
+    def result(self) -> list[int]:
+        """Per-block status (0 = ok); stalls until the job ended, then applies its effect once."""
+        if self._result is None:
+            self.wait()
+            self._result = self._effect() if self._effect is not None else [0] * self.num_blocks
+            self.run_s = self.end_s - self.start_s
+        return self._result
+
+
+class SimCopyEngine:
+    """The copy engine's interface, timed on modelled links instead of copying.
+
+    Args:
+        clock: the pool's clock.
+        block_bytes: bytes one block stands for (the modelled model's KV of one page over all
+            layers; the pool's own blocks are far smaller placeholders).
+        device_to_host, host_to_device: the two directions of one device's host link.
+        disk: the disk tier's link (reads and writes share it).
+        owner: passed to :meth:`SimDisk.store` as the writer of the blocks this engine stores.
+
+    Attributes:
+        bytes_moved: modelled bytes per link name (``"device->host"``, ``"host->device"``,
+            ``"disk"``).
+    """
+
+    def __init__(self, clock: VirtualClock, block_bytes: float, *, device_to_host: Link, host_to_device: Link,
+                 disk: Link, owner: object = None):
+        self.clock, self.owner = clock, owner
+        self.block_bytes = float(block_bytes)
+        self._links = {"device->host": device_to_host, "host->device": host_to_device, "disk": disk}
+        self._free_at = dict.fromkeys(self._links, 0.0)
+        self._ends: list[tuple[float, int, SimCopyHandle]] = []  # heap of uncollected jobs by end time
+        self._order = itertools.count()
+        self.bytes_moved = dict.fromkeys(self._links, 0.0)
+
+    def _submit(self, link_name: str, num_blocks: int, effect=None) -> SimCopyHandle:
+        link, now = self._links[link_name], self.clock.now
+        nbytes = num_blocks * self.block_bytes
+        start = max(now, self._free_at[link_name])
+        self._free_at[link_name] = start + nbytes / link.bandwidth_Bps
+        handle = SimCopyHandle(self, start, start + link.copy_s(nbytes), num_blocks, effect)
+        heapq.heappush(self._ends, (handle.end_s, next(self._order), handle))
+        self.bytes_moved[link_name] += nbytes
+        return handle
+
+    def gather(self, pools, pages: Sequence[int], staging) -> SimCopyHandle:
+        """Device pages to host memory (device -> host link)."""
+        return self._submit("device->host", len(pages))
+
+    def scatter(self, staging, pools, pages: Sequence[int]) -> SimCopyHandle:
+        """Host memory to device pages (host -> device link)."""
+        return self._submit("host->device", len(pages))
+
+    def disk_write(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
+        """Blocks to the disk tier; they are stored there when the pool collects the job."""
+        hashes = list(hashes)
+        return self._submit("disk", len(hashes), lambda: [int(disk.store(h, meta, self.owner)) for h in hashes])
+
+    def disk_read(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
+        """Blocks from the disk tier; their presence is checked when the pool collects the job."""
+        hashes = list(hashes)
+        return self._submit("disk", len(hashes), lambda: [int(disk.load(h, meta)) for h in hashes])
+
+    def next_end_s(self, after: float) -> float | None:
+        """When the earliest job not yet collected ends, among those ending after ``after``
+        seconds (None: none)."""
+        ends = self._ends
+        while ends and (ends[0][2]._result is not None or ends[0][0] <= after):
+            heapq.heappop(ends)  # collected, or ended already (its collector will find it done)
+        return ends[0][0] if ends else None

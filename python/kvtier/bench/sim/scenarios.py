@@ -1,0 +1,216 @@
+"""Named simulation scenarios: the model, the hardware, the workload and the configurations
+compared.
+
+``kimi-mi355x-128`` reproduces the published measurement (WORKLOAD.md): Kimi K2 shapes on one
+node of 8x MI355X with tensor parallelism 8, 128 concurrent coding sessions, each cache
+configuration in turn. ``migration`` puts two such workers behind a router and compares sticky
+sessions with sessions that move to the least-loaded worker, their cache either reachable there
+(a store shared by both workers) or not (each worker's store is its own). ``tiny`` is a
+seconds-long smoke run at CPU scale.
+
+Every assumption is a field here, with its reason in the comment beside it; the one fitted
+value is :data:`MI355X_MATRIX_EFFICIENCY`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from kvtier.bench.configs import CONFIGS, BenchConfig
+from kvtier.bench.sim.hardware import Efficiency
+from kvtier.bench.sim.loop import ROUTERS
+
+MI355X_MATRIX_EFFICIENCY = 0.5
+"""Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach: the one parameter
+fitted, on the device-only p99 TTFT of ``kimi-mi355x-128`` (``perf/sim_calibrate.py``)."""
+
+K2_CONTEXT_TOKENS = 262_144
+"""Longest prompt accepted: the 256K context of Kimi K2-Instruct-0905 and later K2 releases."""
+
+STORES = ("disk", "network")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One configuration a scenario simulates.
+
+    Attributes:
+        name: column name in the results.
+        cache: the pool's tiers and policies (a ``kvtier bench`` configuration).
+        router: how turns pick a worker (:data:`kvtier.bench.sim.loop.ROUTERS`).
+        shared_store: the tier below host memory is one store all workers read and write
+            (else each worker has its own).
+    """
+
+    name: str
+    cache: BenchConfig
+    router: str = "sticky"
+    shared_store: bool = False
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}")
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The workload and how it is replayed (see :mod:`kvtier.bench.sim.loop`).
+
+    Attributes:
+        sessions: sessions taken from the trace or generated (more than ``concurrency``: a
+            finished session's slot goes to the next).
+        concurrency: sessions active at once.
+        max_turns: turns kept per session (None = all).
+        token_scale, time_scale, max_think_s: as ``kvtier bench``.
+        ramp_s: seconds over which the first ``concurrency`` sessions start.
+        warmup_s, duration_s: the measurement window, virtual seconds.
+        seed: of the built-in workload generator.
+    """
+
+    sessions: int
+    concurrency: int
+    max_turns: int | None = None
+    token_scale: float = 1.0
+    time_scale: float = 1.0
+    max_think_s: float = 60.0
+    ramp_s: float = 0.0
+    warmup_s: float = 0.0
+    duration_s: float = math.inf
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sessions < 1 or self.concurrency < 1:
+            raise ValueError(f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}")
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A simulated experiment.
+
+    Attributes:
+        name, description: as listed by ``kvtier simulate --list``.
+        model: model preset (``kimi-k2``, ``tiny``).
+        node: hardware preset of each worker (``mi355x``, ``h200``).
+        workers: workers behind the router.
+        store: link of the tier below host memory: ``"disk"`` (the node's NVMe) or
+            ``"network"`` (a remote store over the GPUs' NICs).
+        page_size: tokens per page and block (a multiple of the workload's block size).
+        max_num_batched_tokens: token budget per step.
+        efficiency: kernel efficiencies and fixed costs of the step timer.
+        replay: workload and closed loop.
+        variants: configurations compared, in column order.
+        baseline: the variant ratios are taken against.
+        max_context_tokens: longest prompt accepted.
+        device_fraction: None sizes the device tier from HBM; a number sizes it as ``kvtier
+            bench`` does, as a fraction of the working set (for CPU-scale scenarios).
+        kv_dtype_bytes, weight_dtype_bytes: bytes per KV value and per linear weight.
+    """
+
+    name: str
+    description: str
+    model: str
+    node: str
+    workers: int
+    store: str
+    page_size: int
+    max_num_batched_tokens: int
+    efficiency: Efficiency
+    replay: Replay
+    variants: tuple[Variant, ...]
+    baseline: str
+    max_context_tokens: int = K2_CONTEXT_TOKENS
+    device_fraction: float | None = None
+    kv_dtype_bytes: float = 1.0
+    weight_dtype_bytes: float = 1.0
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names) or self.baseline not in names:
+            raise ValueError(f"scenario {self.name!r}: variant names {names} must be unique and include "
+                             f"the baseline {self.baseline!r}")
+        if self.store not in STORES:
+            raise ValueError(f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}")
+        if self.workers < 1:
+            raise ValueError(f"scenario {self.name!r}: workers must be >= 1, got {self.workers}")
+
+    def select(self, names: list[str]) -> Scenario:
+        """This scenario with only the variants ``names`` (in that order).
+
+        Raises:
+            ValueError: an unknown name, naming the valid ones.
+        """
+        by_name = {v.name: v for v in self.variants}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
+                             f"expected some of {list(by_name)}")
+        chosen = tuple(by_name[n] for n in names)
+        baseline = self.baseline if self.baseline in names else names[0]
+        return dataclasses.replace(self, variants=chosen, baseline=baseline)
+
+
+def _cache_variants(*names: str) -> tuple[Variant, ...]:
+    return tuple(Variant(n, CONFIGS[n]) for n in names)
+
+
+# Engine settings of the MI355X scenarios (assumptions, each with its reason):
+_MI355X_ENGINE = dict(
+    node="mi355x",
+    # 256-token pages (4 trace blocks): prefix hits are rounded down to 256 tokens (< 0.3% of a
+    # 100K-token context); 64-token pages take four times as long to simulate.
+    page_size=256,
+    # SGLang's chunked-prefill size for GPUs with more than ~160 GB of memory.
+    max_num_batched_tokens=16384,
+    efficiency=Efficiency(matrix=MI355X_MATRIX_EFFICIENCY, memory=0.8, layer_overhead_s=60e-6,
+                          step_overhead_s=2e-3),
+)
+
+# The published replay: 128 sessions at once; the trace-replay tool's defaults (think times at
+# real speed, capped at 60 s); sessions ramped in over 5 minutes (a running service's sessions
+# are not in phase), that ramp left out of the statistics, then 20 minutes measured.
+_MI355X_REPLAY = Replay(sessions=256, concurrency=128, max_turns=None, token_scale=1.0, time_scale=1.0,
+                        max_think_s=60.0, ramp_s=300.0, warmup_s=300.0, duration_s=1500.0)
+
+_TIERED_WT = CONFIGS["tiered-write-through"]
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(
+        name="kimi-mi355x-128",
+        description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
+        model="kimi-k2", workers=1, store="disk", replay=_MI355X_REPLAY, **_MI355X_ENGINE,
+        variants=_cache_variants("device-only", "tiered", "tiered-write-through", "tiered-tool-aware"),
+        baseline="device-only"),
+    Scenario(
+        name="migration",
+        description="two 8x MI355X workers, 128 sessions: sticky vs moved to the least-loaded worker, "
+                    "cache reachable there or not",
+        model="kimi-k2", workers=2, store="network", replay=_MI355X_REPLAY, **_MI355X_ENGINE,
+        variants=(Variant("sticky", _TIERED_WT),
+                  Variant("migrate", _TIERED_WT, router="least-loaded"),
+                  Variant("migrate-reachable", _TIERED_WT, router="least-loaded", shared_store=True)),
+        baseline="sticky"),
+    Scenario(
+        name="tiny",
+        description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
+        model="tiny", node="h200", workers=1, store="disk", page_size=1, max_num_batched_tokens=64,
+        efficiency=Efficiency(), max_context_tokens=8192, device_fraction=0.25,
+        replay=Replay(sessions=6, concurrency=3, max_turns=3, token_scale=1 / 64, time_scale=0.01, max_think_s=1.0,
+                      ramp_s=1.0),
+        variants=_cache_variants("device-only", "tiered"), baseline="device-only"),
+)}
+
+
+def scenario(name: str) -> Scenario:
+    """The scenario called ``name``.
+
+    Raises:
+        ValueError: unknown name, listing the known ones.
+    """
+    if name not in SCENARIOS:
+        raise ValueError(f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}")
+    return SCENARIOS[name]

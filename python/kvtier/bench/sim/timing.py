@@ -1,0 +1,321 @@
+"""How long one engine step takes: a roofline over Kimi K2's operators, or a fitted linear model.
+
+A step runs one :class:`kvtier.serve.scheduler.ScheduledBatch`: prefill chunks (``n`` new tokens
+after ``p`` cached ones) and decodes (one token after ``c - 1`` cached ones). The simulator
+replaces the model forward with ``timer.step_s(BatchShape.of(batch))``.
+
+**Roofline** (:class:`RooflineTimer`), per step, each operator class timed as
+``max(FLOPs / matrix rate, bytes / memory rate)`` and the classes summed (operators run one
+after another). Shapes from :class:`kvtier.model.KimiK2Config`; ``T`` = tokens in the step, ``S``
+= rows that need logits, ``P_*`` = parameter counts, ``tp`` = tensor-parallel devices (weights,
+FLOPs and heads are split ``tp`` ways; the MLA latent cache is not, see :class:`Node`):
+
+- attention projections per layer (``q_a``, ``q_b``, ``kv_a``, ``kv_b``, ``o``): FLOPs ``2*T*P_attn``,
+  weight bytes ``P_attn * weight_bytes`` (all read every step);
+- MoE layer: FLOPs ``2*T*(k + n_shared)*P_expert``; weight bytes of the experts hit:
+  ``E * (1 - (1 - k/E)**T)`` routed experts (uniform routing, what the load-balanced router of
+  DeepSeek-V3 aims at) plus the shared ones; the dense first layer ``2*T*P_mlp``;
+- ``lm_head`` for the ``S`` sampled rows: ``2*S*vocab*hidden``;
+- decode attention (weight-absorbed MLA, :mod:`kvtier.reference.mla`): per sequence and layer
+  ``c * (kv_lora_rank + rope) * kv_bytes`` cache bytes and ``2*H*c*(D + kv_lora_rank)`` FLOPs;
+- prefill-chunk attention: the cheaper of the absorbed form (FLOPs
+  ``2*H*(D + kv_lora_rank)*V``, ``V = n*p + n*(n+1)/2`` visible query-key pairs) and the expanded
+  (MHA) form engines use for prefill (FLOPs ``2*H*(qk_head_dim + v_head_dim)*V`` plus the
+  up-projection of the ``p`` cached latents ``2*p*kv_lora_rank*H*(qk_nope + v)``), as an engine
+  with both kernels would pick (DeepSeek-V3 technical report, section 2.1.1; FlashMLA);
+- two all-reduces of ``T * hidden * 2`` bytes per layer when ``tp > 1`` (after attention and
+  after the MLP), :meth:`Node.allreduce_s`;
+- fixed costs: ``layer_overhead_s`` per layer and ``step_overhead_s`` per step.
+
+Matrix rates: FP8 GEMMs (K2's released weights are FP8) at ``fp8_flops * efficiency.matrix``,
+attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficiency.memory``.
+:class:`KernelRates` read from ``perf/`` CSVs replace these with the rates the kernels reached.
+
+**Linear** (:class:`LinearTimer`): ``step_s = sum(coefficient_f * feature_f)`` over
+:data:`FEATURES`, fitted by least squares (non-negative) on measured steps; the CPU cost model of
+the agreement check (:mod:`kvtier.bench.sim.calibrate`).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.bench.sim.hardware import Efficiency, Node
+from kvtier.model.config import KimiK2Config
+from kvtier.serve.scheduler import ScheduledBatch
+
+FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
+"""Features of a step (:meth:`BatchShape.features`): 1, prefill tokens, decodes, visible
+query-key pairs of the prefill chunks, sum of decode contexts, sequences in the batch, rows
+sampled."""
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The sizes of one step that its duration depends on.
+
+    Attributes:
+        extends: ``(new_tokens, cached_tokens)`` per prefill chunk.
+        num_decodes: decoding sequences (one token each).
+        decode_context: sum over decodes of the tokens attended (cached + the new one).
+        num_sampled: rows that need logits: decodes plus chunks that reach their sequence's end.
+    """
+
+    extends: tuple[tuple[int, int], ...] = ()
+    num_decodes: int = 0
+    decode_context: int = 0
+    num_sampled: int = 0
+
+    @staticmethod
+    def of(batch: ScheduledBatch) -> BatchShape:
+        """Shape of ``batch`` before it runs (its sequences' ``num_computed_tokens`` not yet advanced)."""
+        extends = tuple((n, seq.num_computed_tokens) for seq, n in batch.extends)
+        ends = sum(1 for seq, n in batch.extends if seq.num_computed_tokens + n >= seq.num_tokens)
+        context = sum(seq.num_computed_tokens for seq in batch.decodes) + len(batch.decodes)
+        return BatchShape(extends, len(batch.decodes), context, len(batch.decodes) + ends)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.extends) + self.num_decodes
+
+    def features(self) -> np.ndarray:
+        """[len(FEATURES)] float64 values of :data:`FEATURES`."""
+        pairs = sum(n * p + n * (n + 1) / 2 for n, p in self.extends)
+        return np.array([1.0, sum(n for n, _ in self.extends), self.num_decodes, pairs, self.decode_context,
+                         len(self.extends) + self.num_decodes, self.num_sampled])
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Rates kernels reached on a GPU, replacing ``peak x efficiency`` for their class.
+
+    Attributes:
+        gemm_flops: FLOP/s of the MoE GEMMs when compute-bound (best ``fused_moe`` row).
+        attention_flops: FLOP/s of prefill attention (best ``mla_extend`` row).
+        attention_Bps: bytes/s of decode attention (best ``mla_decode`` row).
+        source: the CSV files and device they came from.
+    """
+
+    gemm_flops: float | None = None
+    attention_flops: float | None = None
+    attention_Bps: float | None = None
+    source: str = ""
+
+    @staticmethod
+    def from_csv(paths: list[str | Path], device: str) -> KernelRates:
+        """Best achieved rate per class from ``perf/bench_mla.py`` / ``perf/bench_moe.py`` CSVs.
+
+        Args:
+            paths: CSV files with the columns ``op, device, tflop_s, gb_s`` (others ignored).
+            device: substring of the ``device`` column to keep (e.g. ``"MI355X"``, ``"H200"``).
+
+        Raises:
+            ValueError: a file lacks those columns, or no row matches ``device``.
+            OSError: a file cannot be read.
+        """
+        best: dict[tuple[str, str], float] = {}
+        for path in paths:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                missing = {"op", "device", "tflop_s", "gb_s"} - set(reader.fieldnames or ())
+                if missing:
+                    raise ValueError(f"{path}: kernel-timing CSV lacks column(s) {sorted(missing)}")
+                for row in reader:
+                    if device not in row["device"]:
+                        continue
+                    for col in ("tflop_s", "gb_s"):
+                        try:
+                            v = float(row[col])
+                        except ValueError:
+                            continue
+                        if math.isfinite(v) and v > best.get((row["op"], col), 0.0):
+                            best[(row["op"], col)] = v
+        if not best:
+            raise ValueError(f"no row of {[str(p) for p in paths]} has a device matching {device!r}")
+        get = lambda op, col, unit: best[(op, col)] * unit if (op, col) in best else None  # noqa: E731
+        return KernelRates(gemm_flops=get("fused_moe", "tflop_s", 1e12),
+                           attention_flops=get("mla_extend", "tflop_s", 1e12),
+                           attention_Bps=get("mla_decode", "gb_s", 1e9),
+                           source=f"{', '.join(str(p) for p in paths)} [{device}]")
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """Per-layer parameter counts and widths of a K2-class model (elements)."""
+
+    attn: float
+    expert: float
+    mlp: float
+    lm_head: float
+    heads: int
+    kv_dim: int
+    kv_lora_rank: int
+    qk_head_dim: int
+    kv_b_out: int
+    hidden: int
+    layers: int
+    moe_layers: int
+
+    @staticmethod
+    def of(c: KimiK2Config) -> _Shapes:
+        h, heads = c.hidden_size, c.num_attention_heads
+        q = h * heads * c.qk_head_dim if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
+        kv_b_out = heads * (c.qk_nope_head_dim + c.v_head_dim)
+        attn = q + h * c.kv_cache_dim + c.kv_lora_rank * kv_b_out + heads * c.v_head_dim * h
+        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
+        return _Shapes(attn=attn + h * c.n_routed_experts, expert=3 * h * c.moe_intermediate_size,
+                       mlp=3 * h * c.intermediate_size, lm_head=c.vocab_size * h, heads=heads,
+                       kv_dim=c.kv_cache_dim, kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim,
+                       kv_b_out=kv_b_out, hidden=h, layers=c.num_hidden_layers, moe_layers=moe_layers)
+
+
+def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0) -> float:
+    """Bytes of all weights: linear layers at ``weight_dtype_bytes`` per parameter (K2 ships FP8:
+    1), token embedding and ``lm_head`` at ``embed_dtype_bytes`` (BF16 in K2's checkpoint)."""
+    s = _Shapes.of(c)
+    linear = s.layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
+    linear += (s.layers - s.moe_layers) * s.mlp
+    return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
+
+
+@dataclass
+class RooflineTimer:
+    """Step time of a K2-class model on a :class:`Node` (module docstring has the formulas).
+
+    Args:
+        model: the model shape.
+        node: devices, interconnect and tensor-parallel size.
+        efficiency: fractions of peak reached and fixed costs.
+        kv_dtype_bytes: bytes per cached value (1 = FP8 KV, as WORKLOAD.md sizes it).
+        weight_dtype_bytes: bytes per linear-layer weight (1 = FP8).
+        rates: measured kernel rates; a class without one uses ``peak x efficiency``.
+    """
+
+    model: KimiK2Config
+    node: Node
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    kv_dtype_bytes: float = 1.0
+    weight_dtype_bytes: float = 1.0
+    rates: KernelRates = field(default_factory=KernelRates)
+
+    def __post_init__(self) -> None:
+        acc, eff, tp = self.node.accelerator, self.efficiency, self.node.num_devices
+        self._s = _Shapes.of(self.model)
+        self._gemm_flops = self.rates.gemm_flops or acc.fp8_flops * eff.matrix
+        self._attn_flops = self.rates.attention_flops or acc.bf16_flops * eff.matrix
+        self._mem_Bps = acc.hbm_Bps * eff.memory
+        self._attn_Bps = self.rates.attention_Bps or self._mem_Bps
+        self._heads = self._s.heads / tp
+        self._tp = tp
+
+    def _gemm_s(self, flops: float, nbytes: float) -> float:
+        return max(flops / self._tp / self._gemm_flops, nbytes / self._tp / self._mem_Bps)
+
+    def _linear_s(self, tokens: int, sampled: int) -> float:
+        s, c, wb = self._s, self.model, self.weight_dtype_bytes
+        e, k = c.n_routed_experts, c.num_experts_per_tok
+        hit = e * (1.0 - (1.0 - k / e) ** tokens) + c.n_shared_experts
+        t = s.layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
+        t += s.moe_layers * self._gemm_s(2 * tokens * (k + c.n_shared_experts) * s.expert, hit * s.expert * wb)
+        t += (s.layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
+        if sampled:
+            t += self._gemm_s(2 * sampled * s.lm_head, s.lm_head * 2)
+        return t
+
+    def _extend_s(self, new: int, cached: int) -> float:
+        """Seconds of one prefill chunk's attention in one layer (the cheaper form)."""
+        s, kvb, h = self._s, self.kv_dtype_bytes, self._heads
+        pairs = new * cached + new * (new + 1) / 2
+        latent_bytes = (cached + new) * s.kv_dim * kvb
+        absorbed = max(2 * h * (s.kv_dim + s.kv_lora_rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
+        expand_flops = 2 * cached * s.kv_lora_rank * h * (s.kv_b_out / s.heads)
+        expanded_bytes = latent_bytes + 2 * cached * h * (s.kv_b_out / s.heads) * 2
+        mha_flops = 2 * h * (s.qk_head_dim + self.model.v_head_dim) * pairs + expand_flops
+        mha = max(mha_flops / self._attn_flops, expanded_bytes / self._attn_Bps)
+        return min(absorbed, mha)
+
+    def _decode_s(self, num_decodes: int, context: int) -> float:
+        """Seconds of the decodes' attention in one layer."""
+        s, h = self._s, self._heads
+        flops = 2 * h * context * (s.kv_dim + s.kv_lora_rank)
+        nbytes = context * s.kv_dim * self.kv_dtype_bytes + num_decodes * h * (s.kv_dim + s.kv_lora_rank) * 2
+        return max(flops / self._attn_flops, nbytes / self._attn_Bps)
+
+    def step_s(self, shape: BatchShape) -> float:
+        """Seconds of one step of ``shape``; 0 for an empty step."""
+        tokens = shape.num_tokens
+        if tokens == 0:
+            return 0.0
+        s, eff = self._s, self.efficiency
+        t = self._linear_s(tokens, shape.num_sampled)
+        attn = sum(self._extend_s(n, p) for n, p in shape.extends)
+        if shape.num_decodes:
+            attn += self._decode_s(shape.num_decodes, shape.decode_context)
+        t += s.layers * attn
+        t += 2 * s.layers * self.node.allreduce_s(tokens * s.hidden * 2)
+        return t + s.layers * eff.layer_overhead_s + eff.step_overhead_s
+
+    def prefill_tok_s(self, chunk_tokens: int) -> float:
+        """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first
+        estimate for the pool's cost model, which then learns from steps)."""
+        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+
+
+@dataclass(frozen=True)
+class LinearTimer:
+    """``step_s = sum(coefficients[f] * shape.features()[f])`` over :data:`FEATURES`.
+
+    Attributes:
+        coefficients: seconds per unit of each feature, all >= 0 (missing features count 0).
+        source: where the coefficients were measured.
+    """
+
+    coefficients: dict[str, float]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
+        bad = {k: v for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"LinearTimer.coefficients must be finite and >= 0, got {bad}")
+        object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
+
+    def step_s(self, shape: BatchShape) -> float:
+        """Seconds of one step of ``shape``; 0 for an empty step."""
+        if shape.num_tokens == 0:
+            return 0.0
+        return float(shape.features() @ self._w)
+
+    def prefill_tok_s(self, chunk_tokens: int) -> float:
+        """Tokens/s of ``chunk_tokens``-token prefill chunks with nothing cached."""
+        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+
+
+def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str = "") -> LinearTimer:
+    """Least-squares :class:`LinearTimer` with non-negative coefficients.
+
+    Features whose unconstrained coefficient comes out negative are dropped one at a time (the
+    most negative first) and the rest refitted, until all are >= 0 (an active-set NNLS).
+
+    Raises:
+        ValueError: fewer samples than features, or lengths that differ.
+    """
+    if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
+        raise ValueError(f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
+                         f"got {len(shapes)} shapes and {len(seconds)} seconds")
+    x = np.stack([s.features() for s in shapes])
+    y = np.asarray(seconds, dtype=np.float64)
+    active = list(range(len(FEATURES)))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if coef.min() >= 0 or len(active) == 1:
+            break
+        del active[int(np.argmin(coef))]
+    return LinearTimer({FEATURES[i]: max(float(c), 0.0) for i, c in zip(active, coef)}, source)
