@@ -154,7 +154,7 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted)
 
 
-def _warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
+def warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
     """One uncached prefill and a few decodes, so the first timed request pays no one-time costs."""
     engine = Engine(model, EngineConfig(page_size=base.page_size, num_device_pages=base.num_device_pages,
                                         max_num_batched_tokens=base.max_num_batched_tokens,
@@ -218,7 +218,7 @@ def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload
     configs = parse_configs(opts.configs)
     torch.set_num_threads(opts.threads)
     model, model_id, workload, sizing, base = prepare(opts)
-    _warm_up(model, base)
+    warm_up(model, base)
     runs = []
     for config in configs:
         if on_start is not None:

@@ -109,26 +109,35 @@ class ToolAwarePolicy(LRUPolicy):
             raise ValueError("ttl_fraction, max_ttl_s and prefetch_lead_s must be >= 0")
         self.ttl_fraction, self.max_ttl_s, self.prefetch_lead_s = ttl_fraction, max_ttl_s, prefetch_lead_s
         self.sessions: dict[object, _Waiting] = {}
+        # A block is protected until the latest TTL of the waiting sessions that hold it; both
+        # maps are kept up to date per session, so a tool event costs O(that session's blocks).
         self._protected: dict[bytes, float] = {}
+        self._holders: dict[bytes, dict[object, float]] = {}  # block -> {waiting session: its TTL end}
 
     def tool_wait(self, session_id, hashes, expected_wait_s, now):
         if not 0 <= expected_wait_s < float("inf"):
             raise ValueError(f"expected_wait_s must be a finite number >= 0, got {expected_wait_s}")
+        self.tool_return(session_id)  # a new wait replaces the old one
         ttl = min(self.ttl_fraction * expected_wait_s, self.max_ttl_s)
-        self.sessions[session_id] = _Waiting(list(hashes), now + ttl,
-                                             now + max(expected_wait_s - self.prefetch_lead_s, 0.0))
-        self._rebuild()
+        w = _Waiting(list(hashes), now + ttl, now + max(expected_wait_s - self.prefetch_lead_s, 0.0))
+        self.sessions[session_id] = w
+        for h in w.hashes:
+            self._holders.setdefault(h, {})[session_id] = w.keep_until
+            self._protected[h] = max(self._protected.get(h, 0.0), w.keep_until)
 
     def tool_return(self, session_id):
-        if self.sessions.pop(session_id, None) is not None:
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        """A block is protected until the latest TTL of the waiting sessions that hold it."""
-        self._protected = {}
-        for w in self.sessions.values():
-            for h in w.hashes:
-                self._protected[h] = max(self._protected.get(h, 0.0), w.keep_until)
+        w = self.sessions.pop(session_id, None)
+        if w is None:
+            return
+        for h in w.hashes:
+            holders = self._holders.get(h)
+            if holders is None or holders.pop(session_id, None) is None:
+                continue  # a block listed twice
+            if holders:
+                self._protected[h] = max(0.0, *holders.values())
+            else:
+                del self._holders[h]
+                self._protected.pop(h, None)
 
     def pick_page(self, free_pages, page_hash, now):
         for page in free_pages:
