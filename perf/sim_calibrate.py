@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -34,37 +35,64 @@ THINK_CAP_S = 60.0
 
 def scale_think_times(workload: Workload, f: float) -> Workload:
     """``workload`` (loaded with ``time_scale=1, max_think_s=60``) with every think time times ``f``."""
-    sessions = tuple(dataclasses.replace(s, turns=tuple(dataclasses.replace(t, think_time_s=t.think_time_s * f)
-                                                         for t in s.turns)) for s in workload.sessions)
-    return dataclasses.replace(workload, sessions=sessions, time_scale=f, max_think_s=THINK_CAP_S * f)
+    sessions = tuple(
+        dataclasses.replace(
+            s,
+            turns=tuple(
+                dataclasses.replace(t, think_time_s=t.think_time_s * f) for t in s.turns
+            ),
+        )
+        for s in workload.sessions
+    )
+    return dataclasses.replace(
+        workload, sessions=sessions, time_scale=f, max_think_s=THINK_CAP_S * f
+    )
 
 
 def device_only(trace: str, base: Workload, f: float) -> dict:
     """Simulate device-only at think-time scale ``f``; its summary and how long it took."""
-    opts = SimOptions(SCENARIO, trace=trace, configs="device-only", time_scale=f, max_think_s=THINK_CAP_S * f)
+    opts = SimOptions(
+        SCENARIO,
+        trace=trace,
+        configs="device-only",
+        time_scale=f,
+        max_think_s=THINK_CAP_S * f,
+    )
     t0 = time.perf_counter()
     _, _, _, runs, _ = run_scenario(opts, workload=scale_think_times(base, f))
     s = summarize(runs[0].run)
-    return {"time_scale": f, "ttft_p99_s": s["ttft_s"]["p99"], "ttft_p50_s": s["ttft_s"]["p50"],
-            "throughput_tok_s": s["throughput_tok_s"], "hit_rate": s["hit_rate"]["total"],
-            "requests": s["requests"], "sim_wall_s": time.perf_counter() - t0}
+    return {
+        "time_scale": f,
+        "ttft_p99_s": s["ttft_s"]["p99"],
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "throughput_tok_s": s["throughput_tok_s"],
+        "hit_rate": s["hit_rate"]["total"],
+        "requests": s["requests"],
+        "sim_wall_s": time.perf_counter() - t0,
+    }
 
 
 def interpolate(points: list[dict], target: float) -> float | None:
     """Scale where log p99 crosses log ``target`` between neighbouring grid points (None: never)."""
     pts = sorted(points, key=lambda p: p["time_scale"])
-    for a, b in zip(pts, pts[1:]):
+    for a, b in itertools.pairwise(pts):
         ya, yb = math.log(a["ttft_p99_s"]), math.log(b["ttft_p99_s"])
         if (ya - math.log(target)) * (yb - math.log(target)) <= 0 and ya != yb:
-            return a["time_scale"] + (math.log(target) - ya) / (yb - ya) * (b["time_scale"] - a["time_scale"])
+            return a["time_scale"] + (math.log(target) - ya) / (yb - ya) * (
+                b["time_scale"] - a["time_scale"]
+            )
     return None
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trace", required=True, help="kv-cache-tester folder")
     ap.add_argument("--grid", type=float, nargs="+", default=[14.0, 16.0, 18.0, 20.0])
-    ap.add_argument("--target-s", type=float, default=17.3, help="published device-only p99 TTFT")
+    ap.add_argument(
+        "--target-s", type=float, default=17.3, help="published device-only p99 TTFT"
+    )
     ap.add_argument("--out", default=None, help="JSON with the scan and the fit")
     args = ap.parse_args()
     scn = SimOptions(SCENARIO, time_scale=1.0, max_think_s=THINK_CAP_S).resolve()
@@ -79,8 +107,14 @@ def main() -> None:
         fit = round(fit, 1)
         check = device_only(args.trace, base, fit)
         print("fit", json.dumps(check), flush=True)
-    result = {"provenance": provenance(scenario=SCENARIO, trace=args.trace, target_s=args.target_s),
-              "grid": points, "fitted_time_scale": fit, "at_fit": check}
+    result = {
+        "provenance": provenance(
+            scenario=SCENARIO, trace=args.trace, target_s=args.target_s
+        ),
+        "grid": points,
+        "fitted_time_scale": fit,
+        "at_fit": check,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

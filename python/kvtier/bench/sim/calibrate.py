@@ -100,20 +100,39 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         ValueError: ``calibration_seed`` equals ``opts.seed`` (the check would be circular).
     """
     if calibration_seed == opts.seed:
-        raise ValueError("calibration_seed must differ from the compared workload's seed")
-    cal = dataclasses.replace(opts, seed=calibration_seed, trace=None, configs="tiered,device-only")
+        raise ValueError(
+            "calibration_seed must differ from the compared workload's seed"
+        )
+    cal = dataclasses.replace(
+        opts, seed=calibration_seed, trace=None, configs="tiered,device-only"
+    )
     model, model_id, workload, sizing, base = prepare(cal)
     warm_up(model, base)
     log = StepLog()
     tier_costs = None
     for config in parse_configs(cal.configs):
-        disk_dir = tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir) if config.disk else None
+        disk_dir = (
+            tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir)
+            if config.disk
+            else None
+        )
         try:
-            engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir,
-                                                        sizing.disk_cache_bytes), model_id)
+            engine = Engine(
+                model,
+                config.engine_config(
+                    base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes
+                ),
+                model_id,
+            )
             record_steps(engine, log)
-            replay(engine, workload, config.name, concurrency=cal.concurrency, tool_aware=config.tool_aware,
-                   ramp_s=cal.ramp_s)
+            replay(
+                engine,
+                workload,
+                config.name,
+                concurrency=cal.concurrency,
+                tool_aware=config.tool_aware,
+                ramp_s=cal.ramp_s,
+            )
             engine.pool.poll(wait=True)
             if config.host:
                 tier_costs = engine.pool.cost_model
@@ -121,24 +140,42 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         finally:
             if disk_dir is not None:
                 shutil.rmtree(disk_dir, ignore_errors=True)
-    timer = fit_linear_timer(log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}")
-    errors = sorted(abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds))
+    timer = fit_linear_timer(
+        log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}"
+    )
+    errors = sorted(
+        abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds)
+    )
     host = _link(tier_costs, Tier.HOST)
     disk = _link(tier_costs, Tier.DISK)
     return CpuCosts(timer, host, disk, len(log.seconds), errors[len(errors) // 2])
 
 
-def sim_engine_config(config: BenchConfig, base: EngineConfig, sizing: Sizing) -> tuple[EngineConfig, int]:
+def sim_engine_config(
+    config: BenchConfig, base: EngineConfig, sizing: Sizing
+) -> tuple[EngineConfig, int]:
     """The bench's engine config with its tiers counted in simulator placeholder blocks
     (``page_size`` bytes each); returns it and the disk tier's capacity in file bytes."""
     ps = sizing.page_size
-    host_slots = sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes) if config.host else 0
-    disk_slots = sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes) if config.disk else 0
+    host_slots = (
+        sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes)
+        if config.host
+        else 0
+    )
+    disk_slots = (
+        sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes)
+        if config.disk
+        else 0
+    )
     disk_bytes = disk_slots * DiskTier.file_bytes(ps)
-    return config.engine_config(base, host_slots * HostTier.row_bytes(ps), None, disk_bytes), disk_bytes
+    return config.engine_config(
+        base, host_slots * HostTier.row_bytes(ps), None, disk_bytes
+    ), disk_bytes
 
 
-def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None) -> list[SimRun]:
+def simulate_bench(
+    opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None
+) -> list[SimRun]:
     """``opts``' bench run re-enacted in virtual time with ``costs`` (same workload, tier sizes,
     closed loop and configurations)."""
     model, _, wl, sizing, base = prepare(opts)
@@ -149,9 +186,17 @@ def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | Non
         cfg, disk_bytes = sim_engine_config(config, base, sizing)
         disk = SimDisk(disk_bytes) if config.disk else None
         engine = SimEngine(cfg, costs.timer, links, VirtualClock(), disk=disk)
-        runs.append(simulate([engine], wl, config.name, concurrency=opts.concurrency,
-                             max_context_tokens=model.config.max_position_embeddings, tool_aware=config.tool_aware,
-                             ramp_s=opts.ramp_s))
+        runs.append(
+            simulate(
+                [engine],
+                wl,
+                config.name,
+                concurrency=opts.concurrency,
+                max_context_tokens=model.config.max_position_embeddings,
+                tool_aware=config.tool_aware,
+                ramp_s=opts.ramp_s,
+            )
+        )
     return runs
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.timing import BatchShape
@@ -50,10 +49,14 @@ class PromptLength(bytes):
         return super().__new__(cls, num_tokens)
 
     def __getitem__(self, key):
-        raise RuntimeError("a simulated prompt has no token ids: its block hashes must be precomputed")
+        raise RuntimeError(
+            "a simulated prompt has no token ids: its block hashes must be precomputed"
+        )
 
     def __iter__(self):
-        raise RuntimeError("a simulated prompt has no token ids: its block hashes must be precomputed")
+        raise RuntimeError(
+            "a simulated prompt has no token ids: its block hashes must be precomputed"
+        )
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,13 @@ class TierLinks:
         scale = pool_block_bytes / self.block_bytes
         h2d, disk = self.host_to_device, self.disk
         serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / h2d.bandwidth_Bps)
-        return CostModel(tiers={Tier.HOST: TierCost(h2d.latency_s, h2d.bandwidth_Bps * scale),
-                                Tier.DISK: TierCost(disk.latency_s + h2d.latency_s, serial * scale)},
-                         prefill_tok_s=prefill_tok_s)
+        return CostModel(
+            tiers={
+                Tier.HOST: TierCost(h2d.latency_s, h2d.bandwidth_Bps * scale),
+                Tier.DISK: TierCost(disk.latency_s + h2d.latency_s, serial * scale),
+            },
+            prefill_tok_s=prefill_tok_s,
+        )
 
 
 @dataclass
@@ -114,18 +121,46 @@ class SimEngine:
         busy_s: virtual seconds spent in steps.
     """
 
-    def __init__(self, config: EngineConfig, timer, links: TierLinks, clock: VirtualClock, *,
-                 disk: SimDisk | None = None, salt: bytes = b""):
+    def __init__(
+        self,
+        config: EngineConfig,
+        timer,
+        links: TierLinks,
+        clock: VirtualClock,
+        *,
+        disk: SimDisk | None = None,
+        salt: bytes = b"",
+    ):
         self.config, self.timer, self.links, self.clock = config, timer, links, clock
         # One layer of one-byte rows: the pool's placeholder storage (page_size bytes per block).
-        kv_caches = [torch.zeros((config.num_device_pages, config.page_size, 1), dtype=torch.uint8).view(
-            torch.float8_e4m3fn)]
-        self.copy_engine = SimCopyEngine(clock, links.block_bytes, device_to_host=links.device_to_host,
-                                         host_to_device=links.host_to_device, disk=links.disk, owner=self)
+        kv_caches = [
+            torch.zeros(
+                (config.num_device_pages, config.page_size, 1), dtype=torch.uint8
+            ).view(torch.float8_e4m3fn)
+        ]
+        self.copy_engine = SimCopyEngine(
+            clock,
+            links.block_bytes,
+            device_to_host=links.device_to_host,
+            host_to_device=links.host_to_device,
+            disk=links.disk,
+            owner=self,
+        )
         pool_config = config.pool_config(salt)
-        pool_block_bytes = config.page_size  # BlockMeta of kv_caches: 1 layer x page_size x 1 byte
-        cost = links.cost_model(pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens))
-        self.pool = KVPool(pool_config, kv_caches, cost, copy_engine=self.copy_engine, disk=disk, clock=clock)
+        pool_block_bytes = (
+            config.page_size
+        )  # BlockMeta of kv_caches: 1 layer x page_size x 1 byte
+        cost = links.cost_model(
+            pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens)
+        )
+        self.pool = KVPool(
+            pool_config,
+            kv_caches,
+            cost,
+            copy_engine=self.copy_engine,
+            disk=disk,
+            clock=clock,
+        )
         self.scheduler = Scheduler(config, self.pool)
         self.num_prefill_tokens = 0
         self.busy_s = 0.0
@@ -136,8 +171,13 @@ class SimEngine:
         """Modelled bytes per byte of the pool's placeholder blocks."""
         return self.links.block_bytes / self.pool.block_bytes
 
-    def new_sequence(self, num_prompt_tokens: int, max_tokens: int, block_hashes: list[bytes],
-                     arrival_s: float) -> Sequence:
+    def new_sequence(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        block_hashes: list[bytes],
+        arrival_s: float,
+    ) -> Sequence:
         """A request of ``num_prompt_tokens`` tokens generating ``max_tokens``, not yet queued.
 
         ``block_hashes`` must cover every full block of prompt + output (``(num_prompt_tokens +
@@ -148,16 +188,27 @@ class SimEngine:
         """
         need = (num_prompt_tokens + max_tokens) // self.config.page_size
         if len(block_hashes) < need:
-            raise ValueError(f"block_hashes has {len(block_hashes)} hashes; {need} full blocks need one each")
+            raise ValueError(
+                f"block_hashes has {len(block_hashes)} hashes; {need} full blocks need one each"
+            )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seq = Sequence(self._next_id, PromptLength(num_prompt_tokens), params, RequestMetrics(arrival_s))
+        seq = Sequence(
+            self._next_id,
+            PromptLength(num_prompt_tokens),
+            params,
+            RequestMetrics(arrival_s),
+        )
         seq.block_hashes = block_hashes
         self._next_id += 1
         return seq
 
     def share_store(self, disk: SimDisk) -> None:
         """Index every block other workers store in ``disk`` (this engine's disk tier, shared)."""
-        disk.on_store.append(lambda block_hash, writer: writer is not self and self.pool.index_disk_block(block_hash))
+        disk.on_store.append(
+            lambda block_hash, writer: (
+                writer is not self and self.pool.index_disk_block(block_hash)
+            )
+        )
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.add(seq)
@@ -174,13 +225,29 @@ class SimEngine:
                 small for the waiting requests), as ``Engine.step``.
         """
         batch = self.scheduler.schedule()
-        if not batch and not self.scheduler.loading:  # pages may be held by copies: let them end, retry once
+        if (
+            not batch and not self.scheduler.loading
+        ):  # pages may be held by copies: let them end, retry once
             self.pool.poll(wait=True)
+            batch = self.scheduler.schedule()
+        for _ in range(
+            2
+        ):  # loads that ended while the pool stalled on a copy: collect them now
+            ended = self.copy_engine.next_end_s()
+            if (
+                batch
+                or not self.scheduler.loading
+                or ended is None
+                or ended > self.clock.now
+            ):
+                break
             batch = self.scheduler.schedule()
         if not batch:
             wake = self.copy_engine.next_end_s(after=self.clock.now)
             if not self.scheduler.loading or wake is None:
-                raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
+                raise RuntimeError(
+                    "no request can be scheduled: the page pool is too small for the waiting requests"
+                )
             return wake
         shape = BatchShape.of(batch)
         start = self.clock.now
@@ -213,5 +280,9 @@ class SimEngine:
     def pool_bytes_moved(self) -> dict[str, int]:
         """The pool's byte counters in modelled bytes, keyed as ``ConfigRun.bytes_moved``."""
         s, k = self.pool.stats, self.bytes_scale
-        return {"device->host": round(s.bytes_written["host"] * k), "host->device": round(s.bytes_loaded["host"] * k),
-                "host->disk": round(s.bytes_written["disk"] * k), "disk->device": round(s.bytes_loaded["disk"] * k)}
+        return {
+            "device->host": round(s.bytes_written["host"] * k),
+            "host->device": round(s.bytes_loaded["host"] * k),
+            "host->disk": round(s.bytes_written["disk"] * k),
+            "disk->device": round(s.bytes_loaded["disk"] * k),
+        }

@@ -59,7 +59,9 @@ class Link:
     def __post_init__(self) -> None:
         _check_positive("Link", bandwidth_Bps=self.bandwidth_Bps)
         if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(f"Link.latency_s must be a finite number >= 0, got {self.latency_s!r}")
+            raise ValueError(
+                f"Link.latency_s must be a finite number >= 0, got {self.latency_s!r}"
+            )
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes takes on an idle link."""
@@ -88,8 +90,13 @@ class Accelerator:
     interconnect: Link
 
     def __post_init__(self) -> None:
-        _check_positive(f"Accelerator({self.name})", hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
-                        bf16_flops=self.bf16_flops, fp8_flops=self.fp8_flops)
+        _check_positive(
+            f"Accelerator({self.name})",
+            hbm_bytes=self.hbm_bytes,
+            hbm_Bps=self.hbm_Bps,
+            bf16_flops=self.bf16_flops,
+            fp8_flops=self.fp8_flops,
+        )
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,9 @@ class Efficiency:
         for name in ("layer_overhead_s", "step_overhead_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"Efficiency.{name} must be a finite number >= 0, got {v!r}")
+                raise ValueError(
+                    f"Efficiency.{name} must be a finite number >= 0, got {v!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -154,12 +163,18 @@ class Node:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
+            raise ValueError(
+                f"Node.num_devices must be an int >= 1, got {self.num_devices!r}"
+            )
         if not 0 < self.hbm_fraction <= 1:
-            raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
+            raise ValueError(
+                f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}"
+            )
         for name in ("host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(f"Node.{name} must be >= 0, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"Node.{name} must be >= 0, got {getattr(self, name)!r}"
+                )
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.
@@ -167,11 +182,16 @@ class Node:
         Raises:
             ValueError: the weights and reserve do not fit.
         """
-        per_device = self.accelerator.hbm_bytes * self.hbm_fraction - weight_bytes / self.num_devices
+        per_device = (
+            self.accelerator.hbm_bytes * self.hbm_fraction
+            - weight_bytes / self.num_devices
+        )
         left = per_device - self.activation_reserve_bytes
         if left <= 0:
-            raise ValueError(f"{weight_bytes / GB:.0f} GB of weights over {self.num_devices} x "
-                             f"{self.accelerator.name} leave no HBM for KV")
+            raise ValueError(
+                f"{weight_bytes / GB:.0f} GB of weights over {self.num_devices} x "
+                f"{self.accelerator.name} leave no HBM for KV"
+            )
         return left
 
     def allreduce_s(self, nbytes: float) -> float:
@@ -183,14 +203,26 @@ class Node:
         return link.latency_s + 2 * (p - 1) / p * nbytes / link.bandwidth_Bps
 
 
-MI355X = Accelerator("MI355X", hbm_bytes=288 * GB, hbm_Bps=8 * TB, bf16_flops=2.5e15, fp8_flops=5.0e15,
-                     interconnect=Link(bandwidth_Bps=7 * 153.6 * GB / 2, latency_s=15e-6))
+MI355X = Accelerator(
+    "MI355X",
+    hbm_bytes=288 * GB,
+    hbm_Bps=8 * TB,
+    bf16_flops=2.5e15,
+    fp8_flops=5.0e15,
+    interconnect=Link(bandwidth_Bps=7 * 153.6 * GB / 2, latency_s=15e-6),
+)
 """AMD Instinct MI355X (sources in the module docstring). All-reduce bus bandwidth: half the
 aggregate of 7 x 153.6 GB/s Infinity Fabric links (each link counted once per direction);
 15 us per collective (RCCL small-message latency on 8 GPUs, an assumption)."""
 
-H200 = Accelerator("H200", hbm_bytes=141 * GB, hbm_Bps=4.8 * TB, bf16_flops=989e12, fp8_flops=1979e12,
-                   interconnect=Link(bandwidth_Bps=450 * GB, latency_s=10e-6))
+H200 = Accelerator(
+    "H200",
+    hbm_bytes=141 * GB,
+    hbm_Bps=4.8 * TB,
+    bf16_flops=989e12,
+    fp8_flops=1979e12,
+    interconnect=Link(bandwidth_Bps=450 * GB, latency_s=10e-6),
+)
 """NVIDIA H200 SXM (sources in the module docstring). All-reduce bus bandwidth: 450 GB/s per
 direction of NVLink 4; 10 us per collective (NCCL small-message latency, an assumption)."""
 
@@ -201,14 +233,28 @@ NIC_400G = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
 
 def mi355x_node(num_devices: int = 8) -> Node:
     """8x MI355X (one OCP platform), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return Node(MI355X, num_devices, host_link=HOST_LINK, disk_link=NVME_ARRAY, network_link=NIC_400G,
-                host_kv_bytes=1 * TIB, disk_kv_bytes=4 * TB)
+    return Node(
+        MI355X,
+        num_devices,
+        host_link=HOST_LINK,
+        disk_link=NVME_ARRAY,
+        network_link=NIC_400G,
+        host_kv_bytes=1 * TIB,
+        disk_kv_bytes=4 * TB,
+    )
 
 
 def h200_node(num_devices: int = 8) -> Node:
     """8x H200 (HGX), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return Node(H200, num_devices, host_link=HOST_LINK, disk_link=NVME_ARRAY, network_link=NIC_400G,
-                host_kv_bytes=1 * TIB, disk_kv_bytes=4 * TB)
+    return Node(
+        H200,
+        num_devices,
+        host_link=HOST_LINK,
+        disk_link=NVME_ARRAY,
+        network_link=NIC_400G,
+        host_kv_bytes=1 * TIB,
+        disk_kv_bytes=4 * TB,
+    )
 
 
 NODES = {"mi355x": mi355x_node, "h200": h200_node}

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.replay import TOOL_WAIT_P50_S, ToolWaitEstimate, working_set_pages
 from kvtier.bench.sim.engine import SimEngine, Step
@@ -43,7 +42,9 @@ from kvtier.cache.block_hash import block_hashes
 from kvtier.serve.request import Sequence
 
 ROUTERS = ("sticky", "least-loaded")
-_FRESH_ID_BASE = 2**31  # ids of blocks that hold generated tokens: never a workload block id
+_FRESH_ID_BASE = (
+    2**31
+)  # ids of blocks that hold generated tokens: never a workload block id
 
 
 @dataclass
@@ -76,8 +77,14 @@ class _Hasher:
 
     def __init__(self, block_size: int, page_size: int, salt: bytes):
         if page_size % block_size:
-            raise ValueError(f"page_size {page_size} must be a multiple of the workload's block size {block_size}")
-        self.per_page, self.page_size, self.salt = page_size // block_size, page_size, salt
+            raise ValueError(
+                f"page_size {page_size} must be a multiple of the workload's block size {block_size}"
+            )
+        self.per_page, self.page_size, self.salt = (
+            page_size // block_size,
+            page_size,
+            salt,
+        )
         self._fresh = itertools.count(_FRESH_ID_BASE)
 
     def turn(self, a: _Active, turn: Turn) -> list[bytes]:
@@ -91,29 +98,44 @@ class _Hasher:
             diff = np.flatnonzero(ids[:n] != a._ids[:n])
             keep = min((int(diff[0]) if diff.size else n) // m, len(a.prompt_hashes))
         parent = a.prompt_hashes[keep - 1] if keep else None
-        hashes = a.prompt_hashes[:keep] + block_hashes(ids[keep * m:], m, parent, self.salt)
+        hashes = a.prompt_hashes[:keep] + block_hashes(
+            ids[keep * m :], m, parent, self.salt
+        )
         a._ids, a.prompt_hashes = ids, hashes
         extra = (turn.input_tokens + turn.output_tokens) // ps - full
         if extra <= 0:
             return list(hashes)
         fresh = [next(self._fresh) for _ in range(extra * m)]
-        return hashes + block_hashes(fresh, m, hashes[-1] if hashes else None, self.salt)
+        return hashes + block_hashes(
+            fresh, m, hashes[-1] if hashes else None, self.salt
+        )
 
 
 def _backlog_tokens(engine: SimEngine) -> int:
     """Prompt tokens queued or being prefilled on a worker."""
     s = engine.scheduler
-    return sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in (*s.waiting, *s.loading, *s.running))
+    return sum(
+        max(0, q.num_prompt_tokens - q.num_computed_tokens)
+        for q in (*s.waiting, *s.loading, *s.running)
+    )
 
 
-def _route(workers: list[_Worker], a: _Active, hashes: list[bytes], n_in: int, router: str) -> int:
+def _route(
+    workers: list[_Worker], a: _Active, hashes: list[bytes], n_in: int, router: str
+) -> int:
     if router == "sticky" or len(workers) == 1:
         return a.home
     best, best_s = a.home, float("inf")
-    for i in sorted(range(len(workers)), key=lambda i: i != a.home):  # the home worker wins ties
+    for i in sorted(
+        range(len(workers)), key=lambda i: i != a.home
+    ):  # the home worker wins ties
         pool = workers[i].engine.pool
-        cached = len(pool.index.match(hashes[: n_in // pool.page_size])) * pool.page_size
-        t = (_backlog_tokens(workers[i].engine) + n_in - cached) / pool.cost_model.prefill_tok_s
+        cached = (
+            len(pool.index.match(hashes[: n_in // pool.page_size])) * pool.page_size
+        )
+        t = (
+            _backlog_tokens(workers[i].engine) + n_in - cached
+        ) / pool.cost_model.prefill_tok_s
         if t < best_s:
             best, best_s = i, t
     return best
@@ -123,21 +145,46 @@ def _refusal(engine: SimEngine, turn: Turn, max_context_tokens: int) -> str | No
     """The error ``Engine.check_request`` would raise for this turn, or None."""
     cfg = engine.config
     if turn.input_tokens > max_context_tokens:
-        return (f"prompt has {turn.input_tokens} tokens, more than max_position_embeddings={max_context_tokens}")
-    pages = -(-(min(turn.input_tokens + turn.output_tokens, max_context_tokens) - 1) // cfg.page_size)
+        return f"prompt has {turn.input_tokens} tokens, more than max_position_embeddings={max_context_tokens}"
+    pages = -(
+        -(min(turn.input_tokens + turn.output_tokens, max_context_tokens) - 1)
+        // cfg.page_size
+    )
     if pages > cfg.num_device_pages:
-        return (f"prompt with max_tokens={turn.output_tokens} needs {pages} pages of {cfg.page_size} tokens, "
-                f"more than num_device_pages={cfg.num_device_pages}")
+        return (
+            f"prompt with max_tokens={turn.output_tokens} needs {pages} pages of {cfg.page_size} tokens, "
+            f"more than num_device_pages={cfg.num_device_pages}"
+        )
     return None
 
 
-def _record(a: _Active, turn: Turn, seq: Sequence | None, error: str | None = None) -> RequestRecord:
+def _record(
+    a: _Active, turn: Turn, seq: Sequence | None, error: str | None = None
+) -> RequestRecord:
     if seq is None:
-        return RequestRecord(a.session.session_id, a.next_turn, turn.input_tokens, 0, a.due_s, None, a.due_s, 0,
-                             error=error)
+        return RequestRecord(
+            a.session.session_id,
+            a.next_turn,
+            turn.input_tokens,
+            0,
+            a.due_s,
+            None,
+            a.due_s,
+            0,
+            error=error,
+        )
     m = seq.metrics
-    return RequestRecord(a.session.session_id, a.next_turn, turn.input_tokens, len(seq.output_token_ids), a.due_s,
-                         m.first_token_time, m.finish_time, seq.num_cached_tokens, dict(seq.cached_tokens_by_tier))
+    return RequestRecord(
+        a.session.session_id,
+        a.next_turn,
+        turn.input_tokens,
+        len(seq.output_token_ids),
+        a.due_s,
+        m.first_token_time,
+        m.finish_time,
+        seq.num_cached_tokens,
+        dict(seq.cached_tokens_by_tier),
+    )
 
 
 @dataclass
@@ -162,16 +209,38 @@ class SimRun:
 
 
 class _Loop:
-    def __init__(self, engines: list[SimEngine], workload: Workload, *, concurrency: int, tool_aware: bool,
-                 ramp_s: float, router: str, max_context_tokens: int, on_finish, warmup_s: float = 0.0,
-                 duration_s: float = float("inf")):
+    def __init__(
+        self,
+        engines: list[SimEngine],
+        workload: Workload,
+        *,
+        concurrency: int,
+        tool_aware: bool,
+        ramp_s: float,
+        router: str,
+        max_context_tokens: int,
+        on_finish,
+        warmup_s: float = 0.0,
+        duration_s: float = float("inf"),
+    ):
         self.workers = [_Worker(e) for e in engines]
-        self.workload, self.concurrency, self.tool_aware, self.ramp_s = workload, concurrency, tool_aware, ramp_s
-        self.router, self.max_context_tokens, self.on_finish = router, max_context_tokens, on_finish
+        self.workload, self.concurrency, self.tool_aware, self.ramp_s = (
+            workload,
+            concurrency,
+            tool_aware,
+            ramp_s,
+        )
+        self.router, self.max_context_tokens, self.on_finish = (
+            router,
+            max_context_tokens,
+            on_finish,
+        )
         self.warmup_s, self.duration_s = warmup_s, duration_s
         self.warmup_records: list[RequestRecord] = []
         first = engines[0]
-        self.hasher = _Hasher(workload.block_size, first.config.page_size, first.pool.config.salt)
+        self.hasher = _Hasher(
+            workload.block_size, first.config.page_size, first.pool.config.salt
+        )
         self.queue = deque(s for s in workload.sessions if s.turns)
         self.active: list[_Active] = []
         self.records: list[RequestRecord] = []
@@ -186,9 +255,19 @@ class _Loop:
         heapq.heappush(self.events, (t, next(self._order), kind, ref))
 
     def fill_slots(self) -> None:
-        while self.queue and len(self.active) < self.concurrency and self.now < self.duration_s:
-            offset = min(self.started, self.concurrency - 1) * self.ramp_s / self.concurrency
-            a = _Active(self.queue.popleft(), home=self.started % len(self.workers), due_s=max(self.now, offset))
+        while (
+            self.queue
+            and len(self.active) < self.concurrency
+            and self.now < self.duration_s
+        ):
+            offset = (
+                min(self.started, self.concurrency - 1) * self.ramp_s / self.concurrency
+            )
+            a = _Active(
+                self.queue.popleft(),
+                home=self.started % len(self.workers),
+                due_s=max(self.now, offset),
+            )
             self.active.append(a)
             self.started += 1
             self.push(a.due_s, "due", a)
@@ -213,12 +292,16 @@ class _Loop:
         if error is not None:
             self.finish(a, _record(a, turn, None, error))
             return
-        a.seq = engine.new_sequence(turn.input_tokens, turn.output_tokens, hashes, a.due_s)
+        a.seq = engine.new_sequence(
+            turn.input_tokens, turn.output_tokens, hashes, a.due_s
+        )
         self.workers[w].running[a.seq.seq_id] = a
         engine.add(a.seq)
 
     def finish(self, a: _Active, record: RequestRecord) -> None:
-        (self.records if record.arrival_s >= self.warmup_s else self.warmup_records).append(record)
+        (
+            self.records if record.arrival_s >= self.warmup_s else self.warmup_records
+        ).append(record)
         if self.on_finish is not None:
             self.on_finish(record)
         turn = a.session.turns[a.next_turn]
@@ -231,10 +314,14 @@ class _Loop:
                 pool.tool_return(a.session.session_id)
             return
         nxt = a.session.turns[a.next_turn]
-        a.due_s = (record.finish_s if record.finish_s is not None else self.now) + nxt.think_time_s
+        a.due_s = (
+            record.finish_s if record.finish_s is not None else self.now
+        ) + nxt.think_time_s
         a.waiting_on_tool = turn.stop == "tool_use"
         if self.tool_aware and a.waiting_on_tool and record.error is None:
-            pool.tool_wait_blocks(a.session.session_id, a.prompt_hashes, self.tool_wait.value())
+            pool.tool_wait_blocks(
+                a.session.session_id, a.prompt_hashes, self.tool_wait.value()
+            )
         self.push(a.due_s, "due", a)
 
     def handle(self, kind: str, ref) -> None:
@@ -276,10 +363,20 @@ class _Loop:
         return self.now
 
 
-def simulate(engines: list[SimEngine], workload: Workload, name: str, *, concurrency: int,
-             max_context_tokens: int, tool_aware: bool = False, ramp_s: float = 0.0, router: str = "sticky",
-             warmup_s: float = 0.0, duration_s: float = float("inf"),
-             on_finish: Callable[[RequestRecord], None] | None = None) -> SimRun:
+def simulate(
+    engines: list[SimEngine],
+    workload: Workload,
+    name: str,
+    *,
+    concurrency: int,
+    max_context_tokens: int,
+    tool_aware: bool = False,
+    ramp_s: float = 0.0,
+    router: str = "sticky",
+    warmup_s: float = 0.0,
+    duration_s: float = float("inf"),
+    on_finish: Callable[[RequestRecord], None] | None = None,
+) -> SimRun:
     """Replay ``workload`` over ``engines`` in virtual time; returns the run as ``kvtier bench`` does.
 
     Args:
@@ -311,21 +408,42 @@ def simulate(engines: list[SimEngine], workload: Workload, name: str, *, concurr
     if not 0 <= ramp_s < float("inf"):
         raise ValueError(f"ramp_s must be a finite number >= 0, got {ramp_s}")
     if not 0 <= warmup_s < duration_s:
-        raise ValueError(f"need 0 <= warmup_s < duration_s, got warmup_s={warmup_s}, duration_s={duration_s}")
+        raise ValueError(
+            f"need 0 <= warmup_s < duration_s, got warmup_s={warmup_s}, duration_s={duration_s}"
+        )
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     if len({e.config.page_size for e in engines}) != 1:
         raise ValueError("all engines must have the same page_size")
-    loop = _Loop(engines, workload, concurrency=concurrency, tool_aware=tool_aware, ramp_s=ramp_s, router=router,
-                 max_context_tokens=max_context_tokens, on_finish=on_finish, warmup_s=warmup_s,
-                 duration_s=duration_s)
+    loop = _Loop(
+        engines,
+        workload,
+        concurrency=concurrency,
+        tool_aware=tool_aware,
+        ramp_s=ramp_s,
+        router=router,
+        max_context_tokens=max_context_tokens,
+        on_finish=on_finish,
+        warmup_s=warmup_s,
+        duration_s=duration_s,
+    )
     end_s = loop.run()
-    run = _run_result(name, engines, loop, min(end_s, duration_s) - warmup_s, workload, concurrency)
-    return SimRun(run, loop.migrations, loop.warmup_records, [e.busy_s for e in engines], end_s)
+    run = _run_result(
+        name, engines, loop, min(end_s, duration_s) - warmup_s, workload, concurrency
+    )
+    return SimRun(
+        run, loop.migrations, loop.warmup_records, [e.busy_s for e in engines], end_s
+    )
 
 
-def _run_result(name, engines: list[SimEngine], loop: _Loop, wall_s: float, workload: Workload,
-                concurrency: int) -> ConfigRun:
+def _run_result(
+    name,
+    engines: list[SimEngine],
+    loop: _Loop,
+    wall_s: float,
+    workload: Workload,
+    concurrency: int,
+) -> ConfigRun:
     moved: dict[str, int] = {}
     evictions: dict[str, int] = {}
     for e in engines:
@@ -334,9 +452,16 @@ def _run_result(name, engines: list[SimEngine], loop: _Loop, wall_s: float, work
         for k, v in e.pool.stats.evictions.items():
             evictions[k] = evictions.get(k, 0) + v
     return ConfigRun(
-        name=name, records=loop.records, wall_s=max(wall_s, 0.0),
-        recomputed_tokens=sum(e.num_prefill_tokens for e in engines), bytes_moved=moved,
-        copy_errors=sum(e.pool.stats.copy_errors for e in engines), evictions=evictions,
+        name=name,
+        records=loop.records,
+        wall_s=max(wall_s, 0.0),
+        recomputed_tokens=sum(e.num_prefill_tokens for e in engines),
+        bytes_moved=moved,
+        copy_errors=sum(e.pool.stats.copy_errors for e in engines),
+        evictions=evictions,
         preemptions=sum(e.scheduler.num_preemptions for e in engines),
         device_pages=sum(e.config.num_device_pages for e in engines),
-        working_set_pages=working_set_pages(workload, engines[0].config.page_size, concurrency))
+        working_set_pages=working_set_pages(
+            workload, engines[0].config.page_size, concurrency
+        ),
+    )

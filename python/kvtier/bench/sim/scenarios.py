@@ -61,7 +61,9 @@ class Variant:
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
-            raise ValueError(f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}")
+            raise ValueError(
+                f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,13 @@ class Replay:
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.concurrency < 1:
-            raise ValueError(f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}")
+            raise ValueError(
+                f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}"
+            )
         if not 0 <= self.warmup_s < self.duration_s:
-            raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
+            raise ValueError(
+                f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -140,12 +146,18 @@ class Scenario:
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names) or self.baseline not in names:
-            raise ValueError(f"scenario {self.name!r}: variant names {names} must be unique and include "
-                             f"the baseline {self.baseline!r}")
+            raise ValueError(
+                f"scenario {self.name!r}: variant names {names} must be unique and include "
+                f"the baseline {self.baseline!r}"
+            )
         if self.store not in STORES:
-            raise ValueError(f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}")
+            raise ValueError(
+                f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}"
+            )
         if self.workers < 1:
-            raise ValueError(f"scenario {self.name!r}: workers must be >= 1, got {self.workers}")
+            raise ValueError(
+                f"scenario {self.name!r}: workers must be >= 1, got {self.workers}"
+            )
 
     def select(self, names: list[str]) -> Scenario:
         """This scenario with only the variants ``names`` (in that order).
@@ -156,8 +168,10 @@ class Scenario:
         by_name = {v.name: v for v in self.variants}
         unknown = [n for n in names if n not in by_name]
         if unknown:
-            raise ValueError(f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
-                             f"expected some of {list(by_name)}")
+            raise ValueError(
+                f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
+                f"expected some of {list(by_name)}"
+            )
         chosen = tuple(by_name[n] for n in names)
         baseline = self.baseline if self.baseline in names else names[0]
         return dataclasses.replace(self, variants=chosen, baseline=baseline)
@@ -168,22 +182,35 @@ def _cache_variants(*names: str) -> tuple[Variant, ...]:
 
 
 # Engine settings of the MI355X scenarios (assumptions, each with its reason):
-_MI355X_ENGINE = dict(
-    node="mi355x",
+_MI355X_ENGINE = {
+    "node": "mi355x",
     # 256-token pages (4 trace blocks): prefix hits are rounded down to 256 tokens (< 0.3% of a
     # 100K-token context); 64-token pages take four times as long to simulate.
-    page_size=256,
+    "page_size": 256,
     # SGLang's chunked-prefill size for GPUs with more than ~160 GB of memory.
-    max_num_batched_tokens=16384,
-    efficiency=Efficiency(matrix=MI355X_MATRIX_EFFICIENCY, memory=0.8, layer_overhead_s=60e-6,
-                          step_overhead_s=2e-3),
-)
+    "max_num_batched_tokens": 16384,
+    "efficiency": Efficiency(
+        matrix=MI355X_MATRIX_EFFICIENCY,
+        memory=0.8,
+        layer_overhead_s=60e-6,
+        step_overhead_s=2e-3,
+    ),
+}
 
 # The published replay: 128 sessions at once, ramped in over 5 minutes (a running service's
 # sessions are not in phase); turns submitted for one hour, all reported (first turns included,
 # as a replay experiment measures them). Think times: recorded ones, capped at 60 s, scaled.
-_MI355X_REPLAY = Replay(sessions=256, concurrency=128, max_turns=None, token_scale=1.0, time_scale=THINK_TIME_SCALE,
-                        max_think_s=60.0 * THINK_TIME_SCALE, ramp_s=300.0, warmup_s=0.0, duration_s=3600.0)
+_MI355X_REPLAY = Replay(
+    sessions=256,
+    concurrency=128,
+    max_turns=None,
+    token_scale=1.0,
+    time_scale=THINK_TIME_SCALE,
+    max_think_s=60.0 * THINK_TIME_SCALE,
+    ramp_s=300.0,
+    warmup_s=0.0,
+    duration_s=3600.0,
+)
 
 _TIERED_WT = CONFIGS["tiered-write-through"]
 
@@ -192,31 +219,69 @@ _TIERED_WT = CONFIGS["tiered-write-through"]
 # default here). Write-through, so a session's blocks reach the store while it is served.
 _MIGRATION_REPLAY = dataclasses.replace(_MI355X_REPLAY, sessions=512, concurrency=256)
 
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario(
-        name="kimi-mi355x-128",
-        description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
-        model="kimi-k2", workers=1, store="disk", replay=_MI355X_REPLAY, **_MI355X_ENGINE,
-        variants=_cache_variants("device-only", "tiered", "tiered-write-through", "tiered-tool-aware"),
-        baseline="device-only"),
-    Scenario(
-        name="migration",
-        description="two 8x MI355X workers, 256 sessions: sticky vs moved to the least-loaded worker, "
-                    "cache reachable there or not",
-        model="kimi-k2", workers=2, store="network", replay=_MIGRATION_REPLAY, **_MI355X_ENGINE,
-        variants=(Variant("sticky", _TIERED_WT),
-                  Variant("migrate", _TIERED_WT, router="least-loaded"),
-                  Variant("migrate-reachable", _TIERED_WT, router="least-loaded", shared_store=True)),
-        baseline="sticky"),
-    Scenario(
-        name="tiny",
-        description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
-        model="tiny", node="h200", workers=1, store="disk", page_size=1, max_num_batched_tokens=64,
-        efficiency=Efficiency(), max_context_tokens=8192, device_fraction=0.25,
-        replay=Replay(sessions=6, concurrency=3, max_turns=3, token_scale=1 / 64, time_scale=0.01, max_think_s=1.0,
-                      ramp_s=1.0),
-        variants=_cache_variants("device-only", "tiered"), baseline="device-only"),
-)}
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario(
+            name="kimi-mi355x-128",
+            description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
+            model="kimi-k2",
+            workers=1,
+            store="disk",
+            replay=_MI355X_REPLAY,
+            **_MI355X_ENGINE,
+            variants=_cache_variants(
+                "device-only", "tiered", "tiered-write-through", "tiered-tool-aware"
+            ),
+            baseline="device-only",
+        ),
+        Scenario(
+            name="migration",
+            description="two 8x MI355X workers, 256 sessions: sticky vs moved to the least-loaded worker, "
+            "cache reachable there or not",
+            model="kimi-k2",
+            workers=2,
+            store="network",
+            replay=_MIGRATION_REPLAY,
+            **_MI355X_ENGINE,
+            variants=(
+                Variant("sticky", _TIERED_WT),
+                Variant("migrate", _TIERED_WT, router="least-loaded"),
+                Variant(
+                    "migrate-reachable",
+                    _TIERED_WT,
+                    router="least-loaded",
+                    shared_store=True,
+                ),
+            ),
+            baseline="sticky",
+        ),
+        Scenario(
+            name="tiny",
+            description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
+            model="tiny",
+            node="h200",
+            workers=1,
+            store="disk",
+            page_size=1,
+            max_num_batched_tokens=64,
+            efficiency=Efficiency(),
+            max_context_tokens=8192,
+            device_fraction=0.25,
+            replay=Replay(
+                sessions=6,
+                concurrency=3,
+                max_turns=3,
+                token_scale=1 / 64,
+                time_scale=0.01,
+                max_think_s=1.0,
+                ramp_s=1.0,
+            ),
+            variants=_cache_variants("device-only", "tiered"),
+            baseline="device-only",
+        ),
+    )
+}
 
 
 def scenario(name: str) -> Scenario:
@@ -226,5 +291,7 @@ def scenario(name: str) -> Scenario:
         ValueError: unknown name, listing the known ones.
     """
     if name not in SCENARIOS:
-        raise ValueError(f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}")
+        raise ValueError(
+            f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}"
+        )
     return SCENARIOS[name]
