@@ -166,6 +166,10 @@ def _list_scenarios(console: Console) -> None:
     console.print(table)
 
 
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvtier.bench import report
     from kvtier.bench.sim.run import SimOptions, run_scenario
@@ -190,6 +194,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - t0
     r = scn.replay
     console.print(f"{scn.name}: {scn.description}")
+    if scn.calibration:
+        console.print(f"calibration: {scn.calibration}")
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{r.concurrency} at a time; think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
                   f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported")
@@ -200,6 +206,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   f"prefill {prov['prefill_tok_s_16k']:.0f} tok/s at 16K-token chunks")
     report.render_table([sr.run for sr in runs], console=console, baseline=scn.baseline,
                         title=f"kvtier simulate {scn.name}: per-configuration results (virtual time)")
+    console.print("TTFT p99 of returning turns (after a session's first; the turns a cache can serve): "
+                  + ", ".join(f"{name} {_ms(v['ttft_p99_returning_s'])}" for name, v in prov["per_variant"].items()))
     if scn.workers > 1:
         console.print("migrations (turns served by another worker than the previous turn): "
                       + ", ".join(f"{sr.run.name} {sr.migrations}" for sr in runs))

@@ -20,7 +20,7 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.records import RequestRecord
+import numpy as np
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.sim.copies import SimDisk, VirtualClock
 from kvtier.bench.sim.engine import SimEngine, TierLinks
@@ -349,6 +349,7 @@ def sim_provenance(
                     "warmup_requests": len(sr.warmup_records),
                     "end_s": sr.end_s,
                     "busy_s": sr.busy_s,
+                    "ttft_p99_returning_s": returning_ttft_p99(sr),
                 }
                 for sr in runs
             },
@@ -356,6 +357,12 @@ def sim_provenance(
     )
 
 
-def all_records(sr: SimRun) -> list[RequestRecord]:
-    """Warm-up and measured records of one run."""
-    return [*sr.warmup_records, *sr.run.records]
+def returning_ttft_p99(sr: SimRun) -> float | None:
+    """p99 TTFT (seconds, numpy ``linear``) of the reported turns after a session's first (the
+    ones a cache can serve); None without any."""
+    ttft = [
+        r.ttft_s
+        for r in sr.run.records
+        if r.turn > 0 and r.error is None and r.ttft_s is not None
+    ]
+    return float(np.percentile(ttft, 99)) if ttft else None

@@ -124,6 +124,7 @@ class Scenario:
         device_fraction: None sizes the device tier from HBM; a number sizes it as ``kvtier
             bench`` does, as a fraction of the working set (for CPU-scale scenarios).
         kv_dtype_bytes, weight_dtype_bytes: bytes per KV value and per linear weight.
+        calibration: what the scenario's fitted values were fitted on ("" = nothing fitted).
     """
 
     name: str
@@ -142,6 +143,7 @@ class Scenario:
     device_fraction: float | None = None
     kv_dtype_bytes: float = 1.0
     weight_dtype_bytes: float = 1.0
+    calibration: str = ""
 
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]
@@ -219,6 +221,11 @@ _TIERED_WT = CONFIGS["tiered-write-through"]
 # default here). Write-through, so a session's blocks reach the store while it is served.
 _MIGRATION_REPLAY = dataclasses.replace(_MI355X_REPLAY, sessions=512, concurrency=256)
 
+_CALIBRATION = (
+    "think-time scale fitted on the device-only p99 TTFT over the kv-cache-tester traces "
+    "(--trace ../shared/traces/kv-cache-tester); other workloads carry a different load"
+)
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -234,6 +241,7 @@ SCENARIOS: dict[str, Scenario] = {
                 "device-only", "tiered", "tiered-write-through", "tiered-tool-aware"
             ),
             baseline="device-only",
+            calibration=_CALIBRATION,
         ),
         Scenario(
             name="migration",
@@ -255,6 +263,7 @@ SCENARIOS: dict[str, Scenario] = {
                 ),
             ),
             baseline="sticky",
+            calibration=_CALIBRATION,
         ),
         Scenario(
             name="tiny",
