@@ -7,7 +7,8 @@ costs measured here, predicts what a real ``kvtier bench`` run measures. Its pie
   it ran (the whole step: scheduling, forward pass, sampling, pool bookkeeping);
 - :func:`measure_cpu_costs` replays a *calibration* workload (another seed than the one
   compared) through the real engine, fits a :class:`~kvtier.bench.sim.timing.LinearTimer` to
-  its steps and reads the copy costs the pool probed and learned (host and disk tiers);
+  its steps, reads the copy costs the pool probed and learned (host and disk tiers) and times
+  the copy engine's per-job cost (its thread hand-off, which those leave out);
 - :func:`simulate_bench` replays a bench workload in the simulator with those costs and the
   bench's own tier sizes.
 """
@@ -30,7 +31,7 @@ from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.timing import BatchShape, LinearTimer, fit_linear_timer
 from kvtier.bench.workload import Workload
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
-from kvtier.cache.disk_tier import DiskTier
+from kvtier.cache.disk_tier import DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
 from kvtier.serve import Engine, EngineConfig
@@ -87,9 +88,40 @@ class CpuCosts:
     fit_rel_error: float
 
 
-def _link(cost_model: CostModel, tier: Tier) -> Link:
+def _link(cost_model: CostModel, tier: Tier, job_s: float) -> Link:
     cost = cost_model.tiers.get(tier, UNPROBED_TIER)
-    return Link(bandwidth_Bps=cost.bandwidth_Bps, latency_s=cost.latency_s)
+    return Link(bandwidth_Bps=cost.bandwidth_Bps, latency_s=cost.latency_s, job_s=job_s)
+
+
+def _seconds_per_job(submit, jobs: int) -> float:
+    """Wall seconds per job when ``jobs`` one-block jobs are submitted back to back and all
+    waited for: the copy engine's per-job cost with its queue and threads, which the worker
+    times the pool learns from leave out."""
+    t0 = time.perf_counter()
+    handles = [submit() for _ in range(jobs)]
+    for h in handles:
+        h.result()
+    return (time.perf_counter() - t0) / jobs
+
+
+def _copy_job_costs(pool, jobs: int = 512) -> tuple[float, float]:
+    """Per-job seconds of host -> device and disk -> host copies of ``pool``'s copy engine
+    (0 for a tier it lacks or a disk tier holding no block)."""
+    host_s = disk_s = 0.0
+    if pool.host is not None and pool.host.num_slots:
+        slot = pool.host.slot(0)
+        host_s = _seconds_per_job(
+            lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs
+        )
+    blocks = pool.disk.blocks() if pool.disk is not None else []
+    if blocks:
+        staging = aligned_empty(pool.block_bytes)
+        h = blocks[0][0]
+        disk_s = _seconds_per_job(
+            lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging),
+            jobs // 4,
+        )
+    return host_s, disk_s
 
 
 def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
@@ -109,7 +141,7 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
     model, model_id, workload, sizing, base = prepare(cal)
     warm_up(model, base)
     log = StepLog()
-    tier_costs = None
+    tier_costs, host_job_s, disk_job_s = None, 0.0, 0.0
     for config in parse_configs(cal.configs):
         disk_dir = (
             tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir)
@@ -136,6 +168,7 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
             engine.pool.poll(wait=True)
             if config.host:
                 tier_costs = engine.pool.cost_model
+                host_job_s, disk_job_s = _copy_job_costs(engine.pool)
             del engine
         finally:
             if disk_dir is not None:
@@ -146,8 +179,8 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
     errors = sorted(
         abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds)
     )
-    host = _link(tier_costs, Tier.HOST)
-    disk = _link(tier_costs, Tier.DISK)
+    host = _link(tier_costs, Tier.HOST, host_job_s)
+    disk = _link(tier_costs, Tier.DISK, disk_job_s)
     return CpuCosts(timer, host, disk, len(log.seconds), errors[len(errors) // 2])
 
 

@@ -6,8 +6,8 @@ its code runs unchanged (the same locks, stages, error paths and cost-model upda
 byte is copied: a job's end time is computed from the bytes it stands for and the link it uses,
 and its effect (a block stored on or read from the disk tier) happens when the pool collects it.
 
-A job on a :class:`Link` starts when the link is free (jobs on one link queue for its bandwidth;
-their latencies overlap) and ends ``latency_s + bytes / bandwidth_Bps`` later. A pool that waits
+A job on a :class:`Link` starts when the link is free (jobs on one link queue for its bandwidth
+and per-job time; their latencies overlap) and ends ``Link.copy_s(bytes)`` later. A pool that waits
 for a job (``handle.wait()`` / ``handle.result()`` before it ended: a write-back eviction, a
 preempted load) *stalls*: its clock jumps to the job's end, as the real engine's thread would
 block.
@@ -209,7 +209,7 @@ class SimCopyEngine:
         link, now = self._links[link_name], self.clock.now
         nbytes = num_blocks * self.block_bytes
         start = max(now, self._free_at[link_name])
-        self._free_at[link_name] = start + nbytes / link.bandwidth_Bps
+        self._free_at[link_name] = start + link.busy_s(nbytes)
         handle = SimCopyHandle(
             self, start, start + link.copy_s(nbytes), num_blocks, effect
         )

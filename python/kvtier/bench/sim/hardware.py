@@ -40,32 +40,39 @@ def _check_positive(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class Link:
-    """One copy path (a direction of PCIe, an NVMe array, a NIC).
+    """One copy path (a direction of PCIe, an NVMe array, a NIC, a CPU copy thread pool).
 
-    A copy job of ``n`` bytes takes ``latency_s + n / bandwidth_Bps`` seconds; jobs on the same
-    link share its bandwidth (they queue), their latencies overlap.
+    A copy job of ``n`` bytes takes ``job_s + latency_s + n / bandwidth_Bps`` seconds. Jobs on
+    the same link queue: each holds the link for ``job_s + n / bandwidth_Bps`` (its bytes and
+    its fixed per-job work, e.g. a worker thread's hand-off); their latencies overlap.
 
     Attributes:
         bandwidth_Bps: sustained bytes per second.
-        latency_s: seconds per job before the first byte moves.
+        latency_s: seconds per job before the first byte moves (overlaps other jobs).
+        job_s: seconds of fixed work per job that does not overlap other jobs.
 
     Raises:
-        ValueError: a bandwidth <= 0 or a negative latency, naming the field.
+        ValueError: a bandwidth <= 0 or a negative latency or job time, naming the field.
     """
 
     bandwidth_Bps: float
     latency_s: float = 0.0
+    job_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check_positive("Link", bandwidth_Bps=self.bandwidth_Bps)
-        if not (math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(
-                f"Link.latency_s must be a finite number >= 0, got {self.latency_s!r}"
-            )
+        for name in ("latency_s", "job_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"Link.{name} must be a finite number >= 0, got {v!r}")
+
+    def busy_s(self, nbytes: float) -> float:
+        """Seconds one job of ``nbytes`` bytes holds the link (other jobs wait that long)."""
+        return self.job_s + nbytes / self.bandwidth_Bps
 
     def copy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes takes on an idle link."""
-        return self.latency_s + nbytes / self.bandwidth_Bps
+        return self.latency_s + self.busy_s(nbytes)
 
 
 @dataclass(frozen=True)
