@@ -131,11 +131,14 @@ class LLM:
 
         enc = self._sessions.get(session_id) if session_id is not None else None
         if enc is None:
-            enc = SessionEncoder(self.tokenizer)
+            enc = SessionEncoder(self.tokenizer, page_size=self.engine.config.page_size,
+                                 salt=self.engine.block_hash_salt)
             if session_id is not None:
                 self._sessions[session_id] = enc
         enc.append(messages, tools)
-        return self.generate(prompt_token_ids=[np.asarray(enc.ids).tolist()], sampling_params=sampling_params)[0]
+        params = sampling_params or SamplingParams()
+        rid = self.engine.add_request(np.asarray(enc.ids), params, prompt_block_hashes=enc.block_hashes())
+        return self._run([rid])[0]
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:
@@ -168,7 +171,11 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params_list)} entries for {n} prompts")
         prompts_checked = [self.engine.check_request(p, sp, i)
                            for i, (p, sp) in enumerate(zip(prompt_token_ids, params_list))]
-        ids = [self.engine.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts_checked, params_list))]
+        return self._run([self.engine.add_request(p, sp, i)
+                          for i, (p, sp) in enumerate(zip(prompts_checked, params_list))])
+
+    def _run(self, ids: list[int]) -> list[RequestOutput]:
+        """Step the engine until requests ``ids`` finish; their outputs in that order."""
         done: dict[int, RequestOutput] = {}
         try:
             while len(done) < len(ids):

@@ -5,11 +5,14 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from kvtier import ops
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
 from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
@@ -42,13 +45,15 @@ class Engine:
             max_position_embeddings, or one that cannot fit in the page pool; the message names
             ``prompt_token_ids[index]``.
         """
-        prompt = [_as_int(t) for t in prompt_token_ids]
         vocab, max_pos = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        prompt = _checked_int_array(prompt_token_ids, vocab)
+        if prompt is None:  # not an in-range integer array: check (and name) each id
+            prompt = [_as_int(t) for t in prompt_token_ids]
+            for j, t in enumerate(prompt):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
         if len(prompt) == 0:
             raise ValueError(f"prompt_token_ids[{index}] is empty; a prompt needs at least one token")
-        for j, t in enumerate(prompt):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
         if len(prompt) > max_pos:
             raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
                              f"max_position_embeddings={max_pos}")
@@ -59,16 +64,62 @@ class Engine:
                              f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
         return prompt
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> int:
-        """Queue one prompt; returns its request id. Raises ValueError on a bad prompt."""
+    @property
+    def block_hash_salt(self) -> bytes:
+        """The salt of this engine's block hashes (model id, dtype and ``cache_salt``)."""
+        return self.pool.config.salt
+
+    def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
+                    prompt_block_hashes: Seq[bytes] | None = None) -> int:
+        """Queue one prompt; returns its request id.
+
+        Args:
+            prompt_token_ids: [num_tokens] ids: a list of ints or a 1-D integer array (an array
+                is range-checked in one vectorised pass).
+            params: sampling parameters.
+            index: the prompt's position, for error messages.
+            prompt_block_hashes: the chained hashes of the prompt's first full pages, as a
+                :class:`kvtier.tokenize.TokenBuffer` built with ``page_size`` and
+                :attr:`block_hash_salt` keeps them (``block_hashes(prompt, page_size,
+                salt=block_hash_salt)[:n]``, ``n <= len(prompt) // page_size``). The prefix
+                lookup then hashes only the pages after them. The last given hash is checked
+                against its predecessor and its page's ids, which catches a wrong salt, page
+                size or prompt; the chain before it is trusted.
+
+        Raises:
+            ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
+                are too many, not 16-byte ``bytes``, or do not match the prompt.
+        """
         prompt = self.check_request(prompt_token_ids, params, index)
+        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen)
+        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
+                       block_hashes=hashes)
         self._sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int) -> list[bytes]:
+        """``hashes`` as a list after the checks :meth:`add_request` documents."""
+        hashes = list(hashes)
+        ps, n = self.config.page_size, len(hashes)
+        where = f"prompt_block_hashes for prompt {index}"
+        if n > len(prompt) // ps:
+            raise ValueError(f"{where}: {n} hashes for a prompt of {len(prompt)} tokens; at most "
+                             f"{len(prompt) // ps} full pages of page_size={ps}")
+        if n == 0:
+            return hashes
+        last = hashes[-1]
+        if not (isinstance(last, bytes) and len(last) == BLOCK_HASH_BYTES
+                and all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes)):
+            raise ValueError(f"{where}: each hash must be {BLOCK_HASH_BYTES} bytes")
+        parent = hashes[-2] if n > 1 else None
+        if block_hashes(prompt[(n - 1) * ps:n * ps], ps, parent, self.block_hash_salt) != [last]:
+            raise ValueError(f"{where}: hash {n - 1} does not match the prompt's page {n - 1} with page_size={ps} "
+                             "and this engine's block_hash_salt (a TokenBuffer built for another engine?)")
+        return hashes
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -159,6 +210,15 @@ class Engine:
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
         )
+
+
+def _checked_int_array(ids, vocab: int) -> list[int] | None:
+    """``ids`` as a list when it is a 1-D integer numpy array with every id in [0, vocab), else None."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return None
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return None
+    return ids.tolist()
 
 
 def _as_int(t):
