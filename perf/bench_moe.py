@@ -3,7 +3,9 @@
 Columns: op, shape, dtype, backend, resolved_backend, device, median_us, p20_us, p80_us, gb_s,
 tflop_s, commit. Bytes and FLOPs come from the formulas in :mod:`kvtier.reference` (moe, pages,
 sampling). On a GPU: K2 shapes (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048; sampling over
-the 163840 vocab; gather of 64-token pages x 61 layers x 576), triton vs torch. On CPU: the torch
+the 163840 vocab; gather of 64-token pages x 61 layers x 576), triton vs torch, and fused_moe on
+aiter where it is available (ROCm with aiter installed; other ops and machines skip it with the
+reason on stderr). On CPU: the torch
 backend at small shapes (the interpreter is not a timing target); ``--dry-run`` forces those on a
 GPU machine too. Timing: one warm-up call (compiles), then ``--repeats`` calls each bracketed by a
 device synchronisation (warm L2: the weights of one MoE call exceed any L2). Cases run in the
@@ -11,7 +13,7 @@ order listed (small token counts first); with ``--budget-s`` the remaining cases
 the budget is spent, and printed. The fp32 torch reference runs up to :data:`TORCH_MAX_TOKENS`
 tokens on a GPU.
 
-Usage: python perf/bench_moe.py [--csv out.csv] [--repeats 20] [--backends torch triton]
+Usage: python perf/bench_moe.py [--csv out.csv] [--repeats 20] [--backends torch triton aiter]
        [--budget-s 150] [--dry-run]
 """
 
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backends = args.backends or (["torch", "triton"] if device.type == "cuda" else ["torch"])
+    backends = args.backends or (["torch", "triton", "aiter"] if device.type == "cuda" else ["torch"])
     repeats = min(args.repeats, 2) if args.dry_run else args.repeats
     commit = _commit()
     out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
@@ -129,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
             except ops.BackendUnavailableError as exc:
                 print(f"skip {op} on {backend}: {exc}", file=sys.stderr)
                 continue
-            t = _times_us(lambda: fn(backend), repeats, device)
+            try:
+                t = _times_us(lambda: fn(backend), repeats, device)
+            except ops.BackendUnavailableError as exc:  # a limit of the backend for these inputs
+                print(f"skip {op}/{shape} on {backend}: {exc}", file=sys.stderr)
+                continue
             med = t[len(t) // 2]
             writer.writerow({"op": op, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "backend": backend,
                              "resolved_backend": resolved, "device": dev_name, "median_us": f"{med:.1f}",

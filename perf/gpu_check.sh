@@ -15,8 +15,8 @@
 #   3. the GPU tests: `pytest tests/ops -m gpu` (compiled Triton kernels vs the torch references at
 #      K2 widths; the interpreter sweeps of tests/ops are CPU-only and skip themselves on a GPU);
 #   4. benchmarks at K2 shapes: perf/bench_mla.py (decode batch 1-128 at 4K-128K, bf16 and fp8 KV,
-#      extend; triton vs the torch reference; % of the measured copy bandwidth) and
-#      perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048);
+#      extend; triton and aiter (where available) vs the torch reference; % of the measured copy
+#      bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048);
 #   5. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
 # Files: gpu_check.log, gpu_check_build.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
 # gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.

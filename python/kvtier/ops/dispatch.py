@@ -8,7 +8,10 @@ Two facts decide whether ``op`` can run on ``backend``:
 2. the backend is *available* for the device in this installation: ``triton`` needs the
    ``triton`` package and a CUDA/HIP device, or ``TRITON_INTERPRET=1`` for CPU tensors (the
    interpreter, for tests at small shapes); ``hip`` needs the ``kvtier._hip`` extension; ``aiter``
-   needs a ROCm build of torch and the ``aiter`` package.
+   needs a ROCm build of torch, the ``aiter`` package at the version the op's adapter targets
+   (:data:`kvtier.ops._aiter.MIN_VERSION`) and a GPU tensor. Input-dependent limits of a backend
+   (aiter's MLA decode takes bf16 and at most 128 heads) are checked by the op itself and raise
+   the same error.
 
 ``"auto"`` picks ``triton`` for a GPU tensor when both hold, else ``torch``; it never picks the
 interpreter. Explicitly requested backends that cannot run raise
@@ -98,7 +101,11 @@ def unavailable_reason(op: str, backend: str, device: torch.device | str = "cpu"
             return "aiter needs ROCm (this torch is built without HIP)"
         if not _has_module("aiter"):
             return "aiter not installed"
-        return None if dev == "cuda" else f"aiter needs a GPU tensor, got device type {dev!r}"
+        if dev != "cuda":
+            return f"aiter needs a GPU tensor, got device type {dev!r}"
+        from kvtier.ops import _aiter
+
+        return _aiter.version_problem(op)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

@@ -14,7 +14,7 @@ from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
 from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
 
 register_backend("moe_route", "triton")
-register_backend("fused_moe", "triton")
+register_backend("fused_moe", "triton", "aiter")
 
 CONFIG_FILE = Path(importlib.util.find_spec("kvtier.triton_kernels").origin).parent / "configs" / "fused_moe.json"
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
@@ -219,13 +219,16 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
 
     Raises:
         ValueError: misshaped weights or ids out of range.
+        BackendUnavailableError: the backend is not available, or cannot take these inputs
+            (``aiter``: bf16 or fp16 activations and weights of one dtype).
 
     Note:
         ``backend="triton"``: ``moe_align_block_size`` then two grouped-GEMM launches (gate/up with
         SiLU gating fused, then down weighted by ``topk_weights``); tiles from the data file
         :data:`CONFIG_FILE` keyed by (E, N, K, dtype, arch). The gated activation is stored in
         ``hidden_states.dtype`` between the two (as peers do); the per-choice outputs are fp32 and
-        summed over the k choices in fp32, deterministically (no atomics).
+        summed over the k choices in fp32, deterministically (no atomics). ``backend="aiter"``:
+        aiter's ``fused_moe`` (ROCm) on the same arguments, see :mod:`kvtier.ops._aiter`.
     """
     with torch.profiler.record_function("kvtier::fused_moe"):
         return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend)
@@ -254,4 +257,9 @@ def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend):
                              f"{w13.dtype} and {w2.dtype}")
         return _fused_moe_op(hidden_states.contiguous(), w13.contiguous(), w2.contiguous(), topk_weights.contiguous(),
                              topk_ids.contiguous())
+    if resolved == "aiter":
+        from kvtier.ops import _aiter
+
+        _aiter.check_fused_moe(hidden_states, w13, w2)
+        return _aiter.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
