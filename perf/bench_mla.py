@@ -19,10 +19,11 @@ skipped once the budget is spent, and the skipped ones are printed.
 
 GPU shapes: decode batch 1-128 at 4K-128K context with 64 heads (one GPU) and 8 heads (a TP8
 rank), bf16 and fp8 KV; extend (prefill chunks of 512-4096 new tokens on 4K-64K prefixes, 64 heads);
-triton, and the fp32 torch reference where it fits in time. ``--dry-run`` (or a CPU-only machine):
+triton, hip (decode only; where kvtier._hip is built) and the fp32 torch reference where it fits in
+time. ``--dry-run`` (or a CPU-only machine):
 the same code at tiny shapes on CPU, the torch backend, to catch errors without a GPU.
 
-Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton torch]
+Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton hip torch]
        [--budget-s 180] [--summary summary.md] [--dry-run]
 """
 
@@ -242,7 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--summary", help="write a markdown summary table here")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--backends", nargs="+", choices=[b for b in BACKENDS if b != "auto"], default=None,
-                        help="default: triton torch on a GPU, torch on CPU")
+                        help="default: triton hip torch on a GPU, torch on CPU")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the remaining shapes after this")
     parser.add_argument("--copy-gbps", type=float, default=None, help="reuse a measured copy bandwidth")
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU shapes, torch backend, 2 repeats")
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.ops._triton import arch_of
 
         cases = gpu_cases(fp8_kv_dtype(arch_of(device)))
-        backends = args.backends or ["triton", "torch"]
+        backends = args.backends or ["triton", "hip", "torch"]
     else:
         gpu_cases(torch.float8_e4m3fn)  # the GPU shape list builds on CPU too
         cases = dry_run_cases()
