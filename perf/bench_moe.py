@@ -76,7 +76,7 @@ def _cases(device: torch.device, dtype: torch.dtype):
         pairs, block_m = num_tokens * top_k, 64
         max_padded = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
         yield ("moe_align_block_size", f"T{num_tokens}-E{num_experts}-k{top_k}-M{block_m}",
-               lambda b, ids=ids: ops.moe_align_block_size(ids, num_experts, block_m, backend=b),
+               lambda b, ids=ids, block_m=block_m: ops.moe_align_block_size(ids, num_experts, block_m, backend=b),
                4 * (pairs + max_padded + max_padded // block_m + 1), 0, num_tokens)
         hit = int(torch.unique(ids).numel())
         nbytes = hit * 3 * inter * hidden * es + 2 * num_tokens * hidden * es

@@ -75,7 +75,7 @@ if ! KVTIER_BUILD_HIP=auto timeout 240 "$PY" setup.py build_ext --inplace >"$DES
   status=1
   tail -n 15 "$DEST/gpu_check_build_hip.log" | sed 's/^/  | /'
 elif grep -q "kvtier._hip is not built" "$DEST/gpu_check_build_hip.log"; then
-  HIP_BUILD="NOT built: $(grep -m1 "kvtier._hip is not built" "$DEST/gpu_check_build_hip.log" | cut -d: -f2-)"
+  HIP_BUILD="NOT built ($(grep -m1 "kvtier._hip is not built" "$DEST/gpu_check_build_hip.log" | cut -d: -f2- | sed "s/^ //"))"
 fi
 echo "GPU kernels kvtier._hip: $HIP_BUILD"
 # The source tree as a package: python/kvtier plus triton_kernels/ as kvtier.triton_kernels (the

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU"),
               pytest.mark.skipif(_HIP_REASON is not None, reason=f"backend 'hip' unavailable: {_HIP_REASON}")]
 
-BF16_TOL = dict(atol=1e-2, rtol=1.6e-2, max_cos_diff=2e-5)
+BF16_TOL = {"atol": 1e-2, "rtol": 1.6e-2, "max_cos_diff": 2e-5}
 
 
 @pytest.mark.parametrize("heads", [8, 64, 17])
