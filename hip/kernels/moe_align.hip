@@ -11,7 +11,7 @@ constexpr int kScanThreads = 512;  // the single block of the offsets launch
 
 // Launch 1: chunk_counts[c, e] = pairs of chunk c routed to expert e (a shared-memory histogram).
 __global__ void __launch_bounds__(kMoeAlignChunk) moe_count_kernel(MoeAlignParams p) {
-  extern __shared__ std::int32_t counts[];  // [num_experts]
+  KVTIER_DYNAMIC_SHARED(std::int32_t, counts);  // [num_experts]
   const int tid = threadIdx.x;
   for (int e = tid; e < p.num_experts; e += kMoeAlignChunk) counts[e] = 0;
   __syncthreads();
@@ -95,13 +95,14 @@ void launch_moe_align_block_size(const MoeAlignParams& p, void* stream) {
   const std::int64_t num_chunks = moe_align_num_chunks(p.num_pairs);
   const std::size_t hist_bytes = static_cast<std::size_t>(p.num_experts) * sizeof(std::int32_t);
   if (num_chunks > 0) {
-    moe_count_kernel<<<static_cast<unsigned>(num_chunks), kMoeAlignChunk, hist_bytes, s>>>(p);
+    hipLaunchKernelGGL(moe_count_kernel, dim3(static_cast<unsigned>(num_chunks)), dim3(kMoeAlignChunk), hist_bytes, s,
+                       p);
     check_launch("moe_align_block_size (count)");
   }
-  moe_offsets_kernel<<<1, kScanThreads, 0, s>>>(p, num_chunks);
+  hipLaunchKernelGGL(moe_offsets_kernel, dim3(1), dim3(kScanThreads), 0, s, p, num_chunks);
   check_launch("moe_align_block_size (offsets)");
   if (num_chunks > 0) {
-    moe_scatter_kernel<<<static_cast<unsigned>(num_chunks), kMoeAlignChunk, 0, s>>>(p);
+    hipLaunchKernelGGL(moe_scatter_kernel, dim3(static_cast<unsigned>(num_chunks)), dim3(kMoeAlignChunk), 0, s, p);
     check_launch("moe_align_block_size (scatter)");
   }
 }

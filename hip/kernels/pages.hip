@@ -48,7 +48,8 @@ void launch_typed(const PageCopyParams& p, hipStream_t stream) {
     throw std::invalid_argument("page copy too large for one launch: " + std::to_string(pages) + " pages x " +
                                 std::to_string(chunks) + " chunks");
   dim3 grid(static_cast<unsigned>(pages), static_cast<unsigned>(chunks));
-  page_copy_kernel<Word, kGather><<<grid, kThreads, 0, stream>>>(p, words_per_chunk);
+  hipLaunchKernelGGL(HIP_KERNEL_NAME(page_copy_kernel<Word, kGather>), grid, dim3(kThreads), 0, stream, p,
+                     words_per_chunk);
   check_launch(kGather ? "gather_pages" : "scatter_pages");
 }
 

@@ -47,7 +47,7 @@ struct MlaTile {
 
 // Copies rows [0, rows) of the tile (token n0 + r) into shared memory; zero-fills rows [rows, kMlaBlockN).
 template <typename KVT>
-__device__ __forceinline__ void mla_load_tile(const MlaDecodeParams& p, typename KVT::storage* tile,
+KVTIER_DEVICE_INLINE void mla_load_tile(const MlaDecodeParams& p, typename KVT::storage* tile,
                                              const typename KVT::storage** row_ptr, const std::int32_t* bt_row,
                                              int n0, int rows, bool vec) {
   using T = typename KVT::storage;
@@ -78,7 +78,7 @@ template <typename QT, typename KVT>
 __global__ void KVTIER_MLA_LAUNCH_BOUNDS mla_decode_partial_kernel(MlaDecodeParams p, bool vec) {
   using T = typename KVT::storage;
   constexpr int kPitch = MlaTile<KVT>::kRowElems;
-  __shared__ __align__(16) T tile[kMlaBlockN * kPitch];
+  __shared__ T tile[kMlaBlockN * kPitch] __attribute__((aligned(16)));
   __shared__ const T* row_ptr[kMlaBlockN];
 
   const int head_block = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -200,9 +200,11 @@ void launch_mla_decode_typed(const MlaDecodeParams& p, hipStream_t stream) {
   const bool vec = base % 16 == 0 && (p.dim * es) % 16 == 0 && (p.kv_stride_page * es) % 16 == 0 &&
                    (p.kv_stride_slot * es) % 16 == 0;
   const int head_blocks = (p.num_heads + kMlaHeadsPerBlock - 1) / kMlaHeadsPerBlock;
-  mla_decode_partial_kernel<QT, KVT><<<dim3(head_blocks, p.num_splits, p.batch), kMlaThreads, 0, stream>>>(p, vec);
+  hipLaunchKernelGGL(HIP_KERNEL_NAME(mla_decode_partial_kernel<QT, KVT>), dim3(head_blocks, p.num_splits, p.batch),
+                     dim3(kMlaThreads), 0, stream, p, vec);
   check_launch("mla_decode (partial)");
-  mla_decode_merge_kernel<QT><<<dim3(p.num_heads, p.batch), kMlaMergeThreads, 0, stream>>>(p);
+  hipLaunchKernelGGL(HIP_KERNEL_NAME(mla_decode_merge_kernel<QT>), dim3(p.num_heads, p.batch), dim3(kMlaMergeThreads), 0,
+                     stream, p);
   check_launch("mla_decode (merge)");
 }
 
