@@ -19,15 +19,15 @@ skipped once the budget is spent, and the skipped ones are printed.
 
 GPU shapes: decode batch 1-128 at 4K-128K context with 64 heads (one GPU) and 8 heads (a TP8
 rank), bf16 and fp8 KV; extend (prefill chunks of 512-4096 new tokens on 4K-64K prefixes, 64 heads);
-triton, aiter where it is available (ROCm with aiter installed: decode with bf16 KV, heads padded
-to 16/128 by the adapter; its token-index plan is built before timing, see
-:func:`_aiter_decode_call`), and the fp32 torch reference where it fits in time. A backend that is
-unavailable, or cannot take a shape, is skipped with the reason on stderr. The summary's
-``aiter µs / this`` column is aiter's median over the row's median for the same shape (> 1: faster
-than aiter), both measured in the same run. ``--dry-run`` (or a CPU-only machine):
-the same code at tiny shapes on CPU, the torch backend, to catch errors without a GPU.
+triton, hip (decode only; where kvtier._hip is built), aiter where it is available (ROCm with aiter
+installed: decode with bf16 KV, heads padded to 16/128 by the adapter; its token-index plan is
+built before timing, see :func:`_aiter_decode_call`), and the fp32 torch reference where it fits
+in time. A backend that is unavailable, or cannot take a shape, is skipped with the reason on
+stderr. The summary's ``aiter µs / this`` column is aiter's median over the row's median for the
+same shape (> 1: faster than aiter), both measured in the same run. ``--dry-run`` (or a CPU-only
+machine): the same code at tiny shapes on CPU, the torch backend, to catch errors without a GPU.
 
-Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton aiter torch]
+Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton hip aiter torch]
        [--budget-s 180] [--summary summary.md] [--dry-run]
 """
 
@@ -268,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--summary", help="write a markdown summary table here")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--backends", nargs="+", choices=[b for b in BACKENDS if b != "auto"], default=None,
-                        help="default: triton aiter torch on a GPU, torch on CPU")
+                        help="default: triton hip aiter torch on a GPU, torch on CPU")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the remaining shapes after this")
     parser.add_argument("--copy-gbps", type=float, default=None, help="reuse a measured copy bandwidth")
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU shapes, torch backend, 2 repeats")
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.ops._triton import arch_of
 
         cases = gpu_cases(fp8_kv_dtype(arch_of(device)))
-        backends = args.backends or ["triton", "aiter", "torch"]
+        backends = args.backends or ["triton", "hip", "aiter", "torch"]
     else:
         gpu_cases(torch.float8_e4m3fn)  # the GPU shape list builds on CPU too
         cases = dry_run_cases()

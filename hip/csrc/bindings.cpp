@@ -519,8 +519,11 @@ void bind_token_buffer(py::module_& m) {
 
 }  // namespace
 
+void bind_kernels_cpu(py::module_& parent);  // kernels_cpu_bindings.cpp
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier, token buffer";
+  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier, token buffer; kernels_cpu";
+  bind_kernels_cpu(m);
   bind_prefix_index(m);
   bind_disk_tier(m);
   bind_copy_engine(m);
