@@ -10,8 +10,10 @@ with a tool declaration. At every turn, on one CPU thread:
 - ``full``: ``tokenizer.encode(render_chat(messages, tools))``;
 - ``new_only``: ``tokenizer.encode(text added this turn)`` (the lower bound).
 
-Each is timed ``--repeats`` times per turn (median; the incremental repeat replays the turn on
-an encoder restored to the previous turn's state). No warm-up beyond one tokenizer load. The
+Each is timed ``--repeats`` times in a row per turn (median, so warm caches for all three; the
+incremental repeat replays the turn on an encoder restored to the previous turn's state). Right
+after a full re-encode of the session (cold caches) the incremental turn costs more: it walks
+every message once to detect edits in place. No warm-up beyond one tokenizer load. The
 incremental ids are checked against the full encode every turn. Prints the last turn's
 full/incremental ratio (goal >= 50x) and incremental/new_only (goal <= 1.3x) at the last turn,
 over the last 10 turns (median) and over the whole session (sum over sum); ``--json PATH``
