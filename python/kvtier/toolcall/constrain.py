@@ -11,9 +11,11 @@ there: a string can go on forever (and a random model never closes one). So the 
 keeps an estimate of the shortest completion of the turn — found greedily with the matcher:
 forced tokens first, then whichever allowed token closes most JSON nesting, see
 :func:`closing_tokens` — and once that completion needs every remaining token of
-``max_tokens``, it forces it token by token. A turn therefore ends with complete calls whenever
-``max_tokens`` leaves room for the shortest completion; otherwise the output is cut and the
-parser reports the open call as incomplete.
+``max_tokens``, it forces it token by token; near the end of the budget a sampled token after
+which the turn could no longer be finished in time is replaced by the completion's first token.
+A turn therefore ends with complete calls whenever ``max_tokens`` leaves room for the shortest
+completion when the watch starts; otherwise the output is cut and the parser reports the open
+call as incomplete.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 _OPEN, _CLOSE = (0x7B, 0x5B), (0x7D, 0x5D)
 _STRUCTURAL = b'"}]0,:'  # closing candidates, in order of preference at equal nesting
 MAX_CLOSING_TOKENS = 4096  # give up estimating a completion longer than this
-CHECK_INTERVAL = 64  # tokens between completion estimates while far from max_tokens
+CHECK_INTERVAL = 32  # tokens between completion estimates while far from max_tokens
+WINDOW_TOKENS = 64  # watch every token once max_tokens is this close beyond twice the shortest completion
 ROLLOUT_TOKENS = 128  # look-ahead of a tie-break between candidate tokens
 MAX_ROLLOUT_CHOICES = 16  # tie-break by look-ahead only among this many candidates
 
@@ -194,6 +197,11 @@ class ToolCallConstraint:
         matcher: a fresh ``llguidance.LLMatcher`` of the request's turn grammar.
         table: the tokenizer's :class:`TokenTable`.
         max_tokens: the request's ``max_tokens`` (closing is planned against it).
+
+    Near the end of the budget (within ``2 * shortest + WINDOW_TOKENS`` tokens of ``max_tokens``)
+    every sampled token is checked: if the turn could no longer be completed after it, the
+    first token of the shortest completion is taken instead and the rest is forced. Once a
+    completion fits when the watch starts, the turn always ends complete.
     """
 
     def __init__(self, matcher, table: TokenTable, max_tokens: int):
@@ -204,47 +212,82 @@ class ToolCallConstraint:
         self.nesting = JsonNesting()
         self.finished = False
         self._forced: list[int] = []  # committed completion, next token first
-        self._estimate: int | None = None  # length of the last completion found
-        self._estimated_at = 0
+        self._closing: list[int] | None = (
+            None  # a short completion from the state at _closing_at
+        )
+        self._closing_at = -1
+        self._watch = False
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - self.num_tokens
+
+    def _closing_now(self) -> list[int] | None:
+        if self._closing_at != self.num_tokens:
+            self._closing, self._closing_at = (
+                closing_tokens(self.matcher, self.table, self.nesting),
+                self.num_tokens,
+            )
+        return self._closing
 
     def plan(self) -> int | None:
         """The token this step must take (a committed completion), or None to compute a mask."""
         if self._forced:
             return self._forced[0]
-        remaining = self.max_tokens - self.num_tokens
-        due = (
-            self._estimate is None
-            or self.num_tokens - self._estimated_at >= CHECK_INTERVAL
-            or remaining <= 4 * self._estimate + 16
-        )
-        if not due:
-            return None
-        path = closing_tokens(self.matcher, self.table, self.nesting)
-        self._estimate, self._estimated_at = (
-            (len(path) if path else MAX_CLOSING_TOKENS),
-            self.num_tokens,
-        )
-        if path and len(path) >= remaining:
-            self._forced = path
-            return path[0]
+        if not self._watch and (
+            self._closing_at < 0 or self.num_tokens - self._closing_at >= CHECK_INTERVAL
+        ):
+            path = self._closing_now()
+            self._watch = (
+                self.remaining
+                <= 2 * (len(path) if path else MAX_CLOSING_TOKENS) + WINDOW_TOKENS
+            )
+        if self._watch:
+            path = self._closing_now()
+            if path is not None and len(path) >= self.remaining:
+                self._forced = list(path)
+                return path[0]
         return None
 
-    def consume(self, token: int) -> None:
-        """Advance the grammar by the sampled ``token``.
+    def take(self, token: int) -> int:
+        """Consume the sampled ``token``, or the first token of the shortest completion when
+        ``token`` would leave too few tokens to finish; returns the token taken.
 
         Raises:
             GrammarError: the grammar does not allow ``token`` (the mask was not applied).
         """
+        if self._forced or not self._watch or token in self.table.end_of_turn:
+            self.consume(token)
+            return token
+        before, nesting = self._closing_now(), self.nesting.copy()
+        self.consume(token)
+        after = self._closing_now()
+        if before is None or (after is not None and len(after) <= self.remaining):
+            return token
+        self.matcher.rollback(1)
+        self.num_tokens -= 1
+        self.nesting = nesting
+        self._forced = list(before)
+        self.consume(before[0])
+        return before[0]
+
+    def consume(self, token: int) -> None:
+        """Advance the grammar by ``token``.
+
+        Raises:
+            GrammarError: the grammar does not allow ``token``.
+        """
         if self._forced:
             self._forced = self._forced[1:] if self._forced[0] == token else []
-        self.num_tokens += 1
         if token in self.table.end_of_turn and self.matcher.is_accepting():
+            self.num_tokens += 1
             self.finished = True
             return
         if not self.matcher.consume_token(token):
             raise GrammarError(
                 f"token {token} is not allowed by the tool grammar: {self.matcher.get_error()}"
             )
+        self.num_tokens += 1
         self.nesting = self.table.advance(self.nesting, token)
 
 

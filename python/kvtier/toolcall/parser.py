@@ -228,7 +228,7 @@ class ToolCallParser:
     def feed_text(self, text: str) -> list:
         """Feed a chunk of output text (special tokens as their strings); returns new events."""
         events: list = []
-        buf = self._pending + text
+        buf, self._pending = self._pending + text, ""
         pos = 0
         for m in _MARKER_RE.finditer(buf):
             self._text(buf[pos : m.start()], events)
