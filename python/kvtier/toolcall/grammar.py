@@ -95,6 +95,21 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
 
+    def compile(self, lark: str):
+        """Compile ``lark`` into a new ``llguidance.LLMatcher`` (no cache; drops the GIL).
+
+        Raises:
+            GrammarError: llguidance rejected the grammar.
+        """
+        matcher = self._llg.LLMatcher(
+            self.ll_tokenizer, self._llg.grammar_from("lark", lark), log_level=0
+        )
+        if matcher.is_error():
+            raise GrammarError(
+                f"the tool grammar does not compile: {matcher.get_error()}"
+            )
+        return matcher
+
     def matcher(self, lark: str):
         """A fresh ``llguidance.LLMatcher`` for grammar ``lark`` (compiled once, then copied).
 
@@ -106,13 +121,7 @@ class GrammarCompiler:
             if pristine is not None:
                 self._cache.move_to_end(lark)
                 return pristine.deep_copy()
-        pristine = self._llg.LLMatcher(
-            self.ll_tokenizer, self._llg.grammar_from("lark", lark), log_level=0
-        )
-        if pristine.is_error():
-            raise GrammarError(
-                f"the tool grammar does not compile: {pristine.get_error()}"
-            )
+        pristine = self.compile(lark)
         with self._lock:
             self._cache[lark] = pristine
             while len(self._cache) > self._cache_size:

@@ -22,8 +22,16 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from kvtier.toolcall.schema_refs import (
+    ANNOTATIONS,
+    check_recursion,
+    def_depths,
+    resolve_ref,
+    terminates,
+    types_of,
+)
+
 TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
-ANNOTATIONS = frozenset({"description", "title"})
 ROOT_ONLY = frozenset({"$defs", "$id"})
 SUPPORTED = frozenset(
     {
@@ -156,27 +164,6 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _types_of(schema: dict) -> list[str] | None:
-    t = schema.get("type")
-    if isinstance(t, str):
-        return [t]
-    if isinstance(t, list) and all(isinstance(x, str) for x in t):
-        return list(t)
-    return None
-
-
-def resolve_ref(root: dict, ref: str):
-    """The subschema ``ref`` (``#`` or a ``#/...`` pointer) names in ``root``, or None."""
-    if ref == "#":
-        return root
-    node = root
-    for part in ref[2:].split("/"):
-        node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict):
-            return None
-    return node
-
-
 @dataclass
 class _Walk:
     root: dict
@@ -296,7 +283,7 @@ def _check_enum(w: _Walk, s: dict, path: str) -> None:
         )
     if "type" not in s:
         w.fail("type is not defined (enum needs a type)", path)
-    types = _types_of(s)
+    types = types_of(s)
     if types is None:
         w.fail("type array must be an array of strings", path)
     if len(types) > 2 or (len(types) == 2 and "null" not in types):
@@ -362,7 +349,7 @@ def _check_required(w: _Walk, s: dict, path: str) -> None:
     dupes = sorted({r for r in req if req.count(r) > 1})
     if dupes:
         w.fail(f"duplicate items in required array: {', '.join(dupes)}", path)
-    if _types_of(s) != ["object"]:
+    if types_of(s) != ["object"]:
         w.fail("required keyword must be used with object", path)
     props = s.get("properties")
     if not isinstance(props, dict):
@@ -511,7 +498,7 @@ def _walk(w: _Walk, s: dict, path: str, depth: int) -> int:
                 "when using $ref, type should be defined in the referenced schema instead of the parent schema",
                 path,
             )
-        types = _types_of(s) or []
+        types = types_of(s) or []
         if len(types) > 1 and "enum" in s:
             for t in types:
                 if t in ("object", "array"):
@@ -539,159 +526,6 @@ def _walk(w: _Walk, s: dict, path: str, depth: int) -> int:
     for i, branch in enumerate(s.get("anyOf") or []):
         deepest = max(deepest, _walk(w, branch, w.join(path, f"anyOf[{i}]"), depth))
     return deepest
-
-
-def _def_depths(root: dict) -> dict[str, int]:
-    """``properties`` nesting below each ``$defs`` entry (and its properties and branches), keyed by
-    ``#/$defs/...`` pointer; a ``$ref`` into a definition adds this depth where it is used."""
-    depths: dict[str, int] = {}
-
-    def visit(s: dict, key: str, seen: set) -> int:
-        if not s:
-            return 0
-        depths[key] = 0
-        deepest = 0
-        ref = s.get("$ref")
-        if isinstance(ref, str) and ref not in seen:
-            seen.add(ref)
-            target = resolve_ref(root, ref)
-            if target is not None:
-                deepest = visit(target, ref, seen)
-        if isinstance(s.get("properties"), dict):
-            sub = [
-                1 + visit(p, f"{key}/properties/{n}", set(seen))
-                for n, p in s["properties"].items()
-                if isinstance(p, dict)
-            ]
-            deepest = max(deepest, max(sub, default=1))
-        for i, b in enumerate(
-            s.get("anyOf") if isinstance(s.get("anyOf"), list) else []
-        ):
-            if isinstance(b, dict):
-                deepest = max(deepest, visit(b, f"{key}/anyOf/{i}", set(seen)))
-        if isinstance(s.get("additionalProperties"), dict):
-            deepest = max(
-                deepest,
-                visit(
-                    s["additionalProperties"], f"{key}/additionalProperties", set(seen)
-                ),
-            )
-        depths[key] = deepest
-        return deepest
-
-    defs = root.get("$defs")
-    for name, d in defs.items() if isinstance(defs, dict) else []:
-        if isinstance(d, dict):
-            visit(d, f"#/$defs/{name}", set())
-    return depths
-
-
-def _terminates(w: _Walk, s: dict, seen: set) -> bool:
-    """Whether some finite instance of ``s`` exists following only required properties and refs
-    not yet on the current chain (``seen``)."""
-    types = _types_of(s) or []
-    if any(t not in ("object", "array") for t in types):
-        return True
-    kind = types[-1] if types else None
-    if kind == "array":
-        items = s.get("items")
-        if not items or _terminates(w, items, seen):
-            return True
-    if kind == "object":
-        required, props = s.get("required"), s.get("properties")
-        if not required or not props:
-            return True
-        if any(_terminates(w, p, seen) for n, p in props.items() if n in required):
-            return True
-    if isinstance(s.get("anyOf"), list):
-        merged = set()
-        for branch in s["anyOf"]:
-            branch_seen = set(seen)
-            if _terminates(w, branch, branch_seen):
-                seen |= branch_seen
-                return True
-            merged |= branch_seen
-        seen |= merged
-    ref = s.get("$ref")
-    if isinstance(ref, str):
-        if ref in seen:
-            return False
-        seen.add(ref)
-        return _terminates(w, resolve_ref(w.root, ref), seen)
-    return not s
-
-
-def _expand_ref(w: _Walk, s: dict, path: str) -> dict:
-    """Follow a chain of ``$ref``-only schemas (annotations allowed) to the first schema with content."""
-    ref = s["$ref"]
-    seen = {ref}
-    target = dict(resolve_ref(w.root, ref))
-    kept: dict = {}
-    while isinstance(target.get("$ref"), str) and set(target) <= ANNOTATIONS | {"$ref"}:
-        nxt = target["$ref"]
-        if nxt in seen:
-            break
-        seen.add(nxt)
-        for k in ANNOTATIONS & set(target):
-            if k in kept:
-                w.fail(
-                    f"conflicting keywords found after $ref expansion: keyword {k!r} appears at multiple "
-                    "levels in a chained $ref",
-                    path,
-                )
-            kept[k] = target[k]
-        target = dict(resolve_ref(w.root, nxt))
-    return {**target, **kept}
-
-
-def _check_ref_use(w: _Walk, s: dict, target: dict, path: str) -> None:
-    """Keywords beside a ``$ref`` must not clash with the referenced schema."""
-    mine = set(s) - {"$ref"}
-    both = sorted(mine & set(target))
-    if both:
-        w.fail(
-            f"conflicting keywords found after $ref expansion: keywords ({', '.join(both)}) are defined both "
-            "alongside $ref and in the referenced schema",
-            path,
-        )
-    if ("type" in s and "anyOf" in target) or ("type" in target and "anyOf" in s):
-        w.fail(
-            "invalid schema after $ref expansion: when using anyOf, type should be defined in anyOf items "
-            "instead of the parent schema",
-            path,
-        )
-    for branch in target.get("anyOf") if isinstance(target.get("anyOf"), list) else []:
-        clash = sorted((mine - {"anyOf"}) & set(branch))
-        if clash:
-            w.fail(
-                f"conflicting keywords found in anyOf after $ref expansion: keywords ({', '.join(clash)})",
-                path,
-            )
-
-
-def _check_recursion(w: _Walk, s: dict, path: str, check: bool) -> None:
-    """Every ``$ref`` outside ``$defs`` must be expandable without conflicts and, where instances
-    must contain it (``check``), able to terminate."""
-    if "$ref" in s:
-        target = _expand_ref(w, s, path)
-        _check_ref_use(w, s, target, path)
-        if check and not _terminates(w, target, set()):
-            w.fail("detected infinite recursion without termination condition", path)
-    for key, value in s.items():
-        if key == "$defs":
-            continue
-        sub = w.join(path, key)
-        if isinstance(value, dict):
-            child_check = (
-                check
-                and key != "additionalProperties"
-                and not (key == "properties" and s.get("required") == [])
-            )
-            _check_recursion(w, value, sub, child_check)
-        elif key == "anyOf" and isinstance(value, list):
-            for i, branch in enumerate(value):
-                if isinstance(branch, dict):
-                    _check_recursion(w, branch, f"{sub}[{i}]", check)
 
 
 def validate_schema(
@@ -735,10 +569,10 @@ def validate_schema(
             f"schema exceeds maximum allowed size of {limits.max_schema_size} characters",
             "",
         )
-    w.def_depths = _def_depths(schema)
+    w.def_depths = def_depths(schema)
     if _walk(w, schema, "", 0) > limits.max_depth:
         w.fail(f"schema depth exceeds maximum limit of {limits.max_depth}", "")
     for ref, where in w.refs.items():
         if resolve_ref(schema, ref) is None:
             w.fail(f"invalid $ref path: {ref}", where)
-    _check_recursion(w, schema, "", not _terminates(w, schema, set()))
+    check_recursion(w, schema, "", not terminates(w, schema, set()))
