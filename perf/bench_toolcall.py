@@ -12,10 +12,11 @@ Method (CPU, one process; llguidance's own threads for the batched case):
 - Mask, replayed: the 30 tool calls Kimi K2 actually produced for K2-Vendor-Verifier requests
   (``medium_results.jsonl``) re-tokenised and replayed through the ``search`` grammar; at every
   token ``fill_next_token_bitmask`` (one packed int32 row) is timed.
-- Mask, random: for each schema a turn of ``--tokens`` tokens drawn uniformly from the mask
-  (seed 0; noise, as from an untrained model), timing the mask at each token and, separately,
-  the constraint's own bookkeeping per token (``plan`` + ``take``: completion estimates near
-  the budget, budget checks).
+- Mask, random: for each schema a turn of up to ``--tokens`` tokens drawn uniformly from the
+  mask (seed 0; noise, as from an untrained model), timing the mask at each token and,
+  separately, the constraint's own bookkeeping per token (``plan`` + ``take``), split into
+  tokens far from ``max_tokens`` (an occasional completion estimate) and tokens where the
+  budget is watched (one completion search per token).
 - Batched: ``fill_bitmasks`` over ``--batch`` requests at once (the engine's per-step call),
   time divided by the batch.
 
@@ -55,6 +56,8 @@ def pct(values, q) -> float:
 
 
 def summary(values) -> dict:
+    if not values:
+        return {"n": 0, "p50_us": float("nan"), "p99_us": float("nan"), "max_us": float("nan")}
     return {
         "n": len(values),
         "p50_us": pct(values, 50),
@@ -119,10 +122,11 @@ def random_turns(compiler, table, tok, named, tokens: int, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     row = np.zeros((1, (tok.n_vocab + 31) // 32), dtype=np.int32)
-    mask_s, own_s = [], []
+    mask_s, own_s = [], {False: [], True: []}
     for _, lark in named:
         con = ToolCallConstraint(compiler.matcher(lark), table, tokens)
         while con.num_tokens < tokens and not con.finished:
+            watching = con.watching
             t0 = time.perf_counter()
             forced = con.plan()
             t1 = time.perf_counter()
@@ -139,7 +143,9 @@ def random_turns(compiler, table, tok, named, tokens: int, seed: int = 0):
                 token = forced
             t2 = time.perf_counter()
             con.take(token)
-            own_s.append((t1 - t0) + (time.perf_counter() - t2))
+            own_s[watching or con.watching].append(
+                (t1 - t0) + (time.perf_counter() - t2)
+            )
     return mask_s, own_s
 
 
@@ -177,7 +183,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", type=Path, default=TOKENIZER_DIR)
     ap.add_argument(
-        "--tokens", type=int, default=64, help="max_tokens of each random turn"
+        "--tokens", type=int, default=512, help="max_tokens of each random turn"
     )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--json", type=Path)
@@ -201,14 +207,15 @@ def main(argv=None) -> None:
     }
     mask_s, own_s = random_turns(compiler, table, tok, named, args.tokens)
     results["mask_random"] = summary(mask_s)
-    results["constraint_overhead_random"] = summary(own_s)
+    results["constraint_overhead_far_from_budget"] = summary(own_s[False])
+    results["constraint_overhead_watching_budget"] = summary(own_s[True])
     results[f"mask_batched_{args.batch}_per_request"] = summary(
         batched(compiler, table, tok, named, args.batch, args.tokens)
     )
     print(
         f"llguidance tokenizer + token table setup: {setup_s:.2f} s (once per engine)"
     )
-    print(f"{'what':<34} {'n':>7} {'p50_us':>9} {'p99_us':>9} {'max_us':>10}")
+    print(f"{'what':<38} {'n':>7} {'p50_us':>9} {'p99_us':>9} {'max_us':>10}")
     for key, v in results.items():
         if isinstance(v, dict):
             print(

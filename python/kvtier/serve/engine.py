@@ -118,7 +118,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; returns the requests that finished in it."""
         failed = [self._output(self._sequences.pop(s.seq_id)) for s in self._failed]
-        self._failed.clear()
+        self._failed = []
         if failed and not self.scheduler.has_unfinished():
             return failed
         batch = self.scheduler.schedule()
@@ -156,6 +156,8 @@ class Engine:
 
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
+        request_ids = set(request_ids)
+        self._failed = [s for s in self._failed if s.seq_id not in request_ids]
         for rid in request_ids:
             seq = self._sequences.pop(rid, None)
             if seq is not None:

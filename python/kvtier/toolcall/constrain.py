@@ -220,7 +220,13 @@ class ToolCallConstraint:
 
     @property
     def remaining(self) -> int:
+        """Tokens left before ``max_tokens``."""
         return self.max_tokens - self.num_tokens
+
+    @property
+    def watching(self) -> bool:
+        """Every sampled token is checked against the budget (the end of ``max_tokens`` is near)."""
+        return self._watch
 
     def _closing_now(self) -> list[int] | None:
         if self._closing_at != self.num_tokens:
@@ -261,6 +267,8 @@ class ToolCallConstraint:
             return token
         before, nesting = self._closing_now(), self.nesting.copy()
         self.consume(token)
+        if before and before[0] == token:  # the model follows the completion: the rest still fits
+            self._closing, self._closing_at = before[1:], self.num_tokens
         after = self._closing_now()
         if before is None or (after is not None and len(after) <= self.remaining):
             return token
