@@ -95,6 +95,8 @@ def test_chat_tool_choices(llm):
 
 
 def test_a_failing_grammar_fails_only_its_request_and_others_are_unaffected(llm):
+    """Also: an unconstrained request in the batch gets the tokens it gets alone, and a turn cut by
+    max_tokens reports its open call as incomplete."""
     prompt = llm.tokenizer.encode("hello")
     plain = SamplingParams(max_tokens=6, temperature=0.0)
     alone = llm.generate(prompt_token_ids=[prompt], sampling_params=plain)[0]
@@ -110,13 +112,15 @@ def test_a_failing_grammar_fails_only_its_request_and_others_are_unaffected(llm)
         },
     }
     outs = llm.generate(
-        prompt_token_ids=[prompt] * 3,
+        prompt_token_ids=[prompt] * 4,
         sampling_params=[
             plain,
             SamplingParams(max_tokens=6, tools=[huge], tool_choice="required"),
             SamplingParams(
-                max_tokens=16, tools=[LS], tool_choice="required", temperature=0.0
+                max_tokens=32, tools=[LS], tool_choice="required", temperature=0.0
             ),
+            # Too short for any complete call: cut, and the open call is reported.
+            SamplingParams(max_tokens=8, tools=[LS], tool_choice="required"),
         ],
     )
     assert outs[0].token_ids == alone.token_ids and outs[0].finish_reason == "length"
@@ -126,6 +130,9 @@ def test_a_failing_grammar_fails_only_its_request_and_others_are_unaffected(llm)
         and outs[1].token_ids == []
     )
     assert outs[2].finish_reason == "stop" and outs[2].tool_calls
+    assert outs[3].finish_reason == "length" and outs[3].tool_calls == []
+    assert [p["kind"] for p in outs[3].tool_call_problems] == ["incomplete"]
+    assert outs[3].tool_call_problems[0]["id"].startswith("functions.ls:")
 
 
 def test_real_requests_and_walle_tools_give_valid_calls(llm):
