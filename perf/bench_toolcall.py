@@ -57,7 +57,12 @@ def pct(values, q) -> float:
 
 def summary(values) -> dict:
     if not values:
-        return {"n": 0, "p50_us": float("nan"), "p99_us": float("nan"), "max_us": float("nan")}
+        return {
+            "n": 0,
+            "p50_us": float("nan"),
+            "p99_us": float("nan"),
+            "max_us": float("nan"),
+        }
     return {
         "n": len(values),
         "p50_us": pct(values, 50),

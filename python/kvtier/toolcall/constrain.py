@@ -267,7 +267,8 @@ class ToolCallConstraint:
             return token
         before, nesting = self._closing_now(), self.nesting.copy()
         self.consume(token)
-        if before and before[0] == token:  # the model follows the completion: the rest still fits
+        # The model follows the completion: the rest of it still fits.
+        if before and before[0] == token:
             self._closing, self._closing_at = before[1:], self.num_tokens
         after = self._closing_now()
         if before is None or (after is not None and len(after) <= self.remaining):
