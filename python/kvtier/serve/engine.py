@@ -6,6 +6,7 @@ import itertools
 import operator
 import time
 from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -35,7 +36,32 @@ class Engine:
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
+        self._failed: list[Sequence] = []  # requests that failed before running (reported by the next step)
         self.num_prefill_tokens = 0  # tokens run as prefill (prompt chunks and recomputation), not decodes
+        self.tokenizer = None
+        self._tool_compiler = None  # kvtier.toolcall.GrammarCompiler, built on the first request with tools
+        self._token_table = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = None  # llguidance.LLExecutor
+
+    def attach_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` (a :class:`kvtier.tokenize.KimiTokenizer`) to parse every output into
+        ``content``/``tool_calls`` and to build grammars for requests with tools."""
+        self.tokenizer = tokenizer
+
+    def _tool_constraint(self, params: SamplingParams):
+        """A fresh constraint for ``params.tool_grammar`` (compiling it on first use)."""
+        from kvtier.toolcall import GrammarCompiler, TokenTable, ToolCallConstraint
+
+        if self._tool_compiler is None:
+            import llguidance
+
+            eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
+            self._tool_compiler = GrammarCompiler(self.tokenizer, eot)
+            self._token_table = TokenTable(self.tokenizer, self._tool_compiler.end_of_turn_ids)
+            self._mask_executor = llguidance.LLExecutor()
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-masks")
+        return ToolCallConstraint(self._tool_compiler.matcher(params.tool_grammar), self._token_table, params.max_tokens)
 
     def check_request(self, prompt_token_ids, params: SamplingParams, index: int = 0) -> list[int]:
         """The prompt as a list of Python ints, after checking it fits this engine.
@@ -62,6 +88,9 @@ class Engine:
         if pages > self.config.num_device_pages:
             raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
                              f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
+        if params.tool_grammar is not None and self.tokenizer is None:
+            raise ValueError(f"sampling_params[{index}].tools needs a tokenizer: build the engine through "
+                             "LLM(..., tokenizer=DIR) or call Engine.attach_tokenizer(tokenizer)")
         return prompt
 
     @property
@@ -98,6 +127,19 @@ class Engine:
         seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
                        block_hashes=hashes)
         self._sequences[seq.seq_id] = seq
+        if self.tokenizer is not None:
+            from kvtier.toolcall import ToolCallParser
+
+            seq.parser = ToolCallParser.for_tokenizer(self.tokenizer)
+        if params.tool_grammar is not None:
+            try:
+                seq.constraint = self._tool_constraint(params)
+            except ValueError as e:  # a grammar llguidance rejects fails this request only
+                seq.error = f"{type(e).__name__}: {e}"
+                seq.finish_reason = "error"
+                seq.metrics.finish_time = time.perf_counter()
+                self._failed.append(seq)
+                return seq.seq_id
         self.scheduler.add(seq)
         return seq.seq_id
 
@@ -122,32 +164,38 @@ class Engine:
         return hashes
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._failed)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; returns the requests that finished in it."""
+        failed = [self._output(self._sequences.pop(s.seq_id)) for s in self._failed]
+        self._failed = []
+        if failed and not self.scheduler.has_unfinished():
+            return failed
         batch = self.scheduler.schedule()
         if not batch and self.scheduler.loading:
             self.pool.wait_for_loads(timeout_s=0.05)
-            return []
+            return failed
         if not batch:  # pages may be held by background copies: let them finish, then retry once
             self.pool.poll(wait=True)
             batch = self.scheduler.schedule()
         if not batch and not self.scheduler.loading:
             raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
         if not batch:
-            return []
+            return failed
         t0 = time.perf_counter()
+        masks = self._start_masks(batch)  # computed on another thread while the model runs
         results = self.runner.run(batch)
+        masks = masks.result() if masks is not None else {}
         self.num_prefill_tokens += sum(n for _, n in batch.extends)
         if batch.extends:
             self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
-        finished = []
+        finished = failed
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
             seq.num_computed_tokens += n
             self.pool.register_computed(seq)
             try:
-                done = self._postprocess(seq, results[seq.seq_id])
+                done = self._postprocess(seq, results[seq.seq_id], masks.get(seq.seq_id))
             except Exception as e:  # one bad request must not stop the others
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.metrics.finish_time = time.perf_counter()
@@ -159,13 +207,39 @@ class Engine:
 
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
+        request_ids = set(request_ids)
+        self._failed = [s for s in self._failed if s.seq_id not in request_ids]
         for rid in request_ids:
             seq = self._sequences.pop(rid, None)
             if seq is not None:
                 self.scheduler.abort(seq)
 
-    def _postprocess(self, seq: Sequence, res: SeqLogits) -> bool:
-        """Record logprobs and the sampled token; True when ``seq`` finished."""
+    def _start_masks(self, batch):
+        """Start filling the allowed-token rows of the constrained sequences that sample this step;
+        returns a future of ``{seq_id: [1, ceil(vocab / 32)] int32 row or error message}``, or None."""
+        seqs = [s for s, n in batch.extends if s.constraint is not None and s.num_computed_tokens + n == s.num_tokens]
+        seqs += [s for s in batch.decodes if s.constraint is not None]
+        if not seqs:
+            return None
+        return self._mask_thread.submit(self._fill_masks, seqs)
+
+    def _fill_masks(self, seqs: list[Sequence]) -> dict:
+        from kvtier.toolcall import fill_bitmasks
+
+        words = (self.model_config.vocab_size + 31) // 32
+        bitmask = torch.zeros((len(seqs), words), dtype=torch.int32, pin_memory=self.runner.device.type == "cuda")
+        try:
+            errors = fill_bitmasks([s.constraint for s in seqs], bitmask.numpy(), self._mask_executor)
+        except Exception as e:  # noqa: BLE001 - reported on these requests, the engine keeps serving
+            errors = [f"{type(e).__name__}: {e}"] * len(seqs)
+        return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
+
+    def _postprocess(self, seq: Sequence, res: SeqLogits, token_bitmask=None) -> bool:
+        """Record logprobs and the sampled token; True when ``seq`` finished.
+
+        ``token_bitmask``: ``[1, ceil(vocab / 32)]`` int32 allowed tokens of a constrained
+        sequence, or the message of the error that left it without one (raised here).
+        """
         if res.prompt_logits is not None:
             targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
             lp = torch.log_softmax(res.prompt_logits, -1).gather(1, targets[:, None].to(res.prompt_logits.device))
@@ -177,16 +251,27 @@ class Engine:
         logits = res.next_token[None]
         as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
         temperature = 0.0 if params.greedy else params.temperature
-        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p),
+        if isinstance(token_bitmask, str):
+            from kvtier.toolcall import GrammarError
+
+            raise GrammarError(token_bitmask)
+        if token_bitmask is not None:
+            token_bitmask = token_bitmask.to(logits.device, non_blocking=True)
+        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p), token_bitmask=token_bitmask,
                                generator=seq.generator or self.generator, backend=self.runner.model.backend)[0])
+        if seq.constraint is not None:  # may replace a token that leaves no room to finish the turn
+            token = seq.constraint.take(token)
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
         seq.output_token_ids.append(token)
+        if seq.parser is not None:
+            seq.parser.feed_ids([token])
         now = time.perf_counter()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         reason = None
-        if token in self.model_config.eos_token_id and not params.ignore_eos:
+        if (seq.constraint is not None and seq.constraint.finished) or (
+                token in self.model_config.eos_token_id and not params.ignore_eos):
             reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.model_config.max_position_embeddings:
             reason = "length"
@@ -198,6 +283,10 @@ class Engine:
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
+        parsed = {}
+        if seq.parser is not None:
+            seq.parser.finish()
+            parsed = seq.parser.result()
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -209,6 +298,7 @@ class Engine:
             cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            **parsed,
         )
 
 
