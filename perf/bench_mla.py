@@ -19,10 +19,15 @@ skipped once the budget is spent, and the skipped ones are printed.
 
 GPU shapes: decode batch 1-128 at 4K-128K context with 64 heads (one GPU) and 8 heads (a TP8
 rank), bf16 and fp8 KV; extend (prefill chunks of 512-4096 new tokens on 4K-64K prefixes, 64 heads);
-triton, and the fp32 torch reference where it fits in time. ``--dry-run`` (or a CPU-only machine):
-the same code at tiny shapes on CPU, the torch backend, to catch errors without a GPU.
+triton, hip (decode only; where kvtier._hip is built), aiter where it is available (ROCm with aiter
+installed: decode with bf16 KV, heads padded to 16/128 by the adapter; its token-index plan is
+built before timing, see :func:`_aiter_decode_call`), and the fp32 torch reference where it fits
+in time. A backend that is unavailable, or cannot take a shape, is skipped with the reason on
+stderr. The summary's ``aiter µs / this`` column is aiter's median over the row's median for the
+same shape (> 1: faster than aiter), both measured in the same run. ``--dry-run`` (or a CPU-only
+machine): the same code at tiny shapes on CPU, the torch backend, to catch errors without a GPU.
 
-Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton torch]
+Usage: python perf/bench_mla.py [--csv out.csv] [--repeats 20] [--backends triton hip aiter torch]
        [--budget-s 180] [--summary summary.md] [--dry-run]
 """
 
@@ -162,8 +167,21 @@ def _inputs(case: Case, device: torch.device, gen: torch.Generator):
     return q, kv, block_table, seq_lens, cu_seqlens_q
 
 
+def _aiter_decode_call(q, kv, bt, lens, kv_scale: float):
+    """aiter's decode through kvtier's adapter, its token-index plan built here, before timing (a
+    serving loop builds it once per step for all layers); the timed call pads heads, runs aiter and
+    slices the result back. Raises BackendUnavailableError for inputs aiter cannot take."""
+    from kvtier.ops import _aiter
+
+    _aiter.check_mla_decode(q, kv, RANK)
+    plan = _aiter.plan_mla_decode(bt, lens, kv.shape[1])
+    return lambda: _aiter.run_mla_decode(plan, q, kv, SM_SCALE, RANK, kv_scale, q.new_empty(*q.shape[:2], RANK))
+
+
 def _call(case: Case, inputs, kv_scale: float, backend: str):
     q, kv, bt, lens, cu = inputs
+    if case.op == "mla_decode" and backend == "aiter":
+        return _aiter_decode_call(q, kv, bt, lens, kv_scale)
     if case.op == "mla_decode":
         return lambda: ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, kv_scale=kv_scale, backend=backend)
     return lambda: ops.mla_extend(q, kv, bt, cu, lens, SM_SCALE, RANK, kv_scale=kv_scale, backend=backend)
@@ -217,6 +235,9 @@ def run(cases: list[Case], backends: list[str], repeats: int, device: torch.devi
             except torch.OutOfMemoryError:
                 print(f"skip {case.op}/{case.shape} on {backend}: out of memory", file=sys.stderr)
                 continue
+            except ops.BackendUnavailableError as exc:  # a limit of the backend for these inputs
+                print(f"skip {case.op}/{case.shape}/{str(case.kv_dtype)[6:]} on {backend}: {exc}", file=sys.stderr)
+                continue
             rows.append(_row(case, backend, resolved, us, device_name, copy_gbps, commit,
                              inputs[1].element_size(), inputs[0].element_size()))
             print(",".join(str(rows[-1][f]) for f in FIELDS), flush=True)
@@ -227,12 +248,17 @@ def run(cases: list[Case], backends: list[str], repeats: int, device: torch.devi
 
 
 def summary_markdown(rows: list[dict], copy_gbps: float | None) -> str:
-    """Decode and extend rows as a markdown table: median µs, GB/s and % of the copy bandwidth."""
+    """Decode and extend rows as a markdown table: median µs, GB/s, % of the copy bandwidth, and
+    aiter's median over the row's for the same (op, shape, dtype) where aiter ran."""
+    aiter_us = {(r["op"], r["shape"], r["dtype"]): r["median_us"] for r in rows if r["resolved_backend"] == "aiter"}
     lines = [f"Measured copy bandwidth: {copy_gbps:.0f} GB/s" if copy_gbps else "Copy bandwidth: not measured", "",
-             "| op | shape | dtype | backend | median µs | GB/s | % copy BW | TFLOP/s |", "|---|---|---|---|---|---|---|---|"]
+             "| op | shape | dtype | backend | median µs | GB/s | % copy BW | TFLOP/s | aiter µs / this |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        base = aiter_us.get((r["op"], r["shape"], r["dtype"]))
+        ratio = f"{base / r['median_us']:.2f}" if base else ""
         lines.append(f"| {r['op']} | {r['shape']} | {r['dtype']} | {r['resolved_backend']} | {r['median_us']} | "
-                     f"{r['gb_s']} | {r['pct_copy_bw']} | {r['tflop_s']} |")
+                     f"{r['gb_s']} | {r['pct_copy_bw']} | {r['tflop_s']} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -242,7 +268,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--summary", help="write a markdown summary table here")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--backends", nargs="+", choices=[b for b in BACKENDS if b != "auto"], default=None,
-                        help="default: triton torch on a GPU, torch on CPU")
+                        help="default: triton hip aiter torch on a GPU, torch on CPU")
     parser.add_argument("--budget-s", type=float, default=None, help="skip the remaining shapes after this")
     parser.add_argument("--copy-gbps", type=float, default=None, help="reuse a measured copy bandwidth")
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU shapes, torch backend, 2 repeats")
@@ -262,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvtier.ops._triton import arch_of
 
         cases = gpu_cases(fp8_kv_dtype(arch_of(device)))
-        backends = args.backends or ["triton", "torch"]
+        backends = args.backends or ["triton", "hip", "aiter", "torch"]
     else:
         gpu_cases(torch.float8_e4m3fn)  # the GPU shape list builds on CPU too
         cases = dry_run_cases()

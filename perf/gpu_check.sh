@@ -9,16 +9,21 @@
 # on an H200 (GPU_CHECK_BUDGET_S, default 450 s, is shared by the steps; a benchmark that runs out
 # of its share skips its largest remaining shapes and prints them):
 #   1. environment: torch, triton, the device; stops here without a GPU;
-#   2. build in place, offline: `setup.py build_ext --inplace` for the native extension kvtier._C
-#      (needs setuptools, pybind11 and cmake there); if that fails the kernels and benchmarks run
-#      without it (kvtier.ops does not need it), and the output says so;
-#   3. the GPU tests: `pytest tests/ops -m gpu` (compiled Triton kernels vs the torch references at
-#      K2 widths; the interpreter sweeps of tests/ops are CPU-only and skip themselves on a GPU);
+#   2. build in place, offline (needs setuptools, pybind11 and cmake there): first the native
+#      extension kvtier._C (`KVTIER_BUILD_HIP=off setup.py build_ext --inplace`); if that fails the
+#      Triton kernels and benchmarks run without it (kvtier.ops does not need it), and the output
+#      says so; then the GPU kernels kvtier._hip (`KVTIER_BUILD_HIP=auto`: built when nvcc, or
+#      hipcc on ROCm, is found with the GPU driver). No GPU compiler: the hip backend is reported
+#      unavailable and its tests skip with the reason; a compiler that fails is a FAILED check;
+#   3. the GPU tests: `pytest tests/ops -m gpu` (compiled Triton kernels and the HIP kernels vs the
+#      torch references at K2 widths, HIP vs its C++ CPU implementation; the interpreter sweeps of
+#      tests/ops are CPU-only and skip themselves on a GPU);
 #   4. benchmarks at K2 shapes: perf/bench_mla.py (decode batch 1-128 at 4K-128K, bf16 and fp8 KV,
-#      extend; triton vs the torch reference; % of the measured copy bandwidth) and
-#      perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048);
+#      extend; triton, hip and aiter (where available) vs the torch reference; % of the measured
+#      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048;
+#      moe_align_block_size and the page gather on torch, triton and hip);
 #   5. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
-# Files: gpu_check.log, gpu_check_build.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
+# Files: gpu_check.log, gpu_check_build.log, gpu_check_build_hip.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
 # gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
 set -uo pipefail
 DRY=""
@@ -56,7 +61,7 @@ fi
 
 step "build in place (offline)"
 NATIVE="built"
-if ! timeout 120 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log" 2>&1; then
+if ! KVTIER_BUILD_HIP=off timeout 180 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log" 2>&1; then
   NATIVE="NOT built"
   echo "native extension kvtier._C NOT built (last lines of gpu_check_build.log below); the kernel tests"
   echo "and benchmarks run without it (kvtier.ops does not import it)"
@@ -64,6 +69,15 @@ if ! timeout 120 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log"
 else
   echo "native extension kvtier._C built in place"
 fi
+HIP_BUILD="built"
+if ! KVTIER_BUILD_HIP=auto timeout 240 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build_hip.log" 2>&1; then
+  HIP_BUILD="FAILED (gpu_check_build_hip.log)"
+  status=1
+  tail -n 15 "$DEST/gpu_check_build_hip.log" | sed 's/^/  | /'
+elif grep -q "kvtier._hip is not built" "$DEST/gpu_check_build_hip.log"; then
+  HIP_BUILD="NOT built ($(grep -m1 "kvtier._hip is not built" "$DEST/gpu_check_build_hip.log" | cut -d: -f2- | sed "s/^ //"))"
+fi
+echo "GPU kernels kvtier._hip: $HIP_BUILD"
 # The source tree as a package: python/kvtier plus triton_kernels/ as kvtier.triton_kernels (the
 # mapping setup.py makes), assembled from symlinks in a temporary directory.
 SRC="$(mktemp -d)"
@@ -104,12 +118,13 @@ step "summary"
 {
   echo "# GPU check"
   echo
-  echo "native extension: $NATIVE; total $((SECONDS - T0)) s; status $([ $status -eq 0 ] && echo ok || echo FAILED)"
+  echo "native extension: $NATIVE; GPU kernels kvtier._hip: $HIP_BUILD; total $((SECONDS - T0)) s; status" \
+    "$([ $status -eq 0 ] && echo ok || echo FAILED)"
   echo
   [ -f "$DEST/gpu_check_summary.md" ] && cat "$DEST/gpu_check_summary.md"
   if [ -f "$DEST/bench_moe.csv" ]; then
     echo
-    echo "MoE (op, shape, backend, median µs, GB/s, TFLOP/s):"
+    echo "MoE, moe_align_block_size, sampling, page gather (op, shape, backend, median µs, GB/s, TFLOP/s):"
     echo
     cut -d, -f1,2,4,7,10,11 "$DEST/bench_moe.csv" | sed 's/^/    /'
   fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), then run the C++ host tests (ctest; also an ASan+UBSan build), the
-# Triton compile gate (every kernel at K2 shapes for gfx950, gfx942 and sm_90; no GPU needed) and
-# the Python tests (pytest).
+# HIP compile gate (every hip/kernels source for sm_90 with nvcc and for gfx942/gfx90a with
+# clang-19, installing the AMD tools when missing), the Triton compile gate (every kernel at K2
+# shapes for gfx950, gfx942 and sm_90; no GPU needed) and the Python tests (pytest).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,6 +16,8 @@ for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=D
   cmake --build "$dir" -j "$(nproc)" >/dev/null
   ctest --test-dir "$dir" --output-on-failure
 done
+# HIP kernels: compile for NVIDIA and AMD targets (fails on any error or VGPR spill).
+bash hip/check_compile.sh
 # Ahead-of-time compile gate: fails on any build error or spill (the table in perf/results/ is
 # written by running it without --no-write).
 python perf/compile_gate.py --no-write

@@ -350,7 +350,29 @@ void token_buffer_append(PyTokenBuffer& self, const T* ids, std::size_t n) {
   }
 }
 
+// A list or tuple of Python ints, read item by item (numpy.asarray on a list costs ~5x more).
+// Raises TypeError on a bool. Returns false, having appended nothing, when an item is not an
+// int in [0, 2**32): the general path below then converts or reports it.
+bool token_buffer_append_ints(PyTokenBuffer& self, PyObject* seq) {
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  std::vector<std::uint32_t> narrow(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = items[i];
+    if (PyBool_Check(t)) throw py::type_error("ids[" + std::to_string(i) + "] must be an integer token id, got bool");
+    if (!PyLong_CheckExact(t)) return false;  // numpy scalars, int subclasses, others
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (overflow != 0 || v < 0 || v > 0xFFFFFFFFLL) return false;
+    narrow[static_cast<std::size_t>(i)] = static_cast<std::uint32_t>(v);
+  }
+  if (n > 0) token_buffer_append(self, narrow.data(), narrow.size());
+  return true;
+}
+
 void token_buffer_append_obj(PyTokenBuffer& self, const py::object& ids) {
+  if ((PyList_CheckExact(ids.ptr()) || PyTuple_CheckExact(ids.ptr())) && token_buffer_append_ints(self, ids.ptr()))
+    return;
   py::module_ np = py::module_::import("numpy");
   py::array arr;
   try {
@@ -497,8 +519,11 @@ void bind_token_buffer(py::module_& m) {
 
 }  // namespace
 
+void bind_kernels_cpu(py::module_& parent);  // kernels_cpu_bindings.cpp
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier, token buffer";
+  m.doc() = "kvtier host runtime: block hash, prefix index, copy engine, disk tier, token buffer; kernels_cpu";
+  bind_kernels_cpu(m);
   bind_prefix_index(m);
   bind_disk_tier(m);
   bind_copy_engine(m);

@@ -111,7 +111,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     console = Console()
     opts = BenchOptions(
-        model=args.model, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
+        model=args.model, trace=args.trace, conversations=args.conversations, tokenizer=args.tokenizer,
+        page_size=args.page_size, max_output_tokens=args.max_output_tokens, sessions=args.sessions, concurrency=args.concurrency,
         configs=args.configs, token_scale=args.token_scale, time_scale=args.time_scale,
         max_think_s=args.max_think_s, max_turns=args.max_turns or None, ramp_s=args.ramp_s, device_fraction=args.device_fraction,
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
@@ -233,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="replay coding-agent sessions under several cache configurations")
     b.add_argument("--trace", metavar="PATH", help="kv-cache-tester .json/.json.gz or Mooncake .jsonl file, or a "
                    "folder of them (default: the built-in workload generator)")
+    b.add_argument("--conversations", metavar="PATH",
+                   help="JSONL of text chat sessions (OpenAI message lists; see kvtier.bench.conversations) "
+                        "instead of a trace; needs --tokenizer with a preset model")
+    b.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files for --conversations (default: the model dir)")
+    b.add_argument("--page-size", type=int, default=16, help="tokens per KV page for --conversations")
+    b.add_argument("--max-output-tokens", type=int, default=None, help="cap on each response length for --conversations")
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",

@@ -115,27 +115,46 @@ class LLM:
             self._tokenizer = load_tokenizer(self._tokenizer_dir)
         return self._tokenizer
 
+    def _attach_tokenizer(self) -> None:
+        if self.engine.tokenizer is None:
+            self.engine.attach_tokenizer(self.tokenizer)
+
     def chat(self, messages: Seq[dict], tools: Seq[dict] | None = None,
-             sampling_params: SamplingParams | None = None, session_id=None) -> RequestOutput:
+             sampling_params: SamplingParams | None = None, session_id=None, tool_choice=None) -> RequestOutput:
         """Generate the assistant's next turn for an OpenAI-style conversation.
 
         The conversation is rendered with the Kimi K2 template and encoded by a per-session
         :class:`kvtier.tokenize.SessionEncoder` (``session_id`` given: kept across calls, so a
-        growing conversation encodes only what changed; None: a one-off encoder). Decode the
-        reply with ``llm.tokenizer.decode(out.token_ids)``.
+        growing conversation encodes only what changed; None: a one-off encoder). With ``tools``
+        the turn is decoded under the tool grammar (``sampling_params.tools`` set to ``tools``
+        unless it names its own; ``tool_choice`` overrides ``sampling_params.tool_choice``). The
+        output carries ``content``, ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
 
         Raises:
-            ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field``).
+            ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field`` or
+            ``tools[i]...``).
         """
         from kvtier.tokenize import SessionEncoder
 
+        params = sampling_params or SamplingParams()
+        changes = {}
+        if tools and params.tools is None:
+            changes["tools"] = list(tools)
+        if tool_choice is not None:
+            changes["tool_choice"] = tool_choice
+        if changes:
+            params = dataclasses.replace(params, **changes)
+        self._attach_tokenizer()
+
         enc = self._sessions.get(session_id) if session_id is not None else None
         if enc is None:
-            enc = SessionEncoder(self.tokenizer)
+            enc = SessionEncoder(self.tokenizer, page_size=self.engine.config.page_size,
+                                 salt=self.engine.block_hash_salt)
             if session_id is not None:
                 self._sessions[session_id] = enc
         enc.append(messages, tools)
-        return self.generate(prompt_token_ids=[np.asarray(enc.ids).tolist()], sampling_params=sampling_params)[0]
+        rid = self.engine.add_request(np.asarray(enc.ids), params, prompt_block_hashes=enc.block_hashes())
+        return self._run([rid])[0]
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:
@@ -152,7 +171,9 @@ class LLM:
             token id outside [0, vocab_size) or a prompt longer than max_position_embeddings.
             All prompts are checked before any is queued; if generation is interrupted, this
             call's unfinished requests are dropped and the engine keeps serving. A request whose
-            sampling fails finishes with ``finish_reason="error"`` and its ``error`` message.
+            sampling fails (or whose tool grammar does not compile) finishes with
+            ``finish_reason="error"`` and its ``error`` message. Requests with ``tools`` need
+            ``LLM(..., tokenizer=DIR)``; their outputs carry ``content`` and ``tool_calls``.
         """
         if prompts is not None:
             raise ValueError("prompts takes text, which needs a tokenizer (not loaded yet); pass token ids as "
@@ -166,9 +187,15 @@ class LLM:
         params_list = [params] * n if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != n:
             raise ValueError(f"sampling_params has {len(params_list)} entries for {n} prompts")
+        if any(sp.tool_grammar is not None for sp in params_list) and self._tokenizer_dir is not None:
+            self._attach_tokenizer()
         prompts_checked = [self.engine.check_request(p, sp, i)
                            for i, (p, sp) in enumerate(zip(prompt_token_ids, params_list))]
-        ids = [self.engine.add_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompts_checked, params_list))]
+        return self._run([self.engine.add_request(p, sp, i)
+                          for i, (p, sp) in enumerate(zip(prompts_checked, params_list))])
+
+    def _run(self, ids: list[int]) -> list[RequestOutput]:
+        """Step the engine until requests ``ids`` finish; their outputs in that order."""
         done: dict[int, RequestOutput] = {}
         try:
             while len(done) < len(ids):

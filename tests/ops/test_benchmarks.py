@@ -35,7 +35,31 @@ def test_bench_moe_dry_run():
     proc = _run("perf/bench_moe.py", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ops = {r["op"] for r in csv.DictReader(io.StringIO(proc.stdout))}
-    assert ops == {"moe_route", "fused_moe", "sample", "gather_pages"}
+    assert ops == {"moe_route", "moe_align_block_size", "fused_moe", "sample", "gather_pages"}
+
+
+@pytest.mark.parametrize("script", ["perf/bench_mla.py", "perf/bench_moe.py"])
+def test_bench_skips_an_unavailable_backend_with_the_reason(script):
+    proc = _run(script, "--dry-run", "--backends", "aiter", "torch", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skip" in proc.stderr and "'aiter' is unavailable" in proc.stderr
+    rows = list(csv.DictReader(io.StringIO(proc.stdout)))
+    assert rows and {r["backend"] for r in rows} == {"torch"}
+
+
+def test_bench_mla_summary_compares_with_aiter():
+    sys.path.insert(0, str(ROOT / "perf"))
+    try:
+        import bench_mla
+    finally:
+        sys.path.remove(str(ROOT / "perf"))
+    row = {"op": "mla_decode", "shape": "b1-h64-ctx4096-p64", "dtype": "q:bfloat16;kv:bfloat16", "gb_s": 1.0,
+           "pct_copy_bw": 1.0, "tflop_s": 1.0}
+    rows = [dict(row, resolved_backend="triton", median_us=20.0), dict(row, resolved_backend="aiter", median_us=30.0),
+            dict(row, shape="b8-h64-ctx4096-p64", resolved_backend="triton", median_us=50.0)]
+    lines = bench_mla.summary_markdown(rows, 4000.0).splitlines()
+    assert lines[2].endswith("| aiter µs / this |")
+    assert lines[4].endswith("| 1.50 |") and lines[5].endswith("| 1.00 |") and lines[6].endswith("|  |")
 
 
 @pytest.mark.parametrize("script", ["perf/bench_mla.py", "perf/bench_moe.py"])

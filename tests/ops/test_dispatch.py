@@ -31,6 +31,8 @@ def _calls():
         "moe_route": lambda b: ops.moe_route(torch.randn(3, 16), torch.zeros(16), 2, 4, 2, 1.0, backend=b),
         "fused_moe": lambda b: ops.fused_moe(torch.randn(2, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 3),
                                              torch.ones(2, 1), torch.tensor([[0], [3]], dtype=torch.int32), backend=b),
+        "moe_align_block_size": lambda b: ops.moe_align_block_size(torch.tensor([[2, 0], [3, 2]], dtype=torch.int32),
+                                                                   4, 2, backend=b),
         "gather_pages": lambda b: ops.gather_pages([kv, kv], torch.tensor([2, 0]), backend=b),
         "scatter_pages": lambda b: _written([kv.clone()], lambda pools: ops.scatter_pages(
             torch.ones(1, 1, 4, 24), pools, torch.tensor([3]), backend=b))[0],
@@ -121,8 +123,13 @@ def test_aiter_reports_it_needs_rocm():
 
 def test_hip_reports_it_is_not_built():
     dispatch.register_backend("_test_hip_op", "hip")
+    assert {"mla_decode", "gather_pages", "scatter_pages", "moe_align_block_size"} <= {
+        op for op in OPS + ["moe_align_block_size"] if "hip" in dispatch.implemented_backends(op)}
     if not dispatch._has_module("kvtier._hip"):
-        assert "not built" in dispatch.unavailable_reason("_test_hip_op", "hip", "cuda")
+        reason = dispatch.unavailable_reason("_test_hip_op", "hip", "cuda")
+        assert "not built" in reason and "KVTIER_BUILD_HIP" in reason
+    else:
+        assert "GPU tensor" in dispatch.unavailable_reason("_test_hip_op", "hip", "cpu")
 
 
 @triton_installed

@@ -3,7 +3,8 @@
 Marked ``gpu``: skipped without a CUDA/ROCm device (``pytest -m gpu`` on a GPU machine; run by
 ``perf/gpu_check.sh``). Inputs are adversarial as in the interpreter tests: shuffled pages, NaN in
 unused pages, a huge sentinel in unused ``block_table`` entries, a zero-length sequence. bf16 dots
-with fp32 accumulation: tolerances are bf16's.
+with fp32 accumulation: tolerances are bf16's. The aiter backend's tests run where it is available
+(ROCm, aiter installed) and are skipped with the reason elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from kvtier import ops
+from kvtier.ops import dispatch
 from tests.ops._compare import assert_close
 
 pytestmark = [pytest.mark.gpu,
@@ -87,6 +89,39 @@ def test_moe_on_gpu(num_tokens):
     w13 = torch.randn(experts, 2 * inter, hidden, device=dev, generator=gen, dtype=torch.bfloat16) * hidden ** -0.5
     w2 = torch.randn(experts, hidden, inter, device=dev, generator=gen, dtype=torch.bfloat16) * inter ** -0.5
     got = ops.fused_moe(x, w13, w2, w, ids, backend="triton")
+    ref = ops.fused_moe(x, w13, w2, w, ids, backend="torch")
+    assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2, name="fused_moe", max_cos_diff=1e-4)
+
+
+_AITER_REASON = dispatch.unavailable_reason("mla_decode", "aiter", "cuda")
+needs_aiter = pytest.mark.skipif(_AITER_REASON is not None, reason=f"aiter backend: {_AITER_REASON}")
+
+
+@needs_aiter
+@pytest.mark.filterwarnings("ignore:kvtier mla_decode on aiter")
+@pytest.mark.parametrize("heads", [8, 64, 128])
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_mla_decode_aiter_on_gpu(heads, page_size):
+    """aiter's MLA decode (ROCm) through kvtier's adapter vs the torch reference: heads padded to
+    16/128, pages expanded to token indices, a zero-length sequence; bf16 (what aiter takes)."""
+    q, kv, bt, lens = _paged(5, heads, [0, 1, 97, 1823, 4096], page_size, torch.bfloat16)
+    ref_out, ref_lse = ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, backend="torch")
+    out, lse = ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, backend="aiter")
+    assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1.6e-2, name="out", max_cos_diff=2e-5)
+    assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4, name="lse")
+
+
+@needs_aiter
+@pytest.mark.parametrize("num_tokens", [1, 300])
+def test_fused_moe_aiter_on_gpu(num_tokens):
+    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    experts, hidden, inter, top_k = 384, 1024, 256, 8
+    w, ids = ops.moe_route(torch.randn(num_tokens, experts, device=dev, generator=gen), torch.zeros(experts, device=dev),
+                           top_k, 1, 1, 2.827)
+    x = torch.randn(num_tokens, hidden, device=dev, generator=gen, dtype=torch.bfloat16)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, generator=gen, dtype=torch.bfloat16) * hidden ** -0.5
+    w2 = torch.randn(experts, hidden, inter, device=dev, generator=gen, dtype=torch.bfloat16) * inter ** -0.5
+    got = ops.fused_moe(x, w13, w2, w, ids, backend="aiter")
     ref = ops.fused_moe(x, w13, w2, w, ids, backend="torch")
     assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2, name="fused_moe", max_cos_diff=1e-4)
 

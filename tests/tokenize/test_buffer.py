@@ -133,6 +133,23 @@ def test_out_of_range_ids_raise_value_error(bad):
     assert buf.ids().tolist() == [1, 2, 3] and buf.num_blocks == 1
 
 
+@pytest.mark.parametrize("ids", [[7, 0, 2**32 - 1, 5], (7, 0, 2**32 - 1, 5), [np.int64(7), 0, np.uint32(2**32 - 1), 5]])
+def test_lists_tuples_and_numpy_scalars_append_like_arrays(ids):
+    buf, ref = TokenBuffer(2), TokenBuffer(2)
+    buf.append(ids)
+    ref.append(np.array([7, 0, 2**32 - 1, 5], dtype=np.uint32))
+    assert buf.ids().tolist() == ref.ids().tolist() and buf.block_hashes() == ref.block_hashes()
+
+
+def test_bad_list_item_names_its_index_and_appends_nothing():
+    buf = TokenBuffer(2)
+    with pytest.raises(ValueError, match=r"ids\[2\] must be in"):
+        buf.append([1, 2, -5, 4])
+    with pytest.raises(TypeError):
+        buf.append([1, True])  # bool is not a token id
+    assert len(buf) == 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="page_size"):
         TokenBuffer(0)

@@ -31,3 +31,44 @@ def test_chat_errors(llm, tok_dir):
         llm.chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM("tiny", num_device_pages=16).chat([{"role": "user", "content": "x"}])
+
+
+def test_chat_hands_the_buffer_hashes_to_the_prefix_lookup(llm, monkeypatch):
+    """The engine hashes only pages the session's token buffer has not hashed yet."""
+    from kvtier import SamplingParams
+    from kvtier.cache import block_hashes, pool
+
+    hashed = []
+    real = pool.block_hashes
+    monkeypatch.setattr(pool, "block_hashes", lambda ids, *a, **k: hashed.append(len(ids)) or real(ids, *a, **k))
+    ps = llm.engine.config.page_size
+    msgs = [{"role": "user", "content": "Summarise this file:\n" + "def f(x):\n    return x * 2\n" * 40}]
+    out = llm.chat(msgs, sampling_params=SamplingParams(max_tokens=2, temperature=0), session_id="hashes")
+    enc = llm._sessions["hashes"]
+    assert len(out.prompt_token_ids) >= 4 * ps
+    assert enc.block_hashes() == block_hashes(out.prompt_token_ids, ps, salt=llm.engine.block_hash_salt)
+    # the lookup needs (len - 1) // ps pages; the buffer had len // ps of them: nothing left to hash
+    assert sum(hashed) <= ps
+    msgs += [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "and again"}]
+    out2 = llm.chat(msgs, sampling_params=SamplingParams(max_tokens=2, temperature=0), session_id="hashes")
+    assert out2.num_cached_tokens >= (len(out.prompt_token_ids) // ps - 1) * ps  # the first turn's pages were reused
+
+
+def test_add_request_rejects_hashes_that_do_not_match(llm):
+    import numpy as np
+
+    from kvtier import SamplingParams
+    from kvtier.cache import block_hashes
+
+    eng, ps = llm.engine, llm.engine.config.page_size
+    prompt = np.arange(1000, 1000 + 3 * ps + 5, dtype=np.uint32)
+    params = SamplingParams(max_tokens=1)
+    good = block_hashes(prompt, ps, salt=eng.block_hash_salt)
+    for bad, match in [(block_hashes(prompt, ps), "does not match"),           # no salt
+                       (good + [good[0]], "at most 3 full pages"),             # too many
+                       (good[:1] + [b"short"], "16 bytes")]:
+        with pytest.raises(ValueError, match="prompt_block_hashes.*" + match):
+            eng.add_request(prompt, params, prompt_block_hashes=bad)
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]\[2\]"):
+        eng.add_request(np.array([5, 6, -1]), params)
+    assert not eng.has_unfinished()  # nothing was queued

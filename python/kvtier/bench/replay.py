@@ -10,6 +10,11 @@ The first ``concurrency`` sessions start evenly spread over ``ramp_s`` seconds (
 them all at once would make the p99 TTFT measure one start-up burst of first turns. Later
 sessions start as soon as a slot frees.
 
+A text workload (:mod:`kvtier.bench.conversations`) is encoded at submission by one
+:class:`~kvtier.tokenize.SessionEncoder` per session, with the engine's page size and hash
+salt, so TTFT includes the incremental encode and the prefix lookup gets the token buffer's
+block hashes.
+
 Between a turn that stopped on ``tool_use`` and the next one, the session is waiting on a
 tool: with ``tool_aware`` the pool is told (``KVPool.tool_wait``) with an *estimated* wait (the
 median of the tool waits observed so far in this run; before any, WORKLOAD.md's p50 of 9 s
@@ -28,6 +33,7 @@ from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.workload import Session, Workload, prompt_token_ids
 from kvtier.serve.engine import Engine
 from kvtier.serve.params import RequestOutput, SamplingParams
+from kvtier.tokenize import KimiTokenizer, SessionEncoder
 
 TOOL_WAIT_P50_S = 9.0  # WORKLOAD.md: think_time after tool_use, p50 over 710 sessions
 _TOKEN_LOW = 256  # synthetic prompt ids start here (clear of byte-level ids; any id is valid)
@@ -43,6 +49,7 @@ class _Active:
     request_id: int | None = None
     prompt: list[int] | None = None
     waiting_on_tool: bool = False
+    encoder: SessionEncoder | None = None  # text workloads: this session's incremental encoder
 
 
 class ToolWaitEstimate:
@@ -70,6 +77,7 @@ def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> i
 
 def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
            keep_outputs: bool = False, ramp_s: float = 0.0, on_finish: Callable[[RequestRecord], None] | None = None,
+           tokenizer: KimiTokenizer | None = None,
            clock: Callable[[], float] = time.perf_counter,
            sleep: Callable[[float], None] = time.sleep) -> ConfigRun:
     """Replay ``workload`` through ``engine``; returns the run's records and counters.
@@ -84,10 +92,11 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         ramp_s: seconds over which the first ``concurrency`` sessions start (see the module
             docstring); 0 starts them together.
         on_finish: called with each request's record as it finishes (progress display).
+        tokenizer: encodes the turns of a text workload (required when a turn has ``chat``).
         clock, sleep: time source and sleep, in seconds (tests may pass fakes).
 
     Raises:
-        ValueError: ``concurrency`` < 1 or ``ramp_s`` < 0.
+        ValueError: ``concurrency`` < 1, ``ramp_s`` < 0, or a text workload without ``tokenizer``.
 
     A turn the engine refuses (e.g. a prompt longer than the model's context) is recorded
     with its error and the session goes on with its next turn.
@@ -96,6 +105,8 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if not 0 <= ramp_s < float("inf"):
         raise ValueError(f"ramp_s must be a finite number >= 0, got {ramp_s}")
+    if tokenizer is None and any(t.chat is not None for s in workload.sessions for t in s.turns):
+        raise ValueError("a text workload needs tokenizer= (a KimiTokenizer) to encode its turns")
     vocab = engine.model_config.vocab_size
     block_size = workload.block_size
     queue = deque(s for s in workload.sessions if s.turns)
@@ -130,11 +141,15 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
             tool_wait.observed.append(max(0.0, now - (a.due_s - turn.think_time_s)))
             if tool_aware:
                 pool.tool_return(a.session.session_id)
-        a.prompt = prompt_token_ids(turn, block_size, vocab, low=_TOKEN_LOW)
         params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True,
                                 logprobs=keep_outputs)
         try:
-            rid = engine.add_request(a.prompt, params)
+            hashes = None
+            if turn.chat is None:
+                a.prompt = prompt_token_ids(turn, block_size, vocab, low=_TOKEN_LOW)
+            else:
+                hashes = _encode(a, turn.chat, tokenizer, engine)
+            rid = engine.add_request(a.prompt, params, prompt_block_hashes=hashes)
         except ValueError as e:
             finish(a, RequestRecord(a.session.session_id, a.next_turn, turn.input_tokens, 0, now, None, now, 0,
                                     error=str(e)))
@@ -161,6 +176,15 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         if due:
             sleep(max(0.0, min(due) - (clock() - t0)))
     return _run_result(name, engine, records, clock() - t0, workload, concurrency)
+
+
+def _encode(a: _Active, chat, tokenizer: KimiTokenizer, engine: Engine) -> list[bytes] | None:
+    """Encode a text turn with the session's encoder; sets ``a.prompt``, returns the block hashes."""
+    if a.encoder is None:
+        a.encoder = SessionEncoder(tokenizer, page_size=engine.config.page_size, salt=engine.block_hash_salt)
+    a.encoder.append(list(chat.messages), list(chat.tools) if chat.tools else None)
+    a.prompt = a.encoder.ids
+    return a.encoder.block_hashes()
 
 
 def _record(out: RequestOutput, a: _Active, t0: float, keep_outputs: bool) -> RequestRecord:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench.configs import BenchConfig, parse_configs
+from kvtier.bench.conversations import load_conversations
 from kvtier.bench.records import ConfigRun
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
@@ -28,6 +29,7 @@ from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
 from kvtier.serve import Engine, EngineConfig, SamplingParams
+from kvtier.tokenize import KimiTokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,12 @@ class BenchOptions:
     Attributes:
         model: preset name or checkpoint directory.
         trace: trace file or folder (kv-cache-tester or Mooncake); None = built-in workload.
+        conversations: a JSONL file of text chat sessions (:mod:`kvtier.bench.conversations`),
+            instead of a trace; its turns are encoded with ``tokenizer`` in pages of
+            ``page_size`` tokens (``token_scale`` does not apply to text).
+        tokenizer: directory with the Kimi tokenizer files (None: the model directory).
+        page_size: tokens per KV page for ``conversations``.
+        max_output_tokens: cap on each response length of ``conversations`` (None = none).
         sessions: sessions replayed (the first N after filtering).
         concurrency: sessions active at once.
         configs: comma-separated configuration names (see ``kvtier.bench.configs``).
@@ -62,6 +70,10 @@ class BenchOptions:
 
     model: str = "tiny"
     trace: str | None = None
+    conversations: str | None = None
+    tokenizer: str | None = None
+    page_size: int = 16
+    max_output_tokens: int | None = None
     sessions: int = 16
     concurrency: int = 8
     configs: str = "device-only,tiered"
@@ -80,7 +92,9 @@ class BenchOptions:
     threads: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads"):
+        if self.trace is not None and self.conversations is not None:
+            raise ValueError("--trace and --conversations are exclusive: give one workload")
+        for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("token_scale", "device_fraction"):
@@ -93,6 +107,8 @@ class BenchOptions:
             raise ValueError(f"--max-think-s must be >= 0, got {self.max_think_s}")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(f"--max-output-tokens must be >= 1, got {self.max_output_tokens}")
         for name in ("num_device_pages", "host_cache_bytes"):
             value = getattr(self, name)
             if value is not None and value < (1 if name == "num_device_pages" else 0):
@@ -129,8 +145,26 @@ class Sizing:
     device_floor_applied: bool = False
 
 
-def load_workload(opts: BenchOptions, max_input_tokens: int) -> Workload:
-    """The trace (or built-in workload) scaled and filtered as ``opts`` says."""
+def load_tokenizer_for(opts: BenchOptions) -> KimiTokenizer:
+    """The tokenizer a text workload needs: ``opts.tokenizer``, else the model directory.
+
+    Raises:
+        ValueError: neither holds the Kimi tokenizer files.
+    """
+    where = opts.tokenizer or (opts.model if Path(opts.model).is_dir() else None)
+    if where is None:
+        raise ValueError(f"--conversations needs --tokenizer DIR (the model {opts.model!r} is a preset, "
+                         "with no tokenizer files)")
+    return load_tokenizer(where)
+
+
+def load_workload(opts: BenchOptions, max_input_tokens: int, tokenizer: KimiTokenizer | None = None) -> Workload:
+    """The trace, text sessions or built-in workload, scaled and filtered as ``opts`` says."""
+    if opts.conversations is not None:
+        return load_conversations(opts.conversations, tokenizer, page_size=opts.page_size,
+                                  time_scale=opts.time_scale, max_think_s=opts.max_think_s,
+                                  max_sessions=opts.sessions, max_turns=opts.max_turns,
+                                  max_input_tokens=max_input_tokens, max_output_tokens=opts.max_output_tokens)
     common = dict(token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
                   max_turns=opts.max_turns, max_input_tokens=max_input_tokens)
     if opts.trace is None:
@@ -167,14 +201,15 @@ def warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
 
 
 def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, base: EngineConfig,
-               sizing: Sizing, workload: Workload, opts: BenchOptions, on_finish=None) -> ConfigRun:
+               sizing: Sizing, workload: Workload, opts: BenchOptions, on_finish=None,
+               tokenizer: KimiTokenizer | None = None) -> ConfigRun:
     """Replay ``workload`` under ``config`` with a fresh engine (and a fresh disk directory)."""
     disk_dir = tempfile.mkdtemp(prefix=f"kvtier-bench-{config.name}-", dir=opts.disk_cache_dir) if config.disk else None
     try:
         engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes),
                         model_id)
         run = replay(engine, workload, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
-                     ramp_s=opts.ramp_s, on_finish=on_finish)
+                     ramp_s=opts.ramp_s, on_finish=on_finish, tokenizer=tokenizer)
         engine.pool.poll(wait=True)  # no copy may still write into disk_dir when it is removed
         del engine
         gc.collect()
@@ -197,9 +232,11 @@ def bench_provenance(opts: BenchOptions, workload: Workload, sizing: Sizing, mod
 
 
 def prepare(opts: BenchOptions):
-    """Load the model and the workload and size the tiers: ``(model, model_id, workload, sizing, base)``."""
+    """Load the model, the tokenizer (text workloads; else None) and the workload, and size the
+    tiers: ``(model, model_id, workload, sizing, base, tokenizer)``."""
+    tokenizer = load_tokenizer_for(opts) if opts.conversations is not None else None
     model, model_id = load_for_serving(opts.model, seed=opts.seed)
-    workload = load_workload(opts, model.config.max_position_embeddings)
+    workload = load_workload(opts, model.config.max_position_embeddings, tokenizer)
     if not workload.sessions:
         raise ValueError("the workload has no session that fits the model's context "
                          f"(max_position_embeddings={model.config.max_position_embeddings} tokens after scaling)")
@@ -207,7 +244,7 @@ def prepare(opts: BenchOptions):
     base = EngineConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
                         seed=opts.seed)
-    return model, model_id, workload, sizing, base
+    return model, model_id, workload, sizing, base, tokenizer
 
 
 def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload, Sizing, list[ConfigRun], dict]:
@@ -217,13 +254,13 @@ def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload
     """
     configs = parse_configs(opts.configs)
     torch.set_num_threads(opts.threads)
-    model, model_id, workload, sizing, base = prepare(opts)
+    model, model_id, workload, sizing, base, tokenizer = prepare(opts)
     warm_up(model, base)
     runs = []
     for config in configs:
         if on_start is not None:
             on_start(config.name, workload.num_requests())
-        runs.append(run_config(config, model, model_id, base, sizing, workload, opts, on_finish))
+        runs.append(run_config(config, model, model_id, base, sizing, workload, opts, on_finish, tokenizer))
     return workload, sizing, runs, bench_provenance(opts, workload, sizing, model)
 
 

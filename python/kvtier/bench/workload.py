@@ -54,7 +54,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +98,9 @@ class Turn:
         think_time_s: seconds between the previous turn's finish and this turn's submission,
             after time scaling and capping; 0 for the first turn.
         stop: why the source response stopped: ``"tool_use"``, ``"end_turn"`` or ``""``.
+        chat: the turn's text (:class:`kvtier.bench.conversations.ChatTurn`) for a text
+            workload, encoded at submission; None for traces, whose prompts come from
+            :func:`prompt_token_ids`.
     """
 
     input_tokens: int
@@ -105,6 +108,7 @@ class Turn:
     block_ids: tuple[int, ...]
     think_time_s: float
     stop: str
+    chat: object | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,17 @@ from __future__ import annotations
 import torch
 import triton
 
+from kvtier.ops import split_kv
 from kvtier.ops._triton import arch_of, launchable, num_compute_units, triton_dot_dtype
 from kvtier.triton_kernels import mla_decode as decode_kernels
 from kvtier.triton_kernels import mla_extend as extend_kernels
 
-MAX_KV_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, merge traffic) dominates
+MAX_KV_SPLITS = split_kv.MAX_KV_SPLITS
 
 
 def decode_num_splits(batch: int, num_heads: int, max_kv_tokens: int, num_units: int) -> int:
-    """Key slices per sequence: enough programs for ~2 waves over ``num_units`` SMs/CUs, but no slice
-    shorter than :data:`MIN_TOKENS_PER_SPLIT` tokens of the capacity ``max_kv_tokens`` (a pure
-    function of shapes: no device sync, CUDA-graph safe)."""
-    head_blocks = triton.cdiv(max(num_heads, 1), decode_kernels.DECODE_BLOCK_H)
-    want = triton.cdiv(2 * num_units, max(batch * head_blocks, 1))
-    cap = max(1, min(MAX_KV_SPLITS, max_kv_tokens // MIN_TOKENS_PER_SPLIT))
-    return max(1, min(want, cap))
+    """:func:`kvtier.ops.split_kv.decode_num_splits` with this kernel's ``DECODE_BLOCK_H`` heads per program."""
+    return split_kv.decode_num_splits(batch, num_heads, max_kv_tokens, num_units, decode_kernels.DECODE_BLOCK_H)
 
 
 def _blocks(kv_lora_rank: int, rope_dim: int) -> tuple[int, int]:

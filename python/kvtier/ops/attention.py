@@ -19,7 +19,7 @@ from kvtier.ops.dispatch import register_backend, resolve_backend
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 KV_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
-register_backend("mla_decode", "triton")
+register_backend("mla_decode", "triton", "hip", "aiter")
 register_backend("mla_extend", "triton")
 
 
@@ -54,6 +54,15 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
         from kvtier.ops import _triton_mla
 
         return _triton_mla.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out)
+    if backend == "aiter":
+        from kvtier.ops import _aiter
+
+        return _aiter.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out)
+    if backend == "hip":
+        from kvtier.ops import _native
+
+        return _native.mla_decode(_native.gpu_kernels(), q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank,
+                                  kv_scale, out)
     return reference.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, out=out,
                                 kv_scale=kv_scale)[1]
 
@@ -107,13 +116,26 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, kv
 
     Raises:
         ValueError/TypeError: a misshaped, mistyped or misplaced argument (named in the message).
-        BackendUnavailableError: the requested backend is not available.
+        BackendUnavailableError: the requested backend is not available, or cannot take these
+            inputs (``aiter``: bf16 q and cache, 576-wide rows, at most 128 heads).
+
+    Note:
+        ``backend="aiter"`` runs aiter's MLA decode (ROCm) through :mod:`kvtier.ops._aiter`:
+        heads padded to 16 or 128 (a one-time ``RuntimeWarning`` says so), pages expanded to
+        token indices.
+        ``backend="hip"`` (``kvtier._hip``, hip/kernels/mla_decode.hip): (q, kv_cache) dtypes
+        (fp32, fp32), (fp16, fp16), (bf16, bf16) or (bf16, fp8 e4m3fn/e4m3fnuz), widths up to
+        512 + 64, ``kv_cache.stride(-1) == 1``; a ValueError names anything else.
     """
     with record_function("kvtier::mla_decode"):
         _check_paged(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale)
         check_tensor(q, "q", shape=[block_table.shape[0], None, None])
         check_out(out, "out", (q.shape[0], q.shape[1], kv_lora_rank), q.dtype, q.device)
         resolved = resolve_backend("mla_decode", backend, q.device, q.dtype)
+        if resolved == "aiter":
+            from kvtier.ops import _aiter
+
+            _aiter.check_mla_decode(q, kv_cache, kv_lora_rank)
         if out is None:
             out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
         lse = torch.ops.kvtier.mla_decode(q, kv_cache, block_table, seq_lens, float(sm_scale), int(kv_lora_rank),

@@ -7,8 +7,12 @@ Two facts decide whether ``op`` can run on ``backend``:
    reference in :mod:`kvtier.reference`);
 2. the backend is *available* for the device in this installation: ``triton`` needs the
    ``triton`` package and a CUDA/HIP device, or ``TRITON_INTERPRET=1`` for CPU tensors (the
-   interpreter, for tests at small shapes); ``hip`` needs the ``kvtier._hip`` extension; ``aiter``
-   needs a ROCm build of torch and the ``aiter`` package.
+   interpreter, for tests at small shapes); ``hip`` needs the ``kvtier._hip`` extension (built
+   only where a GPU compiler and a GPU driver are present) and a GPU tensor; ``aiter`` needs a
+   ROCm build of torch, the ``aiter`` package at the version the op's adapter targets
+   (:data:`kvtier.ops._aiter.MIN_VERSION`) and a GPU tensor. Input-dependent limits of a backend
+   (aiter's MLA decode takes bf16 and at most 128 heads) are checked by the op itself and raise
+   the same error.
 
 ``"auto"`` picks ``triton`` for a GPU tensor when both hold, else ``torch``; it never picks the
 interpreter. Explicitly requested backends that cannot run raise
@@ -54,6 +58,19 @@ def _has_module(name: str) -> bool:
         return False
 
 
+@functools.cache
+def _hip_unbuilt() -> str | None:
+    """Why ``kvtier._hip`` cannot be used in this installation, or None."""
+    if not _has_module("kvtier._hip"):
+        return ("hip kernels are not built (no kvtier._hip extension: the build makes it when hipcc with an AMD "
+                "GPU driver, or nvcc with the NVIDIA driver, is present; KVTIER_BUILD_HIP=on forces it)")
+    try:
+        importlib.import_module("kvtier._hip")
+    except ImportError as exc:
+        return f"kvtier._hip is built but does not load: {exc}"
+    return None
+
+
 def triton_interpreting() -> bool:
     """``TRITON_INTERPRET`` is set to a true value: Triton kernels run on CPU tensors (slowly)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -90,15 +107,20 @@ def unavailable_reason(op: str, backend: str, device: torch.device | str = "cpu"
             return _interpreter_unready()
         return f"triton does not support device type {dev!r}"
     if backend == "hip":
-        if not _has_module("kvtier._hip"):
-            return "hip kernels are not built (no kvtier._hip extension)"
+        reason = _hip_unbuilt()
+        if reason is not None:
+            return reason
         return None if dev == "cuda" else f"hip kernels need a GPU tensor, got device type {dev!r}"
     if backend == "aiter":
         if torch.version.hip is None:
             return "aiter needs ROCm (this torch is built without HIP)"
         if not _has_module("aiter"):
             return "aiter not installed"
-        return None if dev == "cuda" else f"aiter needs a GPU tensor, got device type {dev!r}"
+        if dev != "cuda":
+            return f"aiter needs a GPU tensor, got device type {dev!r}"
+        from kvtier.ops import _aiter
+
+        return _aiter.version_problem(op)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 

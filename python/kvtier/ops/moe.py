@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import torch
-
 import functools
 import importlib.util
 import json
 from pathlib import Path
+
+import torch
 
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
 from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
 
 register_backend("moe_route", "triton")
-register_backend("fused_moe", "triton")
+register_backend("fused_moe", "triton", "aiter")
+register_backend("moe_align_block_size", "hip")
 
 CONFIG_FILE = Path(importlib.util.find_spec("kvtier.triton_kernels").origin).parent / "configs" / "fused_moe.json"
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
@@ -45,40 +46,43 @@ def fused_moe_config(num_experts: int, n: int, k: int, dtype: torch.dtype, arch:
     return dict(buckets[str(pick)])
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort the (token, choice) pairs by expert and pad each expert's rows to ``block_m``.
-
-    Torch ops only, no host sync: sizes are the static upper bound
-    ``max_padded = T * k + E * (block_m - 1)`` (rounded up to ``block_m``).
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto"):
+    """Sort the (token, choice) pairs by expert and pad each expert's rows to ``block_m``: the row
+    layout of the grouped MoE GEMM.
 
     Args:
-        topk_ids: [T, k] int32 expert ids.
-        num_experts: E.
-        block_m: rows per tile of the grouped GEMM.
+        topk_ids: [num_tokens, top_k] int32 expert ids in ``[0, num_experts)``.
+        num_experts: E (1 .. 8192 for ``backend="hip"``).
+        block_m: rows per tile of the grouped GEMM (>= 1).
+        backend: "auto" | "torch" | "hip" ("auto" is torch: the torch version needs no host sync).
 
     Returns:
-        sorted_ids [max_padded] int32: flat pair index ``t * k + j`` grouped by expert (ascending
-        pair order within an expert), ``T * k`` in padding rows;
+        sorted_ids [max_padded] int32: flat pair index ``t * top_k + j`` grouped by expert (experts
+        in id order, ascending pair order within an expert), ``num_tokens * top_k`` in padding rows,
+        with ``max_padded = ceil((num_tokens * top_k + E * (block_m - 1)) / block_m) * block_m``;
         expert_ids [max_padded // block_m] int32: expert of each row block, -1 past the used ones;
         num_padded [1] int32: used length of sorted_ids (a multiple of block_m).
+
+    Raises:
+        ValueError/TypeError: a misshaped ``topk_ids``, ids out of range (checked on the host, one
+        sync), ``num_experts`` or ``block_m`` < 1.
     """
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    starts = ends - padded
-    order = torch.sort(flat, stable=True).indices
-    expert_of = flat[order]
-    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
-    sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, max_padded, block_m, device=dev)
-    expert_ids = torch.searchsorted(ends, block_start, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)
+    check_tensor(topk_ids, "topk_ids", ndim=2, dtypes=[torch.int32])
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts} and {block_m}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must be in [0, {num_experts}), got range "
+                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    resolved = resolve_backend("moe_align_block_size", backend, topk_ids.device, topk_ids.dtype)
+    with torch.profiler.record_function("kvtier::moe_align_block_size"):
+        if resolved == "hip":
+            from kvtier.ops import _native
+
+            lib = _native.gpu_kernels()
+            if num_experts > lib.MOE_ALIGN_MAX_EXPERTS:
+                raise ValueError(f"backend='hip' needs num_experts <= {lib.MOE_ALIGN_MAX_EXPERTS}, got {num_experts}")
+            return _native.moe_align_block_size(lib, topk_ids, num_experts, block_m)
+        return reference.moe_align_block_size(topk_ids, num_experts, block_m)
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -132,7 +136,7 @@ def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         cfg1 = fused_moe_config(num_experts, two_i, hidden, dtype, arch, num_tokens)
         cfg2 = fused_moe_config(num_experts, hidden, inter, dtype, arch, num_tokens)
     block_m = cfg1["BLOCK_M"]
-    sorted_ids, expert_ids, num_padded = moe_align_block_size(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids, num_padded = reference.moe_align_block_size(topk_ids, num_experts, block_m)
     num_pairs = topk_ids.numel()
     act = torch.empty(num_pairs, inter, dtype=dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
@@ -219,13 +223,16 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
 
     Raises:
         ValueError: misshaped weights or ids out of range.
+        BackendUnavailableError: the backend is not available, or cannot take these inputs
+            (``aiter``: bf16 or fp16 activations and weights of one dtype).
 
     Note:
         ``backend="triton"``: ``moe_align_block_size`` then two grouped-GEMM launches (gate/up with
         SiLU gating fused, then down weighted by ``topk_weights``); tiles from the data file
         :data:`CONFIG_FILE` keyed by (E, N, K, dtype, arch). The gated activation is stored in
         ``hidden_states.dtype`` between the two (as peers do); the per-choice outputs are fp32 and
-        summed over the k choices in fp32, deterministically (no atomics).
+        summed over the k choices in fp32, deterministically (no atomics). ``backend="aiter"``:
+        aiter's ``fused_moe`` (ROCm) on the same arguments, see :mod:`kvtier.ops._aiter`.
     """
     with torch.profiler.record_function("kvtier::fused_moe"):
         return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend)
@@ -254,4 +261,9 @@ def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend):
                              f"{w13.dtype} and {w2.dtype}")
         return _fused_moe_op(hidden_states.contiguous(), w13.contiguous(), w2.contiguous(), topk_weights.contiguous(),
                              topk_ids.contiguous())
+    if resolved == "aiter":
+        from kvtier.ops import _aiter
+
+        _aiter.check_fused_moe(hidden_states, w13, w2)
+        return _aiter.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)

@@ -20,8 +20,8 @@ from kvtier import reference
 from kvtier.ops.checks import check_tensor
 from kvtier.ops.dispatch import register_backend, resolve_backend
 
-register_backend("gather_pages", "triton")
-register_backend("scatter_pages", "triton")
+register_backend("gather_pages", "triton", "hip")
+register_backend("scatter_pages", "triton", "hip")
 
 _BLOCK = 1024  # words per program
 
@@ -86,27 +86,37 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
     launchable(kernel, args[0].device)[grid](*args, **kwargs)
 
 
+def _pages_native(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor, gather: bool) -> None:
+    from kvtier.ops import _native
+
+    _native.page_copy(_native.gpu_kernels(), kv_pools, pages, staging, gather=gather)
+
+
 @torch.library.custom_op("kvtier::gather_pages", mutates_args=("staging",))
-def _gather_pages_op(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor) -> None:
+def _gather_pages_op(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor, backend: str) -> None:
+    if backend == "hip":
+        return _pages_native(kv_pools, pages, staging, gather=True)
     from kvtier.triton_kernels.pages import gather_pages_kernel
 
     _pages_triton(gather_pages_kernel, kv_pools, pages, staging)
 
 
 @_gather_pages_op.register_fake
-def _(kv_pools, pages, staging):
+def _(kv_pools, pages, staging, backend):
     return None
 
 
 @torch.library.custom_op("kvtier::scatter_pages", mutates_args=("kv_pools",))
-def _scatter_pages_op(staging: torch.Tensor, kv_pools: list[torch.Tensor], pages: torch.Tensor) -> None:
+def _scatter_pages_op(staging: torch.Tensor, kv_pools: list[torch.Tensor], pages: torch.Tensor, backend: str) -> None:
+    if backend == "hip":
+        return _pages_native(kv_pools, pages, staging, gather=False)
     from kvtier.triton_kernels.pages import scatter_pages_kernel
 
     _pages_triton(scatter_pages_kernel, kv_pools, pages, staging)
 
 
 @_scatter_pages_op.register_fake
-def _(staging, kv_pools, pages):
+def _(staging, kv_pools, pages, backend):
     return None
 
 
@@ -120,7 +130,8 @@ def gather_pages(kv_pools: Sequence[torch.Tensor], pages: torch.Tensor, *, out: 
             pages any stride apart. Any dtype (bits are copied, NaN payloads included).
         pages: [num_blocks] int32/int64 page ids in ``[0, num_pages)``; repeats allowed.
         out: optional [num_blocks, num_layers, page_size, row] contiguous, pools' dtype and device.
-        backend: "auto" | "torch" | "triton" (see :mod:`kvtier.ops.dispatch`).
+        backend: "auto" | "torch" | "triton" | "hip" (see :mod:`kvtier.ops.dispatch`; "hip" moves
+            16-byte words when the pools' addresses, page size and page stride allow it).
 
     Returns:
         staging [num_blocks, num_layers, page_size, row]: ``staging[i, l] = kv_pools[l][pages[i]]``
@@ -144,8 +155,8 @@ def gather_pages(kv_pools: Sequence[torch.Tensor], pages: torch.Tensor, *, out: 
         else:
             _check_staging(out, "out", kv_pools, pages.numel())
         resolved = resolve_backend("gather_pages", backend, dev, kv_pools[0].dtype)
-        if resolved == "triton":
-            _gather_pages_op(list(kv_pools), pages, out)
+        if resolved in ("triton", "hip"):
+            _gather_pages_op(list(kv_pools), pages, out, resolved)
         else:
             out.copy_(reference.gather_pages(kv_pools, pages))
         return out
@@ -161,7 +172,7 @@ def scatter_pages(staging: torch.Tensor, kv_pools: Sequence[torch.Tensor], pages
         staging: [num_blocks, num_layers, page_size, row] contiguous, the pools' dtype and device.
         kv_pools: as in :func:`gather_pages`.
         pages: [num_blocks] int32/int64 distinct page ids in ``[0, num_pages)``.
-        backend: "auto" | "torch" | "triton".
+        backend: "auto" | "torch" | "triton" | "hip".
 
     Raises:
         ValueError / TypeError: mismatched pools or staging, a page id out of range or repeated.
@@ -172,7 +183,7 @@ def scatter_pages(staging: torch.Tensor, kv_pools: Sequence[torch.Tensor], pages
         _check_pages(pages, num_pages, dev, distinct=True)
         _check_staging(staging, "staging", kv_pools, pages.numel())
         resolved = resolve_backend("scatter_pages", backend, dev, kv_pools[0].dtype)
-        if resolved == "triton":
-            _scatter_pages_op(staging, list(kv_pools), pages)
+        if resolved in ("triton", "hip"):
+            _scatter_pages_op(staging, list(kv_pools), pages, resolved)
         else:
             reference.scatter_pages(staging, kv_pools, pages)

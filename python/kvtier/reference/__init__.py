@@ -6,13 +6,13 @@ each op states its DRAM bytes and FLOPs so tests and ``perf/`` share one formula
 
 from kvtier.reference.activation import silu_and_mul
 from kvtier.reference.mla import concat_and_cache_mla, mla_decode, mla_extend
-from kvtier.reference.moe import fused_moe, moe_route
+from kvtier.reference.moe import fused_moe, moe_align_block_size, moe_route
 from kvtier.reference.norm import rms_norm
 from kvtier.reference.pages import gather_pages, scatter_pages
 from kvtier.reference.rope import rope_interleaved
 from kvtier.reference.sampling import sample
 
 __all__ = [
-    "concat_and_cache_mla", "fused_moe", "gather_pages", "mla_decode", "mla_extend", "moe_route", "rms_norm",
-    "rope_interleaved", "sample", "scatter_pages", "silu_and_mul",
+    "concat_and_cache_mla", "fused_moe", "gather_pages", "mla_decode", "mla_extend", "moe_align_block_size", "moe_route",
+    "rms_norm", "rope_interleaved", "sample", "scatter_pages", "silu_and_mul",
 ]

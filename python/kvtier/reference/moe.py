@@ -3,6 +3,8 @@
 Routing bytes: ``T*E`` logits read, ``2*T*k`` written; FLOPs ~ ``T*E*log(E)``.
 fused_moe bytes: the weights of every hit expert (``3*I*H`` each) + ``2*T*H`` activations;
 FLOPs ``6*T*k*H*I``.
+moe_align_block_size bytes: ``T*k`` ids read, ``max_padded + max_padded / block_m`` int32 written
+(times 4); FLOPs: 0.
 """
 
 import torch
@@ -47,3 +49,26 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
         y = F.linear(F.silu(gate) * up, w2[e].float())
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
     return out.to(hidden_states.dtype)
+
+
+def moe_align_block_size(topk_ids, num_experts, block_m):
+    """The layout of :func:`kvtier.ops.moe_align_block_size` (see there), in torch ops without a host
+    sync: every size derives from the static bound ``max_padded``. ``topk_ids`` [T, k] int32 in
+    ``[0, num_experts)``; returns ``(sorted_ids, expert_ids, num_padded)``."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids[starts[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, max_padded, block_m, device=dev)
+    expert_ids = torch.searchsorted(ends, block_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)

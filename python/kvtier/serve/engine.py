@@ -5,11 +5,15 @@ from __future__ import annotations
 import itertools
 import operator
 import time
+from collections.abc import Sequence as Seq
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvtier import ops
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
 from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
@@ -32,7 +36,32 @@ class Engine:
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
+        self._failed: list[Sequence] = []  # requests that failed before running (reported by the next step)
         self.num_prefill_tokens = 0  # tokens run as prefill (prompt chunks and recomputation), not decodes
+        self.tokenizer = None
+        self._tool_compiler = None  # kvtier.toolcall.GrammarCompiler, built on the first request with tools
+        self._token_table = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = None  # llguidance.LLExecutor
+
+    def attach_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` (a :class:`kvtier.tokenize.KimiTokenizer`) to parse every output into
+        ``content``/``tool_calls`` and to build grammars for requests with tools."""
+        self.tokenizer = tokenizer
+
+    def _tool_constraint(self, params: SamplingParams):
+        """A fresh constraint for ``params.tool_grammar`` (compiling it on first use)."""
+        from kvtier.toolcall import GrammarCompiler, TokenTable, ToolCallConstraint
+
+        if self._tool_compiler is None:
+            import llguidance
+
+            eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
+            self._tool_compiler = GrammarCompiler(self.tokenizer, eot)
+            self._token_table = TokenTable(self.tokenizer, self._tool_compiler.end_of_turn_ids)
+            self._mask_executor = llguidance.LLExecutor()
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-masks")
+        return ToolCallConstraint(self._tool_compiler.matcher(params.tool_grammar), self._token_table, params.max_tokens)
 
     def check_request(self, prompt_token_ids, params: SamplingParams, index: int = 0) -> list[int]:
         """The prompt as a list of Python ints, after checking it fits this engine.
@@ -42,13 +71,15 @@ class Engine:
             max_position_embeddings, or one that cannot fit in the page pool; the message names
             ``prompt_token_ids[index]``.
         """
-        prompt = [_as_int(t) for t in prompt_token_ids]
         vocab, max_pos = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        prompt = _checked_int_array(prompt_token_ids, vocab)
+        if prompt is None:  # not an in-range integer array: check (and name) each id
+            prompt = [_as_int(t) for t in prompt_token_ids]
+            for j, t in enumerate(prompt):
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
         if len(prompt) == 0:
             raise ValueError(f"prompt_token_ids[{index}] is empty; a prompt needs at least one token")
-        for j, t in enumerate(prompt):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
         if len(prompt) > max_pos:
             raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
                              f"max_position_embeddings={max_pos}")
@@ -57,46 +88,114 @@ class Engine:
         if pages > self.config.num_device_pages:
             raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
                              f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
+        if params.tool_grammar is not None and self.tokenizer is None:
+            raise ValueError(f"sampling_params[{index}].tools needs a tokenizer: build the engine through "
+                             "LLM(..., tokenizer=DIR) or call Engine.attach_tokenizer(tokenizer)")
         return prompt
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, index: int = 0) -> int:
-        """Queue one prompt; returns its request id. Raises ValueError on a bad prompt."""
+    @property
+    def block_hash_salt(self) -> bytes:
+        """The salt of this engine's block hashes (model id, dtype and ``cache_salt``)."""
+        return self.pool.config.salt
+
+    def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
+                    prompt_block_hashes: Seq[bytes] | None = None) -> int:
+        """Queue one prompt; returns its request id.
+
+        Args:
+            prompt_token_ids: [num_tokens] ids: a list of ints or a 1-D integer array (an array
+                is range-checked in one vectorised pass).
+            params: sampling parameters.
+            index: the prompt's position, for error messages.
+            prompt_block_hashes: the chained hashes of the prompt's first full pages, as a
+                :class:`kvtier.tokenize.TokenBuffer` built with ``page_size`` and
+                :attr:`block_hash_salt` keeps them (``block_hashes(prompt, page_size,
+                salt=block_hash_salt)[:n]``, ``n <= len(prompt) // page_size``). The prefix
+                lookup then hashes only the pages after them. The last given hash is checked
+                against its predecessor and its page's ids, which catches a wrong salt, page
+                size or prompt; the chain before it is trusted.
+
+        Raises:
+            ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
+                are too many, not 16-byte ``bytes``, or do not match the prompt.
+        """
         prompt = self.check_request(prompt_token_ids, params, index)
+        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen)
+        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
+                       block_hashes=hashes)
         self._sequences[seq.seq_id] = seq
+        if self.tokenizer is not None:
+            from kvtier.toolcall import ToolCallParser
+
+            seq.parser = ToolCallParser.for_tokenizer(self.tokenizer)
+        if params.tool_grammar is not None:
+            try:
+                seq.constraint = self._tool_constraint(params)
+            except ValueError as e:  # a grammar llguidance rejects fails this request only
+                seq.error = f"{type(e).__name__}: {e}"
+                seq.finish_reason = "error"
+                seq.metrics.finish_time = time.perf_counter()
+                self._failed.append(seq)
+                return seq.seq_id
         self.scheduler.add(seq)
         return seq.seq_id
 
+    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int) -> list[bytes]:
+        """``hashes`` as a list after the checks :meth:`add_request` documents."""
+        hashes = list(hashes)
+        ps, n = self.config.page_size, len(hashes)
+        where = f"prompt_block_hashes for prompt {index}"
+        if n > len(prompt) // ps:
+            raise ValueError(f"{where}: {n} hashes for a prompt of {len(prompt)} tokens; at most "
+                             f"{len(prompt) // ps} full pages of page_size={ps}")
+        if n == 0:
+            return hashes
+        last = hashes[-1]
+        if not (isinstance(last, bytes) and len(last) == BLOCK_HASH_BYTES
+                and all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes)):
+            raise ValueError(f"{where}: each hash must be {BLOCK_HASH_BYTES} bytes")
+        parent = hashes[-2] if n > 1 else None
+        if block_hashes(prompt[(n - 1) * ps:n * ps], ps, parent, self.block_hash_salt) != [last]:
+            raise ValueError(f"{where}: hash {n - 1} does not match the prompt's page {n - 1} with page_size={ps} "
+                             "and this engine's block_hash_salt (a TokenBuffer built for another engine?)")
+        return hashes
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._failed)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; returns the requests that finished in it."""
+        failed = [self._output(self._sequences.pop(s.seq_id)) for s in self._failed]
+        self._failed = []
+        if failed and not self.scheduler.has_unfinished():
+            return failed
         batch = self.scheduler.schedule()
         if not batch and self.scheduler.loading:
             self.pool.wait_for_loads(timeout_s=0.05)
-            return []
+            return failed
         if not batch:  # pages may be held by background copies: let them finish, then retry once
             self.pool.poll(wait=True)
             batch = self.scheduler.schedule()
         if not batch and not self.scheduler.loading:
             raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
         if not batch:
-            return []
+            return failed
         t0 = time.perf_counter()
+        masks = self._start_masks(batch)  # computed on another thread while the model runs
         results = self.runner.run(batch)
+        masks = masks.result() if masks is not None else {}
         self.num_prefill_tokens += sum(n for _, n in batch.extends)
         if batch.extends:
             self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
-        finished = []
+        finished = failed
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
             seq.num_computed_tokens += n
             self.pool.register_computed(seq)
             try:
-                done = self._postprocess(seq, results[seq.seq_id])
+                done = self._postprocess(seq, results[seq.seq_id], masks.get(seq.seq_id))
             except Exception as e:  # one bad request must not stop the others
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.metrics.finish_time = time.perf_counter()
@@ -108,13 +207,39 @@ class Engine:
 
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
+        request_ids = set(request_ids)
+        self._failed = [s for s in self._failed if s.seq_id not in request_ids]
         for rid in request_ids:
             seq = self._sequences.pop(rid, None)
             if seq is not None:
                 self.scheduler.abort(seq)
 
-    def _postprocess(self, seq: Sequence, res: SeqLogits) -> bool:
-        """Record logprobs and the sampled token; True when ``seq`` finished."""
+    def _start_masks(self, batch):
+        """Start filling the allowed-token rows of the constrained sequences that sample this step;
+        returns a future of ``{seq_id: [1, ceil(vocab / 32)] int32 row or error message}``, or None."""
+        seqs = [s for s, n in batch.extends if s.constraint is not None and s.num_computed_tokens + n == s.num_tokens]
+        seqs += [s for s in batch.decodes if s.constraint is not None]
+        if not seqs:
+            return None
+        return self._mask_thread.submit(self._fill_masks, seqs)
+
+    def _fill_masks(self, seqs: list[Sequence]) -> dict:
+        from kvtier.toolcall import fill_bitmasks
+
+        words = (self.model_config.vocab_size + 31) // 32
+        bitmask = torch.zeros((len(seqs), words), dtype=torch.int32, pin_memory=self.runner.device.type == "cuda")
+        try:
+            errors = fill_bitmasks([s.constraint for s in seqs], bitmask.numpy(), self._mask_executor)
+        except Exception as e:  # noqa: BLE001 - reported on these requests, the engine keeps serving
+            errors = [f"{type(e).__name__}: {e}"] * len(seqs)
+        return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
+
+    def _postprocess(self, seq: Sequence, res: SeqLogits, token_bitmask=None) -> bool:
+        """Record logprobs and the sampled token; True when ``seq`` finished.
+
+        ``token_bitmask``: ``[1, ceil(vocab / 32)]`` int32 allowed tokens of a constrained
+        sequence, or the message of the error that left it without one (raised here).
+        """
         if res.prompt_logits is not None:
             targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
             lp = torch.log_softmax(res.prompt_logits, -1).gather(1, targets[:, None].to(res.prompt_logits.device))
@@ -126,16 +251,27 @@ class Engine:
         logits = res.next_token[None]
         as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
         temperature = 0.0 if params.greedy else params.temperature
-        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p),
+        if isinstance(token_bitmask, str):
+            from kvtier.toolcall import GrammarError
+
+            raise GrammarError(token_bitmask)
+        if token_bitmask is not None:
+            token_bitmask = token_bitmask.to(logits.device, non_blocking=True)
+        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p), token_bitmask=token_bitmask,
                                generator=seq.generator or self.generator, backend=self.runner.model.backend)[0])
+        if seq.constraint is not None:  # may replace a token that leaves no room to finish the turn
+            token = seq.constraint.take(token)
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
         seq.output_token_ids.append(token)
+        if seq.parser is not None:
+            seq.parser.feed_ids([token])
         now = time.perf_counter()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         reason = None
-        if token in self.model_config.eos_token_id and not params.ignore_eos:
+        if (seq.constraint is not None and seq.constraint.finished) or (
+                token in self.model_config.eos_token_id and not params.ignore_eos):
             reason = "stop"
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.model_config.max_position_embeddings:
             reason = "length"
@@ -147,6 +283,10 @@ class Engine:
 
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
+        parsed = {}
+        if seq.parser is not None:
+            seq.parser.finish()
+            parsed = seq.parser.result()
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -158,7 +298,17 @@ class Engine:
             cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            **parsed,
         )
+
+
+def _checked_int_array(ids, vocab: int) -> list[int] | None:
+    """``ids`` as a list when it is a 1-D integer numpy array with every id in [0, vocab), else None."""
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return None
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        return None
+    return ids.tolist()
 
 
 def _as_int(t):

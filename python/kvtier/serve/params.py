@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -31,9 +32,21 @@ class SamplingParams:
         logprobs: return the log-probability of each generated token (under the unscaled
             model distribution).
         prompt_logprobs: return the log-probability of each prompt token after the first.
+        tools: OpenAI-style function tools; when given (non-empty), the whole turn is decoded
+            under a grammar of K2's tool-call format whose arguments match each tool's schema
+            (:mod:`kvtier.toolcall`), and the output carries ``content`` and ``tool_calls``.
+            Parameters must be in the schema subset Kimi's API accepts. Needs an engine with a
+            tokenizer (``LLM(..., tokenizer=DIR)``).
+        tool_choice: ``"auto"`` (text and/or calls), ``"none"`` (text only), ``"required"``
+            (one or more calls, no text) or ``{"type": "function", "function": {"name": NAME}}``.
+        parallel_tool_calls: allow several calls in one turn.
+
+    A constrained turn ends when its grammar is complete (``ignore_eos`` does not apply), and
+    when the shortest completion needs all remaining tokens of ``max_tokens`` that completion
+    is forced, so calls are not cut off whenever ``max_tokens`` leaves room for one.
 
     Raises:
-        ValueError: a field out of range.
+        ValueError: a field out of range; for tools, naming ``tools[i]...`` or ``tool_choice``.
     """
 
     max_tokens: int = 16
@@ -43,6 +56,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     prompt_logprobs: bool = False
+    tools: Any = None
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    # Derived from the tool fields: the turn grammar (None: unconstrained).
+    tool_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -57,6 +75,19 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool (top-N alternatives are not returned), "
                                  f"got {getattr(self, name)!r}")
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        if not isinstance(self.parallel_tool_calls, bool):
+            raise ValueError(f"parallel_tool_calls must be a bool, got {self.parallel_tool_calls!r}")  # noqa: TRY004
+        if self.tools is None and self.tool_choice == "auto":
+            return
+        from kvtier.toolcall import normalize_tool_choice, normalize_tools, turn_grammar
+
+        specs = normalize_tools(self.tools if self.tools is not None else [])
+        choice = normalize_tool_choice(self.tool_choice, specs)
+        if specs:
+            object.__setattr__(self, "tool_grammar", turn_grammar(specs, choice, self.parallel_tool_calls))
 
     @property
     def greedy(self) -> bool:
@@ -99,9 +130,17 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from cached blocks, from any tier.
         cached_tokens_by_tier: the same tokens split by the tier they came from
             (``{"device", "host", "disk"}``).
-        finish_reason: ``"length"``, ``"stop"`` (an end-of-sequence token) or ``"error"``.
+        finish_reason: ``"length"``, ``"stop"`` (an end-of-sequence token, or a tool grammar
+            completed) or ``"error"``.
         error: what went wrong when ``finish_reason == "error"``, else None.
         metrics: timings.
+        content: the answer text (special tokens removed), when the engine has a tokenizer;
+            else None.
+        reasoning_content: text between ``<think>`` and ``</think>`` (None without a tokenizer).
+        tool_calls: ``[{"id", "name", "arguments"}]`` with ``arguments`` a JSON string, in
+            order (None without a tokenizer).
+        tool_call_problems: calls that could not be returned (e.g. ``incomplete`` when the
+            output was cut), as :meth:`kvtier.toolcall.ToolCallProblem.to_dict` dicts.
     """
 
     request_id: int
@@ -114,3 +153,7 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     metrics: RequestMetrics = field(repr=False, default=None)  # type: ignore[assignment]
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_problems: list[dict] | None = None

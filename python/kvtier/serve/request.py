@@ -48,6 +48,8 @@ class Sequence:
     prefix_done: bool = False  # the cached prefix was matched (and loaded) since the last admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is set on the first admission only)
     error: str | None = None
+    constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
+    parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs and not self.prompt_logprobs:

@@ -58,7 +58,7 @@ class ListIdStore:
         return len(self._ids)
 
 
-def default_store(page_size: int = 64) -> IdStore:
+def default_store(page_size: int = 64, salt: bytes = b"") -> IdStore:
     """The C++ fused token buffer when the native extension has it, else a :class:`ListIdStore`."""
     try:
         from kvtier import _C
@@ -66,7 +66,7 @@ def default_store(page_size: int = 64) -> IdStore:
         if hasattr(_C, "TokenBuffer"):
             from kvtier.tokenize.buffer import TokenBuffer
 
-            return TokenBuffer(page_size)
+            return TokenBuffer(page_size, salt)
     except ImportError:
         pass
     return ListIdStore()
@@ -78,6 +78,22 @@ class AppendResult:
 
     new_ids: list[int]  # ids appended after the rollback (re-encoded ones included)
     rolled_back: int  # ids removed from the end before appending
+
+
+_IMMUTABLE = (str, int, float, bool, type(None))
+
+
+def _snapshot(x):
+    """A deep copy of JSON-like data (dicts, lists, immutable scalars), 3-4x faster than
+    ``copy.deepcopy`` on messages; anything else goes through ``copy.deepcopy``."""
+    t = type(x)
+    if t is dict:
+        return {k: _snapshot(v) for k, v in x.items()}
+    if t is list:
+        return [_snapshot(v) for v in x]
+    if t in _IMMUTABLE:
+        return x
+    return copy.deepcopy(x)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -107,6 +123,8 @@ class SessionEncoder:
             (keeps the block-hash chain of full ``page_size`` pages; ``ids`` is then a uint32
             numpy array) when ``kvtier._C`` has it, else a Python list.
         page_size: tokens per KV page for the default C++ buffer's hash chain.
+        salt: tenant salt of that chain (an engine's ``block_hash_salt``, so that
+            :meth:`block_hashes` can be handed to ``Engine.add_request``).
 
     Example:
         >>> enc = SessionEncoder(tok)                                         # doctest: +SKIP
@@ -117,14 +135,14 @@ class SessionEncoder:
 
     def __init__(self, tokenizer: KimiTokenizer, mode: Literal["canonical", "tito"] = "canonical", *,
                  add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None,
-                 page_size: int = 64):
+                 page_size: int = 64, salt: bytes = b""):
         if mode not in ("canonical", "tito"):
             raise ValueError(f"mode must be 'canonical' or 'tito', got {mode!r}")
         self.tokenizer = tokenizer
         self.mode = mode
         self.add_generation_prompt = add_generation_prompt
         self.thinking = thinking
-        self._store: IdStore = store if store is not None else default_store(page_size)
+        self._store: IdStore = store if store is not None else default_store(page_size, salt)
         if len(self._store):
             raise ValueError("store must start empty")
         self._parts: list[str] = []  # rendered parts the ids encode (last may hold generated text)
@@ -152,6 +170,14 @@ class SessionEncoder:
         Copying costs about one memcpy of the ids (~0.6 MB at 160K tokens).
         """
         return self._store.ids().copy()
+
+    def block_hashes(self) -> list[bytes] | None:
+        """Chained hashes of every full page of :attr:`ids` (16 bytes each), kept by the C++
+        token buffer as ids are appended and rolled back: ``kvtier.cache.block_hashes(ids,
+        page_size, salt=salt)``, at O(pages) cost and no hashing. None when the store keeps no
+        hashes (a :class:`ListIdStore`)."""
+        get = getattr(self._store, "block_hashes", None)
+        return get() if get is not None else None
 
     @property
     def text(self) -> str:
@@ -191,14 +217,15 @@ class SessionEncoder:
             return ""
         if type(tools) is not list or tools != self._tools_copy:
             part = render_tools(tools)  # validates
-            self._tools_copy, self._tools_part = copy.deepcopy(list(tools)), part
+            self._tools_copy, self._tools_part = _snapshot(list(tools)), part
         return self._tools_part
 
     def _unchanged_messages(self, messages: Sequence[dict]) -> int:
         """Length of the prefix of ``messages`` equal to the copies kept from the last call."""
         old = self._msgs
         n = min(len(old), len(messages))
-        if old[:n] == list(messages[:n]):  # one C-level compare in the usual append-only case
+        head = messages[:n] if type(messages) is list else list(messages[:n])
+        if (old if n == len(old) else old[:n]) == head:  # one C-level compare when append-only
             return n
         j = 0
         while old[j] == messages[j]:
@@ -228,7 +255,7 @@ class SessionEncoder:
             msg = messages[i]
             part, n = render_message(msg, i, thinking=self.thinking, history=i < n_hist, call_index=calls)
             calls += n
-            msgs.append(copy.deepcopy(msg))
+            msgs.append(_snapshot(msg))
             msg_parts.append(part)
             msg_calls.append(calls)
         parts = header + msg_parts

@@ -138,7 +138,7 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
     cal = dataclasses.replace(
         opts, seed=calibration_seed, trace=None, configs="tiered,device-only"
     )
-    model, model_id, workload, sizing, base = prepare(cal)
+    model, model_id, workload, sizing, base, _ = prepare(cal)
     warm_up(model, base)
     log = StepLog()
     tier_costs, host_job_s, disk_job_s = None, 0.0, 0.0
@@ -211,7 +211,7 @@ def simulate_bench(
 ) -> list[SimRun]:
     """``opts``' bench run re-enacted in virtual time with ``costs`` (same workload, tier sizes,
     closed loop and configurations)."""
-    model, _, wl, sizing, base = prepare(opts)
+    model, _, wl, sizing, base, _ = prepare(opts)
     wl = wl if workload is None else workload
     links = TierLinks(sizing.block_bytes, costs.host, costs.host, costs.disk)
     runs = []

@@ -1,0 +1,6 @@
+// Paged MLA decode, q/out BF16, cache E4M3FN (one instantiation per file; see kvtier/mla_decode_kernel.h).
+#include "kvtier/mla_decode_kernel.h"
+
+namespace kvtier {
+template void launch_mla_decode_typed<BF16, E4M3FN>(const MlaDecodeParams& p, hipStream_t stream);
+}  // namespace kvtier

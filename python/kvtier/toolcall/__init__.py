@@ -1,0 +1,57 @@
+"""Kimi K2 tool calls: the accepted schema subset, a streaming parser, and schema-constrained
+decoding of whole assistant turns.
+
+- :func:`validate_schema` / :class:`SchemaLimits`: the JSON-schema subset Kimi's API accepts.
+- :func:`normalize_tools`, :func:`normalize_tool_choice`: request tools checked for grammars.
+- :class:`ToolCallParser`: content, reasoning and each call as soon as it ends.
+- :func:`turn_grammar`, :class:`GrammarCompiler`: llguidance grammars of a turn with tools.
+- :class:`ToolCallConstraint`, :func:`fill_bitmasks`: per-request masks, closing before max_tokens.
+"""
+
+from kvtier.toolcall.constrain import (
+    JsonNesting,
+    TokenTable,
+    ToolCallConstraint,
+    closing_tokens,
+    fill_bitmasks,
+)
+from kvtier.toolcall.grammar import GrammarCompiler, GrammarError, turn_grammar
+from kvtier.toolcall.parser import (
+    ContentDelta,
+    ReasoningDelta,
+    ToolCall,
+    ToolCallParser,
+    ToolCallProblem,
+    parse_call,
+)
+from kvtier.toolcall.schema import (
+    SchemaLimits,
+    ToolSchemaError,
+    parse_schema,
+    validate_schema,
+)
+from kvtier.toolcall.tools import ToolSpec, normalize_tool_choice, normalize_tools
+
+__all__ = [
+    "ContentDelta",
+    "GrammarCompiler",
+    "GrammarError",
+    "JsonNesting",
+    "ReasoningDelta",
+    "SchemaLimits",
+    "TokenTable",
+    "ToolCall",
+    "ToolCallConstraint",
+    "ToolCallParser",
+    "ToolCallProblem",
+    "ToolSchemaError",
+    "ToolSpec",
+    "closing_tokens",
+    "fill_bitmasks",
+    "normalize_tool_choice",
+    "normalize_tools",
+    "parse_call",
+    "parse_schema",
+    "turn_grammar",
+    "validate_schema",
+]

@@ -1,0 +1,334 @@
+"""Per-request grammar state for tool-call constrained decoding, and batched mask filling.
+
+Each constrained request owns a :class:`ToolCallConstraint` (an llguidance matcher over the
+turn grammar of :mod:`kvtier.toolcall.grammar`). Every step, :func:`fill_bitmasks` writes one
+packed allowed-token row per request (the layout ``kvtier.ops.sample(..., token_bitmask=...)``
+takes: bit ``j % 32`` of int32 word ``j // 32`` set = token ``j`` allowed), all rows in one
+llguidance call that runs on its own threads without the GIL.
+
+**Closing before max_tokens.** A grammar can always be finished, but the model may not head
+there: a string can go on forever (and a random model never closes one). So the constraint
+keeps an estimate of the shortest completion of the turn — found greedily with the matcher:
+forced tokens first, then whichever allowed token closes most JSON nesting, see
+:func:`closing_tokens` — and once that completion needs every remaining token of
+``max_tokens``, it forces it token by token; near the end of the budget a sampled token after
+which the turn could no longer be finished in time is replaced by the completion's first token.
+A turn therefore ends with complete calls whenever ``max_tokens`` leaves room for the shortest
+completion when the watch starts; otherwise the output is cut and the parser reports the open
+call as incomplete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtier.toolcall.grammar import GrammarError
+from kvtier.toolcall.parser import ARGUMENT_BEGIN, CALL_END, SECTION_END
+
+_QUOTE, _BACKSLASH = 0x22, 0x5C
+_OPEN, _CLOSE = (0x7B, 0x5B), (0x7D, 0x5D)
+_STRUCTURAL = b'"}]0,:'  # closing candidates, in order of preference at equal nesting
+MAX_CLOSING_TOKENS = 4096  # give up estimating a completion longer than this
+CHECK_INTERVAL = 32  # tokens between completion estimates while far from max_tokens
+WINDOW_TOKENS = 64  # watch every token once max_tokens is this close beyond twice the shortest completion
+ROLLOUT_TOKENS = 128  # look-ahead of a tie-break between candidate tokens
+MAX_ROLLOUT_CHOICES = 16  # tie-break by look-ahead only among this many candidates
+
+
+@dataclass
+class JsonNesting:
+    """Open JSON containers and string state of the bytes seen since the last special token."""
+
+    depth: int = 0
+    in_string: bool = False
+    escape: bool = False
+
+    def feed(self, data: bytes) -> JsonNesting:
+        for b in data:
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif b == _BACKSLASH:
+                    self.escape = True
+                elif b == _QUOTE:
+                    self.in_string = False
+            elif b == _QUOTE:
+                self.in_string = True
+            elif b in _OPEN:
+                self.depth += 1
+            elif b in _CLOSE:
+                self.depth -= 1
+        return self
+
+    def copy(self) -> JsonNesting:
+        return JsonNesting(self.depth, self.in_string, self.escape)
+
+    @property
+    def openness(self) -> int:
+        """Containers still open, counting an open string as one."""
+        return self.depth + int(self.in_string)
+
+
+class TokenTable:
+    """Byte strings of token ids and the ids of the special markers, for one tokenizer."""
+
+    def __init__(self, tokenizer, end_of_turn_ids):
+        self.tokenizer = tokenizer
+        self.end_of_turn = tuple(end_of_turn_ids)
+        self.vocab_size = tokenizer.n_vocab
+        self.special = set(tokenizer.special_ids)
+        self.markers = [
+            tokenizer.token_id(m) for m in (CALL_END, SECTION_END[0], ARGUMENT_BEGIN)
+        ]
+        ranks = tokenizer._enc._mergeable_ranks
+        self.byte_token = {
+            b: ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks
+        }
+        self.structural = [self.byte_token[b] for b in _STRUCTURAL]
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes_of(self, token: int) -> bytes:
+        data = self._bytes.get(token)
+        if data is None:
+            data = self._bytes[token] = self.tokenizer.decode_bytes([token])
+        return data
+
+    def advance(self, nesting: JsonNesting, token: int) -> JsonNesting:
+        """``nesting`` after ``token`` (special tokens start a fresh JSON context)."""
+        if token in self.special:
+            return JsonNesting()
+        return nesting.feed(self.bytes_of(token))
+
+
+def _allowed_single_bytes(matcher, table: TokenTable) -> list[int]:
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+    return [
+        t
+        for t in sorted(table.byte_token.values())
+        if (words[t >> 5] >> np.uint32(t & 31)) & 1
+    ]
+
+
+def _candidates(
+    matcher, table: TokenTable, nesting: JsonNesting
+) -> list[tuple[tuple, int]]:
+    """Allowed next tokens of a short completion with their sort keys, best first: an end marker
+    if one is allowed; else structural characters if one does not open more JSON; else every
+    allowed single byte, keyed by (JSON left open, no closing character allowed after it, byte)."""
+    for t in table.markers:
+        if matcher.validate_tokens([t]):
+            return [((0, 0, 0), t)]
+    found = []
+    for rank, t in enumerate(table.structural):
+        if matcher.validate_tokens([t]):
+            found.append(((table.advance(nesting.copy(), t).openness, 0, rank), t))
+    found.sort()
+    if found and found[0][0][0] <= nesting.openness:
+        return found
+    for t in _allowed_single_bytes(matcher, table):
+        after = table.advance(nesting.copy(), t)
+        matcher.consume_token(t)
+        can_close = any(matcher.validate_tokens([c]) for c in table.structural[:3])
+        matcher.rollback(1)
+        found.append(((after.openness, 0 if can_close else 1, t), t))
+    return sorted(found)
+
+
+def _pick(matcher, table: TokenTable, nesting: JsonNesting, rollout: int) -> int | None:
+    """The best candidate; when several tie on the first two keys (e.g. the first letters of
+    property names), the one whose own greedy completion (up to ``rollout`` tokens) is shortest."""
+    found = _candidates(matcher, table, nesting)
+    if not found:
+        return None
+    ties = [t for key, t in found if key[:2] == found[0][0][:2]]
+    if rollout and 1 < len(ties) <= MAX_ROLLOUT_CHOICES:
+
+        def length(t):
+            m = matcher.deep_copy()
+            m.consume_token(t)
+            path = closing_tokens(
+                m, table, table.advance(nesting.copy(), t), rollout, rollout=0
+            )
+            return len(path) if path is not None else rollout + 1
+
+        return min(ties, key=length)
+    return found[0][1]
+
+
+def closing_tokens(
+    matcher,
+    table: TokenTable,
+    nesting: JsonNesting,
+    limit: int = MAX_CLOSING_TOKENS,
+    rollout: int = ROLLOUT_TOKENS,
+):
+    """A short sequence of tokens that completes the turn from ``matcher``'s state, ending with an
+    end-of-turn id; None if none was found within ``limit`` tokens. ``matcher`` is unchanged.
+
+    Greedy: forced tokens (llguidance's fast-forward) first, else :func:`_pick`. Not always the
+    shortest completion, but one that closes what is open before it opens anything new.
+    """
+    m = matcher.deep_copy()
+    nesting = nesting.copy()
+    path: list[int] = []
+    while len(path) < limit:
+        if m.is_accepting():
+            return path + [table.end_of_turn[0]]
+        forced = m.compute_ff_tokens()
+        if forced and m.try_consume_tokens(forced) == len(forced):
+            step = forced
+        else:
+            t = _pick(m, table, nesting, rollout)
+            if t is None or not m.consume_token(t):
+                return None
+            step = [t]
+        for t in step:
+            nesting = table.advance(nesting, t)
+        path += step
+    return None
+
+
+class ToolCallConstraint:
+    """The grammar state of one request.
+
+    Args:
+        matcher: a fresh ``llguidance.LLMatcher`` of the request's turn grammar.
+        table: the tokenizer's :class:`TokenTable`.
+        max_tokens: the request's ``max_tokens`` (closing is planned against it).
+
+    Near the end of the budget (within ``2 * shortest + WINDOW_TOKENS`` tokens of ``max_tokens``)
+    every sampled token is checked: if the turn could no longer be completed after it, the
+    first token of the shortest completion is taken instead and the rest is forced. Once a
+    completion fits when the watch starts, the turn always ends complete.
+    """
+
+    def __init__(self, matcher, table: TokenTable, max_tokens: int):
+        self.matcher = matcher
+        self.table = table
+        self.max_tokens = max_tokens
+        self.num_tokens = 0  # tokens consumed
+        self.nesting = JsonNesting()
+        self.finished = False
+        self._forced: list[int] = []  # committed completion, next token first
+        self._closing: list[int] | None = (
+            None  # a short completion from the state at _closing_at
+        )
+        self._closing_at = -1
+        self._watch = False
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left before ``max_tokens``."""
+        return self.max_tokens - self.num_tokens
+
+    @property
+    def watching(self) -> bool:
+        """Every sampled token is checked against the budget (the end of ``max_tokens`` is near)."""
+        return self._watch
+
+    def _closing_now(self) -> list[int] | None:
+        if self._closing_at != self.num_tokens:
+            self._closing, self._closing_at = (
+                closing_tokens(self.matcher, self.table, self.nesting),
+                self.num_tokens,
+            )
+        return self._closing
+
+    def plan(self) -> int | None:
+        """The token this step must take (a committed completion), or None to compute a mask."""
+        if self._forced:
+            return self._forced[0]
+        if not self._watch and (
+            self._closing_at < 0 or self.num_tokens - self._closing_at >= CHECK_INTERVAL
+        ):
+            path = self._closing_now()
+            self._watch = (
+                self.remaining
+                <= 2 * (len(path) if path else MAX_CLOSING_TOKENS) + WINDOW_TOKENS
+            )
+        if self._watch:
+            path = self._closing_now()
+            if path is not None and len(path) >= self.remaining:
+                self._forced = list(path)
+                return path[0]
+        return None
+
+    def take(self, token: int) -> int:
+        """Consume the sampled ``token``, or the first token of the shortest completion when
+        ``token`` would leave too few tokens to finish; returns the token taken.
+
+        Raises:
+            GrammarError: the grammar does not allow ``token`` (the mask was not applied).
+        """
+        if self._forced or not self._watch or token in self.table.end_of_turn:
+            self.consume(token)
+            return token
+        before, nesting = self._closing_now(), self.nesting.copy()
+        self.consume(token)
+        # The model follows the completion: the rest of it still fits.
+        if before and before[0] == token:
+            self._closing, self._closing_at = before[1:], self.num_tokens
+        after = self._closing_now()
+        if before is None or (after is not None and len(after) <= self.remaining):
+            return token
+        self.matcher.rollback(1)
+        self.num_tokens -= 1
+        self.nesting = nesting
+        self._forced = list(before)
+        self.consume(before[0])
+        return before[0]
+
+    def consume(self, token: int) -> None:
+        """Advance the grammar by ``token``.
+
+        Raises:
+            GrammarError: the grammar does not allow ``token``.
+        """
+        if self._forced:
+            self._forced = self._forced[1:] if self._forced[0] == token else []
+        if token in self.table.end_of_turn and self.matcher.is_accepting():
+            self.num_tokens += 1
+            self.finished = True
+            return
+        if not self.matcher.consume_token(token):
+            raise GrammarError(
+                f"token {token} is not allowed by the tool grammar: {self.matcher.get_error()}"
+            )
+        self.num_tokens += 1
+        self.nesting = self.table.advance(self.nesting, token)
+
+
+def fill_bitmasks(constraints, bitmask: np.ndarray, executor=None) -> list[str | None]:
+    """Fill row ``i`` of ``bitmask`` ([n, ceil(vocab / 32)] int32, C-contiguous) with the tokens
+    ``constraints[i]`` allows now; a committed completion allows exactly its next token.
+
+    Returns:
+        per row, None or the error that left the row unfilled (a matcher in an error state, or a
+        failed plan); one request's failure does not affect the other rows.
+    """
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    errors: list[str | None] = [None] * len(constraints)
+    pending = []
+    for i, c in enumerate(constraints):
+        try:
+            if c.matcher.is_error():
+                raise GrammarError(f"tool grammar failed: {c.matcher.get_error()}")
+            forced = c.plan()
+        except Exception as e:  # noqa: BLE001 - reported on that request only
+            errors[i] = f"{type(e).__name__}: {e}"
+            continue
+        if forced is None:
+            pending.append((c.matcher, i))
+        else:
+            bitmask[i] = 0
+            bitmask[i, forced >> 5] = np.uint32(1 << (forced & 31)).view(np.int32)
+    if pending:
+        if executor is None:
+            import llguidance
+
+            executor = llguidance.LLExecutor()
+        fill_next_token_bitmask_par(executor, pending, bitmask)
+    return errors

@@ -1,0 +1,578 @@
+"""The JSON-schema subset Kimi's API accepts for tool ``parameters`` ("Moonshot Flavored JSON
+Schema", MFJS), as a validator with clear errors.
+
+The rules follow the behaviour pinned by Moonshot's validator test set
+(``../shared/toolcalls/walle/testdata/validator_cases``, run at its test level with a nesting
+limit of 5): keywords ``type`` (a type or a list of types), ``properties``, ``required``,
+``additionalProperties``, ``items``, ``enum``, ``anyOf``, ``$defs`` (root only), ``$ref``
+(``#`` or ``#/$defs/...``), ``$id`` (root only), ``minLength``/``maxLength``/``pattern``,
+``minimum``/``maximum``, ``minItems``/``maxItems`` and the annotations ``description``,
+``title``, ``default``. Each type admits only its own keywords; ``anyOf`` and ``$ref`` admit no
+sibling keywords but annotations; a ``$ref`` chain reached through required properties must be
+able to terminate. See KIMI.md, "Tool-call schemas".
+
+Errors are :class:`ToolSchemaError` (a ``ValueError``) whose message starts with the JSON path
+of the offending schema, e.g. ``tools[0].function.parameters.properties.user: $ref must be a
+string``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from kvtier.toolcall.schema_refs import (
+    ANNOTATIONS,
+    check_recursion,
+    def_depths,
+    resolve_ref,
+    terminates,
+    types_of,
+)
+
+TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
+ROOT_ONLY = frozenset({"$defs", "$id"})
+SUPPORTED = frozenset(
+    {
+        "type",
+        "properties",
+        "additionalProperties",
+        "items",
+        "enum",
+        "required",
+        "anyOf",
+        "description",
+        "$defs",
+        "$ref",
+        "title",
+        "$id",
+        "default",
+        "maxLength",
+        "minLength",
+        "maximum",
+        "minimum",
+        "maxItems",
+        "minItems",
+        "pattern",
+    }
+)
+_KEYWORDS_OF_TYPE = {
+    "object": {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "$ref",
+        "anyOf",
+        "default",
+    },
+    "array": {"type", "items", "minItems", "maxItems", "$ref", "default"},
+    "string": {"type", "minLength", "maxLength", "pattern", "enum", "default"},
+    "number": {"type", "minimum", "maximum", "enum", "default"},
+    "integer": {"type", "minimum", "maximum", "enum", "default"},
+    "boolean": {"type", "enum", "default"},
+    "null": {"type", "enum", "default"},
+}
+RESERVED_PROPERTY_NAMES = frozenset(
+    {"$defs", "$ref", "anyOf", "required", "additionalProperties"}
+)
+
+
+class ToolSchemaError(ValueError):
+    """A schema outside the accepted subset. ``unparsable`` is True when the text is not a JSON
+    object at all (Moonshot's "JSON schema parsing error")."""
+
+    def __init__(self, message: str, path: str = "", unparsable: bool = False):
+        super().__init__(f"{path}: {message}" if path else message)
+        self.path = path
+        self.unparsable = unparsable
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """Size limits of an accepted schema (defaults: Moonshot's validator test configuration).
+
+    Attributes:
+        max_depth: nesting levels of ``properties`` (a ``$ref`` adds its target's depth).
+        max_anyof_items: branches of one ``anyOf``.
+        max_enum_items: values of one ``enum``.
+        max_enum_string_length: total characters of an ``enum`` with more than
+            ``enum_string_check_threshold`` string or number values.
+        enum_string_check_threshold: see ``max_enum_string_length``.
+        max_schema_size: characters of the compact JSON text.
+        max_total_property_keys: ``properties`` entries over the whole schema.
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    max_depth: int = 5
+    max_anyof_items: int = 500
+    max_enum_items: int = 1000
+    max_enum_string_length: int = 75000
+    enum_string_check_threshold: int = 2500
+    max_schema_size: int = 120000
+    max_total_property_keys: int = 3000
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(
+                    f"SchemaLimits.{name} must be an int >= 1, got {value!r}"
+                )
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text} overflows a 64-bit float")
+    return value
+
+
+def parse_schema(text: str):
+    """Parse schema text strictly (no NaN/Infinity, no overflowing numbers).
+
+    Raises:
+        ToolSchemaError: ``unparsable=True`` when the text is not JSON or not an object.
+    """
+    try:
+        value = json.loads(
+            text, parse_constant=_reject_constant, parse_float=_parse_float
+        )
+    except ValueError as e:
+        raise ToolSchemaError(
+            f"JSON schema parsing error: {e}", unparsable=True
+        ) from None
+    if value is not None and not isinstance(value, dict):
+        raise ToolSchemaError(
+            f"JSON schema parsing error: expected an object, got {type(value).__name__}",
+            unparsable=True,
+        )
+    return value
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class _Walk:
+    root: dict
+    limits: SchemaLimits
+    base: str
+    refs: dict[str, str] = field(default_factory=dict)  # ref -> path of its first use
+    def_depths: dict[str, int] = field(default_factory=dict)
+    total_props: int = 0
+
+    def fail(self, message: str, path: str):
+        raise ToolSchemaError(message, path or self.base)
+
+    def join(self, path: str, *parts: str) -> str:
+        return ".".join([path or self.base, *parts])
+
+
+def _check_types(w: _Walk, s: dict, path: str, root: bool) -> None:
+    """``type`` values and the keywords the types admit."""
+    t = s.get("type")
+    if isinstance(t, str):
+        if t not in TYPES:
+            w.fail(f"invalid type: {t!r}; expected one of {list(TYPES)}", path)
+        types = [t]
+    elif isinstance(t, list):
+        if not all(isinstance(x, str) and x in TYPES for x in t):
+            w.fail(
+                f"invalid type in type array {t!r}; expected strings from {list(TYPES)}",
+                path,
+            )
+        if not t:
+            w.fail("type array cannot be empty", path)
+        types = t
+    else:
+        return  # reported by the keyword check
+    enum_pair = False
+    if len(types) > 1:
+        if len(types) == 2 and "enum" in s:
+            if "object" in types or "array" in types:
+                w.fail(
+                    "object and array cannot be used in combination with multiple types",
+                    path,
+                )
+            enum_pair = True
+        extra = ROOT_ONLY | ANNOTATIONS if root else ANNOTATIONS
+        for k in sorted(s):
+            if k != "type" and k not in extra and not enum_pair:
+                w.fail(
+                    f"keyword {k} is not allowed in combination with multiple types",
+                    path,
+                )
+    if not root:
+        for k in sorted(s):
+            if k in ROOT_ONLY:
+                w.fail(f"keyword {k} must be at root level", path)
+    allowed = (
+        set.intersection(*(_KEYWORDS_OF_TYPE[x] for x in types))
+        | ANNOTATIONS
+        | (ROOT_ONLY if root else set())
+    )
+    invalid = sorted(set(s) - allowed)
+    if invalid:
+        w.fail(
+            f"invalid keywords: {', '.join(invalid)} (not allowed with type {t!r})",
+            path,
+        )
+    _check_ranges(w, s, path, allowed, "integer" in types)
+
+
+def _check_count(w: _Walk, s: dict, path: str, name: str) -> None:
+    v = s[name]
+    if _is_number(v):
+        if v < 0:
+            w.fail(f"{name} must be non-negative, got {v}", path)
+        if v != math.floor(v):
+            w.fail(f"{name} {v} is not a valid integer", path)
+    else:
+        w.fail(f"{name} must be an integer, got {v!r}", path)
+
+
+def _check_bound(w: _Walk, s: dict, path: str, name: str, integer: bool) -> None:
+    v = s[name]
+    kind = "an integer" if integer else "a number"
+    if not _is_number(v):
+        w.fail(f"{name} must be {kind}, got {v!r}", path)
+    if integer and v != math.floor(v):
+        w.fail(f"{name} {v} is not a valid integer", path)
+    if not integer and not math.isfinite(v):
+        w.fail(f"{name} is not a valid number: {v}", path)
+
+
+def _check_ranges(w: _Walk, s: dict, path: str, allowed: set, integer: bool) -> None:
+    for lo, hi, check in (
+        ("minLength", "maxLength", _check_count),
+        ("minItems", "maxItems", _check_count),
+        ("minimum", "maximum", None),
+    ):
+        if lo not in allowed or not (lo in s or hi in s):
+            continue
+        for name in (lo, hi):
+            if name in s and s[name] is not None:
+                check(w, s, path, name) if check else _check_bound(
+                    w, s, path, name, integer
+                )
+        if s.get(lo) is not None and s.get(hi) is not None and s[lo] > s[hi]:
+            w.fail(f"{lo} ({s[lo]}) cannot be greater than {hi} ({s[hi]})", path)
+
+
+def _check_enum(w: _Walk, s: dict, path: str) -> None:
+    enum = s["enum"]
+    if not isinstance(enum, list):
+        w.fail(f"enum must be an array, got {type(enum).__name__}", path)
+    if not enum:
+        w.fail("enum array cannot be empty", path)
+    if len(enum) > w.limits.max_enum_items:
+        w.fail(
+            f"enum array cannot have more than {w.limits.max_enum_items} items", path
+        )
+    if "type" not in s:
+        w.fail("type is not defined (enum needs a type)", path)
+    types = types_of(s)
+    if types is None:
+        w.fail("type array must be an array of strings", path)
+    if len(types) > 2 or (len(types) == 2 and "null" not in types):
+        w.fail(
+            "when type is array and enum is specified, only 2 types are supported: null and one of "
+            "string/integer/number/boolean",
+            path,
+        )
+    for value in enum:
+        if not any(_enum_value_matches(w, value, t, path) for t in types):
+            w.fail(f"enum value ({value!r}) does not match any type in {types}", path)
+    if (
+        any(t in types for t in ("string", "number", "integer"))
+        and len(enum) > w.limits.enum_string_check_threshold
+    ):
+        total = sum(
+            len(v) if isinstance(v, str) else len(str(v)) if _is_number(v) else 0
+            for v in enum
+        )
+        if total > w.limits.max_enum_string_length:
+            w.fail(
+                f"total string length of enum values ({total}) exceeds maximum limit of "
+                f"{w.limits.max_enum_string_length} characters",
+                path,
+            )
+
+
+def _enum_value_matches(w: _Walk, value, t: str, path: str) -> bool:
+    if t in ("number", "integer"):
+        if not _is_number(value):
+            w.fail(f"enum value {value!r} is not a valid {t}", path)
+        if not math.isfinite(value):
+            w.fail(f"enum value {value!r} is not a valid number: NaN or Infinity", path)
+        if t == "integer" and value != math.floor(value):
+            w.fail(f"enum value {value!r} is not a valid integer", path)
+        return True
+    return {
+        "string": lambda: isinstance(value, str),
+        "boolean": lambda: isinstance(value, bool),
+        "null": lambda: value is None,
+        "array": lambda: isinstance(value, list),
+        "object": lambda: isinstance(value, dict),
+    }[t]()
+
+
+def _check_siblings(w: _Walk, s: dict, path: str, keyword: str, root: bool) -> None:
+    """``anyOf`` and ``$ref`` take no sibling keywords but annotations (and, at the root, ``$defs``/``$id``)."""
+    for k in sorted(s):
+        if k != keyword and k not in ANNOTATIONS and not (root and k in ROOT_ONLY):
+            w.fail(f"keyword '{k}' is not allowed at the same level as {keyword}", path)
+
+
+def _check_required(w: _Walk, s: dict, path: str) -> None:
+    req = s["required"]
+    if not isinstance(req, list):
+        w.fail("required must be an array", path)
+    if not req:
+        return
+    if not all(isinstance(r, str) for r in req):
+        w.fail("items in required array must be strings", path)
+    if "" in req:
+        w.fail("property names in required array cannot be empty", path)
+    dupes = sorted({r for r in req if req.count(r) > 1})
+    if dupes:
+        w.fail(f"duplicate items in required array: {', '.join(dupes)}", path)
+    if types_of(s) != ["object"]:
+        w.fail("required keyword must be used with object", path)
+    props = s.get("properties")
+    if not isinstance(props, dict):
+        w.fail("required specified but 'properties' keyword is missing", path)
+    for r in req:
+        if r not in props:
+            w.fail(f"required property '{r}' is not defined in properties", path)
+
+
+def _check_ref(w: _Walk, s: dict, path: str, root: bool) -> None:
+    ref = s["$ref"]
+    if not isinstance(ref, str):
+        w.fail(f"$ref must be a string, got {ref!r}", path)
+    if ref != "#":
+        if not ref.startswith("#/$defs/"):
+            w.fail(
+                f"references must start with #/$defs/ (or be '#'), got {ref!r}", path
+            )
+        if ref == "#/$defs/":
+            w.fail("definition name cannot be empty", path)
+        if "$defs" not in w.root:
+            w.fail(f"$defs not found for reference: {ref}", path)
+        _check_siblings(w, s, path, "$ref", root)
+    w.refs.setdefault(ref, path)
+
+
+def _check_anyof(w: _Walk, s: dict, path: str, root: bool) -> None:
+    branches = s["anyOf"]
+    if not isinstance(branches, list):
+        w.fail("anyOf must be an array", path)
+    if not 1 <= len(branches) <= w.limits.max_anyof_items:
+        w.fail(
+            f"anyOf must have 1-{w.limits.max_anyof_items} items, got {len(branches)}",
+            path,
+        )
+    if not all(isinstance(b, dict) for b in branches):
+        w.fail("schema in anyOf must be an object", path)
+    _check_siblings(w, s, path, "anyOf", root)
+
+
+def _slash_free(w: _Walk, node, path: str) -> None:
+    for k, v in node.items():
+        if "/" in k:
+            w.fail(f"$defs property name '{k}' cannot contain '/' character", path)
+        for child in v if isinstance(v, list) else [v]:
+            if isinstance(child, dict):
+                _slash_free(w, child, path)
+
+
+def _check_defs(w: _Walk, s: dict, path: str) -> None:
+    defs = s["$defs"]
+    if not isinstance(defs, dict):
+        w.fail("$defs must be an object", path)
+    for name, d in defs.items():
+        if not name:
+            w.fail("$defs property name cannot be empty", path)
+        if "/" in name:
+            w.fail(f"$defs property name '{name}' cannot contain '/' character", path)
+        if not isinstance(d, dict):
+            w.fail(f"$defs schema must be object: {name}", path)
+        _slash_free(w, d, w.join(path, "$defs", name))
+
+
+def _check_properties(w: _Walk, s: dict, path: str) -> None:
+    props = s["properties"]
+    if not isinstance(props, dict):
+        w.fail("properties must be an object", path)
+    for name, sub in props.items():
+        if not name:
+            w.fail("property name cannot be empty", path)
+        if name in RESERVED_PROPERTY_NAMES:
+            w.fail(f"property name '{name}' is reserved for JSON Schema keywords", path)
+        if not isinstance(sub, dict):
+            w.fail(f"property schema for '{name}' must be an object", path)
+
+
+def _check_keywords(w: _Walk, s: dict, path: str, root: bool) -> None:
+    """Per-keyword value checks, in sorted keyword order."""
+    for k in sorted(s):
+        v = s[k]
+        if k == "type" and isinstance(v, list):
+            if len(set(v)) != len(v):
+                w.fail(f"duplicate types in type array {v!r}", path)
+        elif k == "type" and not isinstance(v, str):
+            w.fail(f"type must be string or array of strings, got {v!r}", path)
+        elif k == "properties":
+            _check_properties(w, s, path)
+        elif k == "required":
+            _check_required(w, s, path)
+        elif k == "enum":
+            _check_enum(w, s, path)
+        elif k == "items" and not isinstance(v, dict):
+            w.fail(f"items must be an object, got {v!r}", path)
+        elif k == "$ref":
+            _check_ref(w, s, path, root)
+        elif (
+            k in ("description", "$id", "pattern")
+            and not isinstance(v, str)
+            and not (k != "description" and v is None)
+        ):
+            w.fail(f"{k} must be a string, got {v!r}", path)
+        elif k == "anyOf":
+            _check_anyof(w, s, path, root)
+        elif k == "additionalProperties" and not isinstance(v, (bool, dict)):
+            w.fail(
+                f"additionalProperties must be a boolean or an object, got {v!r}", path
+            )
+        elif k == "$defs":
+            _check_defs(w, s, path)
+
+
+def _check_anyof_conflicts(w: _Walk, s: dict, path: str) -> None:
+    for branch in s.get("anyOf") or []:
+        both = sorted(set(branch) & (set(s) - {"anyOf"}))
+        if both:
+            w.fail(
+                f"conflicting keywords found in anyOf with parent: keywords ({', '.join(both)}) are defined "
+                "on the parent schema and inside anyOf",
+                path,
+            )
+
+
+def _walk(w: _Walk, s: dict, path: str, depth: int) -> int:
+    """Check ``s`` and its subschemas; returns the deepest ``properties`` nesting reached."""
+    root = path == ""
+    if depth > w.limits.max_depth:
+        w.fail(f"schema depth exceeds maximum limit of {w.limits.max_depth}", path)
+    unsupported = sorted(set(s) - SUPPORTED)
+    if unsupported:
+        w.fail(f"unsupported keywords: {', '.join(unsupported)}", path)
+    deepest = depth
+    if isinstance(s.get("$defs"), dict):
+        for name in sorted(s["$defs"]):
+            d = s["$defs"][name]
+            if not isinstance(d, dict):
+                w.fail(f"$defs schema must be object: {name}", path)
+            deepest = max(deepest, _walk(w, d, w.join(path, "$defs", name), depth))
+    if "type" in s:
+        if "anyOf" in s:
+            w.fail(
+                "when using anyOf, type should be defined in anyOf items instead of the parent schema",
+                path,
+            )
+        if "$ref" in s:
+            w.fail(
+                "when using $ref, type should be defined in the referenced schema instead of the parent schema",
+                path,
+            )
+        types = types_of(s) or []
+        if len(types) > 1 and "enum" in s:
+            for t in types:
+                if t in ("object", "array"):
+                    w.fail(f"type {t} is not allowed in combination with enum", path)
+    _check_types(w, s, path, root)
+    _check_keywords(w, s, path, root)
+    _check_anyof_conflicts(w, s, path)
+    if isinstance(s.get("$ref"), str):
+        deepest = max(deepest, depth + w.def_depths.get(s["$ref"], 0))
+    if isinstance(s.get("properties"), dict):
+        w.total_props += len(s["properties"])
+        if w.total_props > w.limits.max_total_property_keys:
+            w.fail(
+                f"total number of properties keys ({w.total_props}) across all objects exceeds maximum "
+                f"limit of {w.limits.max_total_property_keys}",
+                path,
+            )
+        for name, sub in s["properties"].items():
+            deepest = max(
+                deepest, _walk(w, sub, w.join(path, "properties", name), depth + 1)
+            )
+    for key in ("items", "additionalProperties"):
+        if isinstance(s.get(key), dict):
+            deepest = max(deepest, _walk(w, s[key], w.join(path, key), depth))
+    for i, branch in enumerate(s.get("anyOf") or []):
+        deepest = max(deepest, _walk(w, branch, w.join(path, f"anyOf[{i}]"), depth))
+    return deepest
+
+
+def validate_schema(
+    schema, *, limits: SchemaLimits | None = None, path: str = "schema"
+) -> None:
+    """Check that ``schema`` is in the subset Kimi's API accepts.
+
+    Args:
+        schema: a parsed JSON schema (dict); None is reported as not a dict. Use
+            :func:`parse_schema` first for schema text.
+        limits: size limits (default :class:`SchemaLimits`).
+        path: how to name the schema in error messages (e.g. ``tools[0].function.parameters``).
+
+    Raises:
+        ToolSchemaError: the first rule broken, with the JSON path of the offending subschema.
+
+    Example:
+        >>> validate_schema({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]})
+        >>> validate_schema({"type": "string", "minItems": 1})
+        Traceback (most recent call last):
+        ...
+        kvtier.toolcall.schema.ToolSchemaError: schema: invalid keywords: minItems (not allowed with type 'string')
+    """
+    limits = limits or SchemaLimits()
+    if schema is None:
+        raise ToolSchemaError("schema must be a dict, got null", path)
+    if not isinstance(schema, dict):
+        raise ToolSchemaError(
+            f"JSON schema parsing error: expected an object, got {type(schema).__name__}",
+            path,
+            unparsable=True,
+        )
+    if not schema:
+        return
+    w = _Walk(schema, limits, path)
+    if (
+        len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        > limits.max_schema_size
+    ):
+        w.fail(
+            f"schema exceeds maximum allowed size of {limits.max_schema_size} characters",
+            "",
+        )
+    w.def_depths = def_depths(schema)
+    if _walk(w, schema, "", 0) > limits.max_depth:
+        w.fail(f"schema depth exceeds maximum limit of {limits.max_depth}", "")
+    for ref, where in w.refs.items():
+        if resolve_ref(schema, ref) is None:
+            w.fail(f"invalid $ref path: {ref}", where)
+    check_recursion(w, schema, "", not terminates(w, schema, set()))

@@ -1,0 +1,151 @@
+"""Requests with tools through the engine: the tiny random model (noise) under the tool grammar."""
+
+import dataclasses
+
+import pytest
+from kvtier import SamplingParams
+
+from tests.toolcall.sweep import check_arguments, k2vv_cases, walle_cases
+from tests.toolcall.test_constrain import LS, SEARCH
+
+ASK = [{"role": "user", "content": "list the repository"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tok_dir):
+    from kvtier import LLM
+
+    return LLM("tiny", tokenizer=tok_dir, num_device_pages=1024)
+
+
+def test_sampling_params_check_tools():
+    p = SamplingParams(tools=[SEARCH, LS], tool_choice="required")
+    assert (
+        p.tool_grammar.startswith("%llguidance") and "functions.ls:" in p.tool_grammar
+    )
+    assert (
+        SamplingParams().tool_grammar is None
+        and SamplingParams(tool_choice="none").tool_grammar is None
+    )
+    assert dataclasses.replace(p, tool_choice="none").tool_grammar != p.tool_grammar
+    with pytest.raises(
+        ValueError,
+        match=r"tools\[0\]\.function\.parameters: unsupported keywords: format",
+    ):
+        SamplingParams(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"format": "date"}},
+                }
+            ]
+        )
+    with pytest.raises(ValueError, match="'required' needs at least one tool"):
+        SamplingParams(tool_choice="required")
+    with pytest.raises(ValueError, match="parallel_tool_calls must be a bool"):
+        SamplingParams(tools=[LS], parallel_tool_calls=1)
+
+
+def test_tools_need_a_tokenizer():
+    from kvtier import LLM
+
+    with pytest.raises(
+        ValueError, match=r"sampling_params\[0\]\.tools needs a tokenizer"
+    ):
+        LLM("tiny", num_device_pages=16).generate(
+            prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(tools=[LS])
+        )
+
+
+def test_chat_tool_choices(llm):
+    schemas = {
+        "search": SEARCH["function"]["parameters"],
+        "ls": LS["function"]["parameters"],
+    }
+    for choice, names, temperature in [
+        ("required", {"search", "ls"}, 0.0),
+        ({"type": "function", "function": {"name": "ls"}}, {"ls"}, 1.0),
+    ]:
+        params = SamplingParams(max_tokens=32, temperature=temperature, seed=3)
+        out = llm.chat(
+            ASK, tools=[SEARCH, LS], tool_choice=choice, sampling_params=params
+        )
+        assert (
+            out.finish_reason == "stop"
+            and out.tool_calls
+            and out.tool_call_problems == []
+        ), out
+        assert out.content == "" and len(out.token_ids) <= 32
+        for call in out.tool_calls:
+            assert call["name"] in names and call["id"].startswith(
+                f"functions.{call['name']}:"
+            )
+            assert check_arguments(call["arguments"], schemas[call["name"]]) is None, (
+                call
+            )
+    out = llm.chat(
+        ASK,
+        tools=[SEARCH, LS],
+        tool_choice="none",
+        sampling_params=SamplingParams(max_tokens=8, seed=3),
+    )
+    assert out.tool_calls == [] and out.content == llm.tokenizer.decode(
+        out.token_ids
+    ).removesuffix("<|im_end|>")
+
+
+def test_a_failing_grammar_fails_only_its_request_and_others_are_unaffected(llm):
+    """Also: an unconstrained request in the batch gets the tokens it gets alone, and a turn cut by
+    max_tokens reports its open call as incomplete."""
+    prompt = llm.tokenizer.encode("hello")
+    plain = SamplingParams(max_tokens=6, temperature=0.0)
+    alone = llm.generate(prompt_token_ids=[prompt], sampling_params=plain)[0]
+    huge = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"s": {"type": "string", "minLength": 999999999999}},
+                "required": ["s"],
+            },
+        },
+    }
+    outs = llm.generate(
+        prompt_token_ids=[prompt] * 4,
+        sampling_params=[
+            plain,
+            SamplingParams(max_tokens=6, tools=[huge], tool_choice="required"),
+            SamplingParams(
+                max_tokens=32, tools=[LS], tool_choice="required", temperature=0.0
+            ),
+            # Too short for any complete call: cut, and the open call is reported.
+            SamplingParams(max_tokens=8, tools=[LS], tool_choice="required"),
+        ],
+    )
+    assert outs[0].token_ids == alone.token_ids and outs[0].finish_reason == "length"
+    assert (
+        outs[1].finish_reason == "error"
+        and "does not compile" in outs[1].error
+        and outs[1].token_ids == []
+    )
+    assert outs[2].finish_reason == "stop" and outs[2].tool_calls
+    assert outs[3].finish_reason == "length" and outs[3].tool_calls == []
+    assert [p["kind"] for p in outs[3].tool_call_problems] == ["incomplete"]
+    assert outs[3].tool_call_problems[0]["id"].startswith("functions.ls:")
+
+
+def test_real_requests_and_walle_tools_give_valid_calls(llm):
+    """A few K2-Vendor-Verifier requests and walle schemas at temperatures 0 and 1 (the full sweep
+    is ``test_sweep.py``, slow)."""
+    from tests.toolcall.sweep import run
+
+    cases = k2vv_cases()[:2] + walle_cases()[::40]
+    for temperature in (0.0, 1.0):
+        tally = run(llm, cases, temperature, seed=7, slack=8)
+        assert tally.requests == len(cases) and tally.complete == len(cases), (
+            tally.failures
+        )
+        assert tally.calls >= len(cases) and tally.valid_calls == tally.calls, (
+            tally.failures
+        )

@@ -1,0 +1,116 @@
+"""The Kimi tool-schema subset: every case of Moonshot's validator set gets the outcome it expects."""
+
+import json
+
+import pytest
+from kvtier.toolcall import (
+    SchemaLimits,
+    ToolSchemaError,
+    normalize_tool_choice,
+    normalize_tools,
+    parse_schema,
+    validate_schema,
+)
+
+
+def _cases(walle_dir, kind):
+    for path in sorted(walle_dir.glob(f"*/{kind}.jsonl")):
+        for i, line in enumerate(path.read_text().splitlines()):
+            yield f"{path.parent.name}:{i}", line
+
+
+def test_every_valid_walle_schema_is_accepted(walle_dir):
+    cases = list(_cases(walle_dir, "valid"))
+    assert len(cases) == 213
+    for name, line in cases:
+        validate_schema(
+            parse_schema(line), path=name
+        )  # raises on a rejection, naming the case
+
+
+def test_every_invalid_walle_schema_is_rejected_with_its_expected_error(walle_dir):
+    cases = list(_cases(walle_dir, "invalid"))
+    assert len(cases) == 182
+    for name, line in cases:
+        case = json.loads(line)
+        with pytest.raises(ToolSchemaError) as info:
+            validate_schema(parse_schema(case["schema"]))
+        assert case["expect"].lower() in str(info.value).lower(), (
+            name,
+            case["expect"],
+            str(info.value),
+        )
+        assert info.value.unparsable == case["unmarshal"], (name, str(info.value))
+
+
+def test_errors_name_the_offending_subschema():
+    schema = {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"age": {"type": "integer", "minimum": 1.5}},
+            }
+        },
+    }
+    with pytest.raises(
+        ToolSchemaError,
+        match=r"^tools\[2\]\.function\.parameters\.properties\.user\.properties\.age: "
+        r"minimum 1\.5 is not a valid integer",
+    ):
+        validate_schema(schema, path="tools[2].function.parameters")
+
+
+def test_limits_are_configurable_and_checked():
+    deep = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "string"}}}
+        },
+    }
+    validate_schema(deep)
+    with pytest.raises(ToolSchemaError, match="depth exceeds maximum limit of 1"):
+        validate_schema(deep, limits=SchemaLimits(max_depth=1))
+    with pytest.raises(ValueError, match="SchemaLimits.max_depth must be an int >= 1"):
+        SchemaLimits(max_depth=0)
+
+
+def test_tools_and_tool_choice_errors():
+    ok = {
+        "type": "function",
+        "function": {"name": "ls", "parameters": {"type": "object"}},
+    }
+    assert [s.name for s in normalize_tools([ok])] == ["ls"]
+    with pytest.raises(
+        ValueError, match=r"tools\[1\]\.function\.name: duplicate tool name 'ls'"
+    ):
+        normalize_tools([ok, ok])
+    with pytest.raises(
+        ValueError, match=r"tools\[0\]\.function\.name: expected 1-64 characters"
+    ):
+        normalize_tools([{"type": "function", "function": {"name": "a b"}}])
+    with pytest.raises(
+        ToolSchemaError,
+        match=r"tools\[0\]\.function\.parameters: unsupported keywords: oneOf",
+    ):
+        normalize_tools(
+            [
+                {
+                    "type": "function",
+                    "function": {"name": "f", "parameters": {"oneOf": []}},
+                }
+            ]
+        )
+    specs = normalize_tools([ok])
+    assert (
+        normalize_tool_choice({"type": "function", "function": {"name": "ls"}}, specs)
+        == "ls"
+    )
+    with pytest.raises(
+        ValueError, match="tool_choice: function 'rm' is not among the declared tools"
+    ):
+        normalize_tool_choice({"type": "function", "function": {"name": "rm"}}, specs)
+    with pytest.raises(ValueError, match="tool_choice: expected one of"):
+        normalize_tool_choice("always", specs)
+    with pytest.raises(ValueError, match="'required' needs at least one tool"):
+        normalize_tool_choice("required", ())
