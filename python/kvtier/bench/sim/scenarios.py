@@ -23,9 +23,10 @@ from kvtier.bench.sim.hardware import Efficiency
 from kvtier.bench.sim.loop import ROUTERS
 
 MI355X_MATRIX_EFFICIENCY = 0.5
-"""Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach (an assumption, not
-fitted: at 0.5 the roofline prefills ~52K tokens/s per 8x H100 node at short contexts, the
-order large-scale SGLang deployments of DeepSeek-V3 report)."""
+"""Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach: an assumption, not
+fitted and not measured on an MI355X. At 0.5 the roofline prefills ~89K tokens/s in
+16K-token chunks with nothing cached on 8x MI355X (~50K on 8x H200) and re-prefills a
+150K-token context in ~4.9 s; ``--matrix-efficiency`` or ``--kernel-csv`` replace it."""
 
 THINK_TIME_SCALE = 19.1
 """The one fitted parameter: recorded think times (capped at 60 s, the trace-replay tool's
