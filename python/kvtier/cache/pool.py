@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +31,10 @@ from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empt
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
-from kvtier.serve.request import Sequence
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
+
+if TYPE_CHECKING:  # kvtier.serve imports this module
+    from kvtier.serve.request import Sequence
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
