@@ -9,11 +9,32 @@ alone and the Triton tests run compiled kernels.
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"  # ../shared beside the repository
+TOKENIZER_DIR = SHARED / "kimi_tokenizer"
+
+
+@pytest.fixture(scope="session")
+def tok_dir() -> Path:
+    """The real Kimi tokenizer files (tiktoken.model + tokenizer_config.json); skips without them."""
+    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
+    return TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir):
+    """The Kimi tokenizer loaded from :func:`tok_dir`."""
+    from kvtier.tokenize import load_tokenizer
+
+    return load_tokenizer(tok_dir)
 
 
 def pytest_addoption(parser):

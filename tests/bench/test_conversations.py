@@ -13,9 +13,9 @@ from kvtier.bench.replay import replay
 from kvtier.bench.workload import THINK_AFTER_END_TURN_Q, THINK_AFTER_TOOL_USE_Q, TraceError
 from kvtier.cli import main
 from kvtier.tokenize import render_chat, render_messages
+from tests.conftest import SHARED
 
-TOKENIZER_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "kimi_tokenizer"
-VERIFIER = TOKENIZER_DIR.parent / "toolcalls" / "K2-Vendor-Verifier" / "samples.jsonl"
+VERIFIER = SHARED / "toolcalls" / "K2-Vendor-Verifier" / "samples.jsonl"
 TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
 CALL = {"id": "functions.bash:0", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
@@ -27,15 +27,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "There are three entries. 缓存 means cache."},
     {"role": "user", "content": "Thanks!"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
-        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
-    from kvtier.tokenize import load_tokenizer
-
-    return load_tokenizer(TOKENIZER_DIR)
 
 
 def _write(path: Path, docs) -> Path:
@@ -108,11 +99,11 @@ def test_replay_encodes_each_turn_and_reuses_the_cache(tok, tmp_path):
 
 
 @pytest.mark.skipif(not VERIFIER.is_file(), reason=f"K2-Vendor-Verifier samples not present at {VERIFIER}")
-def test_cli_replays_verifier_requests(tok, tmp_path):
+def test_cli_replays_verifier_requests(tok_dir, tmp_path):
     out = tmp_path / "bench.json"
     threads = torch.get_num_threads()
     try:
-        rc = main(["bench", "--conversations", str(VERIFIER), "--tokenizer", str(TOKENIZER_DIR), "--configs",
+        rc = main(["bench", "--conversations", str(VERIFIER), "--tokenizer", str(tok_dir), "--configs",
                    "device-only", "--sessions", "2", "--concurrency", "2", "--max-turns", "2", "--page-size", "64",
                    "--max-output-tokens", "4", "--time-scale", "0", "--json", str(out), "--plot", ""])
     finally:

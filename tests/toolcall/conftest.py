@@ -1,28 +1,16 @@
 """Fixtures of the tool-call tests: the real Kimi vocabulary and Moonshot's tool-call data from
-../shared (tests that need them skip when they are absent)."""
+../shared (tests that need them skip when they are absent); ``tok`` and ``tok_dir`` are in
+tests/conftest.py."""
 
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared"
-TOKENIZER_DIR = SHARED / "kimi_tokenizer"
+from tests.conftest import SHARED
+
 WALLE_DIR = SHARED / "toolcalls" / "walle" / "testdata" / "validator_cases"
 K2VV_DIR = SHARED / "toolcalls" / "K2-Vendor-Verifier"
 
-
-@pytest.fixture(scope="session")
-def tok_dir() -> Path:
-    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
-        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
-    return TOKENIZER_DIR
-
-
-@pytest.fixture(scope="session")
-def tok(tok_dir):
-    from kvtier.tokenize import load_tokenizer
-
-    return load_tokenizer(tok_dir)
 
 
 @pytest.fixture(scope="session")
