@@ -140,6 +140,9 @@ class LLM:
         changes = {}
         if tools and params.tools is None:
             changes["tools"] = list(tools)
+        elif tools and list(tools) != list(params.tools):
+            raise ValueError("tools differs from sampling_params.tools: the prompt would declare other tools than "
+                             "the grammar allows; give them once")
         if tool_choice is not None:
             changes["tool_choice"] = tool_choice
         if changes:
@@ -152,7 +155,7 @@ class LLM:
                                  salt=self.engine.block_hash_salt)
             if session_id is not None:
                 self._sessions[session_id] = enc
-        enc.append(messages, tools)
+        enc.append(messages, tools if tools else params.tools)  # the prompt declares the tools the grammar allows
         rid = self.engine.add_request(np.asarray(enc.ids), params, prompt_block_hashes=enc.block_hashes())
         return self._run([rid])[0]
 

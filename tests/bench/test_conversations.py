@@ -73,12 +73,25 @@ def test_turn_lines_form_sessions_and_share_prefix_blocks_across_sessions(tok, t
     ('{"messages": []}', r":2: messages is empty"),
     ('{"messages": [{"role": "robot", "content": "x"}]}', r"turn 0: .*messages\[0\]\.role"),
     ('{"session_id": "a", "messages": [{"role": "user", "content": "x"}], "output_tokens": 0}', r":2: output_tokens"),
+    ('{"session_id": "a", "messages": [{"role": "user", "content": "x"}], "think_time_s": NaN}', r":2: think_time_s"),
+    ('[{"role": ["user"], "content": "x"}]', r"turn 0: .*messages\[0\]\.role"),
+    ('{"session_id": "c:1", "messages": [{"role": "user", "content": "x"}]}', r":2: session_id 'c:1' is the id"),
 ])
 def test_bad_lines_name_the_file_and_line(tok, tmp_path, line, match):
     path = tmp_path / "c.jsonl"
     path.write_text(json.dumps([{"role": "user", "content": "fine"}]) + "\n" + line + "\n")
     with pytest.raises(TraceError, match=match):
         load_conversations(path, tok)
+
+
+def test_undecodable_line_and_oversized_responses(tok, tmp_path):
+    path = tmp_path / "u.jsonl"
+    path.write_bytes(json.dumps([{"role": "user", "content": "ok"}]).encode() + b"\n\xff\xfe\n")
+    with pytest.raises(TraceError, match=r"u\.jsonl:2: not UTF-8"):
+        load_conversations(path, tok)
+    doc = {"session_id": "s", "messages": [{"role": "user", "content": "hi"}], "output_tokens": 10**8}
+    (turn,) = load_conversations(_write(tmp_path / "h.jsonl", [doc]), tok, max_input_tokens=512).sessions[0].turns
+    assert turn.input_tokens + turn.output_tokens == 512  # capped at the context, as the engine would stop
 
 
 def test_replay_encodes_each_turn_and_reuses_the_cache(tok, tmp_path):

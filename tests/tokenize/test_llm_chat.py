@@ -66,7 +66,8 @@ def test_add_request_rejects_hashes_that_do_not_match(llm):
     good = block_hashes(prompt, ps, salt=eng.block_hash_salt)
     for bad, match in [(block_hashes(prompt, ps), "does not match"),           # no salt
                        (good + [good[0]], "at most 3 full pages"),             # too many
-                       (good[:1] + [b"short"], "16 bytes")]:
+                       (good[:1] + [b"short"], "16 bytes"),
+                       (good[0], "expected a list")]:                      # one hash, not a list
         with pytest.raises(ValueError, match="prompt_block_hashes.*" + match):
             eng.add_request(prompt, params, prompt_block_hashes=bad)
     with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]\[2\]"):

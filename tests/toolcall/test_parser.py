@@ -119,3 +119,11 @@ def test_problems_are_reported_not_raised():
 def test_feed_ids_needs_a_tokenizer():
     with pytest.raises(ValueError, match="feed_ids needs special_tokens"):
         ToolCallParser().feed_ids([1, 2])
+
+
+def test_arguments_nested_deeper_than_the_stack_are_a_problem_not_an_exception():
+    p = ToolCallParser()
+    out = p.feed_text("<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>" + "[" * 100_000
+                      + "<|tool_call_end|>")
+    (problem,) = out
+    assert isinstance(problem, ToolCallProblem) and problem.kind == "invalid_arguments"

@@ -114,3 +114,15 @@ def test_tools_and_tool_choice_errors():
         normalize_tool_choice("always", specs)
     with pytest.raises(ValueError, match="'required' needs at least one tool"):
         normalize_tool_choice("required", ())
+
+
+@pytest.mark.parametrize("wrap", [lambda d: {"type": "array", "items": d}, lambda d: {"anyOf": [d, {"type": "null"}]}])
+def test_schemas_nested_deeper_than_the_stack_are_a_value_error_naming_the_tool(wrap):
+    from kvtier.serve import SamplingParams
+
+    d = {"type": "string"}
+    for _ in range(1500):
+        d = wrap(d)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": d}}}}
+    with pytest.raises(ValueError, match=r"tools\[0\]"):
+        SamplingParams(tools=[tool])

@@ -28,6 +28,7 @@ request files (``../shared/toolcalls/SOURCE.md``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def _messages(obj, path: Path, line: int) -> list[dict]:
         raise _fail(path, line, "messages must be a list of message objects")
     if not obj:
         raise _fail(path, line, "messages is empty")
-    return [dict(m, role=_ROLE_ALIASES[m["role"]]) if m.get("role") in _ROLE_ALIASES else m for m in obj]
+    return [dict(m, role=_ROLE_ALIASES[m["role"]]) if _ROLE_ALIASES.get(str(m.get("role"))) else m for m in obj]
 
 
 def _tools(doc: dict, path: Path, line: int) -> tuple[dict, ...] | None:
@@ -86,8 +87,8 @@ def _opt_number(doc: dict, key: str, path: Path, line: int, kind=float, minimum=
     value = doc.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, kind | int) or value < minimum:
-        raise _fail(path, line, f"{key} must be a number >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, kind | int) or not minimum <= value < math.inf:
+        raise _fail(path, line, f"{key} must be a finite number >= {minimum}, got {value!r}")
     return kind(value)
 
 
@@ -104,8 +105,9 @@ def _split_conversation(msgs: list[dict], tools, max_tokens: int | None) -> list
 
 def _read(path: Path) -> list[tuple[str, list[_TextTurn]]]:
     sessions: dict[str, list[_TextTurn]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line, text in enumerate(f, 1):
+    auto_ids: set[str] = set()
+    with open(path, "rb") as f:
+        for line, text in _lines(f, path):
             if not text.strip():
                 continue
             try:
@@ -121,14 +123,29 @@ def _read(path: Path) -> list[tuple[str, list[_TextTurn]]]:
             if sid is None:
                 turns = _split_conversation(msgs, tools, _opt_number(doc, "max_tokens", path, line, int, 1))
                 if turns:
-                    sessions[f"{path.stem}:{line}"] = turns
+                    sid = f"{path.stem}:{line}"
+                    if sid in sessions:
+                        raise _fail(path, line, f"the conversation's session id {sid!r} is taken by an earlier session_id")
+                    sessions[sid] = turns
+                    auto_ids.add(sid)
                 continue
             if not isinstance(sid, str) or not sid:
                 raise _fail(path, line, f"session_id must be a non-empty string, got {sid!r}")
+            if sid in auto_ids:
+                raise _fail(path, line, f"session_id {sid!r} is the id of the whole conversation on an earlier line")
             turn = _TextTurn(ChatTurn(tuple(msgs), tools), _opt_number(doc, "think_time_s", path, line),
                              _opt_number(doc, "output_tokens", path, line, int, 1), None)
             sessions.setdefault(sid, []).append(turn)
     return list(sessions.items())
+
+
+def _lines(f, path: Path):
+    """``(line number, text)`` of a file opened in binary; undecodable UTF-8 names its line."""
+    for line, raw in enumerate(f, 1):
+        try:
+            yield line, raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _fail(path, line, f"not UTF-8 ({e.reason} at byte {e.start} of the line)") from None
 
 
 class _BlockIds:
@@ -224,6 +241,8 @@ def _encode_session(sid: str, text_turns: list[_TextTurn], tok: KimiTokenizer, p
             break
         out = t.output_tokens or _response_tokens(tok, t.response) or default_output_tokens
         out = min(out, max_output_tokens or out)
+        if max_input_tokens is not None:  # the engine stops at the context length anyway
+            out = max(1, min(out, max_input_tokens - n))
         stop = "" if t.response is None else ("tool_use" if t.response.get("tool_calls") else "end_turn")
         if k == 0:
             think = 0.0

@@ -145,9 +145,11 @@ class Engine:
 
     def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int) -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""
+        where = f"prompt_block_hashes for prompt {index}"
+        if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Seq):
+            raise ValueError(f"{where}: expected a list of {BLOCK_HASH_BYTES}-byte hashes, got {type(hashes).__name__}")
         hashes = list(hashes)
         ps, n = self.config.page_size, len(hashes)
-        where = f"prompt_block_hashes for prompt {index}"
         if n > len(prompt) // ps:
             raise ValueError(f"{where}: {n} hashes for a prompt of {len(prompt)} tokens; at most "
                              f"{len(prompt) // ps} full pages of page_size={ps}")

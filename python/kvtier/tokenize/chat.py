@@ -96,7 +96,7 @@ def _render_one(msg: dict, index: int, thinking: bool, history: bool, call_count
     if not isinstance(msg, dict):
         raise ValueError(f"messages[{index}]: expected a dict, got {type(msg).__name__}")
     role = msg.get("role")
-    if role not in _ROLE_TAG:
+    if not isinstance(role, str) or role not in _ROLE_TAG:
         raise _bad(index, "role", f"unknown role {role!r}; expected one of {sorted(_ROLE_TAG)}")
     name = msg.get("name") or role
     if not isinstance(name, str):

@@ -61,9 +61,13 @@ def turn_grammar(
         lines.append(
             f"fn_{i}: {json.dumps(f'functions.{s.name}:')} {CALL_INDEX} <|tool_call_argument_begin|> args_{i}"
         )
-        lines.append(
-            f"args_{i}: %json {json.dumps(s.grammar_schema(), ensure_ascii=False)}"
-        )
+        try:
+            schema = json.dumps(s.grammar_schema(), ensure_ascii=False)
+        except RecursionError:
+            raise ValueError(
+                f"tools[{specs.index(s)}].function.parameters: nested too deeply to process"
+            ) from None
+        lines.append(f"args_{i}: %json {schema}")
     return "\n".join(lines)
 
 

@@ -151,10 +151,10 @@ def parse_call(
     args = raw_arguments.strip()
     try:
         json.loads(args)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
         return ToolCallProblem(
             "invalid_arguments",
-            f"arguments of {m['name']!r} are not valid JSON: {e}",
+            f"arguments of {m['name']!r} are not valid JSON: {type(e).__name__}: {e}",
             index,
             raw_id,
             raw_arguments,

@@ -89,6 +89,14 @@ def _tool_spec(tool, index: int, limits: SchemaLimits) -> ToolSpec:
     return ToolSpec(name, params)
 
 
+def _checked_spec(tool, index: int, limits: SchemaLimits) -> ToolSpec:
+    """:func:`_tool_spec`, with nesting too deep for Python's stack reported as a ValueError."""
+    try:
+        return _tool_spec(tool, index, limits)
+    except RecursionError:
+        raise ValueError(f"tools[{index}].function.parameters: nested too deeply to process") from None
+
+
 def normalize_tools(
     tools: Sequence[dict], limits: SchemaLimits | None = None
 ) -> tuple[ToolSpec, ...]:
@@ -103,9 +111,7 @@ def normalize_tools(
         raise ValueError(  # noqa: TRY004
             f"tools: expected a list of tool objects, got {type(tools).__name__}"
         )
-    specs = tuple(
-        _tool_spec(t, i, limits or SchemaLimits()) for i, t in enumerate(tools)
-    )
+    specs = tuple(_checked_spec(t, i, limits or SchemaLimits()) for i, t in enumerate(tools))
     seen: set[str] = set()
     for i, s in enumerate(specs):
         if s.name in seen:
