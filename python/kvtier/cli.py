@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL of text chat sessions (OpenAI message lists; see kvtier.bench.conversations) "
                         "instead of a trace; needs --tokenizer with a preset model")
     b.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files for --conversations (default: the model dir)")
-    b.add_argument("--page-size", type=int, default=16, help="tokens per KV page for --conversations")
+    b.add_argument("--page-size", type=int, default=None, help="tokens per KV page for --conversations (default 16)")
     b.add_argument("--max-output-tokens", type=int, default=None, help="cap on each response length for --conversations")
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")

@@ -132,3 +132,8 @@ def test_cli_conversations_needs_a_tokenizer_with_a_preset(tmp_path, capsys):
     path = _write(tmp_path / "c.jsonl", [CONVERSATION])
     assert main(["bench", "--conversations", str(path), "--plot", ""]) == 2
     assert "--tokenizer" in capsys.readouterr().err
+
+
+def test_conversation_options_without_conversations_are_refused(capsys):
+    assert main(["bench", "--max-output-tokens", "4", "--page-size", "8", "--plot", ""]) == 2
+    assert "--page-size, --max-output-tokens apply to --conversations only" in capsys.readouterr().err

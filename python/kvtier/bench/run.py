@@ -43,7 +43,7 @@ class BenchOptions:
             instead of a trace; its turns are encoded with ``tokenizer`` in pages of
             ``page_size`` tokens (``token_scale`` does not apply to text).
         tokenizer: directory with the Kimi tokenizer files (None: the model directory).
-        page_size: tokens per KV page for ``conversations``.
+        page_size: tokens per KV page for ``conversations`` (None: 16).
         max_output_tokens: cap on each response length of ``conversations`` (None = none).
         sessions: sessions replayed (the first N after filtering).
         concurrency: sessions active at once.
@@ -72,7 +72,7 @@ class BenchOptions:
     trace: str | None = None
     conversations: str | None = None
     tokenizer: str | None = None
-    page_size: int = 16
+    page_size: int | None = None
     max_output_tokens: int | None = None
     sessions: int = 16
     concurrency: int = 8
@@ -94,7 +94,15 @@ class BenchOptions:
     def __post_init__(self) -> None:
         if self.trace is not None and self.conversations is not None:
             raise ValueError("--trace and --conversations are exclusive: give one workload")
-        for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads", "page_size"):
+        if self.conversations is None:
+            given = [f"--{n.replace('_', '-')}" for n in ("tokenizer", "page_size", "max_output_tokens")
+                     if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to --conversations only (traces and the built-in "
+                                 "workload take their page size from --token-scale)")
+        elif self.page_size is not None and self.page_size < 1:
+            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
+        for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("token_scale", "device_fraction"):
@@ -161,7 +169,7 @@ def load_tokenizer_for(opts: BenchOptions) -> KimiTokenizer:
 def load_workload(opts: BenchOptions, max_input_tokens: int, tokenizer: KimiTokenizer | None = None) -> Workload:
     """The trace, text sessions or built-in workload, scaled and filtered as ``opts`` says."""
     if opts.conversations is not None:
-        return load_conversations(opts.conversations, tokenizer, page_size=opts.page_size,
+        return load_conversations(opts.conversations, tokenizer, page_size=opts.page_size or 16,
                                   time_scale=opts.time_scale, max_think_s=opts.max_think_s,
                                   max_sessions=opts.sessions, max_turns=opts.max_turns,
                                   max_input_tokens=max_input_tokens, max_output_tokens=opts.max_output_tokens)
