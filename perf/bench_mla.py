@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -44,7 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtier import ops
-from kvtier.ops.dispatch import BACKENDS, resolve_backend
+from kvtier.ops.dispatch import resolve_backend
+from kvtier.provenance import git_commit
+from timing import add_kernel_bench_args, parse_kernel_bench_args
 from kvtier.reference.mla import mla_decode_bytes, mla_decode_flops
 
 FIELDS = ["op", "shape", "dtype", "backend", "resolved_backend", "device", "median_us", "p20_us", "p80_us", "gb_s",
@@ -111,14 +112,6 @@ def dry_run_cases() -> list[Case]:
     """Tiny CPU shapes through the same code (fp32; 8 heads)."""
     return [Case("mla_decode", 8, batch, ctx, 1, torch.float32, torch.float32) for batch in (1, 4) for ctx in (256, 1024)
             ] + [Case("mla_extend", 8, 2, 256, 64, torch.float32, torch.float32)]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _times_us(fn, repeats: int, device: torch.device) -> list[float]:
@@ -206,7 +199,7 @@ def _row(case, backend, resolved, us, device_name, copy_gbps, commit, kv_bytes, 
 def run(cases: list[Case], backends: list[str], repeats: int, device: torch.device, copy_gbps: float | None,
         budget_s: float | None = None) -> list[dict]:
     """Time every case on every backend; returns the CSV rows (also printed as they come)."""
-    rows, commit = [], _commit()
+    rows, commit = [], git_commit() or "unknown"
     gen = torch.Generator(device=device).manual_seed(0)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     deadline = None if budget_s is None else time.monotonic() + budget_s
@@ -266,18 +259,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="write the rows here")
     parser.add_argument("--summary", help="write a markdown summary table here")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--backends", nargs="+", choices=[b for b in BACKENDS if b != "auto"], default=None,
-                        help="default: triton hip aiter torch on a GPU, torch on CPU")
-    parser.add_argument("--budget-s", type=float, default=None, help="skip the remaining shapes after this")
     parser.add_argument("--copy-gbps", type=float, default=None, help="reuse a measured copy bandwidth")
-    parser.add_argument("--dry-run", action="store_true", help="tiny CPU shapes, torch backend, 2 repeats")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.budget_s is not None and args.budget_s <= 0:
-        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
-    return args
+    add_kernel_bench_args(parser, "triton hip aiter torch")
+    return parse_kernel_bench_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

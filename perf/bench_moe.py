@@ -22,27 +22,20 @@ from __future__ import annotations
 
 import argparse
 import csv
-import subprocess
 import sys
 import time
 
 import torch
 
 from kvtier import ops
-from kvtier.ops.dispatch import BACKENDS, resolve_backend
+from kvtier.ops.dispatch import resolve_backend
+from kvtier.provenance import git_commit
+from timing import add_kernel_bench_args, parse_kernel_bench_args
 
 TORCH_MAX_TOKENS = 512  # the per-expert fp32 reference at 4096 tokens x top-8 takes seconds per call
 GPU_TOKENS = (1, 8, 64, 256, 1024, 4096)
 FIELDS = ["op", "shape", "dtype", "backend", "resolved_backend", "device", "median_us", "p20_us", "p80_us", "gb_s",
           "tflop_s", "commit"]
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _times_us(fn, repeats: int, device: torch.device) -> list[float]:
@@ -101,16 +94,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--csv", default="-")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--backends", nargs="+", choices=[b for b in BACKENDS if b != "auto"], default=None)
-    parser.add_argument("--budget-s", type=float, default=None, help="skip the remaining cases after this")
-    parser.add_argument("--dry-run", action="store_true", help="CPU shapes and the torch backend, 2 repeats")
-    args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    if args.budget_s is not None and args.budget_s <= 0:
-        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
-    return args
+    add_kernel_bench_args(parser, "torch triton hip aiter")
+    return parse_kernel_bench_args(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = args.backends or (["torch", "triton", "hip", "aiter"] if device.type == "cuda" else ["torch"])
     repeats = min(args.repeats, 2) if args.dry_run else args.repeats
-    commit = _commit()
+    commit = git_commit() or "unknown"
     out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
     writer = csv.DictWriter(out, FIELDS)
     writer.writeheader()
