@@ -48,15 +48,19 @@ def _fp8():
     return torch.float8_e4m3fnuz if arch.startswith("gfx942") else torch.float8_e4m3fn
 
 
+@pytest.mark.parametrize("backend", ["triton", "hip"])
 @pytest.mark.parametrize("heads", [8, 64, 17])
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 @pytest.mark.parametrize("kv_kind", ["bf16", "fp8"])
-def test_mla_decode_on_gpu(heads, page_size, kv_kind):
+def test_mla_decode_on_gpu(heads, page_size, kv_kind, backend):
+    reason = dispatch.unavailable_reason("mla_decode", backend, "cuda")
+    if reason is not None:
+        pytest.skip(f"backend {backend!r} unavailable: {reason}")
     kv_dtype = torch.bfloat16 if kv_kind == "bf16" else _fp8()
     scale = 1.0 if kv_kind == "bf16" else 0.05
     q, kv, bt, lens = _paged(5, heads, [0, 1, 97, 1823, 4096], page_size, kv_dtype)
     ref_out, ref_lse = ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, kv_scale=scale, backend="torch")
-    out, lse = ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, kv_scale=scale, backend="triton")
+    out, lse = ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, kv_scale=scale, backend=backend)
     assert_close(out.float(), ref_out.float(), atol=1e-2, rtol=1.6e-2, name="out", max_cos_diff=2e-5)
     assert_close(lse, ref_lse, atol=1e-3, rtol=1e-4, name="lse")
 
