@@ -3,16 +3,16 @@
 The published figure (WORKLOAD.md): device-only p99 TTFT 17.3 s with 128 concurrent coding
 sessions on 8x MI355X. ``kimi-mi355x-128``'s device-only configuration is simulated over the
 kv-cache-tester traces for each think-time scale ``f`` of ``--grid`` (recorded think times capped
-at 60 s, times ``f``); the scale is then interpolated (linearly in log p99 between the two grid
+at ``REPLAY_MAX_DELAY_S`` = 600 s, times ``f``); the scale is then interpolated (linearly in log p99 between the two grid
 points around the target) and simulated once more to confirm. Only the device-only
 configuration is ever run here: the tiered ones are predictions, never fitted.
 
-Method: the trace is loaded once (think times capped at 60 s, unscaled) and each scale applied
-in memory, which gives the same think times as loading with ``time_scale=f, max_think_s=60*f``.
+Method: the trace is loaded once (think times capped at 600 s, unscaled) and each scale applied
+in memory, which gives the same think times as loading with ``time_scale=f, max_think_s=600*f``.
 Deterministic (no random input), so one run per point.
 
 Usage: python perf/sim_calibrate.py --trace ../shared/traces/kv-cache-tester
-       [--grid 14 16 18 20] [--target-s 17.3] [--out perf/results/sim_calibration.json]
+       [--grid 5.5 6 6.5 7 7.5 8] [--target-s 17.3] [--out perf/results/sim_calibration.json]
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ import time
 
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.run import SimOptions, load_workload, run_scenario
+from kvtier.bench.sim.scenarios import REPLAY_MAX_DELAY_S
 from kvtier.bench.workload import Workload
 from kvtier.provenance import provenance
 
 SCENARIO = "kimi-mi355x-128"
-THINK_CAP_S = 60.0
+THINK_CAP_S = REPLAY_MAX_DELAY_S
 
 
 def scale_think_times(workload: Workload, f: float) -> Workload:
-    """``workload`` (loaded with ``time_scale=1, max_think_s=60``) with every think time times ``f``."""
+    """``workload`` (loaded with ``time_scale=1, max_think_s=600``) with every think time times ``f``."""
     sessions = tuple(
         dataclasses.replace(
             s,
@@ -89,7 +90,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--trace", required=True, help="kv-cache-tester folder")
-    ap.add_argument("--grid", type=float, nargs="+", default=[14.0, 16.0, 18.0, 20.0])
+    ap.add_argument("--grid", type=float, nargs="+", default=[5.5, 6.0, 6.5, 7.0, 7.5, 8.0])
     ap.add_argument(
         "--target-s", type=float, default=17.3, help="published device-only p99 TTFT"
     )

@@ -501,3 +501,99 @@ def test_limits(tmp_path):
     assert sum(map(len, ids)) == len(set().union(*ids))
     with pytest.raises(ValueError, match="max_turns"):
         load_trace(tmp_path, max_turns=0)
+
+
+def test_truncate_input_tokens_stops_sessions_as_the_replay_tool_does(tmp_path):
+    docs = limits_doc()
+    docs[1]["requests"].append({"type": "subagent", "agent_id": "a1",
+                                "requests": [kv_req(900, 3), kv_req(950, 3)]})
+    docs[0]["requests"].append({"type": "subagent", "agent_id": "a2", "requests": [kv_req(100, 3)]})
+    for i, doc in enumerate(docs):
+        write_json(tmp_path / f"s{i}.json", doc)
+
+    def lengths(wl):
+        return {s.session_id: [t.input_tokens for t in s.turns] for s in wl.sessions}
+
+    # 'big' keeps its first turn only; 'mid' stops before its 1,200-token turn; the sub-agent
+    # 'small/a1' starts over the limit and goes; 'big/a2' stays with its parent.
+    assert lengths(load_trace(tmp_path, truncate_input_tokens=700)) == {
+        "big": [500], "big/a2": [100], "small": [300, 400, 600], "mid": [300, 500, 700],
+        "tiny": [100, 150]}
+    # A parent whose first turn is over the limit goes with its sub-agents.
+    assert lengths(load_trace(tmp_path, truncate_input_tokens=400)) == {
+        "small": [300, 400], "mid": [300], "tiny": [100, 150]}
+    # Truncation comes before max_input_tokens, so a truncated session can then fit.
+    assert "mid" in lengths(load_trace(tmp_path, truncate_input_tokens=700, max_input_tokens=700))
+    # Kept turns are unchanged: lengths, think times and which blocks repeat (ids are numbered
+    # in first-seen order, so they shift when sessions go).
+    def tokens(turns):
+        first_seen = {}
+        return [(t.input_tokens, t.output_tokens, t.think_time_s,
+                 [first_seen.setdefault(b, len(first_seen)) for b in t.block_ids]) for t in turns]
+
+    full = {s.session_id: s.turns for s in load_trace(tmp_path).sessions}
+    for s in load_trace(tmp_path, truncate_input_tokens=700).sessions:
+        assert tokens(s.turns) == tokens(full[s.session_id][: len(s.turns)])
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_input_tokens"):
+            load_trace(tmp_path, truncate_input_tokens=bad)
+    gen = generate_workload(num_sessions=4, seed=3, token_scale=1.0, truncate_input_tokens=40_000)
+    assert all(t.input_tokens <= 40_000 for s in gen.sessions for t in s.turns)
+    assert all(s.turns for s in gen.sessions)
+
+
+def warm_docs():
+    """Two files: local ids collide on purpose; tool + system tokens 300 and 1,000."""
+    a = kv_doc([kv_req(700, 5, hash_ids=list(range(10))),
+                kv_req(900, 5, hash_ids=list(range(14))),
+                {"type": "subagent", "agent_id": "sa", "requests": [
+                    kv_req(400, 5, hash_ids=[50, 51, 52, 53, 54, 55])]}])
+    a.update(id="a", tool_tokens=200, system_tokens=100)
+    b = kv_doc([kv_req(260, 5, hash_ids=[0, 1, 2, 3]),
+                kv_req(600, 5, hash_ids=[0, 1, 9, 9, 9, 9, 9, 9, 9])])  # compaction at block 2
+    b.update(id="b", tool_tokens=900, system_tokens=100)
+    return a, b
+
+
+def test_warm_prefix_is_shared_by_every_session(tmp_path):
+    a, b = warm_docs()
+    write_json(tmp_path / "a.json", a)
+    write_json(tmp_path / "b.json", b)
+    cold = load_trace(tmp_path)
+    warm = load_trace(tmp_path, warm_prefix_fraction=0.5)  # 0.5 * max(300, 1000) = 500 tokens
+    by = {s.session_id: s for s in warm.sessions}
+    # 500 tokens -> the first 7 full 64-token blocks of each first prompt, b's first prompt
+    # has only 4 full blocks.
+    pa, psa, pb = (by[k].turns[0].block_ids for k in ("a", "a/sa", "b"))
+    assert pa[:7] == psa[:6] + pa[6:7] and pa[:4] == pb[:4]
+    assert len(set(pa[7:]) & set(pb) ) == 0 and pa[7] not in psa
+    # Later turns keep the shared blocks where they keep the prefix.
+    assert by["a"].turns[1].block_ids[:10] == pa[:10]
+    assert by["b"].turns[1].block_ids[:2] == pb[:2]
+    assert not set(by["b"].turns[1].block_ids[2:]) & set(pa)
+    # Without it, files share nothing; with it, the lengths and turn count are unchanged.
+    ids = [{x for t in s.turns for x in t.block_ids} for s in cold.sessions]
+    assert not ids[0] & ids[2]
+    assert [[t.input_tokens for t in s.turns] for s in cold.sessions] == \
+        [[t.input_tokens for t in s.turns] for s in warm.sessions]
+    # Token ids follow the block ids: the warm blocks are the same tokens in every session.
+    B = warm.block_size
+    assert prompt_token_ids(by["a"].turns[0], B, VOCAB)[: 4 * B] == \
+        prompt_token_ids(by["b"].turns[0], B, VOCAB)[: 4 * B]
+    assert load_trace(tmp_path, warm_prefix_fraction=0.0).sessions == cold.sessions
+    for bad in (-0.1, 1.5, "half", math.nan):
+        with pytest.raises(ValueError, match="warm_prefix_fraction"):
+            load_trace(tmp_path, warm_prefix_fraction=bad)
+
+
+@needs_traces
+def test_warm_prefix_on_the_real_traces(kv_folder):
+    wl = load_trace(kv_folder, warm_prefix_fraction=0.5)
+    firsts = [s.turns[0].block_ids for s in wl.sessions]
+    # kv_folder's largest tool + system prompt is computed from the files themselves.
+    docs = [json.load(gzip.open(KV_DIR / n, "rt") if n.endswith(".gz") else open(KV_DIR / n))
+            for n in KV_FILES]
+    k = int(0.5 * max(d["tool_tokens"] + d["system_tokens"] for d in docs)) // 64
+    full = [min(k, s.turns[0].input_tokens // 64) for s in wl.sessions]  # full blocks only
+    assert k > 50 and all(f[:n] == firsts[0][:n] for f, n in zip(firsts, full))
+    assert all(f[k] != firsts[0][k] for f in firsts[1:] if len(f) > k)

@@ -167,6 +167,10 @@ class _RawSession:
     namespace: int  # id space: sessions with the same namespace share equal ids
     block_size: int  # source tokens per block
     turns: list[_RawTurn]
+    # kv-cache-tester only: the file's tool_tokens + system_tokens (a warm prefix may replace
+    # the start of the first prompt); None for formats without them.
+    prefix_tokens: int | None = None
+    parent: str | None = None  # the session that started this sub-agent, if any
 
 
 def _where(path: Path, loc: str) -> str:
@@ -243,11 +247,12 @@ def _kv_request(r: dict, path: Path, loc: str, block_size: int, prev: dict | Non
 
 
 def _kv_session(reqs, session_id: str, path: Path, loc: str, ns: int, block_size: int,
-                tails: list[int], out: list[_RawSession]) -> None:
+                tails: list[int], out: list[_RawSession], prefix_tokens: int,
+                parent: str | None = None) -> None:
     """Append the session at ``loc`` and then, in order, the sub-agent sessions it starts."""
     if not isinstance(reqs, list):
         raise TraceError(f"{_where(path, loc + 'requests')}: must be a list, got {type(reqs).__name__}")
-    session = _RawSession(session_id, ns, block_size, [])
+    session = _RawSession(session_id, ns, block_size, [], prefix_tokens, parent)
     out.append(session)
     prev = None
     for i, r in enumerate(reqs):
@@ -260,7 +265,7 @@ def _kv_session(reqs, session_id: str, path: Path, loc: str, ns: int, block_size
             if not isinstance(agent, str) or not agent:
                 raise TraceError(f"{_where(path, rloc)}: sub-agent needs a string 'agent_id'")
             _kv_session(r.get("requests"), f"{session_id}/{agent}", path, f"{rloc}.subagent.",
-                        ns, block_size, tails, out)
+                        ns, block_size, tails, out, prefix_tokens, session_id)
             continue
         if kind not in ("s", "n"):
             raise TraceError(f"{_where(path, rloc)}: field 'type' must be 's', 'n' or 'subagent', "
@@ -281,8 +286,10 @@ def _read_kv_cache_tester(path: Path, doc: dict, ns: int) -> list[_RawSession]:
     sid = doc.get("id", path.name.split(".")[0])
     if not isinstance(sid, str) or not sid:
         raise TraceError(f"{path}: field 'id' must be a non-empty string, got {sid!r}")
+    prefix = sum(_get_int(doc, k, path, "top level", minimum=0) if k in doc else 0
+                 for k in ("tool_tokens", "system_tokens"))
     out: list[_RawSession] = []
-    _kv_session(doc["requests"], sid, path, "", ns, block_size, [0], out)
+    _kv_session(doc["requests"], sid, path, "", ns, block_size, [0], out, prefix)
     return out
 
 
@@ -402,44 +409,78 @@ def _common_prefix(a: list, b: list) -> int:
     return lo
 
 
+def _truncate(s: _RawSession, turns: list, lengths: list, limit: int | None, dropped: set) -> int:
+    """How many turns of ``s`` the replay keeps under ``truncate_input_tokens`` (0: drop it)."""
+    if limit is None:
+        return len(turns)
+    if s.parent in dropped or not lengths or lengths[0][0] > limit:
+        dropped.add(s.session_id)
+        return 0
+    return next((i for i, (n_in, _) in enumerate(lengths) if n_in > limit), len(lengths))
+
+
 def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token_scale: float,
-              time_scale: float, max_think_s: float, max_sessions, max_turns, max_input_tokens) -> Workload:
-    """Scale, filter (max_turns, then max_input_tokens, then max_sessions) and number blocks."""
+              time_scale: float, max_think_s: float, max_sessions, max_turns, max_input_tokens,
+              truncate_input_tokens=None, warm_prefix_fraction: float = 0.0) -> Workload:
+    """Scale, filter (max_turns, truncate_input_tokens, max_input_tokens, then max_sessions),
+    share the warm prefix and number blocks."""
     _check_limits(time_scale, max_think_s, max_sessions, max_turns, max_input_tokens)
+    _check_replay_tool_limits(truncate_input_tokens, warm_prefix_fraction)
     block_size = _block_size_after_scale({s.block_size for s in raw}, token_scale)
     kept: list[tuple[_RawSession, list[_RawTurn], list[tuple[int, int]]]] = []
+    dropped: set[str] = set()
     for s in raw:
         turns = s.turns[:max_turns] if max_turns is not None else s.turns
         lengths = [_scaled_lengths(t, s.block_size, block_size, token_scale) for t in turns]
+        n = _truncate(s, turns, lengths, truncate_input_tokens, dropped)
+        if n == 0:
+            continue
+        turns, lengths = turns[:n], lengths[:n]
         if max_input_tokens is not None and any(n_in > max_input_tokens for n_in, _ in lengths):
             continue
         kept.append((s, turns, lengths))
         if max_sessions is not None and len(kept) == max_sessions:
             break
+    warm = int(warm_prefix_fraction * max((s.prefix_tokens or 0 for s, _, _ in kept), default=0))
     table: dict[int, int] = {}  # packed (namespace, local id) -> dense index, first-seen order
     starts: list[int] = []  # dense index -> its first block id (a source block has `sub` ids)
     alloc = [0]  # the next free block id
     smallest = min(x.block_size for x in raw)
     sessions = [Session(s.session_id, tuple(_number_turns(
         s, turns, lengths, (table, starts, alloc), s.block_size // smallest, block_size, time_scale,
-        max_think_s))) for s, turns, lengths in kept]
+        max_think_s, warm if s.prefix_tokens is not None else 0))) for s, turns, lengths in kept]
     return Workload(name, source, fmt, block_size, float(token_scale), float(time_scale),
                     float(max_think_s), tuple(sessions))
 
 
+def _check_replay_tool_limits(truncate_input_tokens, warm_prefix_fraction) -> None:
+    v = truncate_input_tokens
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ValueError(f"truncate_input_tokens must be None or an int >= 1, got {v!r}")
+    f = warm_prefix_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+        raise ValueError(f"warm_prefix_fraction must be a number in [0, 1], got {f!r}")
+
+
 def _number_turns(s: _RawSession, turns, lengths, ids: tuple, sub: int, block_size: int,
-                  time_scale: float, max_think_s: float):
+                  time_scale: float, max_think_s: float, warm_tokens: int = 0):
     """Turns with global block ids; a source block of ``sub`` workload blocks gets ``sub`` ids.
 
     With one source block size everywhere, ``sub == 1`` and the block id is the dense index.
+    The first ``warm_tokens // s.block_size`` full blocks of the first turn get the warm
+    prefix's ids (keys -1, -2, ...: the same in every session), and so does every later
+    occurrence of their local ids.
     """
     table, starts, alloc = ids
     base, tail_base = (2 * s.namespace) * _MAX_LOCAL_ID, (2 * s.namespace + 1) * _MAX_LOCAL_ID
+    warm = {h: -1 - i for i, h in enumerate(turns[0].hash_ids[: warm_tokens // s.block_size])
+            if i < turns[0].in_tokens // s.block_size} if turns else {}
     prev_ids: list[int] = []
     prev_gids: list[int] = []
     for k, (t, (n_in, n_out)) in enumerate(zip(turns, lengths)):
         lcp = _common_prefix(t.hash_ids, prev_ids)  # same namespace: equal ids, equal blocks
-        gids = prev_gids[:lcp] + [table.setdefault(base + h, len(table)) for h in t.hash_ids[lcp:]]
+        gids = prev_gids[:lcp] + [table.setdefault(warm.get(h, base + h), len(table))
+                                  for h in t.hash_ids[lcp:]]
         if t.tail is not None:
             gids.append(table.setdefault(tail_base + t.tail, len(table)))
         while len(starts) < len(table):  # the new indexes, all from this session
@@ -487,7 +528,9 @@ def _read_file(path: Path, ns: int) -> tuple[str, list[_RawSession]]:
 
 def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
                max_think_s: float = float("inf"), max_sessions: int | None = None,
-               max_turns: int | None = None, max_input_tokens: int | None = None) -> Workload:
+               max_turns: int | None = None, max_input_tokens: int | None = None,
+               truncate_input_tokens: int | None = None,
+               warm_prefix_fraction: float = 0.0) -> Workload:
     """Load a kv-cache-tester or Mooncake trace (a file, or a folder of them) as a workload.
 
     Args:
@@ -502,6 +545,17 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
         max_turns: keep the first N turns of each session.
         max_input_tokens: drop every session with a (kept) turn whose scaled prompt is longer;
             whole sessions go, so the prefix structure of the ones kept stays intact.
+        truncate_input_tokens: end each session before its first turn whose scaled prompt is
+            longer; a session whose first turn is longer is dropped, and so are the
+            sub-agents it starts. This is kv-cache-tester's ``trace_replay_tester.py
+            --max-context`` (default 128,000 there): it drops such traces and stops a user at
+            the first request over the limit. Applied before ``max_input_tokens``.
+        warm_prefix_fraction: the replay tool's ``--warm-prefix-pct`` (0.5 there): the first
+            ``int(fraction * max(tool_tokens + system_tokens))`` tokens (the maximum over the
+            kept kv-cache-tester sessions) of every session's first prompt are one canonical
+            prefix, the same in all sessions and sub-agents, as Claude Code's tool definitions
+            and system prompt are. Its full source blocks get the same ids everywhere (every
+            later turn that keeps them too); Mooncake sessions are left as they are.
 
     Returns:
         Workload with ``format`` ``"kv-cache-tester"``, ``"mooncake"`` or ``"mixed"``.
@@ -537,7 +591,9 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
     name = path.name.split(".")[0]
     return _assemble(raw, name=name, source=str(path), fmt=fmt, token_scale=token_scale,
                      time_scale=time_scale, max_think_s=max_think_s, max_sessions=max_sessions,
-                     max_turns=max_turns, max_input_tokens=max_input_tokens)
+                     max_turns=max_turns, max_input_tokens=max_input_tokens,
+                     truncate_input_tokens=truncate_input_tokens,
+                     warm_prefix_fraction=warm_prefix_fraction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -614,7 +670,8 @@ def _draw_session(seed: int, draw: int, max_turns: int | None, too_long) -> _Raw
 
 def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: float = 1 / 64,
                       time_scale: float = 1.0, max_think_s: float = float("inf"),
-                      max_turns: int | None = None, max_input_tokens: int | None = None) -> Workload:
+                      max_turns: int | None = None, max_input_tokens: int | None = None,
+                      truncate_input_tokens: int | None = None) -> Workload:
     """A seeded synthetic coding-agent workload with WORKLOAD.md's measured statistics.
 
     Each session starts with a prompt of the shared tool + system prompt (the same block ids
@@ -634,6 +691,8 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
         max_turns: keep the first N turns of each session.
         max_input_tokens: sessions with a longer scaled prompt are discarded and drawn again
             (whole sessions, as in :func:`load_trace`), so the result is biased to shorter ones.
+        truncate_input_tokens: as in :func:`load_trace`: each session ends before its first
+            longer turn (a session whose first turn is longer is dropped, not drawn again).
 
     Raises:
         ValueError: a parameter out of range, or ``max_input_tokens`` too small to ever fit
@@ -674,7 +733,8 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
                          f"sessions fit in {max_draws} draws")
     return _assemble(raw, name=f"builtin-seed{seed}", source=BUILTIN, fmt=BUILTIN,
                      token_scale=token_scale, time_scale=time_scale, max_think_s=max_think_s,
-                     max_sessions=None, max_turns=None, max_input_tokens=None)
+                     max_sessions=None, max_turns=None, max_input_tokens=None,
+                     truncate_input_tokens=truncate_input_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Tier sizes (per worker) of a hardware scenario:
 
 - a page (block) stands for ``page_size * num_hidden_layers * kv_cache_dim * kv_dtype_bytes``
-  bytes of KV (35,136 bytes per token for K2 with FP8 KV, WORKLOAD.md's sizing);
+  bytes of KV (70,272 bytes per token for K2 with bf16 KV, WORKLOAD.md's sizing of the published
+  run; 35,136 with FP8 KV);
 - device pages: the HBM one device has left for KV (:meth:`Node.kv_bytes_per_device`, weights
   from :func:`kvtier.bench.sim.timing.weight_bytes`) over one page's bytes (MLA's latent KV is
   replicated on every tensor-parallel device);
@@ -143,10 +144,16 @@ def load_workload(scn: Scenario, trace: str | None) -> Workload:
         "max_think_s": r.max_think_s,
         "max_turns": r.max_turns,
         "max_input_tokens": scn.max_context_tokens,
+        "truncate_input_tokens": r.truncate_input_tokens,
     }
     if trace is None:
         return generate_workload(num_sessions=r.sessions, seed=r.seed, **common)
-    return load_trace(trace, max_sessions=r.sessions, **common)
+    return load_trace(
+        trace,
+        max_sessions=r.sessions,
+        warm_prefix_fraction=r.warm_prefix_fraction,
+        **common,
+    )
 
 
 def size_tiers(

@@ -28,17 +28,32 @@ fitted and not measured on an MI355X. At 0.5 the roofline prefills ~89K tokens/s
 16K-token chunks with nothing cached on 8x MI355X (~50K on 8x H200) and re-prefills a
 150K-token context in ~4.9 s; ``--matrix-efficiency`` or ``--kernel-csv`` replace it."""
 
-THINK_TIME_SCALE = 19.1
-"""The one fitted parameter: recorded think times (capped at 60 s, the trace-replay tool's
-default ``--max-delay``) are replayed this many times longer. Fitted on the device-only p99 TTFT
-of ``kimi-mi355x-128`` over the kv-cache-tester traces against the published 17.3 s
-(``perf/sim_calibrate.py``; scan in ``perf/results/sim_calibration.json``). At the recorded pace
-(1.0) the simulated node is overloaded many times over (device-only p99 > 100 s at any matrix
-efficiency up to 1.0), so the published run's offered load must have been far lower than these
+THINK_TIME_SCALE = 6.3
+"""The one fitted parameter: recorded think times (capped at :data:`REPLAY_MAX_DELAY_S`, as
+kv-cache-tester's replay tool caps them) are replayed this many times longer. Fitted on the
+device-only p99 TTFT of ``kimi-mi355x-128`` over the kv-cache-tester traces against the
+published 17.3 s (``perf/sim_calibrate.py``; scan in ``perf/results/sim_calibration.json``). At
+the recorded pace (1.0) the simulated node is overloaded (device-only p99 146 s, and 102 s even
+at 100% matrix efficiency), so the published run's offered load must have been lower than these
 traces at 128 sessions; this factor stands for that difference."""
 
 K2_CONTEXT_TOKENS = 262_144
 """Longest prompt accepted: the 256K context of Kimi K2-Instruct-0905 and later K2 releases."""
+
+REPLAY_MAX_DELAY_S = 600.0
+"""kv-cache-tester's ``trace_replay_tester.py --max-delay`` default since its commit 73201b7
+(2026-04-04; its docs still say 60): a recorded think time is capped at this many seconds
+before the time scale multiplies it."""
+
+REPLAY_MAX_CONTEXT_TOKENS = 128_000
+"""kv-cache-tester's ``trace_replay_tester.py --max-context`` default: traces whose first
+request is longer are left out and a session stops before its first longer request."""
+
+REPLAY_WARM_PREFIX_FRACTION = 0.5
+"""kv-cache-tester's ``--warm-prefix-pct`` default: half of the largest tool + system prompt
+(0.5 x 23,081 = 11,540 tokens over the traces in ``shared/traces``) is one prefix that every
+session starts with, as Claude Code's tool definitions and system prompt repeat across sessions
+(WORKLOAD.md)."""
 
 STORES = ("disk", "network")
 
@@ -77,6 +92,12 @@ class Replay:
         concurrency: sessions active at once.
         max_turns: turns kept per session (None = all).
         token_scale, time_scale, max_think_s: as ``kvtier bench``.
+        truncate_input_tokens: each session ends before its first turn with a longer prompt
+            (None: the model's context only), as kv-cache-tester's replay tool does with
+            ``--max-context`` (:func:`kvtier.bench.workload.load_trace`).
+        warm_prefix_fraction: share of the largest tool + system prompt that every trace
+            session starts with (``--warm-prefix-pct`` there); traces only, the built-in
+            generator always shares its whole tool + system prompt.
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         warmup_s, duration_s: the measurement window, virtual seconds.
         seed: of the built-in workload generator.
@@ -88,6 +109,8 @@ class Replay:
     token_scale: float = 1.0
     time_scale: float = 1.0
     max_think_s: float = 60.0
+    truncate_input_tokens: int | None = None
+    warm_prefix_fraction: float = 0.0
     ramp_s: float = 0.0
     warmup_s: float = 0.0
     duration_s: float = math.inf
@@ -198,18 +221,25 @@ _MI355X_ENGINE = {
         layer_overhead_s=60e-6,
         step_overhead_s=2e-3,
     ),
+    # bf16 KV (68.6 KiB per token): WORKLOAD.md sizes the published run's cache in bf16, and
+    # bf16 is what SGLang's and vLLM's default KV dtype ("auto") gives K2.
+    "kv_dtype_bytes": 2.0,
 }
 
 # The published replay: 128 sessions at once, ramped in over 5 minutes (a running service's
 # sessions are not in phase); turns submitted for one hour, all reported (first turns included,
-# as a replay experiment measures them). Think times: recorded ones, capped at 60 s, scaled.
+# as a replay experiment measures them). Think times: recorded ones, capped at 600 s, scaled.
+# Sessions stop before their first prompt over 128,000 tokens and share a warm tool + system
+# prefix: kv-cache-tester's replay defaults (the constants above).
 _MI355X_REPLAY = Replay(
     sessions=256,
     concurrency=128,
     max_turns=None,
     token_scale=1.0,
     time_scale=THINK_TIME_SCALE,
-    max_think_s=60.0 * THINK_TIME_SCALE,
+    max_think_s=REPLAY_MAX_DELAY_S * THINK_TIME_SCALE,
+    truncate_input_tokens=REPLAY_MAX_CONTEXT_TOKENS,
+    warm_prefix_fraction=REPLAY_WARM_PREFIX_FRACTION,
     ramp_s=300.0,
     warmup_s=0.0,
     duration_s=3600.0,
