@@ -38,6 +38,8 @@ def _row(s: dict) -> dict:
         "throughput_tok_s": s["throughput_tok_s"],
         "requests": s["requests"],
         "hit_rate": s["hit_rate"]["total"],
+        "hit_rate_by_tier": {k: v for k, v in s["hit_rate"].items() if k != "total"},
+        "preemptions": s["preemptions"],
     }
 
 

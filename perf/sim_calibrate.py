@@ -50,27 +50,37 @@ def scale_think_times(workload: Workload, f: float) -> Workload:
     )
 
 
-def device_only(trace: str, base: Workload, f: float) -> dict:
-    """Simulate device-only at think-time scale ``f``; its summary and how long it took."""
+def simulate_at(trace: str, base: Workload, f: float, configs: str = "device-only") -> list[dict]:
+    """Simulate ``configs`` at think-time scale ``f``; per configuration its summary and how
+    long the whole call took."""
     opts = SimOptions(
         SCENARIO,
         trace=trace,
-        configs="device-only",
+        configs=configs,
         time_scale=f,
         max_think_s=THINK_CAP_S * f,
     )
     t0 = time.perf_counter()
     _, _, _, runs, _ = run_scenario(opts, workload=scale_think_times(base, f))
-    s = summarize(runs[0].run)
-    return {
-        "time_scale": f,
-        "ttft_p99_s": s["ttft_s"]["p99"],
-        "ttft_p50_s": s["ttft_s"]["p50"],
-        "throughput_tok_s": s["throughput_tok_s"],
-        "hit_rate": s["hit_rate"]["total"],
-        "requests": s["requests"],
-        "sim_wall_s": time.perf_counter() - t0,
-    }
+    rows = []
+    for r in runs:
+        s = summarize(r.run)
+        rows.append({
+            "config": r.run.name,
+            "time_scale": f,
+            "ttft_p99_s": s["ttft_s"]["p99"],
+            "ttft_p50_s": s["ttft_s"]["p50"],
+            "throughput_tok_s": s["throughput_tok_s"],
+            "hit_rate": s["hit_rate"]["total"],
+            "requests": s["requests"],
+            "sim_wall_s": time.perf_counter() - t0,
+        })
+    return rows
+
+
+def device_only(trace: str, base: Workload, f: float) -> dict:
+    """Simulate device-only at think-time scale ``f``; its summary and how long it took."""
+    return simulate_at(trace, base, f)[0]
 
 
 def interpolate(points: list[dict], target: float) -> float | None:
@@ -95,6 +105,13 @@ def main() -> None:
         "--target-s", type=float, default=17.3, help="published device-only p99 TTFT"
     )
     ap.add_argument("--out", default=None, help="JSON with the scan and the fit")
+    ap.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="after the fit, also simulate every configuration at the fit and at the grid "
+        "points next to it: how much the predictions move with the fitted value (reported, "
+        "never used to fit)",
+    )
     args = ap.parse_args()
     scn = SimOptions(SCENARIO, time_scale=1.0, max_think_s=THINK_CAP_S).resolve()
     base = load_workload(scn, args.trace)
@@ -116,6 +133,15 @@ def main() -> None:
         "fitted_time_scale": fit,
         "at_fit": check,
     }
+    if args.sensitivity and fit is not None:
+        near = sorted(p["time_scale"] for p in points)
+        below = [f for f in near if f < fit][-1:]
+        above = [f for f in near if f > fit][:1]
+        result["sensitivity"] = []
+        for f in below + [fit] + above:
+            rows = simulate_at(args.trace, base, f, configs=None)
+            print("sensitivity", json.dumps(rows), flush=True)
+            result["sensitivity"].extend(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
