@@ -51,8 +51,8 @@ def scale_think_times(workload: Workload, f: float) -> Workload:
 
 
 def simulate_at(trace: str, base: Workload, f: float, configs: str = "device-only") -> list[dict]:
-    """Simulate ``configs`` at think-time scale ``f``; per configuration its summary and how
-    long the whole call took."""
+    """Simulate ``configs`` at think-time scale ``f``; per configuration its summary and the
+    seconds from the call's start until that configuration was summarised."""
     opts = SimOptions(
         SCENARIO,
         trace=trace,

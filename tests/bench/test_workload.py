@@ -507,15 +507,18 @@ def test_truncate_input_tokens_stops_sessions_as_the_replay_tool_does(tmp_path):
     docs = limits_doc()
     docs[1]["requests"].append({"type": "subagent", "agent_id": "a1",
                                 "requests": [kv_req(900, 3), kv_req(950, 3)]})
-    docs[0]["requests"].append({"type": "subagent", "agent_id": "a2", "requests": [kv_req(100, 3)]})
+    # 'big' starts 'a2' after its first turn and 'late' after its second.
+    docs[0]["requests"].insert(1, {"type": "subagent", "agent_id": "a2", "requests": [kv_req(100, 3)]})
+    docs[0]["requests"].insert(3, {"type": "subagent", "agent_id": "late", "requests": [kv_req(100, 3)]})
     for i, doc in enumerate(docs):
         write_json(tmp_path / f"s{i}.json", doc)
 
     def lengths(wl):
         return {s.session_id: [t.input_tokens for t in s.turns] for s in wl.sessions}
 
-    # 'big' keeps its first turn only; 'mid' stops before its 1,200-token turn; the sub-agent
-    # 'small/a1' starts over the limit and goes; 'big/a2' stays with its parent.
+    # 'big' keeps its first turn only, so it reaches 'a2' but never 'late' (the replay tool
+    # stops a user at its first request over the limit); 'mid' stops before its 1,200-token
+    # turn; the sub-agent 'small/a1' starts over the limit and goes.
     assert lengths(load_trace(tmp_path, truncate_input_tokens=700)) == {
         "big": [500], "big/a2": [100], "small": [300, 400, 600], "mid": [300, 500, 700],
         "tiny": [100, 150]}
@@ -537,9 +540,22 @@ def test_truncate_input_tokens_stops_sessions_as_the_replay_tool_does(tmp_path):
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="truncate_input_tokens"):
             load_trace(tmp_path, truncate_input_tokens=bad)
-    gen = generate_workload(num_sessions=4, seed=3, token_scale=1.0, truncate_input_tokens=40_000)
+    gen = generate_workload(num_sessions=12, seed=3, token_scale=1.0, truncate_input_tokens=40_000)
+    assert len(gen.sessions) == 12 and all(s.turns for s in gen.sessions)
     assert all(t.input_tokens <= 40_000 for s in gen.sessions for t in s.turns)
-    assert all(s.turns for s in gen.sessions)
+    # Sessions are cut, not replaced: each is a prefix of the same draw without the limit,
+    # or a draw whose first prompt was over it.
+    free = generate_workload(num_sessions=40, seed=3, token_scale=1.0)
+    turns = {s.session_id: s.turns for s in free.sessions}
+    for s in gen.sessions:
+        if s.session_id in turns:
+            assert [t.input_tokens for t in s.turns] == \
+                [t.input_tokens for t in turns[s.session_id][: len(s.turns)]]
+    assert any(len(s.turns) < len(turns[s.session_id]) for s in gen.sessions if s.session_id in turns)
+    with pytest.raises(ValueError, match="truncate_input_tokens=1000 is below the shortest"):
+        generate_workload(num_sessions=2, token_scale=1.0, truncate_input_tokens=1000)
+    with pytest.raises(ValueError, match="truncate_input_tokens"):
+        generate_workload(num_sessions=2, truncate_input_tokens=0)
 
 
 def warm_docs():
@@ -597,3 +613,33 @@ def test_warm_prefix_on_the_real_traces(kv_folder):
     full = [min(k, s.turns[0].input_tokens // 64) for s in wl.sessions]  # full blocks only
     assert k > 50 and all(f[:n] == firsts[0][:n] for f, n in zip(firsts, full))
     assert all(f[k] != firsts[0][k] for f in firsts[1:] if len(f) > k)
+
+
+def test_warm_prefix_keeps_equal_ids_equal_content(tmp_path):
+    """Files with other block sizes, and repeated local ids, never make one id stand for two
+    contents: checked on the tokens."""
+    a = {"id": "a", "block_size": 32, "hash_id_scope": "local", "tool_tokens": 256,
+         "requests": [kv_req(512, 3, hash_ids=list(range(16)))]}
+    b = kv_doc([kv_req(512, 3, hash_ids=list(range(8)))])
+    b.update(id="b", tool_tokens=256)
+    c = kv_doc([kv_req(256, 3, hash_ids=[5, 5, 5, 5]), kv_req(320, 3, hash_ids=[5, 5, 5, 5, 7])])
+    c.update(id="c", tool_tokens=256)
+    d = kv_doc([kv_req(256, 3, hash_ids=[0, 1, 2, 3])])
+    d.update(id="d", tool_tokens=256)
+    for order in ("abcd", "dcba"):
+        folder = tmp_path / order
+        folder.mkdir()
+        for i, (name, doc) in enumerate(zip(order, [dict(a=a, b=b, c=c, d=d)[x] for x in order])):
+            write_json(folder / f"{i}_{name}.json", doc)
+        wl = load_trace(folder, warm_prefix_fraction=1.0)
+        B = wl.block_size
+        seen = {}
+        for s in wl.sessions:
+            for t in s.turns:
+                toks = prompt_token_ids(t, B, VOCAB)
+                for j, bid in enumerate(t.block_ids[: t.input_tokens // B]):
+                    assert seen.setdefault(bid, toks[j * B:(j + 1) * B]) == toks[j * B:(j + 1) * B]
+        by = {s.session_id: s.turns for s in wl.sessions}
+        # 'c' repeats a local id, yet its first prompt is the canonical prefix, as 'd''s is.
+        assert by["c"][0].block_ids == by["d"][0].block_ids
+        assert by["c"][1].block_ids[: len(by["c"][0].block_ids)] == by["c"][0].block_ids

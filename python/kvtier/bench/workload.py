@@ -171,6 +171,7 @@ class _RawSession:
     # the start of the first prompt); None for formats without them.
     prefix_tokens: int | None = None
     parent: str | None = None  # the session that started this sub-agent, if any
+    start_turn: int = 0  # the parent's turns before this sub-agent's marker
 
 
 def _where(path: Path, loc: str) -> str:
@@ -248,11 +249,11 @@ def _kv_request(r: dict, path: Path, loc: str, block_size: int, prev: dict | Non
 
 def _kv_session(reqs, session_id: str, path: Path, loc: str, ns: int, block_size: int,
                 tails: list[int], out: list[_RawSession], prefix_tokens: int,
-                parent: str | None = None) -> None:
+                parent: str | None = None, start_turn: int = 0) -> None:
     """Append the session at ``loc`` and then, in order, the sub-agent sessions it starts."""
     if not isinstance(reqs, list):
         raise TraceError(f"{_where(path, loc + 'requests')}: must be a list, got {type(reqs).__name__}")
-    session = _RawSession(session_id, ns, block_size, [], prefix_tokens, parent)
+    session = _RawSession(session_id, ns, block_size, [], prefix_tokens, parent, start_turn)
     out.append(session)
     prev = None
     for i, r in enumerate(reqs):
@@ -265,7 +266,7 @@ def _kv_session(reqs, session_id: str, path: Path, loc: str, ns: int, block_size
             if not isinstance(agent, str) or not agent:
                 raise TraceError(f"{_where(path, rloc)}: sub-agent needs a string 'agent_id'")
             _kv_session(r.get("requests"), f"{session_id}/{agent}", path, f"{rloc}.subagent.",
-                        ns, block_size, tails, out, prefix_tokens, session_id)
+                        ns, block_size, tails, out, prefix_tokens, session_id, len(session.turns))
             continue
         if kind not in ("s", "n"):
             raise TraceError(f"{_where(path, rloc)}: field 'type' must be 's', 'n' or 'subagent', "
@@ -409,14 +410,20 @@ def _common_prefix(a: list, b: list) -> int:
     return lo
 
 
-def _truncate(s: _RawSession, turns: list, lengths: list, limit: int | None, dropped: set) -> int:
-    """How many turns of ``s`` the replay keeps under ``truncate_input_tokens`` (0: drop it)."""
+def _truncate(s: _RawSession, lengths: list, limit: int | None, reached: dict) -> int:
+    """How many turns of ``s`` the replay keeps under ``truncate_input_tokens`` (0: drop it).
+
+    ``reached`` maps each session seen so far to the turns it keeps: a sub-agent runs only if
+    its parent's replay gets to its marker, i.e. keeps every parent turn before it.
+    """
     if limit is None:
-        return len(turns)
-    if s.parent in dropped or not lengths or lengths[0][0] > limit:
-        dropped.add(s.session_id)
-        return 0
-    return next((i for i, (n_in, _) in enumerate(lengths) if n_in > limit), len(lengths))
+        n = len(lengths)
+    elif s.parent is not None and reached.get(s.parent, 0) < max(s.start_turn, 1):
+        n = 0
+    else:
+        n = next((i for i, (n_in, _) in enumerate(lengths) if n_in > limit), len(lengths))
+    reached[s.session_id] = n
+    return n
 
 
 def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token_scale: float,
@@ -428,11 +435,11 @@ def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token
     _check_replay_tool_limits(truncate_input_tokens, warm_prefix_fraction)
     block_size = _block_size_after_scale({s.block_size for s in raw}, token_scale)
     kept: list[tuple[_RawSession, list[_RawTurn], list[tuple[int, int]]]] = []
-    dropped: set[str] = set()
+    reached: dict[str, int] = {}
     for s in raw:
         turns = s.turns[:max_turns] if max_turns is not None else s.turns
         lengths = [_scaled_lengths(t, s.block_size, block_size, token_scale) for t in turns]
-        n = _truncate(s, turns, lengths, truncate_input_tokens, dropped)
+        n = _truncate(s, lengths, truncate_input_tokens, reached)
         if n == 0:
             continue
         turns, lengths = turns[:n], lengths[:n]
@@ -468,19 +475,24 @@ def _number_turns(s: _RawSession, turns, lengths, ids: tuple, sub: int, block_si
 
     With one source block size everywhere, ``sub == 1`` and the block id is the dense index.
     The first ``warm_tokens // s.block_size`` full blocks of the first turn get the warm
-    prefix's ids (keys -1, -2, ...: the same in every session), and so does every later
-    occurrence of their local ids.
+    prefix's keys by position (-1, -2, ... for 64-token source blocks: the same in every
+    session with that block size), and every later occurrence of their local ids the same keys.
     """
     table, starts, alloc = ids
     base, tail_base = (2 * s.namespace) * _MAX_LOCAL_ID, (2 * s.namespace + 1) * _MAX_LOCAL_ID
-    warm = {h: -1 - i for i, h in enumerate(turns[0].hash_ids[: warm_tokens // s.block_size])
-            if i < turns[0].in_tokens // s.block_size} if turns else {}
+    n_warm = min(warm_tokens // s.block_size, turns[0].in_tokens // s.block_size) if turns else 0
+    warm_keys = [-1 - i - s.block_size * _MAX_LOCAL_ID for i in range(n_warm)]
+    warm: dict[int, int] = {}
+    for h, key in zip(turns[0].hash_ids if turns else (), warm_keys):
+        warm.setdefault(h, key)
     prev_ids: list[int] = []
     prev_gids: list[int] = []
     for k, (t, (n_in, n_out)) in enumerate(zip(turns, lengths)):
         lcp = _common_prefix(t.hash_ids, prev_ids)  # same namespace: equal ids, equal blocks
-        gids = prev_gids[:lcp] + [table.setdefault(warm.get(h, base + h), len(table))
-                                  for h in t.hash_ids[lcp:]]
+        first = warm_keys if k == 0 else []
+        gids = prev_gids[:lcp] + [table.setdefault(first[i] if i < len(first) else warm.get(h, base + h),
+                                                   len(table))
+                                  for i, h in enumerate(t.hash_ids[lcp:], lcp)]
         if t.tail is not None:
             gids.append(table.setdefault(tail_base + t.tail, len(table)))
         while len(starts) < len(table):  # the new indexes, all from this session
@@ -638,8 +650,10 @@ def _split_lognormal(rng: np.random.Generator, q: tuple, size: int) -> np.ndarra
     return p50 * np.exp(sigma * z)
 
 
-def _draw_session(seed: int, draw: int, max_turns: int | None, too_long) -> _RawSession | None:
-    """Session number ``draw`` of ``seed`` (its own Generator), or None once ``too_long(turn)``."""
+def _draw_session(seed: int, draw: int, max_turns: int | None, too_long,
+                  stop=lambda turn: False) -> _RawSession | None:
+    """Session number ``draw`` of ``seed`` (its own Generator): None once ``too_long(turn)``,
+    or if ``stop`` holds for its first turn; it ends before a later turn for which it holds."""
     rng = np.random.default_rng([seed, draw])
     n = max(1, round(_split_lognormal(rng, REQUESTS_PER_SESSION_Q, 1)[0]))
     first = SHARED_PREFIX_TOKENS + max(1, round(_split_lognormal(rng, FIRST_EXTRA_TOKENS_Q, 1)[0]))
@@ -662,8 +676,10 @@ def _draw_session(seed: int, draw: int, max_turns: int | None, too_long) -> _Raw
         ids = kept + [next(fresh) for _ in range(-(-length // GEN_BLOCK_SIZE) - len(kept))]
         think = 0.0 if k == 0 else float(think_tool[k] if tool_use[k - 1] else think_end[k])
         turn = _RawTurn(length, int(out[k]), ids, None, think, "tool_use" if tool_use[k] else "end_turn")
-        if too_long(turn):
+        if too_long(turn) or (k == 0 and stop(turn)):
             return None
+        if stop(turn):
+            break
         session.turns.append(turn)
     return session
 
@@ -691,8 +707,9 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
         max_turns: keep the first N turns of each session.
         max_input_tokens: sessions with a longer scaled prompt are discarded and drawn again
             (whole sessions, as in :func:`load_trace`), so the result is biased to shorter ones.
-        truncate_input_tokens: as in :func:`load_trace`: each session ends before its first
-            longer turn (a session whose first turn is longer is dropped, not drawn again).
+        truncate_input_tokens: each session ends before its first turn with a longer scaled
+            prompt, as in :func:`load_trace`; a session whose first prompt is longer is drawn
+            again (like ``max_input_tokens``, so first prompts are biased to shorter ones).
 
     Raises:
         ValueError: a parameter out of range, or ``max_input_tokens`` too small to ever fit
@@ -708,22 +725,30 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     _check_limits(time_scale, max_think_s, None, max_turns, max_input_tokens)
+    _check_replay_tool_limits(truncate_input_tokens, 0.0)
     block_size = _block_size_after_scale({GEN_BLOCK_SIZE}, token_scale)
 
+    def longer(t: _RawTurn, limit: int | None) -> bool:
+        return limit is not None and _scaled_lengths(t, GEN_BLOCK_SIZE, block_size, token_scale)[0] > limit
+
     def too_long(t: _RawTurn) -> bool:
-        n_in, _ = _scaled_lengths(t, GEN_BLOCK_SIZE, block_size, token_scale)
-        return max_input_tokens is not None and n_in > max_input_tokens
+        return longer(t, max_input_tokens)
+
+    def stop(t: _RawTurn) -> bool:
+        return longer(t, truncate_input_tokens)
 
     smallest = _RawTurn(SHARED_PREFIX_TOKENS + 1, 1, [0] * -(-(SHARED_PREFIX_TOKENS + 1) // GEN_BLOCK_SIZE),
                         None, 0.0, "")
-    if too_long(smallest):
-        raise ValueError(f"max_input_tokens={max_input_tokens} is below the shortest first prompt "
-                         f"({_scaled_lengths(smallest, GEN_BLOCK_SIZE, block_size, token_scale)[0]} "
-                         f"tokens at token_scale={token_scale!r})")
+    for name, limit in (("max_input_tokens", max_input_tokens),
+                        ("truncate_input_tokens", truncate_input_tokens)):
+        if longer(smallest, limit):
+            raise ValueError(f"{name}={limit} is below the shortest first prompt "
+                             f"({_scaled_lengths(smallest, GEN_BLOCK_SIZE, block_size, token_scale)[0]} "
+                             f"tokens at token_scale={token_scale!r})")
     raw: list[_RawSession] = []
     max_draws = 1000 * num_sessions
     for draw in range(max_draws):
-        s = _draw_session(seed, draw, max_turns, too_long)
+        s = _draw_session(seed, draw, max_turns, too_long, stop)
         if s is not None:
             raw.append(s)
             if len(raw) == num_sessions:
@@ -733,8 +758,7 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
                          f"sessions fit in {max_draws} draws")
     return _assemble(raw, name=f"builtin-seed{seed}", source=BUILTIN, fmt=BUILTIN,
                      token_scale=token_scale, time_scale=time_scale, max_think_s=max_think_s,
-                     max_sessions=None, max_turns=None, max_input_tokens=None,
-                     truncate_input_tokens=truncate_input_tokens)
+                     max_sessions=None, max_turns=None, max_input_tokens=None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class SimOptions:
             replay overrides.
         configs: comma-separated variant names to run (None = all of the scenario's).
         node: hardware preset override (``mi355x``, ``h200``).
-        matrix_efficiency: override of the fitted matrix efficiency.
+        matrix_efficiency: override of the assumed matrix efficiency.
         kernel_csv: ``perf/`` kernel-timing CSVs whose rates replace ``peak x efficiency``.
         kernel_device: the ``device`` substring of the CSV rows to use.
     """

@@ -8,8 +8,8 @@ sessions with sessions that move to the least-loaded worker, their cache either 
 (a store shared by both workers) or not (each worker's store is its own). ``tiny`` is a
 seconds-long smoke run at CPU scale.
 
-Every assumption is a field here, with its reason in the comment beside it; the one fitted
-value is :data:`MI355X_MATRIX_EFFICIENCY`.
+Every assumption is a field or constant here, with its reason beside it; the one fitted value
+is :data:`THINK_TIME_SCALE`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ kv-cache-tester's replay tool caps them) are replayed this many times longer. Fi
 device-only p99 TTFT of ``kimi-mi355x-128`` over the kv-cache-tester traces against the
 published 17.3 s (``perf/sim_calibrate.py``; scan in ``perf/results/sim_calibration.json``). At
 the recorded pace (1.0) the simulated node is overloaded (device-only p99 146 s, and 102 s even
-at 100% matrix efficiency), so the published run's offered load must have been lower than these
+at 100% matrix efficiency: ``kvtier simulate --scenario kimi-mi355x-128 --trace
+../shared/traces/kv-cache-tester --configs device-only --time-scale 1 --max-think-s 600
+[--matrix-efficiency 1]``), so the published run's offered load must have been lower than these
 traces at 128 sessions; this factor stands for that difference."""
 
 K2_CONTEXT_TOKENS = 262_144
@@ -51,9 +53,11 @@ request is longer are left out and a session stops before its first longer reque
 
 REPLAY_WARM_PREFIX_FRACTION = 0.5
 """kv-cache-tester's ``--warm-prefix-pct`` default: half of the largest tool + system prompt
-(0.5 x 23,081 = 11,540 tokens over the traces in ``shared/traces``) is one prefix that every
-session starts with, as Claude Code's tool definitions and system prompt repeat across sessions
-(WORKLOAD.md)."""
+(0.5 x 23,081 = 11,540 tokens over the kept traces in ``shared/traces``; its 180 whole 64-token
+blocks, 11,520 tokens, are shared) is one prefix that every session starts with, as Claude
+Code's tool definitions and system prompt repeat across sessions (WORKLOAD.md). Beyond it the
+trace's own sharing is kept (sibling sub-agents share their prompt), where the tool fills each
+first prompt with fresh text."""
 
 STORES = ("disk", "network")
 
