@@ -14,9 +14,10 @@ Reported per configuration: p50/p99 TTFT and throughput, real vs simulated, and 
 simulated / real (the acceptance asks for the p99 TTFT ratio within 0.75-1.25). Timings on a
 shared machine vary run to run; this script reports one run and says so.
 
-The default workload, 24 sessions of up to 8 turns (178 requests), makes p99 the 2nd-highest
-TTFT rather than the highest of 72 requests as 12 sessions of 6 turns did: with 72, the real p99
-moved 6.7-7.9 s between runs and one of four sim/real ratios fell outside 0.75-1.25.
+The default workload, 24 sessions of up to 8 turns (178 requests), puts p99 (numpy's linear
+percentile) between the 3rd- and 2nd-highest TTFT; 12 sessions of 6 turns (72 requests) put it
+between the two highest, and there the real p99 moved 6.7-7.9 s between runs and one of four
+sim/real ratios fell outside 0.75-1.25.
 
 Usage: python perf/sim_agreement.py [--sessions 24] [--concurrency 8] [--max-turns 8]
        [--configs device-only,tiered] [--seed 0] [--calibration-seed 1] [--out results.json]

@@ -28,7 +28,7 @@ fitted and not measured on an MI355X. At 0.5 the roofline prefills ~89K tokens/s
 16K-token chunks with nothing cached on 8x MI355X (~50K on 8x H200) and re-prefills a
 150K-token context in ~4.9 s; ``--matrix-efficiency`` or ``--kernel-csv`` replace it."""
 
-THINK_TIME_SCALE = 6.3
+THINK_TIME_SCALE = 6.4
 """The one fitted parameter: recorded think times (capped at :data:`REPLAY_MAX_DELAY_S`, as
 kv-cache-tester's replay tool caps them) are replayed this many times longer. Fitted on the
 device-only p99 TTFT of ``kimi-mi355x-128`` over the kv-cache-tester traces against the
