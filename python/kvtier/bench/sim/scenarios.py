@@ -33,7 +33,7 @@ THINK_TIME_SCALE = 6.4
 kv-cache-tester's replay tool caps them) are replayed this many times longer. Fitted on the
 device-only p99 TTFT of ``kimi-mi355x-128`` over the kv-cache-tester traces against the
 published 17.3 s (``perf/sim_calibrate.py``; scan in ``perf/results/sim_calibration.json``). At
-the recorded pace (1.0) the simulated node is overloaded (device-only p99 146 s, and 102 s even
+the recorded pace (1.0) the simulated node is overloaded (device-only p99 141 s, and 101 s even
 at 100% matrix efficiency: ``kvtier simulate --scenario kimi-mi355x-128 --trace
 ../shared/traces/kv-cache-tester --configs device-only --time-scale 1 --max-think-s 600
 [--matrix-efficiency 1]``), so the published run's offered load must have been lower than these
