@@ -182,7 +182,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     opts = SimOptions(
         scenario=args.scenario, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
         max_turns=args.max_turns, time_scale=args.time_scale, max_think_s=args.max_think_s,
-        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed, configs=args.configs, node=args.node,
+        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed,
+        truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
+        kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
         kernel_device=args.kernel_device)
     opts.resolve()  # bad options fail before anything runs
@@ -278,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-think-s", type=float, help="cap on a scaled think time (s)")
     m.add_argument("--warmup-s", type=float, help="turns due before this (virtual s) are not reported")
     m.add_argument("--duration-s", type=float, help="no turn is submitted from this virtual time on")
+    m.add_argument("--truncate-input-tokens", type=int, help="each session stops before its first longer "
+                   "prompt (kv-cache-tester's --max-context; 0 = off)")
+    m.add_argument("--warm-prefix-fraction", type=float, help="share of the largest tool + system prompt every "
+                   "trace session starts with (kv-cache-tester's --warm-prefix-pct)")
+    m.add_argument("--kv-dtype-bytes", type=float, help="bytes per cached KV value: 2 = bf16, 1 = FP8")
     m.add_argument("--node", help="hardware of each worker: mi355x or h200")
     m.add_argument("--matrix-efficiency", type=float, help="fraction of the matrix peak kernels reach")
     m.add_argument("--kernel-csv", nargs="*", metavar="CSV", help="perf/bench_mla.py or bench_moe.py CSVs measured "

@@ -543,3 +543,30 @@ def test_cli_simulate_errors(capsys):
         main(["simulate", "--list"]) == 0
         and "kimi-mi355x-128" in capsys.readouterr().out
     )
+
+
+def test_replay_tool_options_override_the_scenario(capsys):
+    base = SimOptions("kimi-mi355x-128").resolve()
+    assert base.replay.truncate_input_tokens == 128_000 and base.replay.warm_prefix_fraction == 0.5
+    assert base.kv_dtype_bytes == 2.0
+    scn = SimOptions(
+        "kimi-mi355x-128", truncate_input_tokens=0, warm_prefix_fraction=0.0, kv_dtype_bytes=1.0
+    ).resolve()
+    assert scn.replay.truncate_input_tokens is None and scn.replay.warm_prefix_fraction == 0.0
+    assert scn.kv_dtype_bytes == 1.0
+    assert SimOptions("tiny", truncate_input_tokens=500).resolve().replay.truncate_input_tokens == 500
+    for bad, match in (
+        ({"truncate_input_tokens": -1}, "truncate_input_tokens"),
+        ({"warm_prefix_fraction": 1.5}, "warm_prefix_fraction"),
+        ({"kv_dtype_bytes": 0.0}, "kv_dtype_bytes"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SimOptions("kimi-mi355x-128", **bad).resolve()
+    assert main(["simulate", "--scenario", "tiny", "--warm-prefix-fraction", "2", "--plot", ""]) == 2
+    assert "warm_prefix_fraction must be in [0, 1]" in capsys.readouterr().err
+    # The built-in workload stops its sessions at the limit.
+    _, full, _, _, _ = run_scenario(SimOptions("tiny", configs="device-only"))
+    _, cut, _, _, _ = run_scenario(SimOptions("tiny", configs="device-only", truncate_input_tokens=300))
+    longest = max(t.input_tokens for s in full.sessions for t in s.turns)
+    assert longest > 300 >= max(t.input_tokens for s in cut.sessions for t in s.turns)
+    assert len(cut.sessions) == len(full.sessions) and cut.num_requests() < full.num_requests()

@@ -44,8 +44,10 @@ class SimOptions:
     Attributes:
         scenario: scenario name (:data:`kvtier.bench.sim.scenarios.SCENARIOS`).
         trace: kv-cache-tester or Mooncake trace file or folder; None = the built-in generator.
-        sessions, concurrency, max_turns, time_scale, max_think_s, duration_s, warmup_s, seed:
-            replay overrides.
+        sessions, concurrency, max_turns, time_scale, max_think_s, duration_s, warmup_s, seed,
+            warm_prefix_fraction: replay overrides.
+        truncate_input_tokens: replay override; 0 turns truncation off.
+        kv_dtype_bytes: bytes per cached KV value (2 = bf16, 1 = FP8).
         configs: comma-separated variant names to run (None = all of the scenario's).
         node: hardware preset override (``mi355x``, ``h200``).
         matrix_efficiency: override of the assumed matrix efficiency.
@@ -63,6 +65,9 @@ class SimOptions:
     duration_s: float | None = None
     warmup_s: float | None = None
     seed: int | None = None
+    truncate_input_tokens: int | None = None
+    warm_prefix_fraction: float | None = None
+    kv_dtype_bytes: float | None = None
     configs: str | None = None
     node: str | None = None
     matrix_efficiency: float | None = None
@@ -87,13 +92,18 @@ class SimOptions:
                 "duration_s",
                 "warmup_s",
                 "seed",
+                "warm_prefix_fraction",
             )
             if getattr(self, k) is not None
         }
+        if self.truncate_input_tokens is not None:
+            over["truncate_input_tokens"] = self.truncate_input_tokens or None
         if over:
             scn = dataclasses.replace(
                 scn, replay=dataclasses.replace(scn.replay, **over)
             )
+        if self.kv_dtype_bytes is not None:
+            scn = dataclasses.replace(scn, kv_dtype_bytes=self.kv_dtype_bytes)
         if self.node is not None:
             if self.node not in NODES:
                 raise ValueError(

@@ -129,6 +129,14 @@ class Replay:
             raise ValueError(
                 f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}"
             )
+        t = self.truncate_input_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(
+                f"truncate_input_tokens must be None (0 on the command line) or an int >= 1, got {t!r}"
+            )
+        f = self.warm_prefix_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"warm_prefix_fraction must be in [0, 1], got {f!r}")
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,11 @@ class Scenario:
         if self.workers < 1:
             raise ValueError(
                 f"scenario {self.name!r}: workers must be >= 1, got {self.workers}"
+            )
+        b = self.kv_dtype_bytes
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 8:
+            raise ValueError(
+                f"scenario {self.name!r}: kv_dtype_bytes must be in (0, 8], got {b!r}"
             )
 
     def select(self, names: list[str]) -> Scenario:
