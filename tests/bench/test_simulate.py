@@ -563,7 +563,7 @@ def test_replay_tool_options_override_the_scenario(capsys):
         with pytest.raises(ValueError, match=match):
             SimOptions("kimi-mi355x-128", **bad).resolve()
     assert main(["simulate", "--scenario", "tiny", "--warm-prefix-fraction", "2", "--plot", ""]) == 2
-    assert "warm_prefix_fraction must be in [0, 1]" in capsys.readouterr().err
+    assert "warm_prefix_fraction must be a number in [0, 1], got 2.0" in capsys.readouterr().err
     # The built-in workload stops its sessions at the limit.
     _, full, _, _, _ = run_scenario(SimOptions("tiny", configs="device-only"))
     _, cut, _, _, _ = run_scenario(SimOptions("tiny", configs="device-only", truncate_input_tokens=300))

@@ -62,6 +62,7 @@ import numpy as np
 __all__ = [
     "Session",
     "TraceError",
+    "check_replay_options",
     "Turn",
     "Workload",
     "generate_workload",
@@ -432,7 +433,7 @@ def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token
     """Scale, filter (max_turns, truncate_input_tokens, max_input_tokens, then max_sessions),
     share the warm prefix and number blocks."""
     _check_limits(time_scale, max_think_s, max_sessions, max_turns, max_input_tokens)
-    _check_replay_tool_limits(truncate_input_tokens, warm_prefix_fraction)
+    check_replay_options(truncate_input_tokens, warm_prefix_fraction)
     block_size = _block_size_after_scale({s.block_size for s in raw}, token_scale)
     kept: list[tuple[_RawSession, list[_RawTurn], list[tuple[int, int]]]] = []
     reached: dict[str, int] = {}
@@ -460,7 +461,13 @@ def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token
                     float(max_think_s), tuple(sessions))
 
 
-def _check_replay_tool_limits(truncate_input_tokens, warm_prefix_fraction) -> None:
+def check_replay_options(truncate_input_tokens=None, warm_prefix_fraction: float = 0.0) -> None:
+    """Validate the replay-tool options of :func:`load_trace` / :func:`generate_workload`.
+
+    Raises:
+        ValueError: ``truncate_input_tokens`` is not None or an int >= 1 (tokens), or
+            ``warm_prefix_fraction`` is not a number in [0, 1].
+    """
     v = truncate_input_tokens
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"truncate_input_tokens must be None or an int >= 1, got {v!r}")
@@ -480,10 +487,10 @@ def _number_turns(s: _RawSession, turns, lengths, ids: tuple, sub: int, block_si
     """
     table, starts, alloc = ids
     base, tail_base = (2 * s.namespace) * _MAX_LOCAL_ID, (2 * s.namespace + 1) * _MAX_LOCAL_ID
-    n_warm = min(warm_tokens // s.block_size, turns[0].in_tokens // s.block_size) if turns else 0
+    n_warm = min(warm_tokens // s.block_size, turns[0].in_tokens // s.block_size)
     warm_keys = [-1 - i - s.block_size * _MAX_LOCAL_ID for i in range(n_warm)]
     warm: dict[int, int] = {}
-    for h, key in zip(turns[0].hash_ids if turns else (), warm_keys):
+    for h, key in zip(turns[0].hash_ids, warm_keys):
         warm.setdefault(h, key)
     prev_ids: list[int] = []
     prev_gids: list[int] = []
@@ -725,7 +732,7 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     _check_limits(time_scale, max_think_s, None, max_turns, max_input_tokens)
-    _check_replay_tool_limits(truncate_input_tokens, 0.0)
+    check_replay_options(truncate_input_tokens)
     block_size = _block_size_after_scale({GEN_BLOCK_SIZE}, token_scale)
 
     def longer(t: _RawTurn, limit: int | None) -> bool:

@@ -238,10 +238,11 @@ NVME_ARRAY = Link(bandwidth_Bps=24 * GB, latency_s=100e-6)
 NIC_400G = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
 
 
-def mi355x_node(num_devices: int = 8) -> Node:
-    """8x MI355X (one OCP platform), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
+def _node(accelerator: Accelerator, num_devices: int) -> Node:
+    """``num_devices`` of ``accelerator`` with the assumed links and KV sizes: 1 TiB of host
+    DRAM and 4 TB of NVMe."""
     return Node(
-        MI355X,
+        accelerator,
         num_devices,
         host_link=HOST_LINK,
         disk_link=NVME_ARRAY,
@@ -249,19 +250,16 @@ def mi355x_node(num_devices: int = 8) -> Node:
         host_kv_bytes=1 * TIB,
         disk_kv_bytes=4 * TB,
     )
+
+
+def mi355x_node(num_devices: int = 8) -> Node:
+    """8x MI355X (one OCP platform), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
+    return _node(MI355X, num_devices)
 
 
 def h200_node(num_devices: int = 8) -> Node:
     """8x H200 (HGX), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return Node(
-        H200,
-        num_devices,
-        host_link=HOST_LINK,
-        disk_link=NVME_ARRAY,
-        network_link=NIC_400G,
-        host_kv_bytes=1 * TIB,
-        disk_kv_bytes=4 * TB,
-    )
+    return _node(H200, num_devices)
 
 
 NODES = {"mi355x": mi355x_node, "h200": h200_node}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvtier.bench.configs import CONFIGS, BenchConfig
 from kvtier.bench.sim.hardware import Efficiency
 from kvtier.bench.sim.loop import ROUTERS
+from kvtier.bench.workload import check_replay_options
 
 MI355X_MATRIX_EFFICIENCY = 0.5
 """Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach: an assumption, not
@@ -129,14 +130,7 @@ class Replay:
             raise ValueError(
                 f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}"
             )
-        t = self.truncate_input_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
-            raise ValueError(
-                f"truncate_input_tokens must be None (0 on the command line) or an int >= 1, got {t!r}"
-            )
-        f = self.warm_prefix_fraction
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
-            raise ValueError(f"warm_prefix_fraction must be in [0, 1], got {f!r}")
+        check_replay_options(self.truncate_input_tokens, self.warm_prefix_fraction)
 
 
 @dataclass(frozen=True)
