@@ -8,6 +8,19 @@ import pytest
 
 from tests.conftest import SHARED
 
+# A valid tool no finite turn can satisfy: llguidance refuses to compile its grammar.
+UNGENERABLE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {"s": {"type": "string", "minLength": 999999999999}},
+            "required": ["s"],
+        },
+    },
+}
+
 WALLE_DIR = SHARED / "toolcalls" / "walle" / "testdata" / "validator_cases"
 K2VV_DIR = SHARED / "toolcalls" / "K2-Vendor-Verifier"
 

@@ -17,6 +17,7 @@ from kvtier.toolcall import (
 )
 
 from tests.toolcall.sweep import as_parameters, check_arguments
+from tests.toolcall.conftest import UNGENERABLE_TOOL
 
 SEARCH = {
     "type": "function",
@@ -124,18 +125,8 @@ def test_a_failed_row_does_not_affect_the_others(compiler, table, tok):
 
 
 def test_a_schema_llguidance_cannot_compile_raises_grammar_error(compiler):
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "f",
-            "parameters": {
-                "type": "object",
-                "properties": {"s": {"type": "string", "minLength": 999999999999}},
-            },
-        },
-    }
     with pytest.raises(GrammarError, match="does not compile"):
-        _matcher(compiler, [tool], "required")
+        _matcher(compiler, [UNGENERABLE_TOOL], "required")
 
 
 def _walk(constraint, tok, rng, max_tokens):

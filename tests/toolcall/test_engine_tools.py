@@ -6,6 +6,7 @@ import pytest
 from kvtier import SamplingParams
 
 from tests.toolcall.sweep import check_arguments, k2vv_cases, walle_cases
+from tests.toolcall.conftest import UNGENERABLE_TOOL
 from tests.toolcall.test_constrain import LS, SEARCH
 
 ASK = [{"role": "user", "content": "list the repository"}]
@@ -100,22 +101,12 @@ def test_a_failing_grammar_fails_only_its_request_and_others_are_unaffected(llm)
     prompt = llm.tokenizer.encode("hello")
     plain = SamplingParams(max_tokens=6, temperature=0.0)
     alone = llm.generate(prompt_token_ids=[prompt], sampling_params=plain)[0]
-    huge = {
-        "type": "function",
-        "function": {
-            "name": "f",
-            "parameters": {
-                "type": "object",
-                "properties": {"s": {"type": "string", "minLength": 999999999999}},
-                "required": ["s"],
-            },
-        },
-    }
+
     outs = llm.generate(
         prompt_token_ids=[prompt] * 4,
         sampling_params=[
             plain,
-            SamplingParams(max_tokens=6, tools=[huge], tool_choice="required"),
+            SamplingParams(max_tokens=6, tools=[UNGENERABLE_TOOL], tool_choice="required"),
             SamplingParams(
                 max_tokens=32, tools=[LS], tool_choice="required", temperature=0.0
             ),
