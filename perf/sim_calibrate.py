@@ -137,9 +137,12 @@ def main() -> None:
         near = sorted(p["time_scale"] for p in points)
         below = [f for f in near if f < fit][-1:]
         above = [f for f in near if f > fit][:1]
+        # device-only at these scales is already in the scan and the check: simulate the rest.
+        done = {p["time_scale"]: p for p in points + [check]}
+        others = ",".join(v.name for v in scn.variants if v.name != "device-only")
         result["sensitivity"] = []
         for f in below + [fit] + above:
-            rows = simulate_at(args.trace, base, f, configs=None)
+            rows = [done[f]] + simulate_at(args.trace, base, f, configs=others)
             print("sensitivity", json.dumps(rows), flush=True)
             result["sensitivity"].extend(rows)
     if args.out:

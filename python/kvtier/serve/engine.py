@@ -266,8 +266,6 @@ class Engine:
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
         seq.output_token_ids.append(token)
-        if seq.parser is not None:
-            seq.parser.feed_ids([token])
         now = time.perf_counter()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -286,7 +284,8 @@ class Engine:
     @staticmethod
     def _output(seq: Sequence) -> RequestOutput:
         parsed = {}
-        if seq.parser is not None:
+        if seq.parser is not None:  # once at the end: the parser's result does not depend on chunking
+            seq.parser.feed_ids(seq.output_token_ids)
             seq.parser.finish()
             parsed = seq.parser.result()
         return RequestOutput(
