@@ -127,3 +127,25 @@ def test_arguments_nested_deeper_than_the_stack_are_a_problem_not_an_exception()
                       + "<|tool_call_end|>")
     (problem,) = out
     assert isinstance(problem, ToolCallProblem) and problem.kind == "invalid_arguments"
+
+
+@pytest.mark.parametrize(
+    "arguments, got",
+    [("[1, 2]", "array"), ('"x"', "string"), ("3", "number"), ("2.5", "number"),
+     ("true", "boolean"), ("null", "null")],
+)
+def test_arguments_that_are_json_but_not_an_object_are_a_problem(arguments, got):
+    p = ToolCallParser()
+    (problem,) = p.feed_text(f"{CB}functions.ls:0{AB} {arguments} {CE}")
+    assert isinstance(problem, ToolCallProblem) and p.tool_calls == []
+    assert problem.kind == "invalid_arguments"
+    assert problem.message == f"arguments of 'ls' must be a JSON object, got a JSON {got}: {arguments!r}"
+    assert (problem.index, problem.id, problem.arguments) == (0, "functions.ls:0", f" {arguments} ")
+
+
+def test_a_non_object_call_does_not_stop_the_calls_after_it():
+    p = ToolCallParser()
+    p.feed_text(f"{SB}{CB}functions.a:0{AB}[]{CE}{CB}functions.b:1{AB}{{}}{CE}{SE}")
+    p.finish()
+    assert [(pr.kind, pr.index) for pr in p.problems] == [("invalid_arguments", 0)]
+    assert [(c.name, c.index, c.arguments) for c in p.tool_calls] == [("b", 1, "{}")]

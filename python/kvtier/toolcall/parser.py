@@ -57,6 +57,14 @@ _MAX_MARKER = max(map(len, MARKERS))
 _ID_RE = re.compile(
     r"(?:functions\.)?(?P<name>[^:\s]+?)(?::(?P<index>\d+))?", re.DOTALL
 )
+_JSON_TYPE_NAMES = {
+    list: "array",
+    str: "string",
+    int: "number",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+}
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,8 @@ class ToolCall:
         id: the call id as the model wrote it, stripped (``functions.NAME:IDX``, or a variant);
             echo it back as ``tool_call_id`` so the next prompt matches what the model saw.
         name: the function name taken from the id.
-        arguments: the arguments JSON text, stripped of surrounding whitespace (valid JSON).
+        arguments: the arguments JSON text, stripped of surrounding whitespace (a JSON object,
+            as OpenAI-style tool calls require).
     """
 
     index: int
@@ -100,7 +109,7 @@ class ToolCallProblem:
     """A call that could not be returned as a :class:`ToolCall`, or a marker out of place.
 
     Attributes:
-        kind: ``invalid_arguments`` (not JSON), ``bad_id`` (no function name in the id),
+        kind: ``invalid_arguments`` (not a JSON object), ``bad_id`` (no function name in the id),
             ``incomplete`` (the output ended, or a new call began, inside this call),
             ``unexpected_marker`` (a marker where it cannot appear; ignored).
         message: what went wrong, for people.
@@ -137,7 +146,17 @@ class _State(enum.Enum):
 def parse_call(
     index: int, raw_id: str, raw_arguments: str
 ) -> ToolCall | ToolCallProblem:
-    """Turn the raw id and arguments text of one call into a :class:`ToolCall` or a problem."""
+    """Turn the raw id and arguments text of one call into a :class:`ToolCall` or a problem.
+
+    Args:
+        index: the call's position among this output's calls.
+        raw_id: the id text between ``<|tool_call_begin|>`` and ``<|tool_call_argument_begin|>``.
+        raw_arguments: the arguments text; it must be a JSON object (OpenAI-style tool calls).
+
+    Returns:
+        A :class:`ToolCall`, or a :class:`ToolCallProblem` of kind ``bad_id`` (no function name
+        in the id) or ``invalid_arguments`` (not JSON, or JSON that is not an object). Never raises.
+    """
     m = _ID_RE.fullmatch(raw_id.strip())
     if m is None:
         return ToolCallProblem(
@@ -149,17 +168,25 @@ def parse_call(
             raw_arguments,
         )
     args = raw_arguments.strip()
-    try:
-        json.loads(args)
-    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
-        return ToolCallProblem(
-            "invalid_arguments",
-            f"arguments of {m['name']!r} are not valid JSON: {type(e).__name__}: {e}",
-            index,
-            raw_id,
-            raw_arguments,
-        )
+    wrong = _arguments_error(m["name"], args)
+    if wrong is not None:
+        return ToolCallProblem("invalid_arguments", wrong, index, raw_id, raw_arguments)
     return ToolCall(index, raw_id.strip(), m["name"], args)
+
+
+def _arguments_error(name: str, args: str) -> str | None:
+    """Why ``args`` is not a JSON object, for the message of an ``invalid_arguments`` problem;
+    None when it is one."""
+    try:
+        value = json.loads(args)
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than Python's stack
+        return f"arguments of {name!r} are not valid JSON: {type(e).__name__}: {e}"
+    if not isinstance(value, dict):
+        return (
+            f"arguments of {name!r} must be a JSON object, got a JSON "
+            f"{_JSON_TYPE_NAMES[type(value)]}: {args[:60]!r}"
+        )
+    return None
 
 
 @dataclass
