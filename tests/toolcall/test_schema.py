@@ -4,11 +4,13 @@ import json
 
 import pytest
 from kvtier.toolcall import (
+    GrammarError,
     SchemaLimits,
     ToolSchemaError,
     normalize_tool_choice,
     normalize_tools,
     parse_schema,
+    turn_grammar,
     validate_schema,
 )
 
@@ -126,3 +128,72 @@ def test_schemas_nested_deeper_than_the_stack_are_a_value_error_naming_the_tool(
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": d}}}}
     with pytest.raises(ValueError, match=r"tools\[0\]"):
         SamplingParams(tools=[tool])
+
+
+def _string_tool(pattern: str) -> dict:
+    params = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}, "required": ["s"]}
+    return {"type": "function", "function": {"name": "f", "parameters": params}}
+
+
+@pytest.mark.parametrize(
+    "pattern, reason",
+    [
+        ("(", "unclosed group"),
+        ("[a-", "unclosed character class"),
+        ("a{2,1}", "invalid repetition count range"),
+        # Valid for Python's re, but not for llguidance, which compiles the grammar:
+        ("(?=a)a", "look-around"),
+        (r"(a)\1", "backreferences are not supported"),
+        (r"\bfoo", "lookarounds not supported"),
+        ("a$b", "lookarounds not supported"),
+    ],
+)
+def test_a_pattern_llguidance_cannot_compile_is_a_schema_error_naming_its_path(pattern, reason):
+    subschema = {"type": "string", "pattern": pattern}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"anyOf": [{"type": "null"}, subschema]}}},
+        "$defs": {"d": subschema},
+    }
+    with pytest.raises(ToolSchemaError) as info:
+        validate_schema(schema, path="tools[0].function.parameters")
+    assert str(info.value).startswith(
+        f"tools[0].function.parameters.$defs.d: pattern {pattern!r} is not a valid regular expression: "
+    )
+    assert reason in str(info.value)
+    del schema["$defs"]
+    with pytest.raises(ToolSchemaError) as info:
+        validate_schema(schema, path="tools[0].function.parameters")
+    assert info.value.path == "tools[0].function.parameters.properties.a.items.anyOf[1]"
+    assert reason in str(info.value)
+
+
+def test_a_long_bad_pattern_is_cut_in_the_message():
+    with pytest.raises(ToolSchemaError, match="unclosed group") as info:
+        validate_schema({"type": "string", "pattern": "(" + "a" * 500})
+    assert len(str(info.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "^[a-z]+$",
+        r"\d{3}-\d{4}",
+        "",
+        # llguidance's dialect accepts these; Python's re does not:
+        r"\p{L}+",
+        "(?<word>[a-z]+)",
+        "a**",
+    ],
+)
+def test_patterns_llguidance_accepts_pass_and_compile(pattern, compiler):
+    validate_schema({"type": "string", "pattern": pattern})
+    validate_schema({"type": "string", "pattern": None})  # null stays allowed
+    specs = normalize_tools([_string_tool(pattern)])
+    assert compiler.compile(turn_grammar(specs, "required")).is_error() is False
+
+
+def test_a_valid_pattern_no_string_matches_is_left_to_the_grammar(compiler):
+    specs = normalize_tools([_string_tool(r"[^\s\S]")])  # valid regex, empty language
+    with pytest.raises(GrammarError, match="does not compile"):
+        compiler.compile(turn_grammar(specs, "required"))

@@ -11,6 +11,13 @@ limit of 5): keywords ``type`` (a type or a list of types), ``properties``, ``re
 sibling keywords but annotations; a ``$ref`` chain reached through required properties must be
 able to terminate. See KIMI.md, "Tool-call schemas".
 
+Beyond Moonshot's rules, a ``pattern`` must be a regular expression that the tool-grammar
+compiler, llguidance, accepts, so that a bad one is a schema error here rather than a grammar
+error later. That is llguidance's dialect, not Python's ``re``: Rust ``regex`` syntax
+(``\\p{L}``, ``(?<name>...)``, ``a**`` are accepted) without look-around, backreferences,
+``\\b`` or ``\\Z``, and with ``^``/``$`` only at the start/end of a match (``a$b`` is
+rejected). llguidance itself does the check.
+
 Errors are :class:`ToolSchemaError` (a ``ValueError``) whose message starts with the JSON path
 of the offending schema, e.g. ``tools[0].function.parameters.properties.user: $ref must be a
 string``.
@@ -426,6 +433,34 @@ def _check_properties(w: _Walk, s: dict, path: str) -> None:
             w.fail(f"property schema for '{name}' must be an object", path)
 
 
+def _pattern_error(pattern: str) -> str | None:
+    """llguidance's reason for rejecting ``pattern`` (the last line of its message, e.g.
+    ``unclosed group``), or None when it accepts it.
+
+    The check is llguidance's JSON-schema compiler (the one that compiles tool arguments) on a
+    schema holding ``pattern`` in an optional property, so that a valid pattern no string matches
+    (``[^\\s\\S]``) is not rejected here: llguidance drops an unsatisfiable optional property,
+    and a required one fails when the turn grammar is compiled, like an unreachable
+    ``minLength``.
+    """
+    from llguidance import LLMatcher
+
+    probe = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    failed, messages = LLMatcher.validate_grammar_with_warnings(
+        LLMatcher.grammar_from_json_schema(probe)
+    )
+    if not failed:
+        return None
+    lines = [line.strip() for line in messages[0].splitlines() if line.strip()] or ["rejected"]
+    return lines[-1].removeprefix("error: ")
+
+
+def _check_pattern(w: _Walk, pattern: str, path: str) -> None:
+    reason = _pattern_error(pattern)
+    if reason is not None:
+        w.fail(f"pattern {pattern!r:.80} is not a valid regular expression: {reason}", path)
+
+
 def _check_keywords(w: _Walk, s: dict, path: str, root: bool) -> None:
     """Per-keyword value checks, in sorted keyword order."""
     for k in sorted(s):
@@ -451,6 +486,8 @@ def _check_keywords(w: _Walk, s: dict, path: str, root: bool) -> None:
             and not (k != "description" and v is None)
         ):
             w.fail(f"{k} must be a string, got {v!r}", path)
+        elif k == "pattern" and v is not None:
+            _check_pattern(w, v, path)
         elif k == "anyOf":
             _check_anyof(w, s, path, root)
         elif k == "additionalProperties" and not isinstance(v, (bool, dict)):
@@ -540,7 +577,8 @@ def validate_schema(
         path: how to name the schema in error messages (e.g. ``tools[0].function.parameters``).
 
     Raises:
-        ToolSchemaError: the first rule broken, with the JSON path of the offending subschema.
+        ToolSchemaError: the first rule broken, with the JSON path of the offending subschema
+            (e.g. a ``pattern`` that llguidance cannot compile).
 
     Example:
         >>> validate_schema({"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]})
