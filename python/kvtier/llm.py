@@ -125,7 +125,8 @@ class LLM:
 
         The conversation is rendered with the Kimi K2 template and encoded by a per-session
         :class:`kvtier.tokenize.SessionEncoder` (``session_id`` given: kept across calls, so a
-        growing conversation encodes only what changed; None: a one-off encoder). With ``tools``
+        growing conversation encodes only what changed, until :meth:`end_session` drops it; None:
+        a one-off encoder). With ``tools``
         the turn is decoded under the tool grammar (``sampling_params.tools`` set to ``tools``
         unless it names its own; ``tool_choice`` overrides ``sampling_params.tool_choice``). The
         output carries ``content``, ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
@@ -158,6 +159,20 @@ class LLM:
         enc.append(messages, tools if tools else params.tools)  # the prompt declares the tools the grammar allows
         rid = self.engine.add_request(np.asarray(enc.ids), params, prompt_block_hashes=enc.block_hashes())
         return self._run([rid])[0]
+
+    def end_session(self, session_id) -> bool:
+        """Drop the encoder :meth:`chat` keeps for ``session_id`` (with its token buffer).
+
+        Call it when a conversation is over: encoders are kept until then. A later :meth:`chat`
+        with the same id starts a new encoder. Cached KV blocks are not affected.
+
+        Args:
+            session_id: an id given to :meth:`chat`; an unknown id (or None) is not an error.
+
+        Returns:
+            True if an encoder was dropped, False if ``session_id`` had none.
+        """
+        return self._sessions.pop(session_id, None) is not None
 
     def generate(self, prompts=None, sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
                  prompt_token_ids: Seq[Seq[int]] | None = None) -> list[RequestOutput]:

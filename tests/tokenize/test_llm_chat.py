@@ -73,3 +73,20 @@ def test_add_request_rejects_hashes_that_do_not_match(llm):
     with pytest.raises(ValueError, match=r"prompt_token_ids\[0\]\[2\]"):
         eng.add_request(np.array([5, 6, -1]), params)
     assert not eng.has_unfinished()  # nothing was queued
+
+
+def test_end_session_drops_the_encoder_and_a_later_chat_starts_afresh(llm):
+    from kvtier import SamplingParams
+
+    msgs = [{"role": "user", "content": "hi"}]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    llm.chat(msgs, sampling_params=params, session_id="ended")
+    first = llm._sessions["ended"]
+    assert llm.end_session("ended") is True
+    assert "ended" not in llm._sessions
+    assert llm.end_session("ended") is False  # unknown ids are not an error
+    assert llm.end_session(None) is False
+    out = llm.chat(msgs, sampling_params=params, session_id="ended")
+    assert llm._sessions["ended"] is not first
+    assert out.prompt_token_ids == llm.tokenizer.encode(render_chat(msgs))
+    llm.end_session("ended")
