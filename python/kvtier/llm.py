@@ -126,10 +126,10 @@ class LLM:
         The conversation is rendered with the Kimi K2 template and encoded by a per-session
         :class:`kvtier.tokenize.SessionEncoder` (``session_id`` given: kept across calls, so a
         growing conversation encodes only what changed, until :meth:`end_session` drops it; None:
-        a one-off encoder). With ``tools``
-        the turn is decoded under the tool grammar (``sampling_params.tools`` set to ``tools``
-        unless it names its own; ``tool_choice`` overrides ``sampling_params.tool_choice``). The
-        output carries ``content``, ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
+        a one-off encoder). With ``tools`` the turn is decoded under the tool grammar
+        (``sampling_params.tools`` set to ``tools`` unless it names its own; ``tool_choice``
+        overrides ``sampling_params.tool_choice``). The output carries ``content``,
+        ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
 
         Raises:
             ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field`` or
