@@ -3,7 +3,7 @@
 import torch
 
 from kvtier.cache.policy import PoolConfig
-from kvtier.cache.pool import KVPool
+from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.serve.params import RequestMetrics, SamplingParams
 from kvtier.serve.request import Sequence
 
@@ -21,7 +21,7 @@ def seq(tokens, sid=0):
 
 
 def begin_prefix_tokens(bm, s):
-    assert not bm.begin_prefix(s)  # device-only: nothing to wait for
+    assert bm.begin_prefix(s) is PrefixStart.READY  # device-only: nothing to wait for
     return s.num_computed_tokens
 
 

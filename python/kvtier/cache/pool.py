@@ -2,10 +2,12 @@
 
 Scheduler-facing contract:
 
-* ``begin_prefix(seq)``: give a page-less sequence its cached prefix. Blocks already in device
-  pages are reused at once; blocks in host memory or on disk are loaded into fresh device pages
-  by the copy engine (disk -> host slot -> device page) when the cost model says loading beats
-  recomputing. Returns True when the sequence must wait for loads (poll ``finish_prefix``).
+* ``begin_prefix(seq, partial=)``: give a page-less sequence its cached prefix. Blocks already in
+  device pages are reused at once; blocks in host memory or on disk are loaded into fresh device
+  pages by the copy engine (disk -> host slot -> device page) when the cost model says loading
+  beats recomputing. Returns a :class:`PrefixStart`: ``LOADING`` when the sequence must wait for
+  loads (poll ``finish_prefix``); ``NO_ROOM`` when the loads need more free pages than there
+  are and ``partial`` is False (nothing was taken: admit it later, when pages were freed).
 * ``finish_prefix(seq)``: None while loads run; else the tokens ready. A failed, corrupt or
   missing block shrinks the hit to the contiguous prefix that loaded; the rest is recomputed.
 * ``allocate``, ``register_computed``, ``free``: page accounting. Full computed blocks are
@@ -17,6 +19,7 @@ Scheduler-facing contract:
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -37,6 +40,17 @@ if TYPE_CHECKING:  # kvtier.serve imports this module
     from kvtier.serve.request import Sequence
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
+
+
+class PrefixStart(enum.Enum):
+    """What :meth:`KVPool.begin_prefix` did with a sequence."""
+
+    READY = "ready"
+    """Its reusable prefix is in its pages (maybe none): allocate and run it."""
+    LOADING = "loading"
+    """Blocks are loading into its pages: poll :meth:`KVPool.finish_prefix`."""
+    NO_ROOM = "no-room"
+    """The loads need more free device pages than there are; nothing was taken."""
 
 
 @dataclass
@@ -233,17 +247,28 @@ class KVPool:
             seq.block_hashes += block_hashes(seq.token_ids(have * ps, num_blocks * ps), ps, parent, self.config.salt)
 
     # ---- prefix reuse and loads ---------------------------------------------------------------
-    def begin_prefix(self, seq: Sequence) -> bool:
-        """Reuse or start loading ``seq``'s cached prefix; True when it must wait for loads."""
+    def begin_prefix(self, seq: Sequence, *, partial: bool = True) -> PrefixStart:
+        """Reuse or start loading ``seq``'s cached prefix.
+
+        Args:
+            seq: a sequence holding no pages.
+            partial: when the loads the cost model chose need more device pages than are free,
+                True loads the longest prefix that fits (the rest is recomputed; for a pool with
+                nothing else to free), False takes nothing and returns ``NO_ROOM`` (the caller
+                admits it once running sequences freed pages, as vLLM's scheduler keeps a request
+                waiting until its computed blocks fit, rather than recompute what it could load).
+        """
         assert not seq.page_ids, "sequence already holds pages"
         if not self.config.enable_prefix_caching:
-            return False
+            return PrefixStart.READY
         max_blocks = (seq.num_tokens - 1) // self.page_size
         self._hash_blocks(seq, max_blocks)
         hashes = seq.block_hashes[:max_blocks]
         rows = self.index.match(hashes, self._usable_tiers())
         sources = [self._best_source(row) for row in rows]
         take = self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
+        if not partial and self._load_pages(rows, sources, take) > len(self.free_pages):
+            return PrefixStart.NO_ROOM
         for i in range(take):  # reference resident pages first: loads must not evict them
             if sources[i] == Tier.DEVICE:
                 self._ref_page(int(rows[i][Tier.DEVICE]))
@@ -252,9 +277,15 @@ class KVPool:
         seq.page_ids = [b.page for b in loads]
         if any(b.ok is None for b in loads):
             self.loads[seq.seq_id] = loads
-            return True
+            return PrefixStart.LOADING
         self._complete(seq, loads)
-        return False
+        return PrefixStart.READY
+
+    def _load_pages(self, rows, sources: list[Tier], take: int) -> int:
+        """Free pages the first ``take`` blocks need: one per load, plus each resident page that
+        is free now (referencing it takes it off the free list)."""
+        resident = (int(rows[i][Tier.DEVICE]) for i in range(take) if sources[i] == Tier.DEVICE)
+        return sum(s != Tier.DEVICE for s in sources[:take]) + sum(self.ref_counts[p] == 0 for p in resident)
 
     def _usable_tiers(self) -> list[Tier]:
         tiers = [Tier.DEVICE]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtier.cache.pool import KVPool
+from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
 
@@ -32,12 +32,15 @@ class Scheduler:
     An admitted sequence first gets its cached prefix from the pool; the pool's cost model
     decides, block run by block run, whether loading from the tier holding it beats
     recomputing. While blocks load from a lower tier the sequence waits in ``loading`` and the
-    batch goes on without it. When pages run out, the most recently admitted running sequence
-    is preempted: its pages are released into the prefix cache, so its full blocks are offloaded
-    rather than lost (an evicted page is copied to the host tier when there is one: at once under
-    write-through, at eviction under write-back). When it is re-admitted it matches them like any
-    returning prompt and loads them back; only its last, partial block and whatever no tier kept
-    are recomputed.
+    batch goes on without it. A sequence whose loads need more device pages than are free stays
+    at the head of ``waiting`` until running sequences free pages; only when nothing else holds
+    pages does it load what fits and recompute the rest. A head that failed admission is not
+    retried until pages were freed (or its chunk budget shrank). When pages run out, the most
+    recently admitted running sequence is preempted: its pages are released into the prefix
+    cache, so its full blocks are offloaded rather than lost (an evicted page is copied to the
+    host tier when there is one: at once under write-through, at eviction under write-back).
+    When it is re-admitted it matches them like any returning prompt and loads them back; only
+    its last, partial block and whatever no tier kept are recomputed.
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool):
@@ -47,6 +50,8 @@ class Scheduler:
         self.loading: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # The head that failed admission, the free pages then and the token budget it had.
+        self._blocked: tuple[Sequence, int, int] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -119,8 +124,15 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            others = bool(self.running or self.loading)  # they will free pages
+            if others and self._still_blocked(seq, budget):
+                break
             if not seq.prefix_done:
-                if self.pool.begin_prefix(seq):
+                start = self.pool.begin_prefix(seq, partial=not others)
+                if start is PrefixStart.NO_ROOM:
+                    self._block(seq, 0)  # its loads need the pages whatever the budget
+                    break
+                if start is PrefixStart.LOADING:
                     self.waiting.popleft()
                     self.loading.append(seq)
                     continue
@@ -134,13 +146,25 @@ class Scheduler:
                     if w.page_ids or w.prefix_done:
                         self.pool.free(w)
                         w.num_computed_tokens, w.prefix_done = 0, False
+                self._block(seq, budget)
                 break
             self.waiting.popleft()
+            self._blocked = None
             self._record_admission(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._place(batch, seq, n)
             budget -= n
+
+    def _block(self, seq: Sequence, budget: int) -> None:
+        self._blocked = (seq, self.pool.num_free_pages, budget)
+
+    def _still_blocked(self, seq: Sequence, budget: int) -> bool:
+        """``seq`` failed admission, no page was freed since and its chunk can be no smaller:
+        retrying would fail again."""
+        if self._blocked is None or self._blocked[0] is not seq:
+            return False
+        return self.pool.num_free_pages <= self._blocked[1] and budget >= self._blocked[2]
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work within ``max_num_batched_tokens``."""
@@ -158,6 +182,8 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if self._blocked is not None and self._blocked[0] is seq:
+            self._blocked = None
         self.pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"

@@ -1,0 +1,73 @@
+"""Admission under device-page pressure: a prefix that must be loaded waits for free pages
+rather than being cut short and recomputed, and a blocked head is not retried every step."""
+
+from kvtier import LLM, SamplingParams
+from kvtier.cache.pool import PrefixStart
+from kvtier.serve.params import RequestMetrics
+from kvtier.serve.request import Sequence
+from tests.cache.test_tiers_e2e import always_load, prompt
+
+PS, BLOCK = 16, 15360
+N = 8 * PS + 1  # 8 full blocks and one token
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def host_cached(*prompts, num_device_pages=10):
+    """A tiny engine whose host tier holds ``prompts``' blocks and whose device pages do not."""
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=num_device_pages, host_cache_bytes=64 * BLOCK))
+    for p in (*prompts, prompt(N, 901), prompt(N, 902)):
+        llm.generate(prompt_token_ids=[p], sampling_params=ONE)
+    llm.engine.pool.poll(wait=True)
+    return llm
+
+
+def occupy(pool, num_pages):
+    """A sequence holding ``num_pages`` device pages."""
+    s = Sequence(10_000, list(range(num_pages * PS)), ONE, RequestMetrics(0.0))
+    assert pool.allocate(s, num_pages * PS)
+    return s
+
+
+def test_begin_prefix_without_partial_takes_nothing_when_loads_do_not_fit():
+    a = prompt(N, 1)
+    llm = host_cached(a)
+    pool = llm.engine.pool
+    occupy(pool, pool.num_free_pages - 3)  # 3 free pages for 8 blocks to load
+    free, refs = pool.num_free_pages, list(pool.ref_counts)
+    s = Sequence(0, a, ONE, RequestMetrics(0.0))
+    assert pool.begin_prefix(s, partial=False) is PrefixStart.NO_ROOM
+    assert s.page_ids == [] and pool.num_free_pages == free and pool.ref_counts == refs and not pool.loads
+    assert pool.begin_prefix(s, partial=True) is PrefixStart.LOADING and len(s.page_ids) == 3
+
+
+def test_loaded_prefixes_that_cannot_both_fit_are_both_loaded_whole():
+    a, b = prompt(N, 1), prompt(N, 2)
+    llm = host_cached(a, b)
+    outs = llm.generate(prompt_token_ids=[a, b], sampling_params=ONE)
+    for out in outs:  # one waits for the other's pages instead of recomputing what did not fit
+        assert out.num_cached_tokens == 8 * PS
+        assert out.cached_tokens_by_tier["host"] + out.cached_tokens_by_tier["device"] == 8 * PS
+    assert llm.engine.pool.stats.hit_tokens["host"] >= 8 * PS
+
+
+def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
+    b = prompt(N, 2)
+    llm = host_cached(b)
+    engine, pool = llm.engine, llm.engine.pool
+    calls = []
+    real = pool.begin_prefix
+    monkeypatch.setattr(pool, "begin_prefix", lambda s, **kw: calls.append(kw) or real(s, **kw))
+    long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt(5 * PS, 3), long_decode)  # holds 5, then 6 pages while it decodes
+    rid = engine.add_request(b, ONE)
+    engine.step()  # the first runs; b's 8 loads do not fit in the pages left
+    assert calls == [{"partial": True}, {"partial": False}]
+    assert engine.scheduler.waiting[0].seq_id == rid
+    for _ in range(6):
+        engine.step()  # decodes free nothing: b is not looked up again
+    assert len(calls) == 2
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert len(calls) >= 3 and outs[rid].num_cached_tokens == 8 * PS
+    assert outs[rid].cached_tokens_by_tier["host"] > 0
