@@ -63,12 +63,37 @@ def test_thinking_drops_reasoning_before_last_final_answer():
         {"id": "a", "function": {"name": "f", "arguments": "{bad"}}]}], r"messages\[0\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"),
     ([{"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}], r"messages\[0\]\.tool_calls\[0\]\.function"),
     ([{"role": "assistant", "content": "", "tool_calls": [
-        {"id": "a", "function": {"name": "f", "arguments": 3}}]}], r"arguments: expected a JSON string or an object"),
+        {"id": "a", "function": {"name": "f", "arguments": 3}}]}], r"arguments: expected a JSON object \(as a string or a dict\), got int"),
     (["hello"], r"messages\[0\]: expected a dict"),
 ])
 def test_bad_input_names_index_and_field(msgs, match):
     with pytest.raises(ValueError, match=match):
         render_chat(msgs)
+
+
+@pytest.mark.parametrize("arguments, got", [
+    ("[1]", "array"), ("3", "number"), ("2.5", "number"), ('"x"', "string"), ("true", "boolean"), ("null", "null")])
+def test_arguments_must_be_a_json_object(arguments, got):
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "a", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "b", "function": {"name": "f", "arguments": arguments}}]}]
+    with pytest.raises(ValueError) as e:
+        render_chat(msgs)
+    assert str(e.value) == (
+        f"messages[1].tool_calls[1].function.arguments: expected a JSON object, got a JSON {got}: {arguments!r}")
+
+
+def test_object_arguments_as_text_or_dict():
+    def rendered(arguments):
+        msgs = [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "a", "function": {"name": "f", "arguments": arguments}}]}]
+        out = render_chat(msgs, add_generation_prompt=False)
+        return out.split("<|tool_call_argument_begin|>")[1].split("<|tool_call_end|>")[0]
+
+    assert rendered({"q": "東京", "n": [1, {"x": None}]}) == '{"q": "東京", "n": [1, {"x": null}]}'
+    assert rendered({}) == "{}"
+    assert rendered(' {"a":1} ') == ' {"a":1} '  # text is rendered as given
 
 
 def test_content_parts_join():

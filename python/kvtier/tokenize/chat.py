@@ -9,7 +9,8 @@ Messages are OpenAI-style dicts:
 
 - ``{"role": "system"|"user", "content": str, "name"?: str}``
 - ``{"role": "assistant", "content": str | None, "tool_calls"?: [{"id": str, "type": "function",
-  "function": {"name": str, "arguments": str (JSON) | dict}}], "reasoning_content"?: str}``
+  "function": {"name": str, "arguments": str | dict}}], "reasoning_content"?: str}``,
+  where ``arguments`` is a JSON object given as JSON text or as a dict (OpenAI-style tool calls)
 - ``{"role": "tool", "tool_call_id": str, "content": str, "name"?: str}``
 
 ``content`` may also be a list of ``{"type": "text", "text": str}`` parts (joined).
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+
+from kvtier.jsontypes import json_type_name
 
 DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 GENERATION_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
@@ -53,13 +56,15 @@ def _arguments(call: dict, index: int, k: int) -> str:
     args = call["function"].get("arguments")
     if isinstance(args, str):
         try:
-            json.loads(args)
+            value = json.loads(args)
         except json.JSONDecodeError as e:
             raise _bad(index, field, f"not valid JSON ({e.msg} at char {e.pos}): {args[:60]!r}") from None
+        if not isinstance(value, dict):
+            raise _bad(index, field, f"expected a JSON object, got a JSON {json_type_name(value)}: {args[:60]!r}")
         return args
     if isinstance(args, dict):
         return json.dumps(args, ensure_ascii=False)
-    raise _bad(index, field, f"expected a JSON string or an object, got {type(args).__name__}")
+    raise _bad(index, field, f"expected a JSON object (as a string or a dict), got {type(args).__name__}")
 
 
 def _tool_calls(msg: dict, index: int, call_counter: list[int]) -> str:
@@ -182,7 +187,8 @@ def render_chat(messages: Sequence[dict], tools: Sequence[dict] | None = None,
 
     Raises:
         ValueError: naming ``messages[i].field``: unknown role, non-string content or name, a
-            missing ``tool_call_id``, malformed ``tool_calls``, arguments that are not JSON.
+            missing ``tool_call_id``, malformed ``tool_calls``, arguments that are not a JSON
+            object.
 
     Example:
         >>> render_chat([{"role": "user", "content": "hi"}])

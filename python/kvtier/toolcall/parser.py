@@ -32,6 +32,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from kvtier.jsontypes import json_type_name
+
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
 CALL_BEGIN = "<|tool_call_begin|>"
@@ -57,14 +59,6 @@ _MAX_MARKER = max(map(len, MARKERS))
 _ID_RE = re.compile(
     r"(?:functions\.)?(?P<name>[^:\s]+?)(?::(?P<index>\d+))?", re.DOTALL
 )
-_JSON_TYPE_NAMES = {
-    list: "array",
-    str: "string",
-    int: "number",
-    float: "number",
-    bool: "boolean",
-    type(None): "null",
-}
 
 
 @dataclass(frozen=True)
@@ -184,7 +178,7 @@ def _arguments_error(name: str, args: str) -> str | None:
     if not isinstance(value, dict):
         return (
             f"arguments of {name!r} must be a JSON object, got a JSON "
-            f"{_JSON_TYPE_NAMES[type(value)]}: {args[:60]!r}"
+            f"{json_type_name(value)}: {args[:60]!r}"
         )
     return None
 
