@@ -84,6 +84,17 @@ def test_arguments_must_be_a_json_object(arguments, got):
         f"messages[1].tool_calls[1].function.arguments: expected a JSON object, got a JSON {got}: {arguments!r}")
 
 
+@pytest.mark.parametrize("arguments, message", [
+    ("[" * 100_000, "JSON nested too deeply to read"),
+    ({"s": {1, 2}}, "a dict that is not JSON: TypeError: Object of type set is not JSON serializable"),
+])
+def test_unreadable_arguments_are_value_errors(arguments, message):
+    msgs = [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "function": {"name": "f",
+                                                                                       "arguments": arguments}}]}]
+    with pytest.raises(ValueError, match=f"messages\\[0\\].tool_calls\\[0\\].function.arguments: {message}"):
+        render_chat(msgs, add_generation_prompt=False)
+
+
 def test_object_arguments_as_text_or_dict():
     def rendered(arguments):
         msgs = [{"role": "assistant", "content": "", "tool_calls": [

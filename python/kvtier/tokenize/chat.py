@@ -59,11 +59,16 @@ def _arguments(call: dict, index: int, k: int) -> str:
             value = json.loads(args)
         except json.JSONDecodeError as e:
             raise _bad(index, field, f"not valid JSON ({e.msg} at char {e.pos}): {args[:60]!r}") from None
+        except RecursionError:  # nesting deeper than Python's stack
+            raise _bad(index, field, f"JSON nested too deeply to read: {args[:60]!r}") from None
         if not isinstance(value, dict):
             raise _bad(index, field, f"expected a JSON object, got a JSON {json_type_name(value)}: {args[:60]!r}")
         return args
     if isinstance(args, dict):
-        return json.dumps(args, ensure_ascii=False)
+        try:
+            return json.dumps(args, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as e:  # e.g. a set, a cycle, deep nesting
+            raise _bad(index, field, f"a dict that is not JSON: {type(e).__name__}: {e}") from None
     raise _bad(index, field, f"expected a JSON object (as a string or a dict), got {type(args).__name__}")
 
 
