@@ -182,7 +182,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     opts = SimOptions(
         scenario=args.scenario, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
         max_turns=args.max_turns, time_scale=args.time_scale, max_think_s=args.max_think_s,
-        duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed,
+        ramp_s=args.ramp_s, duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed,
         truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
         kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
@@ -200,7 +200,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if scn.calibration:
         console.print(f"calibration: {scn.calibration}")
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
-                  f"{r.concurrency} at a time; think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
+                  f"{r.concurrency} at a time, the first {r.concurrency} started over {r.ramp_s:g} s; "
+                  f"think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
                   f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported")
     console.print(f"per worker: {sizing.device_pages} device pages of {sizing.page_size} tokens "
                   f"({sizing.device_pages * sizing.page_size / 1e6:.2f}M tokens, "
@@ -278,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-turns", type=int, help="turns kept per session")
     m.add_argument("--time-scale", type=float, help="factor on think times")
     m.add_argument("--max-think-s", type=float, help="cap on a scaled think time (s)")
+    m.add_argument("--ramp-s", type=float, help="seconds over which the first --concurrency sessions start")
     m.add_argument("--warmup-s", type=float, help="turns due before this (virtual s) are not reported")
     m.add_argument("--duration-s", type=float, help="no turn is submitted from this virtual time on")
     m.add_argument("--truncate-input-tokens", type=int, help="each session stops before its first longer "

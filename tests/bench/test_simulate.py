@@ -570,3 +570,19 @@ def test_replay_tool_options_override_the_scenario(capsys):
     longest = max(t.input_tokens for s in full.sessions for t in s.turns)
     assert longest > 300 >= max(t.input_tokens for s in cut.sessions for t in s.turns)
     assert len(cut.sessions) == len(full.sessions) and cut.num_requests() < full.num_requests()
+
+
+def test_ramp_override_spreads_the_first_sessions_starts(capsys):
+    assert SimOptions("kimi-mi355x-128").resolve().replay.ramp_s == 300.0
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="ramp_s must be a finite number of seconds >= 0"):
+            SimOptions("tiny", ramp_s=bad).resolve()
+    starts = {}
+    for ramp in (0.0, 20.0):
+        scn, _, _, runs, _ = run_scenario(SimOptions("tiny", configs="device-only", ramp_s=ramp))
+        first = sorted(r.arrival_s for r in runs[0].run.records if r.turn == 0)
+        starts[ramp] = first[: scn.replay.concurrency]
+    assert starts[0.0] == [0.0] * len(starts[0.0]) and len(starts[0.0]) > 1
+    assert 0.0 == starts[20.0][0] < starts[20.0][-1] < 20.0
+    assert main(["simulate", "--scenario", "tiny", "--ramp-s", "-2", "--plot", ""]) == 2
+    assert "ramp_s must be a finite number of seconds >= 0, got -2.0" in capsys.readouterr().err

@@ -44,8 +44,8 @@ class SimOptions:
     Attributes:
         scenario: scenario name (:data:`kvtier.bench.sim.scenarios.SCENARIOS`).
         trace: kv-cache-tester or Mooncake trace file or folder; None = the built-in generator.
-        sessions, concurrency, max_turns, time_scale, max_think_s, duration_s, warmup_s, seed,
-            warm_prefix_fraction: replay overrides.
+        sessions, concurrency, max_turns, time_scale, max_think_s, ramp_s, duration_s, warmup_s,
+            seed, warm_prefix_fraction: replay overrides.
         truncate_input_tokens: replay override; 0 turns truncation off.
         kv_dtype_bytes: bytes per cached KV value (2 = bf16, 1 = FP8).
         configs: comma-separated variant names to run (None = all of the scenario's).
@@ -62,6 +62,7 @@ class SimOptions:
     max_turns: int | None = None
     time_scale: float | None = None
     max_think_s: float | None = None
+    ramp_s: float | None = None
     duration_s: float | None = None
     warmup_s: float | None = None
     seed: int | None = None
@@ -89,6 +90,7 @@ class SimOptions:
                 "max_turns",
                 "time_scale",
                 "max_think_s",
+                "ramp_s",
                 "duration_s",
                 "warmup_s",
                 "seed",
