@@ -71,3 +71,24 @@ def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
         outs.update({o.request_id: o for o in engine.step()})
     assert len(calls) >= 3 and outs[rid].num_cached_tokens == 8 * PS
     assert outs[rid].cached_tokens_by_tier["host"] > 0
+
+
+def test_head_that_waited_for_its_loads_runs_as_soon_as_they_end():
+    b = prompt(N, 2)
+    llm = host_cached(b, num_device_pages=16)
+    engine, pool, sched = llm.engine, llm.engine.pool, llm.engine.scheduler
+    engine.add_request(prompt(5 * PS, 3), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.add_request(prompt(4 * PS, 4), ONE)  # frees its 4 pages after its prefill
+    rid = engine.add_request(b, ONE)
+    seq = engine._sequences[rid]
+    engine.step()  # b's 8 loads do not fit in the 7 free pages
+    assert sched.waiting[0] is seq and not seq.page_ids
+    pool.poll(wait=True)  # the short request's write-through copies end: its pages are free
+    engine.step()  # now b's loads fit
+    assert seq in sched.loading
+    while pool.finish_prefix(seq) is None:
+        pool.wait_for_loads(0.05)
+    # Its loads ended: it takes the one page it still needs now, not when the long decode ends.
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [rid]
+    assert outs[0].num_cached_tokens == 8 * PS and outs[0].cached_tokens_by_tier["host"] > 0

@@ -135,6 +135,7 @@ class Scheduler:
                 if start is PrefixStart.LOADING:
                     self.waiting.popleft()
                     self.loading.append(seq)
+                    self._blocked = None  # it holds pages now: when its loads end it is placed at once
                     continue
                 seq.prefix_done = True
             self._cap_reuse(seq)
