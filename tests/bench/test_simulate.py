@@ -11,7 +11,7 @@ import pytest
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.engine import PromptLength, SimEngine, TierLinks
+from kvtier.bench.sim.engine import PromptLength, SimEngine, Step, TierLinks
 from kvtier.bench.sim.hardware import GB, Efficiency, Link, h200_node, mi355x_node
 from kvtier.bench.sim.loop import simulate
 from kvtier.bench.sim.run import (
@@ -32,6 +32,7 @@ from kvtier.bench.sim.timing import (
     weight_bytes,
 )
 from kvtier.bench.workload import Session, Turn, Workload
+from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
@@ -278,6 +279,37 @@ def test_drives_the_real_scheduler_and_pool_through_every_tier():
         max_context_tokens=8192,
     )
     assert sr.run.recomputed_tokens < plain.run.recomputed_tokens
+
+
+def test_loads_collected_after_a_stall_that_cannot_be_placed_are_retried():
+    # At 0.54 s two prompts start loading from host memory; taking pages for the second one's
+    # loads stalls on write-back copies past the end of every load, so the step collects both at
+    # once. The one placed first cannot get the pages it still needs: every waiting sequence
+    # gives its pages back, nothing runs or loads, and the step must retry (as Engine.step does)
+    # instead of reporting a pool too small for the waiting requests.
+    engine = _engine(device_pages=32, host_blocks=32, write="write-back")
+    clock = engine.clock
+    # (arrival s, prefix, prompt tokens, output tokens): prompts with one prefix share it.
+    turns = [(0.05, 2, 73, 17), (0.105, 0, 111, 12), (0.11, 3, 55, 18), (0.115, 2, 72, 16), (0.12, 0, 81, 11)]
+    seqs = []
+    while turns or engine.has_unfinished():
+        while turns and turns[0][0] <= clock.now:
+            _, prefix, n, out = turns.pop(0)
+            fresh = 10**6 * (len(seqs) + 1)
+            ids = [*range(1000 * prefix, 1000 * prefix + n), *range(fresh, fresh + out)]
+            seqs.append(engine.new_sequence(n, out, block_hashes(ids, PAGE, None, b""), clock.now))
+            engine.add(seqs[-1])
+        if not engine.has_unfinished():
+            clock.advance_to(turns[0][0])
+            continue
+        step = engine.begin_step()
+        if isinstance(step, Step):
+            clock.advance_to(step.end_s)
+            engine.end_step(step)
+        else:
+            clock.advance_to(step)
+    assert [s.finish_reason for s in seqs] == ["length"] * 5
+    assert engine.pool.stats.hit_tokens["host"] > 0
 
 
 def test_tool_waits_reach_the_pool_policy():

@@ -242,6 +242,11 @@ class SimEngine:
             ):
                 break
             batch = self.scheduler.schedule()
+            if (
+                not batch and not self.scheduler.loading
+            ):  # the loaded sequences could not be placed and gave their pages back: retry once
+                self.pool.poll(wait=True)
+                batch = self.scheduler.schedule()
         if not batch:
             wake = self.copy_engine.next_end_s(after=self.clock.now)
             if not self.scheduler.loading or wake is None:
