@@ -92,3 +92,18 @@ def test_head_that_waited_for_its_loads_runs_as_soon_as_they_end():
     outs = engine.step()
     assert [o.request_id for o in outs] == [rid]
     assert outs[0].num_cached_tokens == 8 * PS and outs[0].cached_tokens_by_tier["host"] > 0
+
+
+def test_prefixes_whose_loads_end_together_are_placed_in_arrival_order():
+    a, b = prompt(N, 1), prompt(N, 2)
+    llm = host_cached(a, b, num_device_pages=20)
+    engine, pool, sched = llm.engine, llm.engine.pool, llm.engine.scheduler
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(a, two), engine.add_request(b, two)]
+    seqs = [engine._sequences[i] for i in ids]
+    engine.step()  # both start loading
+    assert sched.loading == seqs
+    while any(pool.finish_prefix(s) is None for s in seqs):
+        pool.wait_for_loads(0.05)
+    engine.step()  # both collected in one step
+    assert [s.seq_id for s in sched.running] == ids

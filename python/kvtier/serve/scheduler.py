@@ -95,12 +95,13 @@ class Scheduler:
         return budget
 
     def _collect_loaded(self) -> None:
-        """Move sequences whose prefix loads ended to the front of the waiting queue."""
-        for seq in list(self.loading):
-            if self.pool.finish_prefix(seq) is not None:
-                self.loading.remove(seq)
-                seq.prefix_done = True
-                self.waiting.appendleft(seq)
+        """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
+        they were admitted."""
+        ended = [seq for seq in self.loading if self.pool.finish_prefix(seq) is not None]
+        for seq in reversed(ended):
+            self.loading.remove(seq)
+            seq.prefix_done = True
+            self.waiting.appendleft(seq)
 
     def _cap_reuse(self, seq: Sequence) -> None:
         """A re-admitted request that wants prompt logprobs may reuse only tokens whose logprobs
