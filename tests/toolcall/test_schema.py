@@ -197,3 +197,11 @@ def test_a_valid_pattern_no_string_matches_is_left_to_the_grammar(compiler):
     specs = normalize_tools([_string_tool(r"[^\s\S]")])  # valid regex, empty language
     with pytest.raises(GrammarError, match="does not compile"):
         compiler.compile(turn_grammar(specs, "required"))
+
+
+def test_a_pattern_with_a_lone_surrogate_is_a_schema_error_naming_its_path():
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "a\ud800"}}}
+    with pytest.raises(ToolSchemaError) as info:
+        validate_schema(schema, path="tools[0].function.parameters")
+    assert info.value.path == "tools[0].function.parameters.properties.s"
+    assert "is not a valid regular expression" in str(info.value)

@@ -446,9 +446,11 @@ def _pattern_error(pattern: str) -> str | None:
     from llguidance import LLMatcher
 
     probe = {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
-    failed, messages = LLMatcher.validate_grammar_with_warnings(
-        LLMatcher.grammar_from_json_schema(probe)
-    )
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(probe)
+    except ValueError as e:  # e.g. a lone surrogate ("\ud800"), which no UTF-8 text can hold
+        return str(e)
+    failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if not failed:
         return None
     lines = [line.strip() for line in messages[0].splitlines() if line.strip()] or ["rejected"]
