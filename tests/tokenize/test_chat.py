@@ -87,6 +87,7 @@ def test_arguments_must_be_a_json_object(arguments, got):
 @pytest.mark.parametrize("arguments, message", [
     ("[" * 100_000, "JSON nested too deeply to read"),
     ({"s": {1, 2}}, "a dict that is not JSON: TypeError: Object of type set is not JSON serializable"),
+    ('{"n": ' + "1" * 5000 + "}", "JSON that cannot be read: Exceeds the limit"),
 ])
 def test_unreadable_arguments_are_value_errors(arguments, message):
     msgs = [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "function": {"name": "f",

@@ -61,6 +61,8 @@ def _arguments(call: dict, index: int, k: int) -> str:
             raise _bad(index, field, f"not valid JSON ({e.msg} at char {e.pos}): {args[:60]!r}") from None
         except RecursionError:  # nesting deeper than Python's stack
             raise _bad(index, field, f"JSON nested too deeply to read: {args[:60]!r}") from None
+        except ValueError as e:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
+            raise _bad(index, field, f"JSON that cannot be read: {e}: {args[:60]!r}") from None
         if not isinstance(value, dict):
             raise _bad(index, field, f"expected a JSON object, got a JSON {json_type_name(value)}: {args[:60]!r}")
         return args
