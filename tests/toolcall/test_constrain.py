@@ -82,6 +82,20 @@ def test_grammar_follows_tool_choice(compiler, tok):
     )  # a second call is refused
 
 
+@pytest.mark.parametrize("function", [{"name": "now"}, {"name": "now", "parameters": {}},
+                                      {"name": "now", "parameters": {"properties": {"tz": {"type": "string"}}}}])
+def test_arguments_of_a_tool_whose_parameters_name_no_type_are_an_object(compiler, tok, function):
+    def allowed(arguments):
+        turn = (f"<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>"
+                f"{arguments}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+        return _matcher(compiler, [{"type": "function", "function": function}], "required").consume_tokens(
+            tok.encode(turn))
+
+    assert allowed("{}")
+    for arguments in ("[]", "null", '"x"', "3"):  # the parser would report these as invalid_arguments
+        assert not allowed(arguments), arguments
+
+
 def test_bitmask_rows_use_the_layout_ops_sample_takes(compiler, table, tok):
     cons = [
         ToolCallConstraint(_matcher(compiler, [SEARCH]), table, 512),

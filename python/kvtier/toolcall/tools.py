@@ -40,8 +40,12 @@ class ToolSpec:
     def grammar_schema(self) -> dict:
         """``parameters`` for llguidance: ``$id`` removed (a relative ``$id`` would change how
         ``$ref`` pointers resolve) and compact JSON enforced (``{"a":1}``: no whitespace, as K2
-        writes arguments)."""
+        writes arguments). A root that names no type (``{}``: no parameters declared) is given
+        ``"type": "object"``: unconstrained, it would admit any JSON value, and arguments are a
+        JSON object (the tool-call parser reports anything else as ``invalid_arguments``)."""
         schema = _strip(self.parameters)
+        if not any(k in schema for k in ("type", "anyOf", "$ref")):
+            schema["type"] = "object"
         schema["x-guidance"] = {
             "whitespace_flexible": False,
             "item_separator": ",",
