@@ -107,3 +107,16 @@ def test_prefixes_whose_loads_end_together_are_placed_in_arrival_order():
         pool.wait_for_loads(0.05)
     engine.step()  # both collected in one step
     assert [s.seq_id for s in sched.running] == ids
+
+
+def test_write_back_never_evicts_the_host_copies_a_prefix_is_loading():
+    """Under write-back, each page taken for a load writes its old block to host memory; a full
+    host tier then evicts its least recently used copy, which must not be one being loaded."""
+    a, b = prompt(N, 1), prompt(N, 2)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=10, host_cache_bytes=8 * BLOCK,
+                          cache_write_policy="write-back"))
+    for p in (a, b):  # a's blocks go to the host tier when b takes their pages
+        llm.generate(prompt_token_ids=[p], sampling_params=ONE)
+    out = llm.generate(prompt_token_ids=[a], sampling_params=ONE)[0]
+    assert out.num_cached_tokens == 8 * PS and out.cached_tokens_by_tier["host"] >= 7 * PS
+    assert llm.engine.pool.stats.copy_errors == 0

@@ -273,6 +273,7 @@ class KVPool:
             if sources[i] == Tier.DEVICE:
                 self._ref_page(int(rows[i][Tier.DEVICE]))
         take = self._fit_to_free_pages(rows, sources, take)
+        take = self._lock_sources(hashes, rows, sources, take)
         loads = [self._start_load(hashes[i], rows[i], sources[i]) for i in range(take)]
         seq.page_ids = [b.page for b in loads]
         if any(b.ok is None for b in loads):
@@ -310,7 +311,22 @@ class KVPool:
                 needed -= 1
         return take
 
+    def _lock_sources(self, hashes: list[bytes], rows, sources: list[Tier], take: int) -> int:
+        """Lock the host or disk copy of each of the first ``take`` blocks that will be loaded,
+        before any page is taken for them: taking a page can write its old block down the tiers
+        (write-back), evicting least recently used copies there, and those must not be these.
+        Returns how many blocks from the start could be locked; resident pages of the others
+        are unreferenced."""
+        for i in range(take):
+            if sources[i] != Tier.DEVICE and not self.index.lock([hashes[i]], sources[i]):
+                for j in range(i, take):
+                    if sources[j] == Tier.DEVICE:
+                        self._unref_page(int(rows[j][Tier.DEVICE]))
+                return i
+        return take
+
     def _start_load(self, h: bytes, row, source: Tier) -> _BlockLoad:
+        """Start loading block ``h`` (its copy in ``source`` locked by :meth:`_lock_sources`)."""
         if source == Tier.DEVICE:  # referenced in begin_prefix
             return _BlockLoad(h, int(row[Tier.DEVICE]), source, ok=True)
         b = _BlockLoad(h, self._take_page(), source)
@@ -321,16 +337,10 @@ class KVPool:
         return b
 
     def _submit_host_to_device(self, b: _BlockLoad, slot: int) -> None:
-        if not self.index.lock([b.hash], Tier.HOST):
-            b.ok = False
-            return
         b.stage = Tier.HOST
         b.handle = self.copy_engine.scatter(self.host.slot(slot), self.kv_caches, [b.page])
 
     def _submit_disk_read(self, b: _BlockLoad) -> None:
-        if not self.index.lock([b.hash], Tier.DISK):
-            b.ok = False
-            return
         b.stage = Tier.DISK
         b.staging = aligned_empty(self.block_bytes, pin_memory=self.host is not None and self.host.storage.is_pinned())
         b.handle = self.copy_engine.disk_read(self.disk, [b.hash], self.meta, b.staging)
