@@ -606,7 +606,7 @@ def test_replay_tool_options_override_the_scenario(capsys):
 
 def test_ramp_override_spreads_the_first_sessions_starts(capsys):
     assert SimOptions("kimi-mi355x-128").resolve().replay.ramp_s == 300.0
-    for bad in (-1.0, float("inf"), float("nan")):
+    for bad in (-1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="ramp_s must be a finite number of seconds >= 0"):
             SimOptions("tiny", ramp_s=bad).resolve()
     starts = {}

@@ -126,7 +126,8 @@ class Replay:
             raise ValueError(
                 f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}"
             )
-        if not (isinstance(self.ramp_s, (int, float)) and 0 <= self.ramp_s < math.inf):
+        r = self.ramp_s
+        if isinstance(r, bool) or not (isinstance(r, (int, float)) and 0 <= r < math.inf):
             raise ValueError(f"ramp_s must be a finite number of seconds >= 0, got {self.ramp_s!r}")
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(
