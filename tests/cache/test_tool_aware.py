@@ -83,3 +83,47 @@ def test_protection_never_blocks_progress():
     pool.tool_return("agent")
     with pytest.raises(ValueError, match="expected_wait_s"):
         ToolAwarePolicy().tool_wait("x", [], -1.0, 0.0)
+
+
+class HeldCopy:
+    """A copy handle that has not ended until ``release()``."""
+
+    def __init__(self, handle):
+        self.handle, self.ended = handle, False
+
+    def done(self):
+        return self.ended and self.handle.done()
+
+    def wait(self, timeout_s=None):
+        return self.done()
+
+    def result(self):
+        return self.handle.result()
+
+    @property
+    def run_s(self):
+        return self.handle.run_s
+
+
+def test_a_prefetch_locks_the_host_copy_it_reads():
+    pool = make_pool()
+    agent = run(pool, range(12), 0)
+    hashes = set(agent.block_hashes[:3])
+    pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
+    pool.clock.now += 11.0
+    run(pool, range(100, 132), 1)  # the agent's device copies are evicted; its host copies stay
+    real, held = pool.copy_engine.scatter, []
+    pool.copy_engine.scatter = lambda *a: held.append(HeldCopy(real(*a))) or held[-1]
+    pool.clock.now += 7.5
+    pool.poll()  # the prefetches start; their copies have not ended
+    assert len(held) == 3 and len(pool.prefetches) == 3
+
+    def evictable():
+        return {h for h, _ in pool.index.eviction_candidates(Tier.HOST, 1000)}
+
+    assert not evictable() & hashes  # a copy being read cannot be evicted
+    for h in held:
+        h.ended = True
+    pool.poll(wait=True)
+    assert pool.stats.prefetched_blocks == 3 and hashes <= evictable()  # and it is unlocked after
+    pool.index.check_invariants()

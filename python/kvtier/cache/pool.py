@@ -349,7 +349,8 @@ class KVPool:
         """Account for the copy that just ended and start the next one, if any."""
         stage, ok = b.stage, status == [0]
         if stage is not None:
-            self.index.unlock([b.hash], stage)
+            unlocked = self.index.unlock([b.hash], stage)
+            assert unlocked, "a load's source copy was not locked while it was read"
         b.handle, b.stage = None, None
         if not ok:
             self.stats.copy_errors += 1
@@ -573,7 +574,8 @@ class KVPool:
                 source = self._best_source(row)
                 if source == Tier.DEVICE or len(self.free_pages) <= self.num_pages // 4:
                     continue  # prefetch never eats the last quarter of the pool
-                self.prefetches.append(self._start_load(h, row, source))
+                if self.index.lock([h], source):  # before taking a page, as for a prefix's loads
+                    self.prefetches.append(self._start_load(h, row, source))
 
     def _finish_prefetches(self, wait: bool) -> None:
         pending = []
