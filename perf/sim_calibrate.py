@@ -120,7 +120,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--trace", required=True, help="kv-cache-tester folder")
-    ap.add_argument("--grid", type=float, nargs="+", default=[5.5, 6.0, 6.5, 7.0, 7.5, 8.0])
+    ap.add_argument(
+        "--grid",
+        type=float,
+        nargs="+",
+        default=[5.5, 6.0, 6.5, 7.0, 7.5, 8.0],
+        help="think-time scales to simulate device-only at (default: 5.5 6 6.5 7 7.5 8)",
+    )
     ap.add_argument(
         "--target-s", type=float, default=17.3, help="published device-only p99 TTFT"
     )
@@ -135,7 +141,7 @@ def main() -> None:
     ap.add_argument(
         "--ramp-grid",
         type=float,
-        nargs="*",
+        nargs="+",
         default=[],
         metavar="S",
         help="after the fit, also simulate device-only and tiered at the fit with the first "

@@ -569,6 +569,8 @@ def test_cli_simulate_errors(capsys):
         == 2
     )
     assert "unknown configuration(s) ['bogus']" in capsys.readouterr().err
+    assert main(["simulate", "--scenario", "tiny", "--configs", " , ", "--plot", ""]) == 2
+    assert "--configs: no configuration named" in capsys.readouterr().err
     assert main(["simulate", "--scenario", "tiny", "--node", "tpu", "--plot", ""]) == 2
     assert "--node" in capsys.readouterr().err
     assert (

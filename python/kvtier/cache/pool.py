@@ -4,17 +4,18 @@ Scheduler-facing contract:
 
 * ``begin_prefix(seq, partial=)``: give a page-less sequence its cached prefix. Blocks already in
   device pages are reused at once; blocks in host memory or on disk are loaded into fresh device
-  pages by the copy engine (disk -> host slot -> device page) when the cost model says loading
-  beats recomputing. Returns a :class:`PrefixStart`: ``LOADING`` when the sequence must wait for
+  pages by the copy engine (a disk block through a staging buffer) when the cost model says
+  loading the prefix beats recomputing it. Returns a :class:`PrefixStart`: ``LOADING`` when the sequence must wait for
   loads (poll ``finish_prefix``); ``NO_ROOM`` when the loads need more free pages than there
   are and ``partial`` is False (nothing was taken: admit it later, when pages were freed).
 * ``finish_prefix(seq)``: None while loads run; else the tokens ready. A failed, corrupt or
   missing block shrinks the hit to the contiguous prefix that loaded; the rest is recomputed.
 * ``allocate``, ``register_computed``, ``free``: page accounting. Full computed blocks are
   indexed as device copies; with write-through they are copied device -> host -> disk in the
-  background (with write-back, only when evicted). A page or host copy stays referenced while
-  a copy reads it, and a block is served only after its copy finished successfully.
-* ``poll()``: advance background writes (once per step).
+  background (with write-back, only when evicted). A page, host copy or disk block stays
+  referenced (locked) while a copy reads it, and a block is served only after its copy finished
+  successfully.
+* ``poll()``: once per step: finish ended writes and prefetches, start due tool-aware prefetches.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ class Scheduler:
     """FCFS: running sequences first (decodes and unfinished prefills), then admissions.
 
     An admitted sequence first gets its cached prefix from the pool; the pool's cost model
-    decides, block run by block run, whether loading from the tier holding it beats
-    recomputing. While blocks load from a lower tier the sequence waits in ``loading`` and the
+    decides how much of it to load from the tiers holding it rather than recompute. While blocks load from a lower tier the sequence waits in ``loading`` and the
     batch goes on without it. A sequence whose loads need more device pages than are free stays
     at the head of ``waiting`` until running sequences free pages; only when nothing else holds
     pages does it load what fits and recompute the rest. A head that failed admission is not
@@ -39,8 +38,9 @@ class Scheduler:
     recently admitted running sequence is preempted: its pages are released into the prefix
     cache, so its full blocks are offloaded rather than lost (an evicted page is copied to the
     host tier when there is one: at once under write-through, at eviction under write-back).
-    When it is re-admitted it matches them like any returning prompt and loads them back; only
-    its last, partial block and whatever no tier kept are recomputed.
+    When it is re-admitted it matches them like any returning prompt and loads them back; its
+    last, partial block, and whatever no tier kept or the cost model chose not to load, are
+    recomputed.
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool):

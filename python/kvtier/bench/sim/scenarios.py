@@ -206,6 +206,10 @@ class Scenario:
             ValueError: an unknown name, naming the valid ones.
         """
         by_name = {v.name: v for v in self.variants}
+        if not names:
+            raise ValueError(
+                f"--configs: no configuration named; expected some of {list(by_name)}"
+            )
         unknown = [n for n in names if n not in by_name]
         if unknown:
             raise ValueError(
@@ -291,7 +295,7 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             name="migration",
-            description="two 8x MI355X workers, 256 sessions: sticky vs moved to the least-loaded worker, "
+            description="two 8x MI355X workers, 256 sessions at a time: sticky vs moved to the least-loaded worker, "
             "cache reachable there or not",
             model="kimi-k2",
             workers=2,
