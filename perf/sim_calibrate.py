@@ -3,8 +3,8 @@
 The published figure (WORKLOAD.md): device-only p99 TTFT 17.3 s with 128 concurrent coding
 sessions on 8x MI355X. ``kimi-mi355x-128``'s device-only configuration is simulated over the
 kv-cache-tester traces for each think-time scale ``f`` of ``--grid`` (recorded think times capped
-at ``REPLAY_MAX_DELAY_S`` = 600 s, times ``f``); the scale is then interpolated (linearly in log p99 between the two grid
-points around the target) and simulated once more to confirm. Only the device-only
+at ``REPLAY_MAX_DELAY_S`` = 600 s, times ``f``); the scale is then interpolated (linearly in log
+p99 between the two grid points around the target) and simulated once more to confirm. Only the device-only
 configuration is ever run here: the tiered ones are predictions, never fitted.
 
 Method: the trace is loaded once (think times capped at 600 s, unscaled) and each scale applied
@@ -30,10 +30,8 @@ import json
 import math
 import time
 
-import numpy as np
-
 from kvtier.bench.report import summarize
-from kvtier.bench.sim.run import SimOptions, load_workload, run_scenario
+from kvtier.bench.sim.run import SimOptions, load_workload, run_scenario, ttft_p99
 from kvtier.bench.sim.scenarios import REPLAY_MAX_DELAY_S
 from kvtier.bench.workload import Workload
 from kvtier.provenance import provenance
@@ -81,7 +79,9 @@ def simulate_at(
             "config": r.run.name,
             "time_scale": f,
             "ramp_s": scn.replay.ramp_s,
-            "ttft_p99_after_ramp_s": _p99_due_after(r.run.records, scn.replay.ramp_s),
+            "ttft_p99_after_ramp_s": ttft_p99(
+                r.run.records, lambda rec: rec.arrival_s >= scn.replay.ramp_s
+            ),
             "ttft_p99_s": s["ttft_s"]["p99"],
             "ttft_p50_s": s["ttft_s"]["p50"],
             "throughput_tok_s": s["throughput_tok_s"],
@@ -90,12 +90,6 @@ def simulate_at(
             "sim_wall_s": time.perf_counter() - t0,
         })
     return rows
-
-
-def _p99_due_after(records, t_s: float) -> float | None:
-    """p99 TTFT (numpy ``linear``) of the turns due at or after ``t_s``; None without any."""
-    ttft = [r.ttft_s for r in records if r.arrival_s >= t_s and r.ttft_s is not None]
-    return float(np.percentile(ttft, 99)) if ttft else None
 
 
 def device_only(trace: str, base: Workload, f: float) -> dict:

@@ -5,9 +5,10 @@ Scheduler-facing contract:
 * ``begin_prefix(seq, partial=)``: give a page-less sequence its cached prefix. Blocks already in
   device pages are reused at once; blocks in host memory or on disk are loaded into fresh device
   pages by the copy engine (a disk block through a staging buffer) when the cost model says
-  loading the prefix beats recomputing it. Returns a :class:`PrefixStart`: ``LOADING`` when the sequence must wait for
-  loads (poll ``finish_prefix``); ``NO_ROOM`` when the loads need more free pages than there
-  are and ``partial`` is False (nothing was taken: admit it later, when pages were freed).
+  loading the prefix beats recomputing it. Returns a :class:`PrefixStart`: ``LOADING`` when the
+  sequence must wait for loads (poll ``finish_prefix``); ``NO_ROOM`` when the loads need more
+  free pages than there are and ``partial`` is False (nothing was taken: admit it later, when
+  pages were freed).
 * ``finish_prefix(seq)``: None while loads run; else the tokens ready. A failed, corrupt or
   missing block shrinks the hit to the contiguous prefix that loaded; the rest is recomputed.
 * ``allocate``, ``register_computed``, ``free``: page accounting. Full computed blocks are
@@ -258,6 +259,10 @@ class KVPool:
                 nothing else to free), False takes nothing and returns ``NO_ROOM`` (the caller
                 admits it once running sequences freed pages, as vLLM's scheduler keeps a request
                 waiting until its computed blocks fit, rather than recompute what it could load).
+
+        Returns:
+            ``READY`` (its reused tokens are in ``seq.num_computed_tokens``), ``LOADING`` or
+            ``NO_ROOM`` (only with ``partial=False``); see :class:`PrefixStart`.
         """
         assert not seq.page_ids, "sequence already holds pages"
         if not self.config.enable_prefix_caching:
@@ -304,7 +309,7 @@ class KVPool:
     def _fit_to_free_pages(self, rows, sources: list[Tier], take: int) -> int:
         """Shrink ``take`` until its loads fit in the free pages; unreference dropped resident pages."""
         needed = sum(1 for s in sources[:take] if s != Tier.DEVICE)
-        while take and needed > len(self.free_pages):
+        while take and needed > len(self.free_pages):  # a dropped resident page is free again
             take -= 1
             if sources[take] == Tier.DEVICE:
                 self._unref_page(int(rows[take][Tier.DEVICE]))

@@ -30,8 +30,8 @@ class Scheduler:
     """FCFS: running sequences first (decodes and unfinished prefills), then admissions.
 
     An admitted sequence first gets its cached prefix from the pool; the pool's cost model
-    decides how much of it to load from the tiers holding it rather than recompute. While blocks load from a lower tier the sequence waits in ``loading`` and the
-    batch goes on without it. A sequence whose loads need more device pages than are free stays
+    decides how much of it to load from the tiers holding it rather than recompute. While blocks
+    load from a lower tier the sequence waits in ``loading`` and the batch goes on without it. A sequence whose loads need more device pages than are free stays
     at the head of ``waiting`` until running sequences free pages; only when nothing else holds
     pages does it load what fits and recompute the rest. A head that failed admission is not
     retried until pages were freed (or its chunk budget shrank). When pages run out, the most

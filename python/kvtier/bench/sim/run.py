@@ -376,12 +376,14 @@ def sim_provenance(
     )
 
 
-def returning_ttft_p99(sr: SimRun) -> float | None:
-    """p99 TTFT (seconds, numpy ``linear``) of the reported turns after a session's first (the
-    ones a cache can serve); None without any."""
-    ttft = [
-        r.ttft_s
-        for r in sr.run.records
-        if r.turn > 0 and r.error is None and r.ttft_s is not None
-    ]
+def ttft_p99(records, keep=lambda r: True) -> float | None:
+    """p99 TTFT (seconds, numpy ``linear``) of the reported ``records`` (``RequestRecord``) that
+    ``keep`` selects, errors and turns without a first token left out; None without any."""
+    ttft = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None and keep(r)]
     return float(np.percentile(ttft, 99)) if ttft else None
+
+
+def returning_ttft_p99(sr: SimRun) -> float | None:
+    """p99 TTFT (seconds) of the reported turns after a session's first (the ones a cache can
+    serve); None without any."""
+    return ttft_p99(sr.run.records, lambda r: r.turn > 0)

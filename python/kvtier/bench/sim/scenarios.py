@@ -247,7 +247,8 @@ _MI355X_ENGINE = {
 # The published replay: 128 sessions at once, ramped in over 5 minutes (a running service's
 # sessions are not in phase; an assumption: the published start schedule is not known, and the
 # tiered p99 rests on it, see ``perf/sim_calibrate.py --ramp-grid``); turns submitted for one
-# hour, all reported (first turns included, as a replay experiment measures them). Think times: recorded ones, capped at 600 s, scaled.
+# hour, all reported (first turns included, as a replay experiment measures them). Think times:
+# recorded ones, capped at 600 s, scaled.
 # Sessions stop before their first prompt over 128,000 tokens and share a warm tool + system
 # prefix: kv-cache-tester's replay defaults (the constants above).
 _MI355X_REPLAY = Replay(
