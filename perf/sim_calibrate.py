@@ -177,8 +177,13 @@ def main() -> None:
             result["sensitivity"].extend(rows)
     if args.ramp_grid and fit is not None:
         result["ramp"] = []
+        # The scenario's own ramp at the fit was simulated by --sensitivity: reuse those rows.
+        at_fit = {r["config"]: r for r in result.get("sensitivity", []) if r["time_scale"] == fit}
         for ramp in args.ramp_grid:
-            rows = simulate_at(args.trace, base, fit, "device-only,tiered", ramp_s=ramp)
+            if ramp == scn.replay.ramp_s and {"device-only", "tiered"} <= at_fit.keys():
+                rows = [at_fit["device-only"], at_fit["tiered"]]
+            else:
+                rows = simulate_at(args.trace, base, fit, "device-only,tiered", ramp_s=ramp)
             print("ramp", json.dumps(rows), flush=True)
             result["ramp"].extend(rows)
     if args.out:
