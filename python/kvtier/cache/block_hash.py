@@ -43,6 +43,27 @@ def block_hashes(
     return _C.block_hashes(arr, page_size, parent, salt)
 
 
+def compose_salt(*parts: bytes) -> bytes:
+    """One salt from several parts (model id, compute dtype, tenant salt), each prefixed with its
+    length as a little-endian u32, so that two different lists of parts never give the same salt
+    (plain concatenation would let ``("ab", "c")`` and ``("a", "bc")`` share blocks).
+
+    Args:
+        parts: ``bytes`` each.
+
+    Raises:
+        ValueError: a part that is not ``bytes``.
+
+    Example:
+        >>> compose_salt(b"ab", b"c") != compose_salt(b"a", b"bc")
+        True
+    """
+    for i, p in enumerate(parts):
+        if not isinstance(p, bytes):
+            raise ValueError(f"salt part {i} must be bytes, got {p!r} ({type(p).__name__})")
+    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+
+
 def block_hashes_py(
     token_ids: Sequence[int], page_size: int, parent: bytes | None = None, salt: bytes = b""
 ) -> list[bytes]:

@@ -79,6 +79,7 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, capacity_bytes: int, try_direct_io: bool = True):
         self.native = _C.DiskTier(str(directory), int(capacity_bytes), try_direct_io)
+        self._directory = Path(directory)
 
     def write(self, block_hash: bytes, meta: BlockMeta, payload: torch.Tensor) -> DiskStatus:
         """Store ``payload`` (a contiguous CPU tensor of ``meta.payload_bytes`` bytes) synchronously."""
@@ -110,6 +111,11 @@ class DiskTier:
     @property
     def capacity_bytes(self) -> int:
         return self.native.capacity_bytes()
+
+    @property
+    def directory(self) -> Path:
+        """The directory holding the block files."""
+        return self._directory
 
     @property
     def direct_io(self) -> bool:

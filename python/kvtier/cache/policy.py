@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.options import check_bool, check_choice, check_int, check_path, check_real
+
 WRITE_POLICIES = ("write-through", "write-back")
 CACHE_POLICIES = ("lru", "tool-aware")
 
@@ -25,8 +27,12 @@ class PoolConfig:
         salt: tenant salt of the block hashes.
         copy_threads: copy-engine worker threads.
 
+    Sizes that depend on the model (host or disk budgets smaller than one block) are checked
+    by :class:`kvtier.cache.pool.KVPool`, which knows the block size.
+
     Raises:
-        ValueError: a field out of range, naming it.
+        ValueError: a field of the wrong type (a bool is not an int, a str not a size) or out
+            of range, naming it; ``disk_cache_dir`` with ``disk_cache_bytes == 0``.
     """
 
     page_size: int = 16
@@ -41,20 +47,22 @@ class PoolConfig:
     copy_threads: int = 2
 
     def __post_init__(self) -> None:
-        ps = self.page_size
-        if not isinstance(ps, int) or isinstance(ps, bool) or ps <= 0 or ps & (ps - 1):
+        ps = check_int("page_size", self.page_size, min_value=1)
+        if ps & (ps - 1):
             raise ValueError(f"page_size must be a power of two, got {ps!r}")
-        if not isinstance(self.num_device_pages, int) or self.num_device_pages <= 0:
-            raise ValueError(f"num_device_pages must be a positive int, got {self.num_device_pages!r}")
-        for name in ("host_cache_bytes", "disk_cache_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.cache_policy not in CACHE_POLICIES:
-            raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.cache_policy!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
-        if self.copy_threads < 1:
-            raise ValueError(f"copy_threads must be >= 1, got {self.copy_threads}")
+        check_int("num_device_pages", self.num_device_pages, min_value=1)
+        check_int("host_cache_bytes", self.host_cache_bytes, min_value=0)
+        check_path("disk_cache_dir", self.disk_cache_dir)
+        check_int("disk_cache_bytes", self.disk_cache_bytes, min_value=0)
+        if self.disk_cache_dir is not None and self.disk_cache_bytes == 0:
+            raise ValueError(f"disk_cache_dir={self.disk_cache_dir!r} needs disk_cache_bytes > 0 (a budget of 0 "
+                             "holds no block); got disk_cache_bytes=0")
+        check_choice("cache_policy", self.cache_policy, CACHE_POLICIES)
+        check_choice("write_policy", self.write_policy, WRITE_POLICIES)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        if not isinstance(self.salt, bytes):
+            raise ValueError(f"salt must be bytes, got {self.salt!r} ({type(self.salt).__name__})")
+        check_int("copy_threads", self.copy_threads, min_value=1)
 
 
 class LRUPolicy:
@@ -115,8 +123,7 @@ class ToolAwarePolicy(LRUPolicy):
         self._holders: dict[bytes, dict[object, float]] = {}  # block -> {waiting session: its TTL end}
 
     def tool_wait(self, session_id, hashes, expected_wait_s, now):
-        if not 0 <= expected_wait_s < float("inf"):
-            raise ValueError(f"expected_wait_s must be a finite number >= 0, got {expected_wait_s}")
+        check_real("expected_wait_s", expected_wait_s, min_value=0.0)
         self.tool_return(session_id)  # a new wait replaces the old one
         ttl = min(self.ttl_fraction * expected_wait_s, self.max_ttl_s)
         w = _Waiting(list(hashes), now + ttl, now + max(expected_wait_s - self.prefetch_lead_s, 0.0))

@@ -24,18 +24,20 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.cache.block_hash import block_hashes
+from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
 from kvtier.cache.cost_model import CostModel, probe
+from kvtier.cache.disk_budget import DiskBudget, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
+from kvtier.options import check_real, checked_token_ids
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
 
 if TYPE_CHECKING:  # kvtier.serve imports this module
@@ -78,7 +80,14 @@ class _Write:
 
 @dataclass
 class PoolStats:
-    """Counters of one pool: hit tokens and bytes per tier, evictions, copy errors."""
+    """Counters of one pool: hit tokens and bytes per tier, evictions, copy errors.
+
+    ``stores_refused[tier]``: blocks not copied down to ``tier`` because it had no room (every
+    copy there in use, nothing of this pool's to evict, or a full filesystem; a write the
+    filesystem refused is a copy error too). ``disk_capacity_blocks``: blocks the disk tier
+    could hold for this pool at start-up (None without a disk tier; 0 = it can store nothing,
+    also reported as a ``RuntimeWarning``).
+    """
 
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
@@ -86,6 +95,8 @@ class PoolStats:
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     copy_errors: int = 0
     prefetched_blocks: int = 0
+    stores_refused: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
+    disk_capacity_blocks: int | None = None
 
 
 class KVPool:
@@ -100,15 +111,24 @@ class KVPool:
             its ``gather``/``scatter``/``disk_read``/``disk_write`` methods and handles
             (``done``, ``wait``, ``result``, ``run_s``) works, e.g. the simulator's virtual-time
             engine (:mod:`kvtier.bench.sim.copies`).
-        disk: the disk tier; None opens ``config.disk_cache_dir`` (when set) as a
-            :class:`kvtier.cache.disk_tier.DiskTier`. Given, it is used whatever
-            ``disk_cache_dir`` says (it needs the host tier all the same).
+        disk: the disk tier; None opens the subdirectory of ``config.disk_cache_dir`` (when
+            set) named after this pool's salt and block layout
+            (:func:`kvtier.cache.disk_budget.namespace_dir`) as a
+            :class:`kvtier.cache.disk_tier.DiskTier` with budget ``config.disk_cache_bytes``.
+            Given, it is used whatever ``disk_cache_dir`` says (it needs the host tier all the
+            same), and may hold blocks this pool cannot evict.
         clock: seconds, monotonic; what the eviction policy's TTLs and prefetch times are
             measured in. None = ``time.monotonic``.
 
     Raises:
-        ValueError: bad config, or a host/disk tier over GPU page pools (not supported yet);
+        ValueError: bad config: a host or disk budget that holds no block (``host_cache_bytes``
+            below one slot, ``disk_cache_bytes`` below one block file), a disk tier without a
+            host block, or a host/disk tier over GPU page pools (not supported yet);
         RuntimeError: the disk directory cannot be used.
+
+    Warns:
+        RuntimeWarning: the disk tier can store no block (its budget is taken by blocks this
+        pool cannot evict, or its filesystem is full); see ``PoolStats.disk_capacity_blocks``.
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
@@ -129,16 +149,16 @@ class KVPool:
         if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
             raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
                              "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
-        if (config.disk_cache_dir or disk is not None) and config.host_cache_bytes < self.block_bytes:
-            raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({self.block_bytes} bytes): blocks "
-                             f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
+        self._check_budgets(config, disk)
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
-        if disk is None and config.disk_cache_dir:
-            disk = DiskTier(config.disk_cache_dir, config.disk_cache_bytes)
+        private = disk is None and config.disk_cache_dir is not None
+        if private:
+            disk = DiskTier(namespace_dir(config.disk_cache_dir, config.salt, self.meta), config.disk_cache_bytes)
         self.disk = disk
-        self._disk_slots = 0
+        self.disk_budget = None
         if self.disk is not None:
-            self._recover_disk()
+            self.disk_budget = DiskBudget(self.disk, self.index, self.meta, self.stats, private=private)
+            self.disk_budget.recover()
         self.loads: dict[int, list[_BlockLoad]] = {}
         self.writes: list[_Write] = []
         self.prefetches: list[_BlockLoad] = []
@@ -147,11 +167,19 @@ class KVPool:
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- start-up -----------------------------------------------------------------------------
-    def _recover_disk(self) -> None:
-        """Index every intact block of this layout already on disk (after a restart)."""
-        for h, meta in self.disk.blocks():
-            if meta == self.meta and self.index.insert(h, Tier.DISK, self._disk_slots):
-                self._disk_slots += 1
+    def _check_budgets(self, config: PoolConfig, disk) -> None:
+        """Host and disk budgets must hold at least one block each (a tier of zero slots is an error)."""
+        row = HostTier.row_bytes(self.block_bytes)
+        if 0 < config.host_cache_bytes < row:
+            raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no block: one host slot takes {row} "
+                             "bytes with this model and page_size; expected 0 (no host tier) or >= one slot")
+        if (config.disk_cache_dir or disk is not None) and config.host_cache_bytes < self.block_bytes:
+            raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({self.block_bytes} bytes): blocks "
+                             f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
+        file_bytes = DiskTier.file_bytes(self.block_bytes)
+        if disk is None and config.disk_cache_dir and config.disk_cache_bytes < file_bytes:
+            raise ValueError(f"disk_cache_bytes={config.disk_cache_bytes} holds no block: one block file takes "
+                             f"{file_bytes} bytes with this model and page_size; expected >= {file_bytes}")
 
     def _probe(self) -> CostModel:
         model = CostModel()
@@ -413,9 +441,10 @@ class KVPool:
         for b in loads[:keep]:
             # A block this sequence loaded from a lower tier in an earlier lookup (it was sent
             # back to wait after its loads ended) is now a device copy: keep crediting the tier
-            # it came from, and count each block's hit once.
+            # it came from, and count its hit once. A block loaded from a lower tier now (e.g.
+            # again after a preemption) is a hit of that tier, whatever an earlier lookup found.
             tier = seq.hit_tiers.get(b.hash)
-            if tier is None:
+            if tier is None or b.source != Tier.DEVICE:
                 tier = seq.hit_tiers[b.hash] = b.source.name.lower()
                 self.stats.hit_tokens[tier] += self.page_size
             seq.prefix_tokens_by_tier[tier] += self.page_size
@@ -481,6 +510,7 @@ class KVPool:
             return
         slot = self._host_slot()
         if slot < 0:
+            self.stats.stores_refused["host"] += 1
             return
         handle = self.copy_engine.gather(self.kv_caches, [page], self.host.slot(slot))
         if wait:  # write-back during eviction: the page is being taken, nothing else can touch it
@@ -489,26 +519,11 @@ class KVPool:
             self._ref_page(page)
             self.writes.append(_Write(h, Tier.HOST, handle, page=page, slot=slot))
 
-    def _disk_room(self) -> bool:
-        """Evict least recently used disk blocks until one more block file fits."""
-        need = DiskTier.file_bytes(self.block_bytes)
-        in_flight = need * sum(1 for w in self.writes if w.target == Tier.DISK)
-        while self.disk.used_bytes + in_flight + need > self.disk.capacity_bytes:
-            if not self._evict_disk(1):
-                return False
-        return True
-
-    def _evict_disk(self, n: int) -> bool:
-        """Drop up to ``n`` least recently used unreferenced disk blocks; False if none could go."""
-        victims = self.index.eviction_candidates(Tier.DISK, n)
-        for h, _ in victims:
-            self.index.remove(h, Tier.DISK)
-            self.disk.remove(h)
-            self.stats.evictions["disk"] += 1
-        return bool(victims)
-
     def _copy_slot_to_disk(self, h: bytes, slot: int, wait: bool) -> None:
-        if self.disk is None or self._in_tier(h, Tier.DISK) or not self._disk_room():
+        if self.disk is None or self._in_tier(h, Tier.DISK):
+            return
+        if not self.disk_budget.room(w.hash for w in self.writes if w.target == Tier.DISK):
+            self.stats.stores_refused["disk"] += 1
             return
         if not self.index.lock([h], Tier.HOST):
             return
@@ -532,41 +547,68 @@ class KVPool:
                 self.host.release(w.slot)
         else:
             self.index.unlock([w.hash], Tier.HOST)
-            if ok and self.index.insert(w.hash, Tier.DISK, self._disk_slots):
-                self._disk_slots += 1
+            if ok and self.disk_budget.add(w.hash):
                 self.stats.bytes_written["disk"] += self.block_bytes
             elif not ok and status[:1] == [DiskStatus.FULL]:
-                self._evict_disk(2)  # the filesystem filled before the budget: make room for later writes
+                self.stats.stores_refused["disk"] += 1
+                self.disk_budget.refused(DiskStatus.FULL)
         self.stats.copy_errors += not ok
 
     def index_disk_block(self, block_hash: bytes) -> bool:
         """Index a block another pool stored in this pool's disk tier (a tier several workers
         share, e.g. a remote store); True if it was not indexed yet.
 
+        The caller vouches that the block was written under this pool's salt and layout (a
+        pool with the same :class:`PoolConfig` salt): an indexed block is served by hash.
+
         Raises:
-            ValueError: this pool has no disk tier.
+            ValueError: this pool has no disk tier, or ``block_hash`` is not 16 bytes.
         """
         if self.disk is None:
             raise ValueError("index_disk_block needs a disk tier")
-        if self.index.insert(block_hash, Tier.DISK, self._disk_slots):
-            self._disk_slots += 1
-            return True
-        return False
+        if not isinstance(block_hash, bytes) or len(block_hash) != BLOCK_HASH_BYTES:
+            raise ValueError(f"block_hash must be {BLOCK_HASH_BYTES} bytes, got {block_hash!r}")
+        return self.disk_budget.add(block_hash)
 
     # ---- tool-aware retention and prefetch ------------------------------------------------------
     def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
         """A session starts waiting on a tool expected to take ``expected_wait_s`` seconds.
 
-        ``token_ids`` are the session's tokens so far (its full blocks are hashed with this
-        pool's salt). What happens to those blocks is the eviction policy's business (nothing
-        under ``lru``).
+        Args:
+            session_id: any hashable id of the session.
+            token_ids: [num_tokens] the session's token ids so far (a list of ints or a 1-D
+                integer array, each in [0, 2**32); bools are not ids); its full blocks are hashed
+                with this pool's salt.
+            expected_wait_s: seconds, a finite number >= 0.
+
+        What happens to those blocks is the eviction policy's business (nothing under ``lru``);
+        the arguments are checked under every policy.
+
+        Raises:
+            ValueError: an argument of the wrong type or out of range, naming it.
         """
-        self.tool_wait_blocks(session_id, block_hashes(token_ids, self.page_size, None, self.config.salt),
+        ids = checked_token_ids("token_ids", token_ids)
+        self.tool_wait_blocks(session_id, block_hashes(ids, self.page_size, None, self.config.salt),
                               expected_wait_s)
 
     def tool_wait_blocks(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
         """:meth:`tool_wait` given the session's block hashes (16-byte chain hashes with this
-        pool's salt, as ``Sequence.block_hashes`` holds them) instead of its tokens."""
+        pool's salt, as ``Sequence.block_hashes`` holds them) instead of its tokens.
+
+        Raises:
+            ValueError: an unhashable ``session_id``, ``hashes`` that are not a list of 16-byte
+                ``bytes``, or a bad ``expected_wait_s``.
+        """
+        try:
+            hash(session_id)
+        except TypeError:
+            raise ValueError(f"session_id must be hashable, got {session_id!r} ({type(session_id).__name__})") from None
+        if isinstance(hashes, (bytes, str)) or not isinstance(hashes, Iterable):
+            raise ValueError(f"hashes must be a list of {BLOCK_HASH_BYTES}-byte bytes, got {type(hashes).__name__}")
+        hashes = list(hashes)
+        if not all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes):
+            raise ValueError(f"hashes must be a list of {BLOCK_HASH_BYTES}-byte bytes, got {hashes!r:.80}")
+        check_real("expected_wait_s", expected_wait_s, min_value=0.0)
         self.policy.tool_wait(session_id, hashes, expected_wait_s, self.clock())
 
     def tool_return(self, session_id) -> None:

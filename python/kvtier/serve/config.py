@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.policy import PoolConfig
+from kvtier.options import check_int, check_str
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,13 @@ class EngineConfig:
             (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
 
+    Every field is checked for its type (a bool is not an int, a str is not a size, an int is
+    not a directory) and range; sizes that give a host or disk tier of zero blocks are errors
+    when the engine builds its pool (the block size depends on the model).
+
     Raises:
-        ValueError: a field out of range, naming it.
+        ValueError: a field of the wrong type or out of range, naming it, the value and what
+            was expected.
     """
 
     page_size: int = 16
@@ -45,14 +52,15 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name), min_value=1)
+        check_str("cache_salt", self.cache_salt)
+        check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
         self.pool_config()  # validates the cache fields
 
     def pool_config(self, model_id: bytes = b"") -> PoolConfig:
-        """The pool's config; block hashes are salted with ``model_id`` and ``cache_salt``."""
-        return PoolConfig(salt=model_id + self.cache_salt.encode(), page_size=self.page_size, num_device_pages=self.num_device_pages,
+        """The pool's config; block hashes are salted with ``model_id`` and ``cache_salt``
+        (length-prefixed, so no two different pairs give the same salt)."""
+        return PoolConfig(salt=compose_salt(model_id, self.cache_salt.encode()), page_size=self.page_size, num_device_pages=self.num_device_pages,
                           host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
                           disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
                           write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)
