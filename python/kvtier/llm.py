@@ -14,6 +14,7 @@ from kvtier.model.config import PRESETS, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
 from kvtier.model.weights import checkpoint_bytes
+from kvtier.options import check_choice, check_int, check_path
 from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,6 +32,20 @@ def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def _check_llm_args(model, dtype, device, seed, tokenizer) -> None:
+    """Types of :class:`LLM`'s own arguments (the engine's are :class:`EngineConfig`'s)."""
+    check_path("model", model, optional=False)
+    check_choice("dtype", dtype, ("auto", *_DTYPES))
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be a str or torch.device, got {device!r} ({type(device).__name__})")
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a torch device: {e}") from None
+    check_int("seed", seed, min_value=0, max_value=2**63 - 1)
+    check_path("tokenizer", tokenizer)
 
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
@@ -76,11 +91,19 @@ class LLM:
             max_num_batched_tokens, max_num_seqs, enable_prefix_caching, host_cache_bytes,
             disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy, cache_salt).
             Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
-            compute dtype and ``cache_salt``, so a disk cache directory can be shared safely.
+            compute dtype and ``cache_salt``; on disk each salt and block layout has its own
+            subdirectory of ``disk_cache_dir`` with its own ``disk_cache_bytes`` budget, so
+            engines of other models, dtypes, page sizes or salts can share the directory and
+            never see each other's blocks (engines with the same settings should not run on one
+            directory at the same time: there is no cross-process locking).
+
+    Every argument is checked for its type and range before anything is loaded (a bool is not
+    an int, a str is not a size, an int is not a path or a salt).
 
     Raises:
-        ValueError: an unknown preset or a bad engine argument; FileNotFoundError for a
-        directory without config.json; the loader's errors for a bad checkpoint.
+        ValueError: an argument of the wrong type or out of range, an unknown preset or engine
+        argument, naming it; FileNotFoundError for a directory without config.json; the
+        loader's errors for a bad checkpoint.
 
     Example:
         >>> llm = LLM("tiny", num_device_pages=64)
@@ -91,17 +114,19 @@ class LLM:
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                  tokenizer: str | Path | None = None, **engine_args):
+        _check_llm_args(model, dtype, device, seed, tokenizer)
         # Kimi tokenizer files (tiktoken.model + tokenizer_config.json): ``tokenizer`` or the model directory
         self._tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
         self._tokenizer = None
         self._sessions: dict = {}  # session_id -> SessionEncoder
-        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
-        self.config = net.config
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; expected some of {sorted(known)}")
-        self.engine = Engine(net, EngineConfig(seed=seed, **engine_args), model_id)
+        config = EngineConfig(seed=seed, **engine_args)  # checked before the model loads
+        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
+        self.config = net.config
+        self.engine = Engine(net, config, model_id)
 
     @property
     def tokenizer(self):
@@ -198,13 +223,21 @@ class LLM:
                              "prompt_token_ids=[[...], ...]")
         if prompt_token_ids is None:
             raise ValueError("prompt_token_ids is required")
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Seq | np.ndarray | torch.Tensor):
+            raise ValueError("prompt_token_ids must be a list of prompts (lists of ints or 1-D integer arrays), got "
+                             f"{type(prompt_token_ids).__name__}")
         if len(prompt_token_ids) and not isinstance(prompt_token_ids[0], Seq | np.ndarray | torch.Tensor):
             prompt_token_ids = [prompt_token_ids]  # one prompt given as a flat list of ids
         n = len(prompt_token_ids)
-        params = sampling_params or SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams | Seq) or isinstance(params, str):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params_list = [params] * n if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != n:
             raise ValueError(f"sampling_params has {len(params_list)} entries for {n} prompts")
+        for i, sp in enumerate(params_list):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
         if any(sp.tool_grammar is not None for sp in params_list) and self._tokenizer_dir is not None:
             self._attach_tokenizer()
         prompts_checked = [self.engine.check_request(p, sp, i)

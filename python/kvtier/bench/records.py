@@ -73,6 +73,8 @@ class ConfigRun:
             "host->disk", "disk->device"}`` (a disk block goes through a host staging buffer).
         copy_errors: failed copies (each ended in recomputation).
         evictions: blocks evicted per tier.
+        stores_refused: blocks not copied down per tier (``{"host", "disk"}``) because the tier
+            had no room (see ``kvtier.cache.pool.PoolStats``).
         preemptions: running requests preempted when device pages ran out.
         device_pages: device pages per layer; ``working_set_pages``: pages the concurrent
             sessions' contexts need at their peak (for the capacity ratio printed).
@@ -85,6 +87,7 @@ class ConfigRun:
     bytes_moved: dict[str, int] = field(default_factory=dict)
     copy_errors: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
+    stores_refused: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
     device_pages: int = 0
     working_set_pages: int = 0

@@ -207,6 +207,6 @@ def _run_result(name: str, engine: Engine, records: list[RequestRecord], wall_s:
         recomputed_tokens=engine.num_prefill_tokens,
         bytes_moved={"device->host": stats.bytes_written["host"], "host->device": stats.bytes_loaded["host"],
                      "host->disk": stats.bytes_written["disk"], "disk->device": stats.bytes_loaded["disk"]},
-        copy_errors=stats.copy_errors, evictions=dict(stats.evictions),
+        copy_errors=stats.copy_errors, evictions=dict(stats.evictions), stores_refused=dict(stats.stores_refused),
         preemptions=engine.scheduler.num_preemptions, device_pages=engine.config.num_device_pages,
         working_set_pages=working_set_pages(workload, engine.config.page_size, concurrency))

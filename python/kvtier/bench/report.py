@@ -68,8 +68,8 @@ def summarize(run: ConfigRun) -> dict:
         "throughput_tok_s", "requests", "hit_tokens": {"device", "host", "disk"},
         "recomputed_tokens", "bytes_moved": {direction: bytes}, "errors",
         "hit_rate": {"device", "host", "disk", "total"}, "input_tokens", "output_tokens",
-        "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors", "device_pages",
-        "working_set_pages"}``.
+        "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors",
+        "stores_refused": {tier: blocks}, "device_pages", "working_set_pages"}``.
 
         - ``*_s`` percentiles: seconds, numpy ``"linear"`` percentiles over finished requests
           (TPOT only over those with >= 2 output tokens); None when there is no such request.
@@ -122,6 +122,7 @@ def summarize(run: ConfigRun) -> dict:
         "preemptions": run.preemptions,
         "evictions": dict(run.evictions),
         "copy_errors": run.copy_errors,
+        "stores_refused": dict(run.stores_refused),
         "device_pages": run.device_pages,
         "working_set_pages": run.working_set_pages,
     }
@@ -280,6 +281,8 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
     rows.append(("device pages / working set", col(lambda x: f"{x['device_pages']} / {x['working_set_pages']}")))
     for label, key in (("copy errors", "copy_errors"), ("request errors", "errors"), ("preemptions", "preemptions")):
         rows.append((label, col(lambda x, key=key: str(x[key]))))
+    rows.append(("stores refused host / disk", col(lambda x: " / ".join(
+        str(x["stores_refused"].get(t, 0)) for t in ("host", "disk")))))
     if baseline in s and len(s) > 1:
         cmp = {n: _compare(s[baseline], s[n]) for n in names}
         rows.append((f"TTFT p99 speedup vs {baseline}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))

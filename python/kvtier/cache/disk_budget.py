@@ -9,9 +9,10 @@ subdirectory, never count each other's files against their budget and can never 
 each other's blocks, whatever hash chain a caller hands them. Files of the pool's own
 subdirectory with another layout (impossible unless written by hand) are deleted at start-up.
 
-:class:`DiskBudget` decides when one more block file fits: ``used_bytes`` of the tier (files
-stored, including writes that finished but were not yet collected by the pool) plus one file
-for each write the tier does not hold yet, against the budget. Only blocks in the pool's index
+:class:`DiskBudget` decides when one more block file fits, counting each file once: in the
+pool's own subdirectory, its indexed blocks plus its pending writes (whether or not a write
+already ended in the tier: one that ended but was not collected yet is not counted twice); in
+a tier passed in, the tier's ``used_bytes`` plus the pending writes it does not hold yet. Only blocks in the pool's index
 can be evicted; bytes it cannot evict (another pool's blocks in a tier passed in as ``disk=``)
 shrink what it can store, and a tier that can store nothing at all is reported at start-up.
 """
@@ -109,13 +110,24 @@ class DiskBudget:
     def room(self, pending: Iterable[bytes]) -> bool:
         """Evict least recently used blocks of this pool until one more file fits beside the
         ``pending`` writes (hashes of disk writes not collected yet); False if it cannot."""
-        # Writes the tier holds already are in used_bytes; count only the others (read them
-        # first: a write that finishes in between is then counted twice, never missed).
-        in_flight = self.file_bytes * sum(1 for h in pending if not self.disk.contains(h))
-        while self.disk.used_bytes + in_flight + self.file_bytes > self.limit_bytes:
+        pending = list(pending)
+        while self._committed(pending) + self.file_bytes > self.limit_bytes:
             if not self.evict(1):
                 return False
         return True
+
+    def _committed(self, pending: list[bytes]) -> int:
+        """Bytes the tier holds or will hold once ``pending`` writes end, each file counted once.
+
+        In a private tier every file is an indexed block of this pool or a pending write: the
+        count is exact whenever a write ends. A tier passed in may hold others' files:
+        ``used_bytes`` (which includes writes that ended but were not collected) plus the
+        pending writes it does not hold yet, read in that order (a write ending in between is
+        counted twice for this call, never missed)."""
+        if self.private:
+            return self.own_bytes() + self.file_bytes * len(pending)
+        in_flight = self.file_bytes * sum(1 for h in pending if not self.disk.contains(h))
+        return self.disk.used_bytes + in_flight
 
     def evict(self, n: int) -> bool:
         """Drop up to ``n`` least recently used unreferenced blocks; False if none could go."""

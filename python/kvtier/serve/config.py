@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.cache.block_hash import compose_salt
-from kvtier.cache.policy import PoolConfig
-from kvtier.options import check_int, check_str
+from kvtier.cache.policy import WRITE_POLICIES, PoolConfig
+from kvtier.options import check_choice, check_int, check_str
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,7 @@ class EngineConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), min_value=1)
         check_str("cache_salt", self.cache_salt)
+        check_choice("cache_write_policy", self.cache_write_policy, WRITE_POLICIES)
         check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
         self.pool_config()  # validates the cache fields
 

@@ -459,6 +459,7 @@ def _run_result(
         bytes_moved=moved,
         copy_errors=sum(e.pool.stats.copy_errors for e in engines),
         evictions=evictions,
+        stores_refused={t: sum(e.pool.stats.stores_refused[t] for e in engines) for t in ("host", "disk")},
         preemptions=sum(e.scheduler.num_preemptions for e in engines),
         device_pages=sum(e.config.num_device_pages for e in engines),
         working_set_pages=working_set_pages(
