@@ -14,7 +14,7 @@ from kvtier.model.config import PRESETS, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
 from kvtier.model.weights import checkpoint_bytes
-from kvtier.options import check_choice, check_int, check_path
+from kvtier.options import check_choice, check_hashable, check_int, check_path
 from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,8 +97,9 @@ class LLM:
             never see each other's blocks (engines with the same settings should not run on one
             directory at the same time: there is no cross-process locking).
 
-    Every argument is checked for its type and range before anything is loaded (a bool is not
-    an int, a str is not a size, an int is not a path or a salt).
+    Every argument is checked for its type and range before the model is loaded (a bool is not
+    an int, a str is not a size, an int is not a path or a salt); host and disk budgets that
+    hold no block are errors once the model's block size is known.
 
     Raises:
         ValueError: an argument of the wrong type or out of range, an unknown preset or engine
@@ -162,7 +163,11 @@ class LLM:
         """
         from kvtier.tokenize import SessionEncoder
 
-        params = sampling_params or SamplingParams()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(params).__name__}")
+        if session_id is not None:
+            check_hashable("session_id", session_id)
         changes = {}
         if tools and params.tools is None:
             changes["tools"] = list(tools)
@@ -223,7 +228,8 @@ class LLM:
                              "prompt_token_ids=[[...], ...]")
         if prompt_token_ids is None:
             raise ValueError("prompt_token_ids is required")
-        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, Seq | np.ndarray | torch.Tensor):
+        containers = Seq | np.ndarray | torch.Tensor
+        if isinstance(prompt_token_ids, (str, bytes)) or not isinstance(prompt_token_ids, containers):
             raise ValueError("prompt_token_ids must be a list of prompts (lists of ints or 1-D integer arrays), got "
                              f"{type(prompt_token_ids).__name__}")
         if len(prompt_token_ids) and not isinstance(prompt_token_ids[0], Seq | np.ndarray | torch.Tensor):

@@ -133,3 +133,31 @@ def checked_token_ids(name: str, token_ids) -> np.ndarray:
         return np.asarray(token_ids, dtype=np.int64)
     except OverflowError:
         raise ValueError(f"{name} holds an int outside the int64 range") from None
+
+
+def check_hashable(name: str, value):
+    """``value`` if it can key a dict.
+
+    Raises:
+        ValueError: an unhashable value (a list, a dict); the message names ``name``.
+    """
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(f"{name} must be hashable, {_got(value)}") from None
+    return value
+
+
+def checked_block_hashes(name: str, hashes, nbytes: int = 16) -> list[bytes]:
+    """``hashes`` as a list, after checking each is ``nbytes`` (16) bytes.
+
+    Raises:
+        ValueError: not an iterable of such ``bytes``; the message names ``name``.
+    """
+    if isinstance(hashes, (bytes, str)) or not isinstance(hashes, Iterable):
+        raise ValueError(f"{name} must be a list of {nbytes}-byte bytes, {_got(hashes)}")
+    hashes = list(hashes)
+    for i, h in enumerate(hashes):
+        if not isinstance(h, bytes) or len(h) != nbytes:
+            raise ValueError(f"{name}[{i}] must be {nbytes} bytes, {_got(h)}")
+    return hashes

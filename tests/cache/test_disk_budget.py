@@ -263,3 +263,32 @@ def test_files_of_another_layout_in_the_own_namespace_are_dropped_at_start_up(tm
     pool = KVPool(config, kv)
     assert not pool.disk.contains(stray) and pool.disk.used_bytes == 0
     assert pool.stats.disk_capacity_blocks == 4
+
+
+def test_a_full_filesystem_at_start_up_is_reported(tmp_path):
+    import gc
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("tmpfs mount not permitted here")
+    try:
+        (mnt / "filler").write_bytes(b"\0" * (64 * 1024 - 4096))  # less than one block file left
+        with pytest.warns(RuntimeWarning, match="filesystem has"):
+            llm = LLM("tiny", page_size=PS, num_device_pages=16, host_cache_bytes=8 * BLOCK,
+                      disk_cache_dir=str(mnt), disk_cache_bytes=64 << 20)
+        pool = llm.engine.pool
+        assert pool.stats.disk_capacity_blocks == 0
+        llm.generate(prompt_token_ids=[prompt(2 * PS + 1, 9)], sampling_params=PARAMS)
+        pool.poll(wait=True)
+        assert pool.stats.stores_refused["disk"] == 2 and pool.stats.bytes_written["disk"] == 0
+        assert pool.stats.evictions["disk"] == 0
+        del llm, pool
+        gc.collect()
+    finally:
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)])

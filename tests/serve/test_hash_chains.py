@@ -90,7 +90,8 @@ def test_a_correct_chain_is_used(tmp_path):
     p = prompt(5 * PS + 1, 3)
     first = llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
     flush_device(llm)
-    rid = llm.engine.add_request(p, PARAMS, prompt_block_hashes=block_hashes(p, PS, salt=llm.engine.block_hash_salt)[:4])
+    chain = block_hashes(p, PS, salt=llm.engine.block_hash_salt)[:4]
+    rid = llm.engine.add_request(p, PARAMS, prompt_block_hashes=chain)
     outs = []
     while llm.engine.has_unfinished():
         outs += llm.engine.step()

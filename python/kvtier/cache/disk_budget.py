@@ -12,7 +12,8 @@ subdirectory with another layout (impossible unless written by hand) are deleted
 :class:`DiskBudget` decides when one more block file fits, counting each file once: in the
 pool's own subdirectory, its indexed blocks plus its pending writes (whether or not a write
 already ended in the tier: one that ended but was not collected yet is not counted twice); in
-a tier passed in, the tier's ``used_bytes`` plus the pending writes it does not hold yet. Only blocks in the pool's index
+a tier passed in, the tier's ``used_bytes`` plus the pending writes it does not hold yet. Only
+blocks in the pool's index
 can be evicted; bytes it cannot evict (another pool's blocks in a tier passed in as ``disk=``)
 shrink what it can store, and a tier that can store nothing at all is reported at start-up.
 """
@@ -26,6 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 
 
@@ -43,6 +45,32 @@ def namespace_dir(root, salt: bytes, meta: BlockMeta) -> Path:
     """
     digest = hashlib.sha256(salt).hexdigest()[:16]
     return Path(root) / f"kv-{meta.num_layers}l-{meta.page_size}p-{meta.row_bytes}r-{meta.dtype}d-{digest}"
+
+
+def check_budgets(config, block_bytes: int, disk) -> None:
+    """Host and disk budgets of a pool of ``block_bytes``-byte blocks must each hold a block.
+
+    Args:
+        config: the pool's :class:`kvtier.cache.policy.PoolConfig`.
+        block_bytes: bytes of one page-first block.
+        disk: the disk tier passed to the pool, or None (then ``config.disk_cache_dir`` is
+            opened with budget ``config.disk_cache_bytes``).
+
+    Raises:
+        ValueError: ``0 < host_cache_bytes`` < one host slot, a disk tier with
+            ``host_cache_bytes`` < one block, or ``disk_cache_bytes`` < one block file.
+    """
+    row = HostTier.row_bytes(block_bytes)
+    if 0 < config.host_cache_bytes < row:
+        raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no block: one host slot takes {row} "
+                         "bytes with this model and page_size; expected 0 (no host tier) or >= one slot")
+    if (config.disk_cache_dir or disk is not None) and config.host_cache_bytes < block_bytes:
+        raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({block_bytes} bytes): blocks "
+                         f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
+    file_bytes = DiskTier.file_bytes(block_bytes)
+    if disk is None and config.disk_cache_dir and config.disk_cache_bytes < file_bytes:
+        raise ValueError(f"disk_cache_bytes={config.disk_cache_bytes} holds no block: one block file takes "
+                         f"{file_bytes} bytes with this model and page_size; expected >= {file_bytes}")
 
 
 class DiskBudget:

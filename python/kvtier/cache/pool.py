@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,12 +32,12 @@ import torch
 
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
 from kvtier.cache.cost_model import CostModel, probe
-from kvtier.cache.disk_budget import DiskBudget, namespace_dir
+from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
-from kvtier.options import check_real, checked_token_ids
+from kvtier.options import check_hashable, check_real, checked_block_hashes, checked_token_ids
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
 
 if TYPE_CHECKING:  # kvtier.serve imports this module
@@ -133,6 +133,8 @@ class KVPool:
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
                  copy_engine=None, disk=None, clock: Callable[[], float] | None = None):
+        if not isinstance(config, PoolConfig):
+            raise ValueError(f"config must be a PoolConfig, got {type(config).__name__}")
         self.config = config
         self.page_size = config.page_size
         self.num_pages = config.num_device_pages
@@ -149,7 +151,7 @@ class KVPool:
         if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
             raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
                              "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
-        self._check_budgets(config, disk)
+        check_budgets(config, self.block_bytes, disk)
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
         private = disk is None and config.disk_cache_dir is not None
         if private:
@@ -167,20 +169,6 @@ class KVPool:
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- start-up -----------------------------------------------------------------------------
-    def _check_budgets(self, config: PoolConfig, disk) -> None:
-        """Host and disk budgets must hold at least one block each (a tier of zero slots is an error)."""
-        row = HostTier.row_bytes(self.block_bytes)
-        if 0 < config.host_cache_bytes < row:
-            raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no block: one host slot takes {row} "
-                             "bytes with this model and page_size; expected 0 (no host tier) or >= one slot")
-        if (config.disk_cache_dir or disk is not None) and config.host_cache_bytes < self.block_bytes:
-            raise ValueError(f"disk_cache_dir needs host_cache_bytes >= one block ({self.block_bytes} bytes): blocks "
-                             f"reach the disk through host memory; got host_cache_bytes={config.host_cache_bytes}")
-        file_bytes = DiskTier.file_bytes(self.block_bytes)
-        if disk is None and config.disk_cache_dir and config.disk_cache_bytes < file_bytes:
-            raise ValueError(f"disk_cache_bytes={config.disk_cache_bytes} holds no block: one block file takes "
-                             f"{file_bytes} bytes with this model and page_size; expected >= {file_bytes}")
-
     def _probe(self) -> CostModel:
         model = CostModel()
         if self.kv_caches[0].device.type != "cpu":
@@ -599,15 +587,8 @@ class KVPool:
             ValueError: an unhashable ``session_id``, ``hashes`` that are not a list of 16-byte
                 ``bytes``, or a bad ``expected_wait_s``.
         """
-        try:
-            hash(session_id)
-        except TypeError:
-            raise ValueError(f"session_id must be hashable, got {session_id!r} ({type(session_id).__name__})") from None
-        if isinstance(hashes, (bytes, str)) or not isinstance(hashes, Iterable):
-            raise ValueError(f"hashes must be a list of {BLOCK_HASH_BYTES}-byte bytes, got {type(hashes).__name__}")
-        hashes = list(hashes)
-        if not all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes):
-            raise ValueError(f"hashes must be a list of {BLOCK_HASH_BYTES}-byte bytes, got {hashes!r:.80}")
+        check_hashable("session_id", session_id)
+        hashes = checked_block_hashes("hashes", hashes)
         check_real("expected_wait_s", expected_wait_s, min_value=0.0)
         self.policy.tool_wait(session_id, hashes, expected_wait_s, self.clock())
 

@@ -61,7 +61,8 @@ class EngineConfig:
     def pool_config(self, model_id: bytes = b"") -> PoolConfig:
         """The pool's config; block hashes are salted with ``model_id`` and ``cache_salt``
         (length-prefixed, so no two different pairs give the same salt)."""
-        return PoolConfig(salt=compose_salt(model_id, self.cache_salt.encode()), page_size=self.page_size, num_device_pages=self.num_device_pages,
+        return PoolConfig(salt=compose_salt(model_id, self.cache_salt.encode()), page_size=self.page_size,
+                          num_device_pages=self.num_device_pages,
                           host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
                           disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
                           write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)

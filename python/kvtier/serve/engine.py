@@ -30,6 +30,8 @@ class Engine:
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig, model_id: bytes = b""):
         """``model_id`` identifies the weights and compute dtype; it salts every block hash so
         that a disk cache shared by several models never serves one model's KV to another."""
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model_config = model.config
         self.config = config
         self.runner = ModelRunner(model, config)
