@@ -292,3 +292,19 @@ def test_a_full_filesystem_at_start_up_is_reported(tmp_path):
     finally:
         if subprocess.run(["umount", str(mnt)]).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_bench_table_and_json_show_refused_stores():
+    from rich.console import Console
+
+    from kvtier.bench.records import ConfigRun, RequestRecord
+    from kvtier.bench.report import render_table, summarize
+
+    rec = RequestRecord("s0", 0, input_tokens=64, output_tokens=2, arrival_s=0.0, first_token_s=0.1, finish_s=0.2,
+                        cached_tokens=0, cached_tokens_by_tier={"device": 0, "host": 0, "disk": 0})
+    run = ConfigRun("tiered", [rec], wall_s=1.0, stores_refused={"host": 3, "disk": 17})
+    assert summarize(run)["stores_refused"] == {"host": 3, "disk": 17}
+    console = Console(record=True, width=200)
+    render_table([run], console=console)
+    line = next(x for x in console.export_text().splitlines() if "stores refused" in x)
+    assert "3 / 17" in line

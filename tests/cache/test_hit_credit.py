@@ -1,0 +1,81 @@
+"""Blocks reloaded from a lower tier after a preemption are hits of that tier."""
+
+import torch
+
+from kvtier import SamplingParams
+from kvtier.cache.cost_model import CostModel, TierCost
+from kvtier.cache.policy import PoolConfig
+from kvtier.cache.pool import KVPool, PrefixStart
+from kvtier.cache.prefix_index import Tier
+from kvtier.serve.params import RequestMetrics
+from kvtier.serve.request import Sequence
+
+PS, PAGES = 4, 8
+PARAMS = SamplingParams(max_tokens=1)
+
+
+def _pool() -> KVPool:
+    kv = [torch.randn(PAGES, PS, 2) for _ in range(2)]
+    pool = KVPool(PoolConfig(page_size=PS, num_device_pages=PAGES, host_cache_bytes=16 * 64), kv)
+    pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0)  # always load
+    return pool
+
+
+def _seq(i: int, tokens: list[int]) -> Sequence:
+    return Sequence(i, list(tokens), PARAMS, RequestMetrics(0.0))
+
+
+def _place(pool: KVPool, seq: Sequence) -> int:
+    start = pool.begin_prefix(seq)
+    while start is PrefixStart.LOADING and pool.finish_prefix(seq) is None:
+        pool.wait_for_loads(0.05)
+    return seq.num_computed_tokens
+
+
+def test_reload_from_host_after_preemption_is_a_host_hit():
+    pool = _pool()
+    tokens = list(range(100, 100 + 3 * PS + 1))
+    writer = _seq(0, tokens)
+    assert pool.allocate(writer, 3 * PS)
+    writer.num_computed_tokens = 3 * PS
+    pool.register_computed(writer)  # write-through: host copies of its 3 blocks
+    pool.poll(wait=True)
+    pool.free(writer)
+
+    seq = _seq(1, tokens)
+    assert _place(pool, seq) == 3 * PS  # first admission: found on device
+    assert pool.stats.hit_tokens == {"device": 3 * PS, "host": 0, "disk": 0}
+    pool.free(seq)  # preempted
+    seq.num_computed_tokens, seq.prefix_done = 0, False
+
+    filler = _seq(2, list(range(PAGES * PS + 1)))
+    assert pool.allocate(filler, PAGES * PS)  # every page taken: the device copies are evicted
+    pool.free(filler)
+    assert pool.index.num_copies(Tier.DEVICE) == 0
+
+    assert _place(pool, seq) == 3 * PS  # re-admission loads them back from host
+    assert pool.stats.bytes_loaded["host"] == 3 * 64
+    assert pool.stats.hit_tokens["host"] == 3 * PS and seq.prefix_tokens_by_tier["host"] == 3 * PS
+    assert pool.stats.hit_tokens["device"] == 3 * PS  # the first admission's hits are not taken back
+
+
+def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
+    pool = _pool()
+    tokens = list(range(200, 200 + 2 * PS + 1))
+    writer = _seq(0, tokens)
+    assert pool.allocate(writer, 2 * PS)
+    writer.num_computed_tokens = 2 * PS
+    pool.register_computed(writer)
+    pool.poll(wait=True)
+    pool.free(writer)
+    filler = _seq(1, list(range(PAGES * PS + 1)))
+    assert pool.allocate(filler, PAGES * PS)
+    pool.free(filler)
+
+    seq = _seq(2, tokens)
+    assert _place(pool, seq) == 2 * PS  # loaded from host
+    pool.free(seq)  # sent back to wait; its loaded blocks stay cached on the device
+    seq.num_computed_tokens, seq.prefix_done = 0, False
+    assert _place(pool, seq) == 2 * PS
+    assert pool.stats.hit_tokens == {"device": 0, "host": 2 * PS, "disk": 0}
+    assert seq.prefix_tokens_by_tier["host"] == 2 * PS
