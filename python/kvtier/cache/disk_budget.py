@@ -82,7 +82,7 @@ class DiskBudget:
             ``SimDisk``).
         index: the pool's prefix index; its disk copies are the blocks this pool may evict.
         meta: layout of this pool's blocks.
-        stats: the pool's :class:`kvtier.cache.pool.PoolStats` (evictions, ``disk_capacity_blocks``).
+        stats: the pool's :class:`kvtier.cache.pool_stats.PoolStats` (evictions, ``disk_capacity_blocks``).
         private: the tier is this pool's own namespace directory (files of another layout
             found there are deleted).
     """

@@ -25,7 +25,7 @@ import enum
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +36,7 @@ from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
+from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.options import check_hashable, check_real, checked_block_hashes, checked_token_ids
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
@@ -76,27 +77,6 @@ class _Write:
     handle: CopyHandle
     page: int = -1
     slot: int = -1
-
-
-@dataclass
-class PoolStats:
-    """Counters of one pool: hit tokens and bytes per tier, evictions, copy errors.
-
-    ``stores_refused[tier]``: blocks not copied down to ``tier`` because it had no room (every
-    copy there in use, nothing of this pool's to evict, or a full filesystem; a write the
-    filesystem refused is a copy error too). ``disk_capacity_blocks``: blocks the disk tier
-    could hold for this pool at start-up (None without a disk tier; 0 = it can store nothing,
-    also reported as a ``RuntimeWarning``).
-    """
-
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    bytes_written: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    copy_errors: int = 0
-    prefetched_blocks: int = 0
-    stores_refused: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0})
-    disk_capacity_blocks: int | None = None
 
 
 class KVPool:
