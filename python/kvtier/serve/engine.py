@@ -14,9 +14,9 @@ import torch
 
 from kvtier import ops
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
-from kvtier.options import is_int
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes, compose_salt
 from kvtier.cache.pool import KVPool
+from kvtier.options import is_int
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
 from kvtier.serve.request import Sequence
@@ -35,7 +35,8 @@ class Engine:
         self.model_config = model.config
         self.config = config
         self.runner = ModelRunner(model, config)
-        self.pool = KVPool(config.pool_config(compose_salt(model_id, str(model.dtype).encode())), self.runner.kv_caches)
+        salt = compose_salt(model_id, str(model.dtype).encode())
+        self.pool = KVPool(config.pool_config(salt), self.runner.kv_caches)
         self.scheduler = Scheduler(config, self.pool)
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
