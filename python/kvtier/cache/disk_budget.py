@@ -13,9 +13,11 @@ subdirectory with another layout (impossible unless written by hand) are deleted
 pool's own subdirectory, its indexed blocks plus its pending writes (whether or not a write
 already ended in the tier: one that ended but was not collected yet is not counted twice); in
 a tier passed in, the tier's ``used_bytes`` plus the pending writes it does not hold yet. Only
-blocks in the pool's index
-can be evicted; bytes it cannot evict (another pool's blocks in a tier passed in as ``disk=``)
-shrink what it can store, and a tier that can store nothing at all is reported at start-up.
+blocks in the pool's index can be evicted; bytes it cannot evict (another pool's blocks in a
+tier passed in as ``disk=``) shrink what it can store, and a tier that can store nothing at all
+(that, or a full filesystem) is reported at start-up. When the filesystem refuses a write the
+budget had room for, the limit drops to the bytes stored then, for the life of the pool: each
+later block replaces the least recently used one instead of failing.
 """
 
 from __future__ import annotations
