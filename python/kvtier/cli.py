@@ -10,6 +10,8 @@ Subcommands:
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
   create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+  serve               OpenAI-compatible HTTP server: chat (tools streamed as each call completes),
+                      completions, sessions kept warm across tool waits, /metrics
   kernels             --profile DIR: every kernel op once under torch.profiler, a Chrome trace
 """
 
@@ -27,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier import LLM, SamplingParams
-from kvtier import kernels_cli
+from kvtier import kernels_cli, serve_cli
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -319,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
     c.set_defaults(func=cmd_create_checkpoint)
     kernels_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 

@@ -207,12 +207,11 @@ class Engine:
                 finished.append(self._output(self._sequences.pop(seq.seq_id)))
         return finished
 
-    def partial_output(self, request_id: int) -> tuple[list[int], list[float]] | None:
-        """The tokens generated so far by an unfinished request and their log-probabilities
-        (empty unless it asked for them), as live lists the caller must not change; None when
-        the request is unknown or already reported by :meth:`step`. For streaming."""
-        seq = self._sequences.get(request_id)
-        return None if seq is None else (seq.output_token_ids, seq.logprobs)
+    def sequence(self, request_id: int) -> Sequence | None:
+        """The live state of an unfinished request (its ``output_token_ids`` so far,
+        ``num_cached_tokens``, ``metrics``, ...), for streaming; the caller must not change it.
+        None when the request is unknown or already reported by :meth:`step`."""
+        return self._sequences.get(request_id)
 
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
