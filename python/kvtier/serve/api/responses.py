@@ -86,7 +86,7 @@ class ChunkWriter:
         if self.kind != "chat":
             lps = {"token_logprobs": list(d.logprobs)} if logprobs else None
             return [self._chunk({"index": 0, "text": d.text, "logprobs": lps, "finish_reason": None})]
-        if d.text or d.reasoning or (d.token_ids and not d.tool_calls):
+        if d.text or d.reasoning or d.token_ids:
             delta = {"content": d.text}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning
