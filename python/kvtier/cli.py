@@ -123,6 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
+    if args.endpoint:
+        return _bench_endpoint(args, opts, console)
     with contextlib.ExitStack() as stack:
         bars: list = []
 
@@ -154,6 +156,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
         failed = failed or (bool(run.records) and all(r.error for r in run.records))
     if failed:
         print("kvtier bench: error: every request of a configuration failed (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bench_endpoint(args: argparse.Namespace, opts, console: Console) -> int:
+    """``kvtier bench --endpoint URL``: the workload replayed over HTTP (see kvtier.bench.endpoint)."""
+    from kvtier.bench import report
+    from kvtier.bench.endpoint import run_endpoint
+
+    bars: list = []
+    with contextlib.ExitStack() as stack:
+        def on_start(name: str, total: int) -> None:
+            bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
+
+        workload, run, prov = run_endpoint(opts, args.endpoint, on_start=on_start,
+                                           on_finish=lambda r: bars[-1].advance())
+    console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
+                  f"{workload.block_size}-token blocks; replayed against {args.endpoint} (model {opts.model})")
+    report.render_table([run], console=console, baseline=run.name)
+    if args.plot:
+        console.print(f"wrote {report.plot_ttft([run], args.plot)}")
+    if args.json:
+        report.write_json(args.json, report.bench_json([run], prov, baseline=run.name))
+        console.print(f"wrote {args.json}")
+    errors = [r.error for r in run.records if r.error]
+    if errors:
+        console.print(f"[red]{len(errors)} request(s) failed[/], e.g. " + "; ".join(sorted(set(errors))[:3]),
+                      highlight=False)
+    if run.records and len(errors) == len(run.records):
+        print("kvtier bench: error: every request failed (see above)", file=sys.stderr)
         return 1
     return 0
 
@@ -249,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",
                    help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache")
-    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}; with "
+                   "--endpoint, the served model's name")
+    b.add_argument("--endpoint", metavar="URL", help="replay against this OpenAI-compatible server over HTTP "
+                   "(e.g. http://127.0.0.1:8000, a running kvtier serve, vLLM or SGLang) instead of in-process; "
+                   "--configs and the tier sizes do not apply")
     b.add_argument("--token-scale", type=float, default=1 / 64,
                    help="factor on every token length; block size x scale must be an integer")
     b.add_argument("--time-scale", type=float, default=0.01, help="factor on think times")

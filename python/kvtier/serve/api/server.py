@@ -25,11 +25,24 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
     llm.engine.attach_tokenizer(llm.tokenizer)
+    warm_up(llm)
     options.max_model_len = llm.config.max_position_embeddings
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["worker"].snapshot)
     worker = holder["worker"] = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
     return build_app(worker, options, metrics)
+
+
+def warm_up(llm) -> None:
+    """One uncached prefill of up to a step's token budget and a few decodes, so that the first
+    client does not pay one-time costs (allocator growth, lazy initialisation)."""
+    from kvtier.serve.params import SamplingParams
+
+    cfg, model = llm.engine.config, llm.config
+    n = max(1, min(cfg.max_num_batched_tokens, model.max_position_embeddings - 8,
+                   (cfg.num_device_pages - 1) * cfg.page_size - 4, 1024))
+    llm.generate(prompt_token_ids=[list(range(300, 300 + n))],
+                 sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 
 
 def listen(host: str, port: int) -> socket.socket:
