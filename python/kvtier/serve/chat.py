@@ -9,7 +9,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from kvtier.serve.engine import Engine
+from kvtier.serve.engine import Engine, request_salt
 from kvtier.serve.params import SamplingParams
 
 
@@ -33,20 +33,25 @@ def chat_sampling_params(params: SamplingParams | None, tools: Seq[dict] | None 
     return dataclasses.replace(params, **changes) if changes else params
 
 
-def new_encoder(engine: Engine, tokenizer):
-    """A :class:`kvtier.tokenize.SessionEncoder` whose token buffer hashes pages as ``engine`` does."""
+def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
+    """A :class:`kvtier.tokenize.SessionEncoder` whose token buffer hashes pages as ``engine`` does
+    for requests with ``cache_salt``."""
     from kvtier.tokenize import SessionEncoder
 
-    return SessionEncoder(tokenizer, page_size=engine.config.page_size, salt=engine.block_hash_salt)
+    return SessionEncoder(tokenizer, page_size=engine.config.page_size,
+                          salt=engine.block_hash_salt + request_salt(cache_salt))
 
 
-def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: SamplingParams) -> int:
+def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: SamplingParams,
+                     cache_salt: str = "") -> int:
     """Encode ``messages`` (the whole conversation) with ``encoder`` and queue the turn; returns
-    the request id. The prompt declares ``params.tools`` (the tools the grammar allows).
+    the request id. The prompt declares ``params.tools`` (the tools the grammar allows);
+    ``encoder`` must come from :func:`new_encoder` with the same ``cache_salt``.
 
     Raises:
         ValueError: bad messages or tools (naming ``messages[i].field`` / ``tools[i]...``), or a
         prompt the engine refuses (see :meth:`Engine.check_request`).
     """
     encoder.append(messages, params.tools)
-    return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes())
+    return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes(),
+                              cache_salt=cache_salt)

@@ -99,7 +99,7 @@ class Engine:
         return self.pool.config.salt
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
-                    prompt_block_hashes: Seq[bytes] | None = None) -> int:
+                    prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "") -> int:
         """Queue one prompt; returns its request id.
 
         Args:
@@ -114,18 +114,23 @@ class Engine:
                 lookup then hashes only the pages after them. The last given hash is checked
                 against its predecessor and its page's ids, which catches a wrong salt, page
                 size or prompt; the chain before it is trusted.
+            cache_salt: this request's tenant salt: requests with different salts never share
+                cached blocks (hashes use ``request_salt(cache_salt)`` after the engine's salt).
 
         Raises:
             ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
                 are too many, not 16-byte ``bytes``, or do not match the prompt.
         """
         prompt = self.check_request(prompt_token_ids, params, index)
-        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index)
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        salt = request_salt(cache_salt)
+        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index, salt)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
-                       block_hashes=hashes)
+                       block_hashes=hashes, salt=salt)
         self._sequences[seq.seq_id] = seq
         if self.tokenizer is not None:
             from kvtier.toolcall import ToolCallParser
@@ -143,7 +148,7 @@ class Engine:
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int) -> list[bytes]:
+    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int, salt: bytes = b"") -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""
         where = f"prompt_block_hashes for prompt {index}"
         if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Seq):
@@ -160,7 +165,7 @@ class Engine:
                 and all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes)):
             raise ValueError(f"{where}: each hash must be {BLOCK_HASH_BYTES} bytes")
         parent = hashes[-2] if n > 1 else None
-        if block_hashes(prompt[(n - 1) * ps:n * ps], ps, parent, self.block_hash_salt) != [last]:
+        if block_hashes(prompt[(n - 1) * ps:n * ps], ps, parent, self.block_hash_salt + salt) != [last]:
             raise ValueError(f"{where}: hash {n - 1} does not match the prompt's page {n - 1} with page_size={ps} "
                              "and this engine's block_hash_salt (a TokenBuffer built for another engine?)")
         return hashes
@@ -324,3 +329,9 @@ def _as_int(t):
         return operator.index(t)
     except TypeError:
         return t
+
+
+def request_salt(cache_salt: str) -> bytes:
+    """The bytes a request's ``cache_salt`` adds after the engine's block-hash salt (empty for
+    ""; tagged, so that no request salt equals a suffix of an engine's ``cache_salt``)."""
+    return b"\0request-salt:" + cache_salt.encode() if cache_salt else b""

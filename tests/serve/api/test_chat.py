@@ -159,3 +159,22 @@ def test_completions_text_and_token_ids(server):
     t = client.completions.create(model="tiny", prompt="def main():", max_tokens=3, temperature=0)
     assert t.usage.prompt_tokens >= 3 and t.choices[0].text is not None
     assert json.loads(r.model_dump_json())["usage"]["cached_tokens_by_tier"].keys() == {"device", "host", "disk"}
+
+
+def test_cache_salt_isolates_requests(server):
+    client = server.client()
+    msgs = [{"role": "user", "content": "salted prompt " * 20}]
+
+    def cached(salt=None, **kw):
+        body = {"cache_salt": salt} if salt is not None else {}
+        r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=body, **kw)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached("tenant-a")
+    assert cached("tenant-a") > 0  # same salt: the prompt's pages are reused
+    assert cached("tenant-b") == 0 and cached() == 0  # another salt, or none: nothing shared
+    client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                   extra_body={"cache_salt": "tenant-a", "session_id": "salted"})
+    with pytest.raises(Exception, match="cache_salt"):
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
+                                       extra_body={"cache_salt": "tenant-b", "session_id": "salted"})

@@ -128,14 +128,11 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
     stops = req.stop_strings()
-    if req.cache_salt:
-        raise ApiError(400, "cache_salt: per-request salts are not supported yet; start the server with "
-                       "--cache-salt", "cache_salt")
     if st.pending >= opts.max_queue:
         raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
                        f"{opts.max_queue}); retry later")
     loop = asyncio.get_running_loop()
-    job = Job(kind, params, loop, asyncio.Queue(), payload, session_id, hint, stops)
+    job = Job(kind, params, loop, asyncio.Queue(), payload, session_id, hint, stops, req.cache_salt or "")
     st.pending += 1
     released = False
 

@@ -90,6 +90,7 @@ class Job:
         payload: ``messages``/``tools`` (chat) or ``prompt`` (completion: text or ids).
         session_id, expected_tool_wait_s: the chat session and the client's tool-time hint.
         stops: stop strings.
+        cache_salt: the request's tenant salt (requests with different salts share no blocks).
     """
 
     kind: str
@@ -100,6 +101,7 @@ class Job:
     session_id: str | None = None
     expected_tool_wait_s: float | None = None
     stops: list[str] = field(default_factory=list)
+    cache_salt: str = ""
     # engine-thread state
     request_id: int | None = None
     prompt_ids: list[int] = field(default_factory=list)

@@ -15,9 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.policy import ToolWaitEstimate
+from kvtier.serve.api.protocol import ApiError
 from kvtier.serve.chat import new_encoder
-from kvtier.serve.engine import Engine
+from kvtier.serve.engine import Engine, request_salt
 
 DEFAULT_TOOL_WAIT_S = 9.0  # WORKLOAD.md: think time after tool_use, p50
 
@@ -31,6 +33,7 @@ class Session:
     waiting_since_s: float | None = None
     waiting_tools: list[str] = field(default_factory=list)
     in_flight: int = 0
+    cache_salt: str = ""
 
 
 class SessionStore:
@@ -51,15 +54,23 @@ class SessionStore:
         self.tool_waits: dict[str, ToolWaitEstimate] = {}
         self.num_expired = 0
 
-    def encoder(self, session_id: str | None):
+    def encoder(self, session_id: str | None, cache_salt: str = ""):
         """The session's encoder (created on first use), or a one-off encoder for None. A session
-        waiting on a tool stops waiting: the pool is told and the wait is observed."""
+        waiting on a tool stops waiting: the pool is told and the wait is observed.
+
+        Raises:
+            ApiError: 400 when ``cache_salt`` differs from the one the session started with.
+        """
         if session_id is None:
-            return new_encoder(self.engine, self.tokenizer)
+            return new_encoder(self.engine, self.tokenizer, cache_salt)
         now = self.clock()
         s = self.sessions.get(session_id)
         if s is None:
-            s = self.sessions[session_id] = Session(new_encoder(self.engine, self.tokenizer), now)
+            s = self.sessions[session_id] = Session(new_encoder(self.engine, self.tokenizer, cache_salt), now,
+                                                    cache_salt=cache_salt)
+        elif s.cache_salt != cache_salt:
+            raise ApiError(400, f"cache_salt: session {session_id!r} was started with another cache_salt; "
+                           "a session keeps one", "cache_salt")
         if s.waiting_since_s is not None:
             for name in s.waiting_tools:
                 self._estimate(name).observed.append(now - s.waiting_since_s)
@@ -79,7 +90,9 @@ class SessionStore:
         if not tool_names:
             return
         expected = hint_s if hint_s is not None else max(self._estimate(n).value() for n in tool_names)
-        self.engine.pool.tool_wait(session_id, token_ids, expected)
+        salt = self.engine.block_hash_salt + request_salt(s.cache_salt)
+        hashes = block_hashes(token_ids, self.engine.config.page_size, None, salt)
+        self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
 
     def end(self, session_id: str) -> bool:

@@ -128,16 +128,19 @@ class EngineWorker:
     def _submit(self, job: Job) -> None:
         try:
             if job.kind == "chat":
-                enc = self.sessions.encoder(job.session_id)
+                enc = self.sessions.encoder(job.session_id, job.cache_salt)
                 try:
-                    rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params)
+                    rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt)
                 except BaseException:
                     self.sessions.turn_ended(job.session_id, None, [], None)
                     raise
             else:
                 prompt = job.payload["prompt"]
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                rid = self.engine.add_request(ids, job.params)
+                rid = self.engine.add_request(ids, job.params, cache_salt=job.cache_salt)
+        except ApiError as e:
+            job.emit("error", e)
+            return
         except ValueError as e:
             job.emit("error", _prompt_error(e, job.kind))
             return
