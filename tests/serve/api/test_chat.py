@@ -171,8 +171,11 @@ def test_cache_salt_isolates_requests(server):
         return r.usage.prompt_tokens_details.cached_tokens
 
     cached("tenant-a")
-    assert cached("tenant-a") > 0  # same salt: the prompt's pages are reused
-    assert cached("tenant-b") == 0 and cached() == 0  # another salt, or none: nothing shared
+    same = cached("tenant-a")
+    assert same >= 64  # same salt: the prompt's pages are reused
+    assert cached("tenant-b") == 0  # a new salt shares nothing
+    # unsalted requests of earlier tests share the template's first page at most, never tenant-a's pages
+    assert cached() <= 16 < same
     client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
                                    extra_body={"cache_salt": "tenant-a", "session_id": "salted"})
     with pytest.raises(Exception, match="cache_salt"):

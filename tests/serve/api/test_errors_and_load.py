@@ -157,3 +157,15 @@ def test_overload_gives_503_and_the_server_recovers(tmp_path):
         assert s.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2).usage.completion_tokens == 2
     finally:
         stop_server(s)
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_pages(server):
+    before = server.metrics().get(("kvtier_client_disconnects_total",), 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", timeout=1.0,
+                   json={"model": "tiny", "messages": ASK, "max_tokens": 5000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while server.metrics().get(("kvtier_client_disconnects_total",), 0) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 1
+    assert server.wait_pages_free() == 0

@@ -26,6 +26,7 @@ from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, 
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 @dataclass
@@ -69,7 +70,8 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        metrics.requests.labels(request.url.path, str(e.status)).inc()
+        path = request.url.path
+        metrics.requests.labels(path if path in _ENDPOINTS else "other", str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
@@ -79,7 +81,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.get("/health")
     async def health():
-        if not worker._thread.is_alive():
+        if not worker.alive:
             raise ApiError(503, "the engine thread is not running")
         return {"status": "ok"}
 
@@ -158,7 +160,11 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
     tok = st.worker.tokenizer
     if not req.stream:
         try:
-            final = await _collect(job)
+            final = await _collect(job, request)
+        except _ClientGone:  # nobody to answer: free the request's pages
+            st.worker.abort(job)
+            st.metrics.disconnects.inc()
+            return Response(status_code=499)
         except BaseException:
             st.worker.abort(job)
             raise
@@ -177,13 +183,33 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
                              media_type="text/event-stream")
 
 
-async def _collect(job: Job) -> Final:
-    while True:
-        event, value = await job.queue.get()
-        if event == "final":
-            return value
-        if event == "error":
-            raise value
+class _ClientGone(Exception):
+    pass
+
+
+async def _collect(job: Job, request: Request) -> Final:
+    """The final event of a non-streaming request; raises :class:`_ClientGone` if its client
+    disconnects first (the ASGI server then sends ``http.disconnect``)."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(job.queue.get())
+            await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise _ClientGone()
+            event, value = get.result()
+            if event == "final":
+                return value
+            if event == "error":
+                raise value
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(st: _State, job: Job, writer: responses.ChunkWriter, logprobs: bool, release):

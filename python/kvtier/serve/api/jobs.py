@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.serve.params import SamplingParams
+from kvtier.serve.params import RequestOutput, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -151,10 +151,11 @@ class Job:
         return Delta(out, "".join(reasoning), tuple(calls), tuple(ids), tuple(logprobs))
 
     def final(self, seq_or_output, finish_reason: str | None, error: str | None = None) -> Final:
-        """The summary of a finished (or stopped) request from its engine state."""
+        """The summary of a finished request (its :class:`RequestOutput`) or of one ended by a stop
+        string (its live ``Sequence``)."""
         o = seq_or_output
-        n_out = len(getattr(o, "output_token_ids", None) or getattr(o, "token_ids", []))
-        ids = list(getattr(o, "output_token_ids", None) or getattr(o, "token_ids", []))
+        ids = list(o.token_ids if isinstance(o, RequestOutput) else o.output_token_ids)
+        n_out = len(ids)
         if self.stop is not None and self.stop.hit:
             finish_reason = "stop"
         elif finish_reason == "stop" and self.calls:

@@ -46,6 +46,11 @@ class EngineWorker:
         self._last_housekeeping = 0.0
 
     # -- asyncio side ------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         self._thread.start()
 
