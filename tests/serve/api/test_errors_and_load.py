@@ -137,7 +137,8 @@ def test_metrics_parse_and_counters_move(server):
     assert after[("kvtier_prefill_tokens_total",)] >= before[("kvtier_prefill_tokens_total",)]
     assert after[("kvtier_device_pages_total",)] == 1024
     for tier in ("device", "host", "disk"):
-        assert ("kvtier_hit_tokens_total", ("tier", tier)) in after
+        assert ("kvtier_hit_tokens_total", ("tier", tier)) in after and ("kvtier_cached_blocks", ("tier", tier)) in after
+    assert after[("kvtier_cached_blocks", ("tier", "device"))] > 0  # the prompts' full pages stay cached
 
 
 def test_overload_gives_503_and_the_server_recovers(tmp_path):

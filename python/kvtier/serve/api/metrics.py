@@ -40,6 +40,10 @@ class _EngineCollector:
                     ("kvtier_engine_errors", "engine steps that failed", s["engine_errors"])]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        blocks = GaugeMetricFamily("kvtier_cached_blocks", "blocks with a cached copy, by tier", labels=["tier"])
+        for tier, v in sorted(s["cached_blocks"].items()):
+            blocks.add_metric([tier], v)
+        yield blocks
         for name, doc, key in [("kvtier_hit_tokens", "prompt tokens served from cached blocks, by tier", "hit_tokens"),
                                ("kvtier_bytes_loaded", "bytes loaded into device pages, by source tier", "bytes_loaded"),
                                ("kvtier_bytes_written", "bytes written to a lower tier, by tier", "bytes_written"),

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from kvtier.cache.prefix_index import Tier
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.protocol import ApiError, value_error
 from kvtier.serve.api.sessions import SessionStore
@@ -203,6 +204,7 @@ class EngineWorker:
         self.snapshot = {
             "waiting": len(e.scheduler.waiting), "running": len(e.scheduler.running) + len(e.scheduler.loading),
             "device_pages": pool.num_pages, "device_pages_free": pool.num_free_pages,
+            "cached_blocks": {t.name.lower(): pool.index.num_copies(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)},
             "hit_tokens": dict(st.hit_tokens), "bytes_loaded": dict(st.bytes_loaded),
             "bytes_written": dict(st.bytes_written), "evictions": dict(st.evictions),
             "copy_errors": st.copy_errors, "preemptions": e.scheduler.num_preemptions,
