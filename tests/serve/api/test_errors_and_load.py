@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.serve.api.conftest import start_server, stop_server
+from tests.toolcall.conftest import UNGENERABLE_TOOL
 from tests.toolcall.test_constrain import LS
 
 ASK = [{"role": "user", "content": "hello"}]
@@ -51,6 +52,10 @@ def test_malformed_json_unknown_model_and_bad_prompts(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = _post(server, "/v1/completions", {"model": "tiny", "prompt": list(range(9000))})
     assert r.status_code == 400 and "max_position_embeddings" in r.json()["error"]["message"]
+    # a schema in the accepted subset whose grammar llguidance cannot build: 400, the engine unharmed
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": ASK, "tools": [UNGENERABLE_TOOL],
+                                               "tool_choice": "required"})
+    assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"], r.text
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=0)
     # the server stays up and serves the next request
