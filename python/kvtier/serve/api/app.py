@@ -179,8 +179,41 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     writer = responses.ChunkWriter(kind, rid, created, opts.model_name, tok, include_usage)
     st.metrics.requests.labels(endpoint, "200").inc()
-    return StreamingResponse(_stream(st, job, writer, bool(params.logprobs), release),
-                             media_type="text/event-stream")
+    flight = _Flight(st, job, release)
+    return _JobStream(flight, _stream(job, writer, bool(params.logprobs), flight), media_type="text/event-stream")
+
+
+class _Flight:
+    """A streamed request's end: :meth:`close` (idempotent) releases its queue slot and, unless
+    its final event was sent, aborts it (the client left, or the response never started)."""
+
+    def __init__(self, st: _State, job: Job, release):
+        self.st, self.job, self.release = st, job, release
+        self.finished = self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.st.worker.abort(self.job)
+            self.st.metrics.disconnects.inc()
+        self.release()
+
+
+class _JobStream(StreamingResponse):
+    """A streaming response that closes its :class:`_Flight` however it ends (a generator that
+    was never started runs no ``finally``)."""
+
+    def __init__(self, flight: _Flight, content, **kw):
+        super().__init__(content, **kw)
+        self.flight = flight
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.close()
 
 
 class _ClientGone(Exception):
@@ -212,8 +245,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(st: _State, job: Job, writer: responses.ChunkWriter, logprobs: bool, release):
-    finished = False
+async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, flight: _Flight):
     try:
         first = writer.first()
         if first is not None:
@@ -223,22 +255,15 @@ async def _stream(st: _State, job: Job, writer: responses.ChunkWriter, logprobs:
             if event == "delta":
                 for chunk in writer.delta(value, logprobs):
                     yield chunk
-            elif event == "final":
-                finished = True
-                if value.error is not None:
-                    yield responses.sse(ApiError(value.error_status, f"request failed: {value.error}").body())
-                else:
-                    for chunk in writer.final(value):
-                        yield chunk
-                yield b"data: [DONE]\n\n"
-                return
-            elif event == "error":
-                finished = True
-                yield responses.sse(value.body())
-                yield b"data: [DONE]\n\n"
-                return
+                continue
+            flight.finished = True
+            if event == "error" or value.error is not None:
+                err = value if event == "error" else ApiError(value.error_status, f"request failed: {value.error}")
+                yield responses.sse(err.body())
+            else:
+                for chunk in writer.final(value):
+                    yield chunk
+            yield b"data: [DONE]\n\n"
+            return
     finally:
-        if not finished:  # the client went away (or the server is stopping): free the request
-            st.worker.abort(job)
-            st.metrics.disconnects.inc()
-        release()
+        flight.close()
