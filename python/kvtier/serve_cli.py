@@ -12,6 +12,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvtier.serve.api.server import make_app, serve
 
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not 0 < args.session_ttl_s < float("inf"):
+        raise ValueError(f"--session-ttl-s must be a finite number > 0, got {args.session_ttl_s}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

@@ -53,3 +53,16 @@ def test_tool_waits_estimates_ttl_and_end(llm, monkeypatch):
     store.encoder("b")
     assert store.expire() == 0  # a request in flight keeps its session
     assert store.end("b") and not store.end("b")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--port", "0"], "--tokenizer DIR is required"),
+    (["--tokenizer", "x", "--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--tokenizer", "x", "--session-ttl-s", "0"], "--session-ttl-s must be"),
+    (["--tokenizer", "x", "--port", "70000"], "--port must be in"),
+])
+def test_serve_options_are_checked_before_anything_loads(argv, match, capsys):
+    from kvtier.cli import main
+
+    assert main(["serve", "tiny", *argv]) == 2
+    assert match in capsys.readouterr().err
