@@ -117,20 +117,31 @@ def test_first_tool_call_arrives_before_the_turn_ends(server):
     assert calls == sorted(calls) and first_call < last_tokens, events
 
 
+def _waiting(server) -> float:
+    """Sessions waiting on a tool, once the engine thread has published (every 0.2 s)."""
+    import time
+
+    time.sleep(0.5)
+    return server.metrics()[("kvtier_sessions_waiting_on_tools",)]
+
+
 def test_session_keeps_its_encoder_and_reuses_the_cache(server):
     import httpx
 
     client = server.client()
     msgs = [{"role": "user", "content": "Summarise:\n" + "def f(x):\n    return x * 2\n" * 20}]
+    waiting = _waiting(server)
     r1 = client.chat.completions.create(model="tiny", messages=msgs, tools=[LS], tool_choice="required",
                                         max_tokens=40, temperature=0, extra_body={"session_id": "s-keep"})
     assert r1.choices[0].finish_reason == "tool_calls"
+    assert _waiting(server) == waiting + 1  # the turn ended in a tool call: the pool was told the session waits
     call = r1.choices[0].message.tool_calls[0]
     msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
              {"role": "tool", "tool_call_id": call.id, "content": "README.md\nsrc/"}]
     r2 = client.chat.completions.create(model="tiny", messages=msgs, tools=[LS], max_tokens=4, temperature=0,
                                         extra_headers={"X-Session-Id": "s-keep"})
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens // 16 * 16 - 16
+    assert _waiting(server) == waiting  # the tool result arrived: the wait is over
     assert httpx.delete(f"{server.url}/v1/sessions/s-keep").json()["deleted"] is True
     gone = httpx.delete(f"{server.url}/v1/sessions/s-keep")
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "session_id"

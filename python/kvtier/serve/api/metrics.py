@@ -30,7 +30,9 @@ class _EngineCollector:
                   ("kvtier_requests_running", "requests running or loading their prefix", s["running"]),
                   ("kvtier_device_pages_total", "device KV pages per layer", s["device_pages"]),
                   ("kvtier_device_pages_used", "device KV pages held by requests", s["device_pages"] - s["device_pages_free"]),
-                  ("kvtier_sessions", "chat sessions kept by the server", s["sessions"])]
+                  ("kvtier_sessions", "chat sessions kept by the server", s["sessions"]),
+                  ("kvtier_sessions_waiting_on_tools", "sessions whose last turn ended in tool calls, until their "
+                   "next request", s["sessions_waiting"])]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", s["copy_errors"]),

@@ -95,6 +95,11 @@ class SessionStore:
         self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
 
+    @property
+    def num_waiting(self) -> int:
+        """Sessions waiting on a tool now."""
+        return sum(s.waiting_since_s is not None for s in self.sessions.values())
+
     def end(self, session_id: str) -> bool:
         """Drop a session (its encoder; its tool wait ends). False if there was none."""
         s = self.sessions.pop(session_id, None)

@@ -209,6 +209,7 @@ class EngineWorker:
             "bytes_written": dict(st.bytes_written), "evictions": dict(st.evictions),
             "copy_errors": st.copy_errors, "preemptions": e.scheduler.num_preemptions,
             "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
+            "sessions_waiting": self.sessions.num_waiting,
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
             "in_flight": len(self._jobs),
         }
