@@ -10,6 +10,8 @@ Subcommands:
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
   create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+  serve               OpenAI-compatible HTTP server: chat (tools streamed as each call completes),
+                      completions, sessions kept warm across tool waits, /metrics
   kernels             --profile DIR: every kernel op once under torch.profiler, a Chrome trace
 """
 
@@ -27,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier import LLM, SamplingParams
-from kvtier import kernels_cli
+from kvtier import kernels_cli, serve_cli
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -121,6 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
+    if args.endpoint:
+        return _bench_endpoint(args, opts, console)
     with contextlib.ExitStack() as stack:
         bars: list = []
 
@@ -152,6 +156,36 @@ def cmd_bench(args: argparse.Namespace) -> int:
         failed = failed or (bool(run.records) and all(r.error for r in run.records))
     if failed:
         print("kvtier bench: error: every request of a configuration failed (see above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _bench_endpoint(args: argparse.Namespace, opts, console: Console) -> int:
+    """``kvtier bench --endpoint URL``: the workload replayed over HTTP (see kvtier.bench.endpoint)."""
+    from kvtier.bench import report
+    from kvtier.bench.endpoint import run_endpoint
+
+    bars: list = []
+    with contextlib.ExitStack() as stack:
+        def on_start(name: str, total: int) -> None:
+            bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
+
+        workload, run, prov = run_endpoint(opts, args.endpoint, on_start=on_start,
+                                           on_finish=lambda r: bars[-1].advance())
+    console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
+                  f"{workload.block_size}-token blocks; replayed against {args.endpoint} (model {opts.model})")
+    report.render_table([run], console=console, baseline=run.name)
+    if args.plot:
+        console.print(f"wrote {report.plot_ttft([run], args.plot)}")
+    if args.json:
+        report.write_json(args.json, report.bench_json([run], prov, baseline=run.name))
+        console.print(f"wrote {args.json}")
+    errors = [r.error for r in run.records if r.error]
+    if errors:
+        console.print(f"[red]{len(errors)} request(s) failed[/], e.g. " + "; ".join(sorted(set(errors))[:3]),
+                      highlight=False)
+    if run.records and len(errors) == len(run.records):
+        print("kvtier bench: error: every request failed (see above)", file=sys.stderr)
         return 1
     return 0
 
@@ -247,7 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered",
                    help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache")
-    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}; with "
+                   "--endpoint, the served model's name")
+    b.add_argument("--endpoint", metavar="URL", help="replay against this OpenAI-compatible server over HTTP "
+                   "(e.g. http://127.0.0.1:8000, a running kvtier serve, vLLM or SGLang) instead of in-process; "
+                   "--configs and the tier sizes do not apply")
     b.add_argument("--token-scale", type=float, default=1 / 64,
                    help="factor on every token length; block size x scale must be an integer")
     b.add_argument("--time-scale", type=float, default=0.01, help="factor on think times")
@@ -319,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
     c.set_defaults(func=cmd_create_checkpoint)
     kernels_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 

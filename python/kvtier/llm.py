@@ -161,33 +161,18 @@ class LLM:
             ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field`` or
             ``tools[i]...``).
         """
-        from kvtier.tokenize import SessionEncoder
+        from kvtier.serve.chat import add_chat_request, chat_sampling_params, new_encoder
 
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(params).__name__}")
         if session_id is not None:
             check_hashable("session_id", session_id)
-        changes = {}
-        if tools and params.tools is None:
-            changes["tools"] = list(tools)
-        elif tools and list(tools) != list(params.tools):
-            raise ValueError("tools differs from sampling_params.tools: the prompt would declare other tools than "
-                             "the grammar allows; give them once")
-        if tool_choice is not None:
-            changes["tool_choice"] = tool_choice
-        if changes:
-            params = dataclasses.replace(params, **changes)
+        params = chat_sampling_params(sampling_params, tools, tool_choice)
         self._attach_tokenizer()
-
         enc = self._sessions.get(session_id) if session_id is not None else None
         if enc is None:
-            enc = SessionEncoder(self.tokenizer, page_size=self.engine.config.page_size,
-                                 salt=self.engine.block_hash_salt)
+            enc = new_encoder(self.engine, self.tokenizer)
             if session_id is not None:
                 self._sessions[session_id] = enc
-        enc.append(messages, tools if tools else params.tools)  # the prompt declares the tools the grammar allows
-        rid = self.engine.add_request(np.asarray(enc.ids), params, prompt_block_hashes=enc.block_hashes())
+        rid = add_chat_request(self.engine, enc, messages, params)
         return self._run([rid])[0]
 
     def end_session(self, session_id) -> bool:

@@ -23,7 +23,6 @@ times the workload's time scale) — never the trace's true wait, which a server
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.workload import Session, Workload, prompt_token_ids
+from kvtier.cache.policy import ToolWaitEstimate
 from kvtier.serve.engine import Engine
 from kvtier.serve.params import RequestOutput, SamplingParams
 from kvtier.tokenize import KimiTokenizer, SessionEncoder
@@ -50,17 +50,6 @@ class _Active:
     prompt: list[int] | None = None
     waiting_on_tool: bool = False
     encoder: SessionEncoder | None = None  # text workloads: this session's incremental encoder
-
-
-class ToolWaitEstimate:
-    """Median of the last ``window`` observed tool waits (seconds)."""
-
-    def __init__(self, initial_s: float, window: int = 64):
-        self.initial_s = initial_s
-        self.observed: deque[float] = deque(maxlen=window)
-
-    def value(self) -> float:
-        return statistics.median(self.observed) if self.observed else self.initial_s
 
 
 def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> int:

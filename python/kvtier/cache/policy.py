@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from kvtier.options import check_bool, check_choice, check_int, check_path, check_real
@@ -165,3 +167,14 @@ class ToolAwarePolicy(LRUPolicy):
 def make_policy(name: str) -> LRUPolicy:
     """The eviction policy called ``name`` (see :data:`CACHE_POLICIES`)."""
     return {"lru": LRUPolicy, "tool-aware": ToolAwarePolicy}[name]()
+
+
+class ToolWaitEstimate:
+    """Median of the last ``window`` observed tool waits (seconds)."""
+
+    def __init__(self, initial_s: float, window: int = 64):
+        self.initial_s = initial_s
+        self.observed: deque[float] = deque(maxlen=window)
+
+    def value(self) -> float:
+        return statistics.median(self.observed) if self.observed else self.initial_s

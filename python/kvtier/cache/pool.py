@@ -242,7 +242,8 @@ class KVPool:
         if have < num_blocks:
             ps = self.page_size
             parent = seq.block_hashes[-1] if have else None
-            seq.block_hashes += block_hashes(seq.token_ids(have * ps, num_blocks * ps), ps, parent, self.config.salt)
+            salt = self.config.salt + getattr(seq, "salt", b"")  # a request's own salt isolates it further
+            seq.block_hashes += block_hashes(seq.token_ids(have * ps, num_blocks * ps), ps, parent, salt)
 
     # ---- prefix reuse and loads ---------------------------------------------------------------
     def begin_prefix(self, seq: Sequence, *, partial: bool = True) -> PrefixStart:

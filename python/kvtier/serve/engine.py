@@ -110,7 +110,7 @@ class Engine:
         return self.pool.config.salt
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
-                    prompt_block_hashes: Seq[bytes] | None = None) -> int:
+                    prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "") -> int:
         """Queue one prompt; returns its request id.
 
         Args:
@@ -123,22 +123,27 @@ class Engine:
                 :attr:`block_hash_salt` keeps them (``block_hashes(prompt, page_size,
                 salt=block_hash_salt)[:n]``, ``n <= len(prompt) // page_size``). The engine
                 never serves a block by a hash it has not verified: the whole chain is
-                recomputed from the prompt with this engine's salt (one native pass, GIL
+                recomputed from the prompt with this engine's salt and ``cache_salt`` (one native pass, GIL
                 released, about 1 ms per 100K tokens at page_size 64) and compared, so a chain
                 built with another salt, page size or prompt, or one whose earlier hashes were
                 swapped for another tenant's, is rejected.
+            cache_salt: this request's tenant salt: requests with different salts never share
+                cached blocks (hashes use ``request_salt(cache_salt)`` after the engine's salt).
 
         Raises:
             ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
                 are too many, not 16-byte ``bytes``, or do not match the prompt.
         """
         prompt = self.check_request(prompt_token_ids, params, index)
-        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index)
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
+        salt = request_salt(cache_salt)
+        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index, salt)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
-                       block_hashes=hashes)
+                       block_hashes=hashes, salt=salt)
         self._sequences[seq.seq_id] = seq
         if self.tokenizer is not None:
             from kvtier.toolcall import ToolCallParser
@@ -156,7 +161,7 @@ class Engine:
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int) -> list[bytes]:
+    def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int, salt: bytes = b"") -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""
         where = f"prompt_block_hashes for prompt {index}"
         if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Seq):
@@ -170,7 +175,7 @@ class Engine:
             return hashes
         if not all(isinstance(h, bytes) and len(h) == BLOCK_HASH_BYTES for h in hashes):
             raise ValueError(f"{where}: each hash must be {BLOCK_HASH_BYTES} bytes")
-        own = block_hashes(prompt[:n * ps], ps, None, self.block_hash_salt)
+        own = block_hashes(prompt[:n * ps], ps, None, self.block_hash_salt + salt)
         if own != hashes:
             bad = next(i for i, (a, b) in enumerate(zip(own, hashes)) if a != b)
             raise ValueError(f"{where}: hash {bad} does not match the prompt's page {bad} with page_size={ps} "
@@ -219,6 +224,12 @@ class Engine:
             if done:
                 finished.append(self._output(self._sequences.pop(seq.seq_id)))
         return finished
+
+    def sequence(self, request_id: int) -> Sequence | None:
+        """The live state of an unfinished request (its ``output_token_ids`` so far,
+        ``num_cached_tokens``, ``metrics``, ...), for streaming; the caller must not change it.
+        None when the request is unknown or already reported by :meth:`step`."""
+        return self._sequences.get(request_id)
 
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
@@ -338,3 +349,9 @@ def _as_int(t):
         return operator.index(t)
     except TypeError:
         return t
+
+
+def request_salt(cache_salt: str) -> bytes:
+    """The bytes a request's ``cache_salt`` adds after the engine's block-hash salt (empty for
+    ""; tagged, so that no request salt equals a suffix of an engine's ``cache_salt``)."""
+    return b"\0request-salt:" + cache_salt.encode() if cache_salt else b""

@@ -50,6 +50,7 @@ class Sequence:
     error: str | None = None
     constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
+    salt: bytes = b""  # this request's cache salt, mixed into its block hashes after the engine's
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs and not self.prompt_logprobs:

@@ -1,0 +1,269 @@
+"""The FastAPI application of ``kvtier serve``: routes, admission (queue limit), streaming.
+
+Request bodies are parsed and validated here, on the event loop, before anything reaches the
+engine thread: a bad request never touches engine state. Accepted requests become
+:class:`~kvtier.serve.api.jobs.Job` s handed to the :class:`~kvtier.serve.api.worker.EngineWorker`;
+their events come back on an ``asyncio.Queue``. A streaming client that disconnects aborts its
+request (its pages are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.serve.api import responses
+from kvtier.serve.api.jobs import Final, Job
+from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
+from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from kvtier.serve.api.worker import EngineWorker
+
+SESSION_HEADER = "x-session-id"
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass
+class ServerOptions:
+    """Server limits.
+
+    Attributes:
+        model_name: the name clients send as ``model`` (others get 404).
+        max_queue: requests accepted at once (running or queued); more get 503.
+        max_model_len: the model's context in tokens (reported by ``/v1/models``).
+    """
+
+    model_name: str
+    max_queue: int = 256
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_queue, int) or self.max_queue < 1:
+            raise ValueError(f"max_queue must be an int >= 1, got {self.max_queue!r}")
+
+
+class _State:
+    def __init__(self, worker: EngineWorker, options: ServerOptions, metrics: ServerMetrics):
+        self.worker, self.options, self.metrics = worker, options, metrics
+        self.pending = 0  # accepted and not yet answered (event loop only: no lock)
+
+
+def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetrics) -> FastAPI:
+    """The application; starts ``worker`` on startup and stops it on shutdown."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.shutdown()
+
+    app = FastAPI(title="kvtier", lifespan=lifespan)
+    st = _State(worker, options, metrics)
+    app.state.kvtier = st
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        path = request.url.path
+        metrics.requests.labels(path if path in _ENDPOINTS else "other", str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
+                            status_code=e.status_code)
+
+    @app.get("/health")
+    async def health():
+        if not worker.alive:
+            raise ApiError(503, "the engine thread is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": options.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvtier", "max_model_len": options.max_model_len}]}
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def end_session(session_id: str):
+        if not await worker.call(lambda: worker.sessions.end(session_id)):
+            raise ApiError(404, f"session_id: no session {session_id!r}", "session_id")
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req = parse(ChatRequest, await _json(request))
+        params = req.params()
+        sid = req.session_id or request.headers.get(SESSION_HEADER) or None
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
+                            req.expected_tool_wait_s)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await _json(request))
+        prompt = req.single_prompt()
+        return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, None, None)
+
+    return app
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
+
+
+async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint):
+    opts = st.options
+    if req.model != opts.model_name:
+        raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
+    stops = req.stop_strings()
+    if st.pending >= opts.max_queue:
+        raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
+                       f"{opts.max_queue}); retry later")
+    loop = asyncio.get_running_loop()
+    job = Job(kind, params, loop, asyncio.Queue(), payload, session_id, hint, stops, req.cache_salt or "")
+    st.pending += 1
+    released = False
+
+    def release():
+        nonlocal released
+        if not released:
+            released = True
+            st.pending -= 1
+
+    try:
+        st.worker.submit(job)
+        event, value = await job.queue.get()
+    except BaseException:
+        st.worker.abort(job)
+        release()
+        raise
+    if event == "error":
+        release()
+        raise value
+    endpoint = request.url.path
+    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    tok = st.worker.tokenizer
+    if not req.stream:
+        try:
+            final = await _collect(job, request)
+        except _ClientGone:  # nobody to answer: free the request's pages
+            st.worker.abort(job)
+            st.metrics.disconnects.inc()
+            return Response(status_code=499)
+        except BaseException:
+            st.worker.abort(job)
+            raise
+        finally:
+            release()
+        if final.error is not None:
+            raise ApiError(final.error_status, f"request failed: {final.error}")
+        st.metrics.requests.labels(endpoint, "200").inc()
+        body = (responses.chat_completion(rid, created, opts.model_name, final, tok) if kind == "chat"
+                else responses.text_completion(rid, created, opts.model_name, final))
+        return JSONResponse(body)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    writer = responses.ChunkWriter(kind, rid, created, opts.model_name, tok, include_usage)
+    st.metrics.requests.labels(endpoint, "200").inc()
+    flight = _Flight(st, job, release)
+    return _JobStream(flight, _stream(job, writer, bool(params.logprobs), flight), media_type="text/event-stream")
+
+
+class _Flight:
+    """A streamed request's end: :meth:`close` (idempotent) releases its queue slot and, unless
+    its final event was sent, aborts it (the client left, or the response never started)."""
+
+    def __init__(self, st: _State, job: Job, release):
+        self.st, self.job, self.release = st, job, release
+        self.finished = self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.finished:
+            self.st.worker.abort(self.job)
+            self.st.metrics.disconnects.inc()
+        self.release()
+
+
+class _JobStream(StreamingResponse):
+    """A streaming response that closes its :class:`_Flight` however it ends (a generator that
+    was never started runs no ``finally``)."""
+
+    def __init__(self, flight: _Flight, content, **kw):
+        super().__init__(content, **kw)
+        self.flight = flight
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.flight.close()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _collect(job: Job, request: Request) -> Final:
+    """The final event of a non-streaming request; raises :class:`_ClientGone` if its client
+    disconnects first (the ASGI server then sends ``http.disconnect``)."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while True:
+            get = asyncio.ensure_future(job.queue.get())
+            await asyncio.wait((get, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                raise _ClientGone()
+            event, value = get.result()
+            if event == "final":
+                return value
+            if event == "error":
+                raise value
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, flight: _Flight):
+    try:
+        first = writer.first()
+        if first is not None:
+            yield first
+        while True:
+            event, value = await job.queue.get()
+            if event == "delta":
+                for chunk in writer.delta(value, logprobs):
+                    yield chunk
+                continue
+            flight.finished = True
+            if event == "error" or value.error is not None:
+                err = value if event == "error" else ApiError(value.error_status, f"request failed: {value.error}")
+                yield responses.sse(err.body())
+            else:
+                for chunk in writer.final(value):
+                    yield chunk
+            yield b"data: [DONE]\n\n"
+            return
+    finally:
+        flight.close()

@@ -1,0 +1,169 @@
+"""One HTTP request as the engine thread tracks it: new tokens in, events out.
+
+A :class:`Job` turns the tokens its request generated since the last step into events for the
+asyncio side: text deltas (after stop strings are cut), and for chat each tool call as soon as
+the streaming :class:`kvtier.toolcall.ToolCallParser` sees its ``<|tool_call_end|>``. Events are
+delivered with ``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``; the last one
+is a :class:`Final` summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.serve.params import RequestOutput, SamplingParams
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Output since the last event: answer ``text``, ``reasoning`` text, complete ``tool_calls``
+    (``[{"index", "id", "name", "arguments"}]``), the ``token_ids`` and their ``logprobs``."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[dict, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Final:
+    """How a request ended. ``finish_reason``: ``stop``, ``length``, ``tool_calls`` or ``error``
+    (``error`` then says why; ``error_status`` 400 for a request the engine refused after
+    accepting it, e.g. a grammar llguidance rejects, else 500). Times in seconds."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict
+    content: str
+    reasoning: str
+    tool_calls: list[dict]
+    tool_call_problems: list[dict]
+    logprobs: list[float] | None
+    token_ids: list[int]
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    error: str | None = None
+    error_status: int = 500
+
+
+class StopFilter:
+    """Cuts text at the first of ``stops``; holds back a tail that may begin a stop string."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def push(self, text: str) -> str:
+        """The part of ``text`` (after what was held) that is safe to emit."""
+        if self.hit or not self.stops:
+            return "" if self.hit else text
+        self.buf += text
+        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buf, self.hit = self.buf[:min(found)], "", True
+            return out
+        cut = max(len(self.buf) - self.hold, 0)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class Job:
+    """One request handed to the engine thread.
+
+    Attributes:
+        kind: ``chat`` or ``completion``.
+        params: its sampling parameters (validated).
+        loop, queue: where its events go (``("accepted", prompt_tokens)``, ``("delta", Delta)``,
+            ``("final", Final)`` or ``("error", ApiError)``).
+        payload: ``messages``/``tools`` (chat) or ``prompt`` (completion: text or ids).
+        session_id, expected_tool_wait_s: the chat session and the client's tool-time hint.
+        stops: stop strings.
+        cache_salt: the request's tenant salt (requests with different salts share no blocks).
+    """
+
+    kind: str
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    payload: dict[str, Any]
+    session_id: str | None = None
+    expected_tool_wait_s: float | None = None
+    stops: list[str] = field(default_factory=list)
+    cache_salt: str = ""
+    # engine-thread state
+    request_id: int | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    sent: int = 0
+    decoder: Any = None  # ToolCallParser (chat) or StreamDecoder (completion)
+    stop: StopFilter | None = None
+    content: str = ""
+    calls: list[dict] = field(default_factory=list)
+    done: bool = False
+
+    def emit(self, kind: str, value) -> None:
+        """Deliver an event to the asyncio side (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
+
+    def start(self, tokenizer) -> None:
+        from kvtier.tokenize.tokenizer import StreamDecoder
+        from kvtier.toolcall import ToolCallParser
+
+        self.decoder = ToolCallParser.for_tokenizer(tokenizer) if self.kind == "chat" else StreamDecoder(tokenizer)
+        self.stop = StopFilter(self.stops)
+
+    def feed(self, ids: list[int], logprobs: list[float], final: bool) -> Delta:
+        """Events of ``ids`` (newly generated); ``final``: the request ended after them."""
+        text, reasoning, calls = [], [], []
+        if self.kind == "chat":
+            events = self.decoder.feed_ids(ids) + (self.decoder.finish() if final else [])
+            for e in events:
+                name = type(e).__name__
+                if name == "ContentDelta":
+                    text.append(self.stop.push(e.text))
+                elif name == "ReasoningDelta":
+                    reasoning.append(e.text)
+                elif name == "ToolCall" and not self.stop.hit:
+                    calls.append({"index": len(self.calls), **e.to_dict()})
+                    self.calls.append(calls[-1])
+        else:
+            text = [self.stop.push("".join(self.decoder.push(i) for i in ids))]
+            if final:
+                text.append(self.stop.push(self.decoder.finish()))
+        if final:
+            text.append(self.stop.flush())
+        out = "".join(text)
+        self.content += out
+        return Delta(out, "".join(reasoning), tuple(calls), tuple(ids), tuple(logprobs))
+
+    def final(self, seq_or_output, finish_reason: str | None, error: str | None = None) -> Final:
+        """The summary of a finished request (its :class:`RequestOutput`) or of one ended by a stop
+        string (its live ``Sequence``)."""
+        o = seq_or_output
+        ids = list(o.token_ids if isinstance(o, RequestOutput) else o.output_token_ids)
+        n_out = len(ids)
+        if self.stop is not None and self.stop.hit:
+            finish_reason = "stop"
+        elif finish_reason == "stop" and self.calls:
+            finish_reason = "tool_calls"
+        problems = [p.to_dict() for p in getattr(self.decoder, "problems", [])]
+        status = 400 if error and error.split(":", 1)[0] in ("ValueError", "GrammarError") else 500
+        lps = list(o.logprobs) if self.params.logprobs and o.logprobs is not None else None
+        return Final(finish_reason or "stop", len(o.prompt_token_ids), n_out, o.num_cached_tokens,
+                     dict(o.cached_tokens_by_tier), self.content, getattr(self.decoder, "reasoning", ""),
+                     list(self.calls), problems, lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
+                     error, status)

@@ -1,0 +1,97 @@
+"""``GET /metrics``: Prometheus text format through ``prometheus_client``, one registry per server.
+
+Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
+requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
+and bytes per tier, copy errors, preemptions) are read from the engine thread's last snapshot
+(:attr:`kvtier.serve.api.worker.EngineWorker.snapshot`, refreshed every 0.2 s) when scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvtier.serve.api.jobs import Final
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _EngineCollector:
+    def __init__(self, snapshot):
+        self.snapshot = snapshot  # () -> dict
+
+    def collect(self):
+        s = self.snapshot()
+        if not s:
+            return
+        gauges = [("kvtier_requests_waiting", "requests queued in the scheduler", s["waiting"]),
+                  ("kvtier_requests_running", "requests running or loading their prefix", s["running"]),
+                  ("kvtier_device_pages_total", "device KV pages per layer", s["device_pages"]),
+                  ("kvtier_device_pages_used", "device KV pages held by requests", s["device_pages"] - s["device_pages_free"]),
+                  ("kvtier_sessions", "chat sessions kept by the server", s["sessions"]),
+                  ("kvtier_sessions_waiting_on_tools", "sessions whose last turn ended in tool calls, until their "
+                   "next request", s["sessions_waiting"])]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", s["copy_errors"]),
+                    ("kvtier_preemptions", "running requests preempted for pages", s["preemptions"]),
+                    ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", s["prefill_tokens"]),
+                    ("kvtier_sessions_expired", "sessions dropped after their idle TTL", s["sessions_expired"]),
+                    ("kvtier_engine_errors", "engine steps that failed", s["engine_errors"])]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        blocks = GaugeMetricFamily("kvtier_cached_blocks", "blocks with a cached copy, by tier", labels=["tier"])
+        for tier, v in sorted(s["cached_blocks"].items()):
+            blocks.add_metric([tier], v)
+        yield blocks
+        for name, doc, key in [("kvtier_hit_tokens", "prompt tokens served from cached blocks, by tier", "hit_tokens"),
+                               ("kvtier_bytes_loaded", "bytes loaded into device pages, by source tier", "bytes_loaded"),
+                               ("kvtier_bytes_written", "bytes written to a lower tier, by tier", "bytes_written"),
+                               ("kvtier_evictions", "blocks evicted, by tier", "evictions")]:
+            fam = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, v in sorted(s[key].items()):
+                fam.add_metric([tier], v)
+            yield fam
+
+
+class ServerMetrics:
+    """The server's Prometheus registry.
+
+    Args:
+        snapshot: returns the engine thread's latest counters (a dict; empty before the first).
+    """
+
+    def __init__(self, snapshot):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvtier_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("kvtier_request_finish", "engine requests ended, by finish reason", ["reason"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvtier_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvtier_generation_tokens", "tokens generated", registry=r)
+        self.cached_tokens = Counter("kvtier_cached_prompt_tokens", "prompt tokens served from cached blocks",
+                                     registry=r)
+        self.disconnects = Counter("kvtier_client_disconnects", "requests aborted because the client left",
+                                   registry=r)
+        self.ttft = Histogram("kvtier_time_to_first_token_seconds", "TTFT (arrival at the engine to first token)",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kvtier_time_per_output_token_seconds", "TPOT after the first token",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        r.register(_EngineCollector(snapshot))
+
+    def observe_final(self, f: Final) -> None:
+        """Count one finished request (called on the engine thread; prometheus_client is thread-safe)."""
+        self.finished.labels(f.finish_reason).inc()
+        self.prompt_tokens.inc(f.prompt_tokens)
+        self.generation_tokens.inc(f.completion_tokens)
+        self.cached_tokens.inc(f.cached_tokens)
+        if f.ttft_s is not None:
+            self.ttft.observe(f.ttft_s)
+            if f.e2e_s is not None and f.completion_tokens > 1:
+                self.tpot.observe((f.e2e_s - f.ttft_s) / (f.completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

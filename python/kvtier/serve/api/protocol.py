@@ -1,0 +1,175 @@
+"""OpenAI request bodies (validated with pydantic), their sampling parameters, and the error
+shape.
+
+Fields are typed strictly: a wrong type is a 400 naming the field (``max_tokens: Input should
+be a valid integer``), never a silent conversion. Unknown fields are ignored, as OpenAI-style
+servers do (clients send vendor extensions). kvtier's extensions: ``session_id`` (or the header
+``X-Session-Id``), ``expected_tool_wait_s`` (a hint of how long the tools of this turn will
+run), ``ignore_eos`` (as vLLM has it: generate ``max_tokens`` tokens whatever the model says;
+what replay clients send) and ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvtier.serve.params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 256
+
+
+class ApiError(Exception):
+    """A request the server refuses: HTTP ``status`` and an OpenAI error body.
+
+    Attributes:
+        status: 400 bad request, 404 unknown model or session, 503 overloaded.
+        message: what was wrong, naming the field.
+        param: the offending field's path (``messages[0].role``), or None.
+        type: OpenAI's error type (``invalid_request_error``, ``not_found_error``, ...).
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type or {400: "invalid_request_error", 404: "not_found_error",
+                             503: "service_unavailable_error"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape)."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+def _loc(loc) -> str:
+    out = ""
+    for part in loc:
+        if part == "body":
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_error(e: ValidationError | list) -> ApiError:
+    """A pydantic (or FastAPI) validation error as a 400 naming the first bad field."""
+    errors = e.errors() if isinstance(e, ValidationError) else e
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+                        "body")
+    param = _loc(first.get("loc", ())) or "body"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return ApiError(400, f"{param}: {first['msg']}{more}", param)
+
+
+def value_error(e: ValueError) -> ApiError:
+    """A ``ValueError`` from kvtier's checks (messages start with the field) as a 400."""
+    msg = str(e)
+    head = msg.split(":", 1)[0].split(" ", 1)[0]
+    return ApiError(400, msg, head if head and head[0].isalpha() else None)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    ignore_eos: bool = False
+    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(default=None, max_length=256)
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop: at most 4 non-empty strings", "stop")
+        return stops
+
+    def max_new_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
+
+    def sampling(self, **extra) -> SamplingParams:
+        """The engine's :class:`SamplingParams`; bad combinations are a 400 naming the field."""
+        try:
+            return SamplingParams(max_tokens=self.max_new_tokens(),
+                                  temperature=1.0 if self.temperature is None else self.temperature,
+                                  top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
+                                  ignore_eos=self.ignore_eos, **extra)
+        except ValueError as e:
+            raise value_error(e) from None
+
+
+class ChatRequest(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    expected_tool_wait_s: float | None = Field(default=None, ge=0)
+
+    def max_new_tokens(self) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().max_new_tokens()
+
+    def params(self) -> SamplingParams:
+        """Sampling parameters with this request's tools, ``tool_choice`` and parallelism."""
+        from kvtier.serve.chat import chat_sampling_params
+
+        base = self.sampling(logprobs=self.logprobs, parallel_tool_calls=self.parallel_tool_calls)
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise ApiError(400, f"tool_choice: {self.tool_choice!r:.60} needs tools", "tool_choice")
+        try:
+            return chat_sampling_params(base, self.tools or None, self.tool_choice if self.tools else None)
+        except ValueError as e:
+            raise value_error(e) from None
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=0)
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, f"prompt: {len(p)} prompts in one request; send one per request", "prompt")
+            p = p[0]
+        if self.echo:
+            raise ApiError(400, "echo: not supported", "echo")
+        if not p:
+            raise ApiError(400, "prompt: empty; a prompt needs at least one token", "prompt")
+        return p
+
+    def params(self) -> SamplingParams:
+        return self.sampling(logprobs=self.logprobs is not None)
+
+
+def parse(model: type[BaseModel], body: Any) -> BaseModel:
+    """``body`` (decoded JSON) as ``model``; a 400 naming the first bad field otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}", "body")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None

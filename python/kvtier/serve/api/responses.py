@@ -1,0 +1,107 @@
+"""OpenAI response bodies and streaming chunks built from :class:`Delta` / :class:`Final` events."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.serve.api.jobs import Delta, Final
+
+
+def usage(f: Final) -> dict:
+    """OpenAI usage, with ``prompt_tokens_details.cached_tokens`` and kvtier's split by tier
+    (``cached_tokens_by_tier``: ``{"device", "host", "disk"}`` tokens)."""
+    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
+            "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+            "cached_tokens_by_tier": dict(f.cached_tokens_by_tier)}
+
+
+def tool_call(c: dict) -> dict:
+    """A parsed call as an OpenAI ``tool_calls`` entry (with its ``index``)."""
+    return {"index": c["index"], "id": c["id"], "type": "function",
+            "function": {"name": c["name"], "arguments": c["arguments"]}}
+
+
+def chat_logprobs(tokenizer, ids, lps) -> dict | None:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}`` (no alternatives)."""
+    if lps is None:
+        return None
+    content = []
+    for i, lp in zip(ids, lps):
+        b = tokenizer.special_ids.get(i, "").encode() or tokenizer.decode_bytes([i])
+        content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b), "top_logprobs": []})
+    return {"content": content}
+
+
+def chat_completion(rid: str, created: int, model: str, f: Final, tokenizer) -> dict:
+    message = {"role": "assistant", "content": f.content if f.content or not f.tool_calls else None}
+    if f.reasoning:
+        message["reasoning_content"] = f.reasoning
+    if f.tool_calls:
+        message["tool_calls"] = [{k: v for k, v in tool_call(c).items() if k != "index"} for c in f.tool_calls]
+    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(tokenizer, f.token_ids, f.logprobs),
+              "finish_reason": f.finish_reason}
+    if f.tool_call_problems:
+        choice["tool_call_problems"] = f.tool_call_problems
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice],
+            "usage": usage(f)}
+
+
+def text_completion(rid: str, created: int, model: str, f: Final) -> dict:
+    lps = None if f.logprobs is None else {"token_logprobs": f.logprobs, "tokens": None, "top_logprobs": None,
+                                           "text_offset": None}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": f.content, "logprobs": lps, "finish_reason": f.finish_reason}],
+            "usage": usage(f)}
+
+
+def sse(obj) -> bytes:
+    """One server-sent event line pair."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+
+class ChunkWriter:
+    """Streaming chunks of one request (chat or text completion)."""
+
+    def __init__(self, kind: str, rid: str, created: int, model: str, tokenizer, include_usage: bool):
+        self.kind, self.rid, self.created, self.model = kind, rid, created, model
+        self.tokenizer, self.include_usage = tokenizer, include_usage
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def _chunk(self, choice: dict | None, **extra) -> bytes:
+        obj = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+               "choices": [choice] if choice is not None else []}
+        obj.update(extra)
+        return sse(obj)
+
+    def first(self) -> bytes | None:
+        if self.kind != "chat":
+            return None
+        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+
+    def delta(self, d: Delta, logprobs: bool) -> list[bytes]:
+        """Chunks of one delta event: text (and reasoning), then each complete tool call."""
+        out = []
+        if self.kind != "chat":
+            lps = {"token_logprobs": list(d.logprobs)} if logprobs else None
+            return [self._chunk({"index": 0, "text": d.text, "logprobs": lps, "finish_reason": None})]
+        if d.text or d.reasoning or d.token_ids:
+            delta = {"content": d.text}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            lps = chat_logprobs(self.tokenizer, d.token_ids, list(d.logprobs)) if logprobs else None
+            out.append(self._chunk({"index": 0, "delta": delta, "logprobs": lps, "finish_reason": None}))
+        for c in d.tool_calls:
+            out.append(self._chunk({"index": 0, "delta": {"tool_calls": [tool_call(c)]}, "logprobs": None,
+                                    "finish_reason": None}))
+        return out
+
+    def final(self, f: Final) -> list[bytes]:
+        choice = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": f.finish_reason}
+                  if self.kind == "chat" else {"index": 0, "text": "", "logprobs": None,
+                                               "finish_reason": f.finish_reason})
+        out = [self._chunk(choice)]
+        if self.include_usage:
+            out.append(self._chunk(None, usage=usage(f)))
+        return out

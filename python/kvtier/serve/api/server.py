@@ -1,0 +1,67 @@
+"""Start ``kvtier serve``: the model and engine, the engine thread, uvicorn on one socket."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+from kvtier.serve.api.app import ServerOptions, build_app
+from kvtier.serve.api.metrics import ServerMetrics
+from kvtier.serve.api.worker import EngineWorker
+
+
+def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
+             session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0, **engine_args):
+    """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
+
+    Raises:
+        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit.
+    """
+    from kvtier.llm import LLM
+
+    if tokenizer is None and not Path(model).is_dir():
+        raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
+    options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
+    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
+    llm.engine.attach_tokenizer(llm.tokenizer)
+    warm_up(llm)
+    options.max_model_len = llm.config.max_position_embeddings
+    holder: dict = {}
+    metrics = ServerMetrics(lambda: holder["worker"].snapshot)
+    worker = holder["worker"] = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
+    return build_app(worker, options, metrics)
+
+
+def warm_up(llm) -> None:
+    """One uncached prefill of up to a step's token budget and a few decodes, so that the first
+    client does not pay one-time costs (allocator growth, lazy initialisation)."""
+    from kvtier.serve.params import SamplingParams
+
+    cfg, model = llm.engine.config, llm.config
+    n = max(1, min(cfg.max_num_batched_tokens, model.max_position_embeddings - 8,
+                   (cfg.num_device_pages - 1) * cfg.page_size - 4, 1024))
+    llm.generate(prompt_token_ids=[list(range(300, 300 + n))],
+                 sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port`` 0: a free port the OS picks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
+    """Run ``app`` with uvicorn until interrupted. Prints ``listening on http://HOST:PORT`` (the
+    real port when ``port`` is 0) once the socket is open."""
+    import uvicorn
+
+    sock = listen(host, port)
+    print(f"kvtier serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True, file=sys.stdout)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])

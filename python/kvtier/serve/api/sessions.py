@@ -1,0 +1,129 @@
+"""Chat sessions of the server: one incremental encoder per session id, tool waits told to the
+pool, an idle TTL. Used on the engine thread only (no locking).
+
+When a session's turn ends in tool calls, the pool is told the session is waiting on a tool
+(``KVPool.tool_wait`` with the turn's prompt and output tokens) for an expected time: the
+client's hint (``expected_tool_wait_s``) if it gave one, else the largest running estimate of
+the called tools (median of the waits seen for that tool name on this server, 9 s before any,
+WORKLOAD.md's p50). The wait ends when the session's next request arrives (the wait is then
+observed for those tools), when it is deleted, or when it expires.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.cache.block_hash import block_hashes
+from kvtier.cache.policy import ToolWaitEstimate
+from kvtier.serve.api.protocol import ApiError
+from kvtier.serve.chat import new_encoder
+from kvtier.serve.engine import Engine, request_salt
+
+DEFAULT_TOOL_WAIT_S = 9.0  # WORKLOAD.md: think time after tool_use, p50
+
+
+@dataclass
+class Session:
+    """One session's encoder and tool-wait state (times from the store's clock, seconds)."""
+
+    encoder: object
+    last_used_s: float
+    waiting_since_s: float | None = None
+    waiting_tools: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    cache_salt: str = ""
+
+
+class SessionStore:
+    """Sessions by id, over one engine.
+
+    Args:
+        engine: the engine whose pool hears about tool waits.
+        tokenizer: for the sessions' encoders.
+        ttl_s: a session unused this long (and with no request in flight) is dropped.
+        clock: seconds, monotonic.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        if not 0 < ttl_s:
+            raise ValueError(f"session ttl_s must be > 0, got {ttl_s!r}")
+        self.engine, self.tokenizer, self.ttl_s, self.clock = engine, tokenizer, ttl_s, clock
+        self.sessions: dict[str, Session] = {}
+        self.tool_waits: dict[str, ToolWaitEstimate] = {}
+        self.num_expired = 0
+
+    def encoder(self, session_id: str | None, cache_salt: str = ""):
+        """The session's encoder (created on first use), or a one-off encoder for None. A session
+        waiting on a tool stops waiting: the pool is told and the wait is observed.
+
+        Raises:
+            ApiError: 400 when ``cache_salt`` differs from the one the session started with.
+        """
+        if session_id is None:
+            return new_encoder(self.engine, self.tokenizer, cache_salt)
+        now = self.clock()
+        s = self.sessions.get(session_id)
+        if s is None:
+            s = self.sessions[session_id] = Session(new_encoder(self.engine, self.tokenizer, cache_salt), now,
+                                                    cache_salt=cache_salt)
+        elif s.cache_salt != cache_salt:
+            raise ApiError(400, f"cache_salt: session {session_id!r} was started with another cache_salt; "
+                           "a session keeps one", "cache_salt")
+        if s.waiting_since_s is not None:
+            for name in s.waiting_tools:
+                self._estimate(name).observed.append(now - s.waiting_since_s)
+            self._end_wait(session_id, s)
+        s.last_used_s = now
+        s.in_flight += 1
+        return s.encoder
+
+    def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None) -> None:
+        """A turn of ``session_id`` finished; ``tool_names`` non-empty: it ended in tool calls and
+        the session now waits on them (``token_ids``: its prompt and output)."""
+        s = self.sessions.get(session_id) if session_id is not None else None
+        if s is None:
+            return
+        s.in_flight = max(s.in_flight - 1, 0)
+        s.last_used_s = self.clock()
+        if not tool_names:
+            return
+        expected = hint_s if hint_s is not None else max(self._estimate(n).value() for n in tool_names)
+        salt = self.engine.block_hash_salt + request_salt(s.cache_salt)
+        hashes = block_hashes(token_ids, self.engine.config.page_size, None, salt)
+        self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
+        s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sessions waiting on a tool now."""
+        return sum(s.waiting_since_s is not None for s in self.sessions.values())
+
+    def end(self, session_id: str) -> bool:
+        """Drop a session (its encoder; its tool wait ends). False if there was none."""
+        s = self.sessions.pop(session_id, None)
+        if s is None:
+            return False
+        self._end_wait(session_id, s)
+        return True
+
+    def expire(self) -> int:
+        """Drop sessions idle longer than ``ttl_s``; returns how many."""
+        now = self.clock()
+        old = [sid for sid, s in self.sessions.items() if not s.in_flight and now - s.last_used_s > self.ttl_s]
+        for sid in old:
+            self.end(sid)
+        self.num_expired += len(old)
+        return len(old)
+
+    def _estimate(self, tool: str) -> ToolWaitEstimate:
+        est = self.tool_waits.get(tool)
+        if est is None:
+            est = self.tool_waits[tool] = ToolWaitEstimate(DEFAULT_TOOL_WAIT_S)
+        return est
+
+    def _end_wait(self, session_id: str, s: Session) -> None:
+        if s.waiting_since_s is not None:
+            self.engine.pool.tool_return(session_id)
+        s.waiting_since_s, s.waiting_tools = None, []

@@ -1,0 +1,225 @@
+"""The engine thread: the only thread that touches the engine, its pool and the sessions.
+
+The asyncio side hands over commands through a thread-safe queue (:meth:`EngineWorker.submit`,
+:meth:`abort`, :meth:`call`); the thread drains them, steps the engine while it has work, and
+after each step sends every request's new tokens as events to that request's ``asyncio.Queue``
+(``loop.call_soon_threadsafe``). Nothing on the event loop ever calls the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from kvtier.cache.prefix_index import Tier
+from kvtier.serve.api.jobs import Final, Job
+from kvtier.serve.api.protocol import ApiError, value_error
+from kvtier.serve.api.sessions import SessionStore
+from kvtier.serve.chat import add_chat_request
+from kvtier.serve.engine import Engine
+
+log = logging.getLogger("kvtier.serve")
+HOUSEKEEPING_S = 0.2  # seconds between session expiry checks and metric snapshots
+
+
+class EngineWorker:
+    """Owns ``engine`` on a background thread.
+
+    Args:
+        engine: an engine with a tokenizer attached.
+        tokenizer: the Kimi tokenizer (chat templates, text prompts).
+        session_ttl_s: idle time after which a session is dropped.
+        metrics: a :class:`kvtier.serve.api.metrics.ServerMetrics` to update, or None.
+    """
+
+    def __init__(self, engine: Engine, tokenizer, session_ttl_s: float = 600.0, metrics=None):
+        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.sessions = SessionStore(engine, tokenizer, session_ttl_s)
+        self._inbox: queue.Queue = queue.Queue()
+        self._jobs: dict[int, Job] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self.snapshot: dict = {}
+        self.engine_errors = 0
+        self._last_housekeeping = 0.0
+
+    # -- asyncio side ------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running."""
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout_s)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; its events arrive on ``job.queue``."""
+        self._inbox.put(("submit", job))
+
+    def abort(self, job: Job) -> None:
+        """Drop ``job``'s request (client gone): its pages are freed; no more events."""
+        self._inbox.put(("abort", job))
+
+    async def call(self, fn):
+        """Run ``fn()`` on the engine thread; returns its result (or raises its exception)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("call", fn, loop, fut))
+        return await fut
+
+    # -- engine thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                try:
+                    outs = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
+                    log.exception("engine step failed")
+                    self.engine_errors += 1
+                    self._fail_all(f"{type(e).__name__}: {e}")
+                    continue
+                self._progress({o.request_id: o for o in outs})
+            now = time.monotonic()
+            if now - self._last_housekeeping >= HOUSEKEEPING_S:
+                self._last_housekeeping = now
+                try:
+                    self.sessions.expire()
+                    self._publish()
+                except Exception:  # noqa: BLE001 - housekeeping must not stop the engine thread
+                    log.exception("housekeeping failed")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._inbox.get(timeout=HOUSEKEEPING_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            self._submit(cmd[1])
+        elif kind == "abort":
+            job = cmd[1]
+            if job.request_id is not None and self._jobs.pop(job.request_id, None) is not None:
+                self.engine.abort([job.request_id])
+                self.sessions.turn_ended(job.session_id, None, [], None)
+        elif kind == "call":
+            _, fn, loop, fut = cmd
+            try:
+                result, exc = fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, exc = None, e
+            deliver = (lambda: fut.cancelled() or fut.set_exception(exc)) if exc else \
+                (lambda: fut.cancelled() or fut.set_result(result))
+            try:
+                loop.call_soon_threadsafe(deliver)
+            except RuntimeError:
+                pass
+
+    def _submit(self, job: Job) -> None:
+        try:
+            if job.kind == "chat":
+                enc = self.sessions.encoder(job.session_id, job.cache_salt)
+                try:
+                    rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt)
+                except BaseException:
+                    self.sessions.turn_ended(job.session_id, None, [], None)
+                    raise
+            else:
+                prompt = job.payload["prompt"]
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+                rid = self.engine.add_request(ids, job.params, cache_salt=job.cache_salt)
+        except ApiError as e:
+            job.emit("error", e)
+            return
+        except ValueError as e:
+            job.emit("error", _prompt_error(e, job.kind))
+            return
+        except Exception as e:  # noqa: BLE001 - this request fails, the server goes on
+            log.exception("request submission failed")
+            job.emit("error", ApiError(500, f"{type(e).__name__}: {e}"))
+            return
+        job.request_id = rid
+        job.start(self.tokenizer)
+        self._jobs[rid] = job
+        seq = self.engine.sequence(rid)
+        job.prompt_ids = seq.prompt_token_ids if seq is not None else []
+        job.emit("accepted", len(job.prompt_ids))
+
+    def _progress(self, finished: dict) -> None:
+        for rid, job in list(self._jobs.items()):
+            out = finished.get(rid)
+            state = out if out is not None else self.engine.sequence(rid)
+            if state is None:
+                continue
+            ids = state.token_ids if out is not None else state.output_token_ids
+            lps = state.logprobs or []
+            if len(ids) > job.sent or out is not None:
+                new, new_lps = list(ids[job.sent:]), list(lps[job.sent:len(ids)])
+                job.sent = len(ids)
+                delta = job.feed(new, new_lps, final=out is not None)
+                if delta.text or delta.reasoning or delta.tool_calls or delta.token_ids:
+                    job.emit("delta", delta)
+            if out is not None:
+                self._finish(job, job.final(out, out.finish_reason, out.error))
+            elif job.stop is not None and job.stop.hit:  # a stop string: end it here
+                self.engine.abort([rid])
+                self._finish(job, job.final(state, "stop"))
+
+    def _finish(self, job: Job, final: Final) -> None:
+        self._jobs.pop(job.request_id, None)
+        tools = [c["name"] for c in final.tool_calls] if final.finish_reason == "tool_calls" else []
+        ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
+        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s)
+        if self.metrics is not None:
+            self.metrics.observe_final(final)
+        job.emit("final", final)
+
+    def _fail_all(self, message: str) -> None:
+        self.engine.abort(list(self._jobs))
+        for job in list(self._jobs.values()):
+            job.emit("error", ApiError(500, f"engine error: {message}"))
+            self.sessions.turn_ended(job.session_id, None, [], None)
+        self._jobs.clear()
+
+    def _publish(self) -> None:
+        """A consistent copy of the engine's counters for ``/metrics`` (read on the event loop)."""
+        e, pool = self.engine, self.engine.pool
+        st = pool.stats
+        self.snapshot = {
+            "waiting": len(e.scheduler.waiting), "running": len(e.scheduler.running) + len(e.scheduler.loading),
+            "device_pages": pool.num_pages, "device_pages_free": pool.num_free_pages,
+            "cached_blocks": {t.name.lower(): pool.index.num_copies(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)},
+            "hit_tokens": dict(st.hit_tokens), "bytes_loaded": dict(st.bytes_loaded),
+            "bytes_written": dict(st.bytes_written), "evictions": dict(st.evictions),
+            "copy_errors": st.copy_errors, "preemptions": e.scheduler.num_preemptions,
+            "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
+            "sessions_waiting": self.sessions.num_waiting,
+            "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
+            "in_flight": len(self._jobs),
+        }
+
+
+def _prompt_error(e: ValueError, kind: str) -> ApiError:
+    """A refused prompt as a 400: the engine names ``prompt_token_ids[0]``, the API ``messages``
+    or ``prompt``."""
+    msg = str(e)
+    if msg.startswith("prompt_token_ids[0]"):
+        field = "messages" if kind == "chat" else "prompt"
+        return ApiError(400, f"{field}: the prompt{msg[len('prompt_token_ids[0]'):]}", field)
+    return value_error(e)

@@ -1,0 +1,59 @@
+"""The chat path shared by :meth:`kvtier.LLM.chat` and ``kvtier serve``: tools merged into the
+sampling parameters, the conversation encoded by a session's incremental encoder, the request
+queued with the encoder's block hashes."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from kvtier.serve.engine import Engine, request_salt
+from kvtier.serve.params import SamplingParams
+
+
+def chat_sampling_params(params: SamplingParams | None, tools: Seq[dict] | None = None,
+                         tool_choice=None) -> SamplingParams:
+    """``params`` with ``tools`` (when it names none) and ``tool_choice`` (when given) set.
+
+    Raises:
+        ValueError: ``params`` is not a SamplingParams, ``tools`` differs from ``params.tools``, or bad tools / ``tool_choice``
+        (naming ``tools[i]...`` or ``tool_choice``).
+    """
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(params).__name__}")
+    changes = {}
+    if tools and params.tools is None:
+        changes["tools"] = list(tools)
+    elif tools and list(tools) != list(params.tools):
+        raise ValueError("tools differs from sampling_params.tools: the prompt would declare other tools than "
+                         "the grammar allows; give them once")
+    if tool_choice is not None:
+        changes["tool_choice"] = tool_choice
+    return dataclasses.replace(params, **changes) if changes else params
+
+
+def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
+    """A :class:`kvtier.tokenize.SessionEncoder` whose token buffer hashes pages as ``engine`` does
+    for requests with ``cache_salt``."""
+    from kvtier.tokenize import SessionEncoder
+
+    return SessionEncoder(tokenizer, page_size=engine.config.page_size,
+                          salt=engine.block_hash_salt + request_salt(cache_salt))
+
+
+def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: SamplingParams,
+                     cache_salt: str = "") -> int:
+    """Encode ``messages`` (the whole conversation) with ``encoder`` and queue the turn; returns
+    the request id. The prompt declares ``params.tools`` (the tools the grammar allows);
+    ``encoder`` must come from :func:`new_encoder` with the same ``cache_salt``.
+
+    Raises:
+        ValueError: bad messages or tools (naming ``messages[i].field`` / ``tools[i]...``), or a
+        prompt the engine refuses (see :meth:`Engine.check_request`).
+    """
+    encoder.append(messages, params.tools)
+    return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes(),
+                              cache_salt=cache_salt)

@@ -1,0 +1,62 @@
+"""``kvtier serve MODEL``: the OpenAI-compatible server (see :mod:`kvtier.serve.api`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.model import PRESETS
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier.serve.api.server import make_app, serve
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if not 0 < args.session_ttl_s < float("inf"):
+        raise ValueError(f"--session-ttl-s must be a finite number > 0, got {args.session_ttl_s}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                       enable_prefix_caching=not args.no_prefix_caching, host_cache_bytes=args.host_cache_bytes,
+                       disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=args.disk_cache_bytes,
+                       cache_policy=args.cache_policy, cache_write_policy=args.cache_write_policy,
+                       cache_salt=args.cache_salt)
+    app = make_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
+                   max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
+                   seed=args.seed, **engine_args)
+    serve(app, args.host, args.port, args.log_level)
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, tools, sessions, metrics)")
+    s.add_argument("model", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port (0 = a free port, printed at start)")
+    s.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests in flight at once; more get 503")
+    s.add_argument("--session-ttl-s", type=float, default=600.0, help="idle seconds before a session is dropped")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    s.add_argument("--device", default="cpu", help="torch device of weights and KV cache")
+    s.add_argument("--seed", type=int, default=0, help="preset weights and the engine's sampler")
+    s.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
+    s.add_argument("--num-device-pages", type=int, default=1024, help="device KV pages per layer")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    s.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
+    s.add_argument("--host-cache-bytes", type=int, default=0, help="host-memory KV tier budget (0 = none)")
+    s.add_argument("--disk-cache-dir", default=None, help="disk KV tier directory (default: none)")
+    s.add_argument("--disk-cache-bytes", type=int, default=0, help="disk KV tier budget")
+    s.add_argument("--cache-policy", default="lru", help="eviction policy: lru or tool-aware")
+    s.add_argument("--cache-write-policy", default="write-through", help="write-through or write-back")
+    s.add_argument("--cache-salt", default="", help="tenant salt of every cached block")
+    s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(func=cmd_serve)

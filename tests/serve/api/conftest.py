@@ -1,0 +1,108 @@
+"""``kvtier serve tiny`` started as a subprocess on 127.0.0.1 (a free port the server picks and
+prints), shared by the tests of this folder and stopped by its PID."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TOKENIZER_DIR
+
+ROOT = Path(__file__).resolve().parents[3]
+START_TIMEOUT_S = 180
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def client(self, **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120, **kw)
+
+    def async_client(self, **kw):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=300, **kw)
+
+    def metrics(self) -> dict[tuple, float]:
+        """``/metrics`` parsed with prometheus_client's text parser: ``{(name, labels...): value}``."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(f"{self.url}/metrics", timeout=30).text):
+            for s in fam.samples:
+                out[(s.name, *sorted(s.labels.items()))] = s.value
+        return out
+
+    def pages_used(self) -> float:
+        return self.metrics()[("kvtier_device_pages_used",)]
+
+    def wait_pages_free(self, timeout_s: float = 60) -> float:
+        """Device pages in use once nothing runs (the engine thread publishes every 0.2 s)."""
+        deadline = time.monotonic() + timeout_s
+        used = self.pages_used()
+        while used and time.monotonic() < deadline:
+            time.sleep(0.3)
+            used = self.pages_used()
+        return used
+
+
+def start_server(tmp_path: Path, *args: str) -> Server:
+    """Start ``kvtier serve tiny --port 0 ARGS`` and wait until ``/health`` answers."""
+    import httpx
+
+    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
+    log = tmp_path / "server.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "tiny", "--tokenizer", str(TOKENIZER_DIR),
+           "--host", "127.0.0.1", "--port", "0", *args]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    url = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
+        if m:
+            url = m.group(1).decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return Server(proc, url, log)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    stop_server(Server(proc, url or "", log))
+    raise RuntimeError(f"kvtier serve did not start: {log.read_text(errors='replace')[-3000:]}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        os.kill(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.kill(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A server with room for the load test: 64 requests at once, 1024 device pages of 16 tokens."""
+    s = start_server(tmp_path_factory.mktemp("serve"), "--num-device-pages", "1024", "--max-num-seqs", "64",
+                     "--max-queue", "512", "--session-ttl-s", "600")
+    yield s
+    stop_server(s)
+    assert "Traceback" not in s.log.read_text(errors="replace"), s.log.read_text(errors="replace")[-3000:]

@@ -1,0 +1,43 @@
+"""``kvtier bench --endpoint`` against a running ``kvtier serve``: the built-in workload (token-id
+prompts through /v1/completions) and text sessions (chat), with the bench's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.cli import main
+from tests.bench.test_conversations import CONVERSATION, TOOLS
+from tests.conftest import TOKENIZER_DIR
+
+
+def _bench(tmp_path, server, *extra) -> dict:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--endpoint", server.url, "--model", "tiny", "--sessions", "3", "--concurrency", "2",
+               "--max-turns", "2", "--ramp-s", "0", "--time-scale", "0.001", "--plot", str(tmp_path / "ttft.png"),
+               "--json", str(out), *extra])
+    assert rc == 0 and (tmp_path / "ttft.png").is_file()
+    return json.loads(out.read_text())
+
+
+def test_bench_endpoint_replays_the_builtin_workload(server, tmp_path):
+    data = _bench(tmp_path, server)
+    (run,) = data["configs"].values()
+    assert run["requests"] == data["provenance"]["workload"]["requests"] and run["errors"] == 0
+    assert run["ttft_s"]["p50"] > 0 and run["output_tokens"] > 0
+    assert data["provenance"]["endpoint"] == server.url
+
+
+def test_bench_endpoint_replays_conversations_through_chat(server, tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION, "tools": TOOLS, "max_tokens": 6}, ensure_ascii=False) + "\n")
+    data = _bench(tmp_path, server, "--conversations", str(path), "--tokenizer", str(TOKENIZER_DIR))
+    (run,) = data["configs"].values()
+    assert run["requests"] == data["provenance"]["workload"]["requests"] == 2 and run["errors"] == 0  # --max-turns 2
+    assert run["hit_tokens"]["device"] > 0  # later turns of the session reuse the earlier turns' pages
+
+
+def test_bench_endpoint_names_a_model_the_server_lacks(server, tmp_path, capsys):
+    assert main(["bench", "--endpoint", server.url, "--model", "gpt-9", "--plot", ""]) == 2
+    assert "'gpt-9' is not served" in capsys.readouterr().err

@@ -1,0 +1,177 @@
+"""Bad input (400 naming the field), unknown model (404), overload (503), disconnects and a
+bounded 64-client load test ending with every device page free; ``/metrics`` counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.api.conftest import start_server, stop_server
+from tests.toolcall.conftest import UNGENERABLE_TOOL
+from tests.toolcall.test_constrain import LS
+
+ASK = [{"role": "user", "content": "hello"}]
+
+
+def _post(server, path, body, raw=None):
+    return httpx.post(f"{server.url}{path}", json=body if raw is None else None, content=raw,
+                      headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "tiny", "messages": ASK, "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "tiny", "messages": ASK, "temperature": 3}, "temperature"),
+    ({"model": "tiny", "messages": ASK, "top_p": 0}, "top_p"),
+    ({"model": "tiny", "messages": ASK, "stream": "yes"}, "stream"),
+    ({"model": "tiny", "messages": "hi"}, "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "tiny", "messages": ASK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "format": "date"}}}]}, "tools[0].function.parameters"),
+    ({"model": "tiny", "messages": ASK, "tools": [LS], "tool_choice": {"type": "function",
+                                                                       "function": {"name": "nope"}}}, "tool_choice"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 9000}], "max_tokens": 4}, "messages"),
+    ({"messages": ASK}, "model"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(server, body, param):
+    r = _post(server, "/v1/chat/completions", body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error", r.text
+    assert err["param"] == param or err["message"].startswith(param), err
+
+
+def test_malformed_json_unknown_model_and_bad_prompts(server):
+    r = _post(server, "/v1/chat/completions", None, raw=b'{"model": "tiny", "messages": [')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = _post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": ASK})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": [1, -5]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = _post(server, "/v1/completions", {"model": "tiny", "prompt": list(range(9000))})
+    assert r.status_code == 400 and "max_position_embeddings" in r.json()["error"]["message"]
+    # a schema in the accepted subset whose grammar llguidance cannot build: 400, the engine unharmed
+    r = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": ASK, "tools": [UNGENERABLE_TOOL],
+                                               "tool_choice": "required"})
+    assert r.status_code == 400 and "does not compile" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=0)
+    # the server stays up and serves the next request
+    ok = server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+async def _one_stream(client, i: int, turns: int) -> list[str]:
+    outcomes, msgs = [], [{"role": "user", "content": f"client {i}: count to three"}]
+    for _ in range(turns):
+        try:
+            stream = await client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, stream=True,
+                                                          extra_body={"session_id": f"load-{i}", "ignore_eos": True})
+            text = ""
+            async for c in stream:
+                for ch in c.choices:
+                    text += ch.delta.content or ""
+            outcomes.append("ok")
+            msgs = msgs + [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+        except openai.APIStatusError as e:
+            outcomes.append(str(e.status_code))
+    return outcomes
+
+
+def test_64_concurrent_streaming_clients_end_with_all_pages_free(server):
+    async def main():
+        client = server.async_client()
+        results = await asyncio.gather(*(_one_stream(client, i, 3) for i in range(64)))
+        await client.close()
+        return results
+
+    before = server.metrics()
+    results = asyncio.run(main())
+    flat = [o for r in results for o in r]
+    assert len(flat) == 64 * 3 and set(flat) <= {"ok", "503"} and flat.count("ok") > 0
+    assert server.wait_pages_free() == 0
+    after = server.metrics()
+    assert after[("kvtier_engine_errors_total",)] == before[("kvtier_engine_errors_total",)]
+    assert (after[("kvtier_request_finish_total", ("reason", "length"))]
+            - before.get(("kvtier_request_finish_total", ("reason", "length")), 0)) == flat.count("ok")
+
+
+def test_disconnect_mid_stream_frees_the_pages(server):
+    async def main():
+        client = server.async_client()
+        gone = 0
+        for i in range(4):
+            stream = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"long answer {i} " * 30}], max_tokens=2000,
+                stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            async for _ in stream:
+                n += 1
+                if n == 3:
+                    break
+            await stream.close()  # the connection is dropped mid-stream
+            gone += 1
+        await client.close()
+        return gone
+
+    metrics = server.metrics()
+    before = metrics.get(("kvtier_client_disconnects_total",), 0)
+    finished = sum(v for k, v in metrics.items() if k[0] == "kvtier_request_finish_total")
+    assert asyncio.run(main()) == 4
+    deadline = time.monotonic() + 30
+    while server.metrics().get(("kvtier_client_disconnects_total",), 0) < before + 4 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 4
+    assert server.wait_pages_free() == 0
+    # the pages came back because the requests were aborted, not because they ran to the end
+    assert sum(v for k, v in server.metrics().items() if k[0] == "kvtier_request_finish_total") == finished
+    ok = server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_metrics_parse_and_counters_move(server):
+    before = server.metrics()
+    server.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    time.sleep(0.5)  # the engine counters are published every 0.2 s
+    after = server.metrics()
+    assert after[("kvtier_generation_tokens_total",)] >= before.get(("kvtier_generation_tokens_total",), 0) + 3
+    assert after[("kvtier_time_to_first_token_seconds_count",)] > before.get(
+        ("kvtier_time_to_first_token_seconds_count",), 0)
+    assert after[("kvtier_prefill_tokens_total",)] >= before[("kvtier_prefill_tokens_total",)]
+    assert after[("kvtier_device_pages_total",)] == 1024
+    for tier in ("device", "host", "disk"):
+        assert ("kvtier_hit_tokens_total", ("tier", tier)) in after and ("kvtier_cached_blocks", ("tier", tier)) in after
+    assert after[("kvtier_cached_blocks", ("tier", "device"))] > 0  # the prompts' full pages stay cached
+
+
+def test_overload_gives_503_and_the_server_recovers(tmp_path):
+    s = start_server(tmp_path, "--num-device-pages", "256", "--max-queue", "2")
+    try:
+        async def main():
+            client = s.async_client()
+            outs = await asyncio.gather(*(client.chat.completions.create(
+                model="tiny", messages=ASK, max_tokens=64, extra_body={"ignore_eos": True}) for _ in range(8)),
+                return_exceptions=True)
+            await client.close()
+            return outs
+
+        outs = asyncio.run(main())
+        codes = [getattr(o, "status_code", 200) for o in outs]
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, outs
+        assert s.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2).usage.completion_tokens == 2
+    finally:
+        stop_server(s)
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_pages(server):
+    before = server.metrics().get(("kvtier_client_disconnects_total",), 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", timeout=1.0,
+                   json={"model": "tiny", "messages": ASK, "max_tokens": 5000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while server.metrics().get(("kvtier_client_disconnects_total",), 0) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 1
+    assert server.wait_pages_free() == 0

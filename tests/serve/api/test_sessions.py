@@ -1,0 +1,68 @@
+"""SessionStore: one encoder per session, tool waits told to the pool with a running estimate per
+tool, the idle TTL, deletion."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.serve.api.protocol import ApiError
+from kvtier.serve.api.sessions import DEFAULT_TOOL_WAIT_S, SessionStore
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def llm(tok_dir):
+    from kvtier import LLM
+
+    return LLM("tiny", tokenizer=tok_dir, num_device_pages=64, cache_policy="tool-aware")
+
+
+def test_tool_waits_estimates_ttl_and_end(llm, monkeypatch):
+    clock = Clock()
+    store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=clock)
+    waits, returns = [], []
+    monkeypatch.setattr(llm.engine.pool, "tool_wait_blocks", lambda sid, hashes, s: waits.append((sid, len(hashes), s)))
+    monkeypatch.setattr(llm.engine.pool, "tool_return", lambda sid: returns.append(sid))
+
+    enc = store.encoder("a")
+    assert store.encoder("a") is enc and store.encoder(None) is not enc  # kept; None: a one-off encoder
+    store.turn_ended("a", None, [], None)
+    store.turn_ended("a", list(range(40)), ["ls"], None)
+    ps = llm.engine.config.page_size
+    assert waits == [("a", 40 // ps, DEFAULT_TOOL_WAIT_S)] and returns == []
+    clock.t += 3.0  # the tool took 3 s: the next request ends the wait and teaches the estimate
+    store.encoder("a")
+    assert returns == ["a"] and list(store.tool_waits["ls"].observed) == [3.0]
+    store.turn_ended("a", list(range(40)), ["ls"], None)
+    assert waits[-1][2] == 3.0
+    store.encoder("a")
+    store.turn_ended("a", list(range(40)), ["ls"], 0.5)  # the client's hint wins
+    assert waits[-1][2] == 0.5
+
+    with pytest.raises(ApiError, match="cache_salt"):
+        store.encoder("a", cache_salt="other")
+    clock.t += 61
+    assert store.expire() == 1 and "a" not in store.sessions and returns[-1] == "a"
+    store.encoder("b")
+    assert store.expire() == 0  # a request in flight keeps its session
+    assert store.end("b") and not store.end("b")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--port", "0"], "--tokenizer DIR is required"),
+    (["--tokenizer", "x", "--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--tokenizer", "x", "--session-ttl-s", "0"], "--session-ttl-s must be"),
+    (["--tokenizer", "x", "--port", "70000"], "--port must be in"),
+])
+def test_serve_options_are_checked_before_anything_loads(argv, match, capsys):
+    from kvtier.cli import main
+
+    assert main(["serve", "tiny", *argv]) == 2
+    assert match in capsys.readouterr().err
