@@ -43,6 +43,7 @@ class MLADecodePlan:
         page_size: tokens per page of the caches the plan runs on.
         num_heads: query heads.
         kv_lora_rank: latent width of the caches' rows.
+        num_pages: the caches' page count the page ids were checked against (None: unchecked).
         max_seq_len: the longest sequence the plan admits (the step's longest, or the bound it
             was planned for); the split count is chosen for it.
         num_splits: key slices per sequence of the split-KV kernels (0: the backend does not split).
@@ -54,6 +55,7 @@ class MLADecodePlan:
     page_size: int
     num_heads: int
     kv_lora_rank: int
+    num_pages: int | None
     max_seq_len: int
     num_splits: int
     backend: str
@@ -68,7 +70,7 @@ class MLAExtendPlan:
     """What one extend (prefill-chunk) step's layers share; see :class:`MLADecodePlan`.
 
     Attributes:
-        block_table, seq_lens, page_size, num_heads, kv_lora_rank, backend: as there.
+        block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, backend: as there.
         cu_seqlens_q: [batch + 1] int32 prefix sums of new tokens per sequence.
         total_q: ``cu_seqlens_q[-1]``, the query tokens of the step.
         max_new_tokens: the most new tokens of one sequence (the kernel's grid size).
@@ -80,25 +82,39 @@ class MLAExtendPlan:
     page_size: int
     num_heads: int
     kv_lora_rank: int
+    num_pages: int | None
     total_q: int
     max_new_tokens: int
     backend: str
 
 
-def _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, max_seq_len=None) -> int:
-    """Check the step's paged metadata (one host read of seq_lens); returns the admitted max length."""
+def _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages=None,
+                    max_seq_len=None) -> int:
+    """Check the step's paged metadata (one host read); returns the admitted max length."""
     check_tensor(block_table, "block_table", ndim=2, dtypes=[torch.int32])
     check_tensor(seq_lens, "seq_lens", shape=[block_table.shape[0]], dtypes=[torch.int32], device=block_table.device)
     for name, value in (("page_size", page_size), ("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    lo, hi = torch.stack([seq_lens.min(), seq_lens.max()]).tolist() if seq_lens.numel() else (0, 0)
+    if num_pages is not None and (not isinstance(num_pages, int) or num_pages < 0):
+        raise ValueError(f"num_pages must be an int >= 0 or None, got {num_pages!r}")
+    lo = hi = bad = 0
+    if seq_lens.numel():
+        stats = [seq_lens.min(), seq_lens.max()]
+        if num_pages is not None:  # ids of the pages each sequence reads
+            used = torch.arange(block_table.shape[1], device=block_table.device) * page_size < seq_lens[:, None]
+            stats.append((((block_table < 0) | (block_table >= num_pages)) & used).sum())
+        lo, hi, *rest = torch.stack(stats).tolist()
+        bad = rest[0] if rest else 0
     capacity = block_table.shape[1] * page_size
     if hi > capacity:
         raise ValueError(f"seq_lens max {hi} exceeds block_table capacity {block_table.shape[1]} pages x page_size "
                          f"{page_size}")
     if lo < 0:
         raise ValueError(f"seq_lens must be >= 0, got min {lo}")
+    if bad:
+        raise ValueError(f"block_table has {bad} page id(s) outside [0, num_pages={num_pages}) among the pages that "
+                         f"seq_lens reads")
     if max_seq_len is None:
         return hi
     if not isinstance(max_seq_len, int) or not hi <= max_seq_len <= capacity:
@@ -124,7 +140,7 @@ def _decode_num_splits(backend: str, batch: int, num_heads: int, max_seq_len: in
                                       heads_per_block)
 
 
-def plan_mla_decode(block_table, seq_lens, page_size, num_heads, kv_lora_rank, *, max_seq_len=None,
+def plan_mla_decode(block_table, seq_lens, page_size, num_heads, kv_lora_rank, *, num_pages=None, max_seq_len=None,
                     backend="auto") -> MLADecodePlan:
     """Plan one paged MLA decode step for all layers (host work: one read of ``seq_lens``).
 
@@ -134,6 +150,9 @@ def plan_mla_decode(block_table, seq_lens, page_size, num_heads, kv_lora_rank, *
         page_size: tokens per page of the caches (``kv_cache.shape[1]``).
         num_heads: query heads per token.
         kv_lora_rank: latent width (the value vectors are ``kv_cache[..., :kv_lora_rank]``).
+        num_pages: optional page count of the caches (``kv_cache.shape[0]``): the page ids each
+            sequence reads are checked to lie in ``[0, num_pages)`` and runs on caches with fewer
+            pages are refused (a stray id would be a device fault). None skips both.
         max_seq_len: optional bound to plan for instead of the step's longest sequence (a CUDA
             graph captured once replays with any lengths up to it); between ``seq_lens.max()`` and
             the block_table capacity.
@@ -148,18 +167,19 @@ def plan_mla_decode(block_table, seq_lens, page_size, num_heads, kv_lora_rank, *
             the block_table capacity (or ``max_seq_len``).
         BackendUnavailableError: ``backend`` cannot run on the metadata's device.
     """
-    limit = _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, max_seq_len)
+    limit = _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, max_seq_len)
     resolved = resolve_backend("mla_decode", backend, block_table.device, None)
     splits = _decode_num_splits(resolved, block_table.shape[0], num_heads, limit, block_table.device)
-    return MLADecodePlan(block_table, seq_lens, page_size, num_heads, kv_lora_rank, limit, splits, resolved)
+    return MLADecodePlan(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, limit, splits,
+                         resolved)
 
 
-def plan_mla_extend(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, kv_lora_rank, *,
+def plan_mla_extend(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, kv_lora_rank, *, num_pages=None,
                     backend="auto") -> MLAExtendPlan:
     """Plan one paged MLA extend step for all layers (host work: one read of the lengths).
 
     Args:
-        block_table, seq_lens, page_size, num_heads, kv_lora_rank, backend: as in :func:`plan_mla_decode`
+        block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, backend: as in :func:`plan_mla_decode`
             (``seq_lens`` counts the new tokens too).
         cu_seqlens_q: [batch + 1] int32 prefix sums of new tokens per sequence, from 0.
 
@@ -170,7 +190,7 @@ def plan_mla_extend(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, k
         ValueError/TypeError: as in :func:`plan_mla_decode`; ``cu_seqlens_q`` not starting at 0 or
         decreasing; a sequence with more new tokens than its ``seq_lens``.
     """
-    _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank)
+    _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages)
     check_tensor(cu_seqlens_q, "cu_seqlens_q", shape=[block_table.shape[0] + 1], dtypes=[torch.int32],
                  device=block_table.device)
     cu = cu_seqlens_q.tolist()
@@ -180,7 +200,7 @@ def plan_mla_extend(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, k
     if any(n > length for n, length in zip(n_q, seq_lens.tolist())):
         raise ValueError("each sequence's new tokens (from cu_seqlens_q) must be <= its seq_lens")
     resolved = resolve_backend("mla_extend", backend, block_table.device, None)
-    return MLAExtendPlan(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, kv_lora_rank, cu[-1],
+    return MLAExtendPlan(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, cu[-1],
                          max(n_q, default=0), resolved)
 
 
@@ -197,6 +217,9 @@ def _check_run(q, kv_cache, plan, num_q: int, kv_scale, out) -> None:
     if kv_cache.shape[1] != plan.page_size:
         raise ValueError(f"kv_cache must have the plan's page_size {plan.page_size} (dim 1), got shape "
                          f"{tuple(kv_cache.shape)}")
+    if plan.num_pages is not None and kv_cache.shape[0] < plan.num_pages:
+        raise ValueError(f"kv_cache must have at least the plan's num_pages {plan.num_pages} pages (dim 0), got "
+                         f"shape {tuple(kv_cache.shape)}")
     if q.device != plan.block_table.device:
         raise ValueError(f"q must be on the plan's device {plan.block_table.device}, got {q.device}")
     check_out(out, "out", (num_q, plan.num_heads, plan.kv_lora_rank), q.dtype, q.device)
@@ -306,7 +329,8 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, kv
         512 + 64, ``kv_cache.stride(-1) == 1``; a ValueError names anything else.
     """
     _check_inputs(q, kv_cache, block_table)
-    plan = plan_mla_decode(block_table, seq_lens, kv_cache.shape[1], q.shape[1], kv_lora_rank, backend=backend)
+    plan = plan_mla_decode(block_table, seq_lens, kv_cache.shape[1], q.shape[1], kv_lora_rank,
+                           num_pages=kv_cache.shape[0], backend=backend)
     return mla_decode_run(q, kv_cache, plan, sm_scale, kv_scale=kv_scale, out=out)
 
 
@@ -331,7 +355,7 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
     """
     _check_inputs(q, kv_cache, block_table)
     plan = plan_mla_extend(block_table, cu_seqlens_q, seq_lens, kv_cache.shape[1], q.shape[1], kv_lora_rank,
-                           backend=backend)
+                           num_pages=kv_cache.shape[0], backend=backend)
     if plan.total_q != q.shape[0]:
         raise ValueError(f"cu_seqlens_q must end at total_q={q.shape[0]} (q.shape[0]), got {plan.total_q}")
     return mla_extend_run(q, kv_cache, plan, sm_scale, kv_scale=kv_scale, out=out)

@@ -25,6 +25,9 @@ class EngineConfig:
         cache_salt: tenant isolation: engines with different salts never share cached blocks
             (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
+        cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
+            4, .. up to max_num_seqs, at most 64), as vLLM and SGLang do; needs a GPU model (the
+            runner raises ValueError otherwise). Off by default until measured.
 
     Raises:
         ValueError: a field out of range, naming it.
@@ -42,8 +45,11 @@ class EngineConfig:
     cache_write_policy: str = "write-through"
     cache_salt: str = ""
     seed: int = 0
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
