@@ -33,7 +33,7 @@ register_backend("mla_decode", "triton", "hip", "aiter")
 register_backend("mla_extend", "triton")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class MLADecodePlan:
     """What one decode step's layers share: metadata, checked once, and the host-side choices.
 
@@ -65,7 +65,7 @@ class MLADecodePlan:
         return self.block_table.shape[0]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class MLAExtendPlan:
     """What one extend (prefill-chunk) step's layers share; see :class:`MLADecodePlan`.
 
