@@ -101,7 +101,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     rows = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
     slots = slot_mapping.long()
     keep = slots >= 0
-    first = torch.argmax(keep.to(torch.uint8))  # first written token (0 when none is)
+    first = torch.argmax(keep.to(torch.int32))  # first written token (0 when none is)
     spare = slots[first].clamp(min=0)
     spare_row = torch.where(keep[first], rows[first], kv_cache[spare // page_size, spare % page_size])
     target = torch.where(keep, slots, spare)

@@ -62,6 +62,6 @@ def sample_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask=Non
     running = kept.cumsum(-1)
     goal = uniforms.float()[:, None] * running[:, -1:]
     first = (running <= goal).sum(-1)
-    last_kept = kept.shape[1] - 1 - torch.argmax((kept.flip(-1) > 0).to(torch.uint8), dim=-1)
+    last_kept = kept.shape[1] - 1 - torch.argmax((kept.flip(-1) > 0).to(torch.int32), dim=-1)
     token = torch.where(first < kept.shape[1], first, last_kept)
     return torch.where(sampled, token, greedy)
