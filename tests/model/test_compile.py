@@ -39,15 +39,15 @@ def _slots(table, b, positions):
     return [int(table[b, p // PAGE_SIZE]) * PAGE_SIZE + p % PAGE_SIZE for p in positions]
 
 
-def _prefill(model, caches, table, gen):
-    """Write every prompt into the caches (eager extend step)."""
+def _prefill(model, caches, table, gen, run=None):
+    """Write every prompt into the caches: one extend step, planned eagerly, run by ``run`` (the model)."""
     ids = torch.randint(0, model.config.vocab_size, (sum(PROMPT_LENS),), generator=gen)
     positions = torch.cat([torch.arange(n) for n in PROMPT_LENS])
     slots = sum((_slots(table, b, range(n)) for b, n in enumerate(PROMPT_LENS)), [])
     cu = torch.tensor([0, *PROMPT_LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     batch = AttentionBatch(slot_mapping=torch.tensor(slots), num_prefill_tokens=len(ids), prefill_cu_seqlens_q=cu,
                            prefill_seq_lens=torch.tensor(PROMPT_LENS, dtype=torch.int32), prefill_block_table=table)
-    model(ids, positions, batch, caches)
+    (model if run is None else run)(ids, positions, model.plan(positions, batch, caches), caches)
 
 
 def _decode_inputs(model, table, gen):
@@ -89,17 +89,20 @@ def test_decode_step_compiles_fullgraph_and_equals_eager(dtype, rel):
         torch.testing.assert_close(got_cache, want_cache, atol=rel * scale, rtol=0, equal_nan=True)
 
 
-def test_decode_step_traces_whole_without_a_graph_break():
+def test_extend_and_decode_steps_trace_whole_without_a_graph_break():
     """Dynamo alone (no inductor: fast): fullgraph tracing fails on any host read in the layers."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
     model = _random_model("tiny", seed=5, dtype=torch.float32, device="cpu")
     caches, table = _caches(model), _page_tables(gen)
+    traced = torch.compile(model, fullgraph=True, backend="eager")
     with torch.inference_mode():
-        _prefill(model, caches, table, gen)
+        eager_caches = [c.clone() for c in caches]
+        _prefill(model, eager_caches, table, torch.Generator().manual_seed(2))
+        _prefill(model, caches, table, torch.Generator().manual_seed(2), run=traced)
+        torch.testing.assert_close(caches, eager_caches, atol=1e-5, rtol=0, equal_nan=True)
         ids, positions, batch = _decode_inputs(model, table, gen)
         planned = model.plan(positions, batch, caches)
-        eager_caches = [c.clone() for c in caches]
         want = model(ids, positions, planned, eager_caches)
-        got = torch.compile(model, fullgraph=True, backend="eager")(ids, positions, planned, caches)
+        got = traced(ids, positions, planned, caches)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
