@@ -32,17 +32,14 @@ from kvtier.ops.dispatch import device_backend
 
 def decode_impl(backend: str, q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out,
                 num_splits=0):
-    """Run ``backend``'s paged decode; fills ``out``, returns lse. ``num_splits`` 0 = the launcher's choice."""
+    """Run ``backend``'s paged decode ("torch", "triton" or "hip"; aiter runs on its plan in
+    :func:`kvtier.ops.mla_decode_run`); fills ``out``, returns lse. ``num_splits`` 0 = the launcher's choice."""
     splits = num_splits or None
     if backend == "triton":
         from kvtier.ops import _triton_mla
 
         return _triton_mla.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out,
                                       num_splits=splits)
-    if backend == "aiter":
-        from kvtier.ops import _aiter
-
-        return _aiter.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out)
     if backend == "hip":
         from kvtier.ops import _native
 

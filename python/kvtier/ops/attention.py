@@ -48,6 +48,7 @@ class MLADecodePlan:
             was planned for); the split count is chosen for it.
         num_splits: key slices per sequence of the split-KV kernels (0: the backend does not split).
         backend: the resolved backend ("torch", "triton", "hip" or "aiter").
+        aiter_plan: aiter's token-level page table (``backend="aiter"``, else None), built once here.
     """
 
     block_table: torch.Tensor
@@ -59,6 +60,7 @@ class MLADecodePlan:
     max_seq_len: int
     num_splits: int
     backend: str
+    aiter_plan: object | None = None
 
     @property
     def batch(self) -> int:
@@ -170,8 +172,13 @@ def plan_mla_decode(block_table, seq_lens, page_size, num_heads, kv_lora_rank, *
     limit = _check_metadata(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, max_seq_len)
     resolved = resolve_backend("mla_decode", backend, block_table.device, None)
     splits = _decode_num_splits(resolved, block_table.shape[0], num_heads, limit, block_table.device)
+    aiter_plan = None
+    if resolved == "aiter":
+        from kvtier.ops import _aiter
+
+        aiter_plan = _aiter.plan_mla_decode(block_table, seq_lens, page_size)
     return MLADecodePlan(block_table, seq_lens, page_size, num_heads, kv_lora_rank, num_pages, limit, splits,
-                         resolved)
+                         resolved, aiter_plan)
 
 
 def plan_mla_extend(block_table, cu_seqlens_q, seq_lens, page_size, num_heads, kv_lora_rank, *, num_pages=None,
@@ -243,14 +250,17 @@ def mla_decode_run(q, kv_cache, plan: MLADecodePlan, sm_scale, *, kv_scale=None,
     """
     with record_function("kvtier::mla_decode"):
         _check_run(q, kv_cache, plan, plan.batch, kv_scale, out)
+        if out is None:
+            out = q.new_empty(q.shape[0], q.shape[1], plan.kv_lora_rank)
+        kv_scale = 1.0 if kv_scale is None else float(kv_scale)
         if plan.backend == "aiter":
             from kvtier.ops import _aiter
 
             _aiter.check_mla_decode(q, kv_cache, plan.kv_lora_rank)
-        if out is None:
-            out = q.new_empty(q.shape[0], q.shape[1], plan.kv_lora_rank)
-        args = (q, kv_cache, plan.block_table, plan.seq_lens, float(sm_scale), plan.kv_lora_rank,
-                1.0 if kv_scale is None else float(kv_scale), out, plan.num_splits)
+            return out, _aiter.run_mla_decode(plan.aiter_plan, q, kv_cache, float(sm_scale), plan.kv_lora_rank,
+                                              kv_scale, out)
+        args = (q, kv_cache, plan.block_table, plan.seq_lens, float(sm_scale), plan.kv_lora_rank, kv_scale, out,
+                plan.num_splits)
         if plan.backend == device_backend("mla_decode", q.device):
             lse = torch.ops.kvtier.mla_decode(*args)
         else:
