@@ -4,8 +4,9 @@
 ``kvtier`` is imported. Their schemas carry no backend: the CPU kernel is the torch reference,
 the CUDA kernel (CUDA and ROCm builds of torch) runs :func:`kvtier.ops.dispatch.device_backend`'s
 choice (Triton, else the HIP kernels where built, else the reference). Each op has a fake
-implementation, so ``torch.compile`` traces it as one opaque node, and none reads a device value
-on the host, so a CUDA/HIP graph can capture it. They check nothing about values: callers pass
+implementation, so ``torch.compile`` traces it as one opaque node, and the Triton and HIP kernels
+read no device value on the host, so a CUDA/HIP graph can capture them (the CPU references read the
+lengths; ``concat_and_cache_mla`` reads nothing on either). They check nothing about values: callers pass
 what :mod:`kvtier.ops.attention` checks (its plans check once per step).
 
 Schemas (``Tensor(a!)``: written in place)::
