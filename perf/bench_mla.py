@@ -11,7 +11,9 @@ Bytes and FLOPs: decode from :func:`kvtier.reference.mla.mla_decode_bytes` / ``m
 new tokens up to itself).
 
 Method: K2 widths (kv_lora_rank 512 + rope 64, K2's YaRN sm_scale 0.130861), page size 64, pages
-shuffled (random block_table), all sequences at the same context. One warm-up call (compiles),
+shuffled (random block_table), all sequences at the same context. The step's plan
+(``plan_mla_decode`` / ``plan_mla_extend``) is made before timing; the timed call is the per-layer
+``mla_decode_run`` / ``mla_extend_run``. One warm-up call (compiles),
 then ``--repeats`` timed calls; on a GPU each call is timed with CUDA events after writing a
 512 MiB buffer (cold L2), and the median/p20/p80 are reported. Seeds are fixed (0). Shapes run
 from the smallest cache to the largest; with ``--budget-s`` the remaining (largest) shapes are
@@ -175,9 +177,12 @@ def _call(case: Case, inputs, kv_scale: float, backend: str):
     q, kv, bt, lens, cu = inputs
     if case.op == "mla_decode" and backend == "aiter":
         return _aiter_decode_call(q, kv, bt, lens, kv_scale)
+    # planned here, before timing, as a serving loop plans once per step for all layers
     if case.op == "mla_decode":
-        return lambda: ops.mla_decode(q, kv, bt, lens, SM_SCALE, RANK, kv_scale=kv_scale, backend=backend)
-    return lambda: ops.mla_extend(q, kv, bt, cu, lens, SM_SCALE, RANK, kv_scale=kv_scale, backend=backend)
+        plan = ops.plan_mla_decode(bt, lens, kv.shape[1], q.shape[1], RANK, num_pages=kv.shape[0], backend=backend)
+        return lambda: ops.mla_decode_run(q, kv, plan, SM_SCALE, kv_scale=kv_scale)
+    plan = ops.plan_mla_extend(bt, cu, lens, kv.shape[1], q.shape[1], RANK, num_pages=kv.shape[0], backend=backend)
+    return lambda: ops.mla_extend_run(q, kv, plan, SM_SCALE, kv_scale=kv_scale)
 
 
 def _row(case, backend, resolved, us, device_name, copy_gbps, commit, kv_bytes, q_bytes) -> dict:

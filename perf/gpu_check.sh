@@ -22,8 +22,11 @@
 #      extend; triton, hip and aiter (where available) vs the torch reference; % of the measured
 #      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048;
 #      moe_align_block_size and the page gather on torch, triton and hip);
+#   4b. perf/bench_decode_graph.py: decode step time eager vs replayed from a CUDA/HIP graph, batch
+#      1-64 (tiny model; 90 s at most);
 #   5. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
 # Files: gpu_check.log, gpu_check_build.log, gpu_check_build_hip.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
+# bench_decode_graph.csv,
 # gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
 set -uo pipefail
 DRY=""
@@ -88,13 +91,18 @@ export PYTHONPATH="$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import kvtier.ops, kvtier.triton_kernels; print('kvtier from', kvtier.__file__)" || status=1
 
 step "GPU tests (pytest -m gpu)"
-timeout 150 "$PY" -m pytest tests/ops -m gpu -q -p no:cacheprovider >"$DEST/gpu_check_pytest.log" 2>&1
+timeout 150 "$PY" -m pytest tests/ops tests/serve/test_cuda_graph.py -m gpu -q -p no:cacheprovider \
+  >"$DEST/gpu_check_pytest.log" 2>&1
 rc=$?
 tail -n 15 "$DEST/gpu_check_pytest.log"
 if [ $rc -ne 0 ]; then
   echo "GPU tests: FAILED (exit $rc; 124 = time limit)"
   status=1
 fi
+
+step "decode step, eager vs CUDA/HIP graph (batch 1-64)"
+timeout 90 "$PY" perf/bench_decode_graph.py $DRY --repeats 10 --csv "$DEST/bench_decode_graph.csv" \
+  || { echo "bench_decode_graph.py failed (exit $?; 124 = time limit)"; status=1; }
 
 step "MLA benchmarks"
 share=$(( ($(left) - 20) * 11 / 20 ))  # ~55% of what is left; MoE and the summary get the rest
@@ -127,6 +135,12 @@ step "summary"
     echo "MoE, moe_align_block_size, sampling, page gather (op, shape, backend, median µs, GB/s, TFLOP/s):"
     echo
     cut -d, -f1,2,4,7,10,11 "$DEST/bench_moe.csv" | sed 's/^/    /'
+  fi
+  if [ -f "$DEST/bench_decode_graph.csv" ]; then
+    echo
+    echo "Decode step, eager vs graph replay (model, batch, context, eager ms, graph ms, eager/graph):"
+    echo
+    cut -d, -f1-6 "$DEST/bench_decode_graph.csv" | sed 's/^/    /'
   fi
 } >"$DEST/gpu_check_summary.tmp" && mv "$DEST/gpu_check_summary.tmp" "$DEST/gpu_check_summary.md"
 cat "$DEST/gpu_check_summary.md"

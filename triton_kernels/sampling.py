@@ -99,7 +99,7 @@ def sample_kernel(logits, stride_row, temperature, top_p, uniforms, token_bitmas
                 keep = ok & (key >= mid[:, None])
                 mass += tl.sum(tl.where(keep, tl.exp(s - m[:, None]), 0.0), axis=1)
             reach = (mass >= target) | ~cut
-            lo = tl.where(reach & (hi > lo), mid, lo)
+            lo = tl.where(cut & reach & (hi > lo), mid, lo)  # rows not cut keep every allowed token
             hi = tl.where(reach, hi, mid - 1)
 
     # pass 4: kept mass (= total where nothing is cut), then the inverse-CDF walk

@@ -28,7 +28,7 @@ def _run(backend, monkeypatch):
         resolved.setdefault(op, set()).add(name)
         return name
 
-    for module in (attention, moe, sampling):
+    for module in (attention, moe, sampling):  # attention: the plans resolve mla_decode and mla_extend
         monkeypatch.setattr(module, "resolve_backend", recording)
     llm = poisoned_llm("tiny", seed=3, max_num_batched_tokens=8)  # chunks of 8: later chunks attend to a prefix
     llm.engine.runner.model.set_backend(backend)

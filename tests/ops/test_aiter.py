@@ -355,3 +355,16 @@ def test_bench_mla_times_aiter_through_the_adapter(fake_aiter):
     fp8 = bench_mla.Case("mla_decode", 8, 2, 200, 1, torch.float8_e4m3fn)
     with pytest.raises(ops.BackendUnavailableError, match="bf16 kv_cache"):
         bench_mla._call(fp8, bench_mla._inputs(fp8, torch.device("cpu"), torch.Generator()), 0.05, "aiter")
+
+
+def test_one_decode_plan_builds_aiter_table_once_for_every_layer(fake_aiter, monkeypatch):
+    q, kv_cache, block_table, seq_lens = _decode_inputs(16, 16, strided=False, seed=3)
+    built = []
+    real = _aiter.token_indices
+    monkeypatch.setattr(_aiter, "token_indices", lambda *a: built.append(1) or real(*a))
+    plan = ops.plan_mla_decode(block_table, seq_lens, 16, 16, RANK, backend="aiter")
+    want_out, _ = reference.mla_decode(q, kv_cache, block_table, seq_lens, SM_SCALE, RANK)
+    for _ in range(3):  # three layers, one plan
+        out, _ = ops.mla_decode_run(q, kv_cache, plan, SM_SCALE)
+        assert_close(out, want_out, atol=1e-2, rtol=1.6e-2, max_cos_diff=2e-5, name="out")
+    assert len(built) == 1 and len(fake_aiter["mla"]) == 3

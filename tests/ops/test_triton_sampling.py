@@ -130,3 +130,22 @@ def test_frequencies_large_sample_over_k2_sized_chunks():
     n = 10000
     tokens = _draws(logits, n, temperature=1.0, top_p=1.0, seed=22)
     _assert_frequencies(tokens, torch.softmax(logits.double(), 0), n)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_cpu_kernel_of_the_sample_op_draws_the_triton_tokens(with_mask):
+    """``torch.ops.kvtier.sample`` on CPU (the torch inverse CDF) picks the Triton kernel's token for
+    the same uniforms: greedy, temperature, top-p and the bitmask (distinct logits: no ties)."""
+    from kvtier.ops.sampling import _sample_triton
+
+    gen = torch.Generator().manual_seed(7)
+    batch, vocab = 24, 300
+    logits = torch.randn(batch, vocab, generator=gen) * 3
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.7] * 6)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.99, 0.2, 1.0] * 4)
+    mask = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    mask = mask if with_mask else None
+    uniforms = torch.rand(batch, generator=gen)
+    got = torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, mask)
+    want = _sample_triton(logits, temperature, top_p, uniforms, mask)
+    assert torch.equal(got, want)

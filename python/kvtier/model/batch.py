@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.ops import MLADecodePlan, MLAExtendPlan
+
 
 @dataclass
 class AttentionBatch:
@@ -22,6 +24,11 @@ class AttentionBatch:
         prefill_block_table: [P, max_pages] int32.
         decode_seq_lens: [D] int32 cached tokens per decoding sequence after this step.
         decode_block_table: [D, max_pages] int32.
+        decode_plan, extend_plan: the attention plans of the step's decode and extend tokens
+            (:func:`kvtier.ops.plan_mla_decode`, :func:`kvtier.ops.plan_mla_extend`), made once
+            per step by :meth:`kvtier.model.kimi_k2.KimiK2ForCausalLM.plan` with the checks of
+            ``slot_mapping`` and the positions.
+        planned: True once that was done; the layers then read no device value on the host.
     """
 
     slot_mapping: torch.Tensor
@@ -31,6 +38,9 @@ class AttentionBatch:
     prefill_block_table: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     decode_block_table: torch.Tensor | None = None
+    decode_plan: MLADecodePlan | None = None
+    extend_plan: MLAExtendPlan | None = None
+    planned: bool = False
 
     @property
     def num_decode_tokens(self) -> int:

@@ -11,6 +11,8 @@ All math outside plain GEMMs goes through :mod:`kvtier.ops`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,11 +32,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
+    """Weight-absorbed MLA over the paged cache; its paged attention runs on the step's plans
+    (:meth:`KimiK2ForCausalLM.plan`), which carry the model's backend."""
+
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
         super().__init__()
         c = config
         self.config = c
-        self.backend = backend  # of the paged attention ops (mla_extend, mla_decode)
         nh, qk = c.num_attention_heads, c.qk_head_dim
         if c.q_lora_rank is None:
             self.q_proj = _param(nh * qk, c.hidden_size, dtype=dtype)
@@ -64,20 +68,19 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = ops.rms_norm(kv_c, self.kv_a_layernorm, LATENT_NORM_EPS)
-        q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache)
-        k_pe = ops.rope_interleaved(k_pe, positions, cos_sin_cache)
-        ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, batch.slot_mapping)
+        # values (positions, slots, lengths) were checked once per step by KimiK2ForCausalLM.plan
+        q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache, validate=False)
+        k_pe = ops.rope_interleaved(k_pe, positions, cos_sin_cache, validate=False)
+        ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, batch.slot_mapping, validate=False)
 
         w_uk, w_uv = self.absorbed_weights()
         q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
         latent = q_abs.new_empty(num_tokens, c.num_attention_heads, c.kv_lora_rank)
         npf = batch.num_prefill_tokens
         if npf:
-            ops.mla_extend(q_abs[:npf], kv_cache, batch.prefill_block_table, batch.prefill_cu_seqlens_q,
-                           batch.prefill_seq_lens, c.sm_scale, c.kv_lora_rank, out=latent[:npf], backend=self.backend)
+            ops.mla_extend_run(q_abs[:npf], kv_cache, batch.extend_plan, c.sm_scale, out=latent[:npf])
         if batch.num_decode_tokens:
-            ops.mla_decode(q_abs[npf:], kv_cache, batch.decode_block_table, batch.decode_seq_lens,
-                           c.sm_scale, c.kv_lora_rank, out=latent[npf:], backend=self.backend)
+            ops.mla_decode_run(q_abs[npf:], kv_cache, batch.decode_plan, c.sm_scale, out=latent[npf:])
         attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
         return F.linear(attn, self.o_proj)
 
@@ -116,7 +119,7 @@ class MoE(nn.Module):
         weights, ids = ops.moe_route(router_logits, self.e_score_correction_bias, c.num_experts_per_tok,
                                      c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob,
                                      backend=self.backend)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, backend=self.backend)
+        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, validate=False, backend=self.backend)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -160,10 +163,49 @@ class KimiK2ForCausalLM(nn.Module):
     def set_backend(self, backend: str) -> None:
         """Run the paged attention and MoE ops of every layer on ``backend`` (checked at the next forward)."""
         self.backend = backend
-        for layer in self.layers:
-            layer.self_attn.backend = backend
+        for layer in self.layers:  # attention: the step's plans carry the backend
             if isinstance(layer.mlp, MoE):
                 layer.mlp.backend = backend
+
+    def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
+             decode_max_seq_len: int | None = None) -> AttentionBatch:
+        """Check one step's metadata and plan its attention, once for all layers (one host read of
+        positions, slot_mapping and the lengths each).
+
+        Args:
+            positions: [T] int64 positions of the step's tokens.
+            batch: the step's metadata (unplanned).
+            kv_caches: the per-layer caches the step runs on (one shape).
+            decode_max_seq_len: plan the decode split for this many tokens instead of the step's
+                longest sequence (a captured CUDA graph replays any lengths up to it).
+
+        Returns:
+            A copy of ``batch`` with ``decode_plan``/``extend_plan`` set and ``planned`` True;
+            :meth:`forward` on it reads no device value on the host.
+
+        Raises:
+            ValueError: a position past the rope table, a slot outside the caches, lengths beyond a
+                block_table's capacity, or caches of different shapes.
+        """
+        c = self.config
+        cache = kv_caches[0]
+        for i, other in enumerate(kv_caches):
+            if other.shape != cache.shape:
+                raise ValueError(f"kv_caches[{i}] must have kv_caches[0]'s shape {tuple(cache.shape)}, "
+                                 f"got {tuple(other.shape)}")
+        ops.check_positions(positions, self.cos_sin_cache.shape[0])
+        ops.check_slot_mapping(batch.slot_mapping, cache.shape[0] * cache.shape[1])
+        page_size, heads = cache.shape[1], c.num_attention_heads
+        decode_plan = extend_plan = None
+        if batch.num_decode_tokens:
+            decode_plan = ops.plan_mla_decode(batch.decode_block_table, batch.decode_seq_lens, page_size, heads,
+                                              c.kv_lora_rank, num_pages=cache.shape[0], max_seq_len=decode_max_seq_len,
+                                              backend=self.backend)
+        if batch.num_prefill_tokens:
+            extend_plan = ops.plan_mla_extend(batch.prefill_block_table, batch.prefill_cu_seqlens_q,
+                                              batch.prefill_seq_lens, page_size, heads, c.kv_lora_rank,
+                                              num_pages=cache.shape[0], backend=self.backend)
+        return dataclasses.replace(batch, decode_plan=decode_plan, extend_plan=extend_plan, planned=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -172,9 +214,13 @@ class KimiK2ForCausalLM(nn.Module):
         Args:
             input_ids: [T] int64 token ids (< vocab_size).
             positions: [T] int64 positions (< max_position_embeddings).
-            batch: slot mapping, page tables and lengths of this step.
+            batch: slot mapping, page tables and lengths of this step; planned by :meth:`plan`
+                here when it is not yet (a planned batch makes the forward free of host reads,
+                so ``torch.compile(fullgraph=True)`` and CUDA graphs take it whole).
             kv_caches: num_hidden_layers tensors [num_pages, page_size, R + P].
         """
+        if not batch.planned:
+            batch = self.plan(positions, batch, kv_caches)
         x = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, positions, batch, kv_cache, self.cos_sin_cache)

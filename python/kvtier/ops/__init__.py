@@ -2,22 +2,41 @@
 
 Every op takes ``backend="auto"|"torch"|"triton"|"hip"|"aiter"``; ``torch`` is the fp32
 reference in :mod:`kvtier.reference` and the CPU path.
+
+Importing this package (``import kvtier`` does) registers the kernels as ``torch.library`` ops,
+``torch.ops.kvtier.<name>``, with one kernel per device type and a fake implementation each, no
+backend in their schemas: mla_decode, mla_extend, concat_and_cache_mla, moe_route, fused_moe,
+moe_align_block_size, gather_pages, scatter_pages, sample (schemas in
+:mod:`kvtier.ops._mla_library` and beside each op). The functions here call them when the
+resolved backend is the device's own (:func:`kvtier.ops.dispatch.device_backend`).
 """
 
-from kvtier.ops.attention import concat_and_cache_mla, mla_decode, mla_extend
+from kvtier.ops.attention import (
+    MLADecodePlan,
+    MLAExtendPlan,
+    check_slot_mapping,
+    concat_and_cache_mla,
+    mla_decode,
+    mla_decode_run,
+    mla_extend,
+    mla_extend_run,
+    plan_mla_decode,
+    plan_mla_extend,
+)
 from kvtier.ops.dispatch import (
     BACKENDS,
     BackendUnavailableError,
     is_backend_supported,
     resolve_backend,
 )
-from kvtier.ops.elementwise import rms_norm, rope_interleaved, silu_and_mul
-from kvtier.ops.moe import fused_moe, moe_align_block_size, moe_route
+from kvtier.ops.elementwise import check_positions, rms_norm, rope_interleaved, silu_and_mul
+from kvtier.ops.moe import check_expert_ids, fused_moe, moe_align_block_size, moe_route
 from kvtier.ops.pages import gather_pages, scatter_pages
 from kvtier.ops.sampling import sample
 
 __all__ = [
-    "BACKENDS", "BackendUnavailableError", "concat_and_cache_mla", "fused_moe", "gather_pages", "is_backend_supported",
-    "mla_decode", "mla_extend", "moe_align_block_size", "moe_route", "resolve_backend", "rms_norm", "rope_interleaved",
-    "sample", "scatter_pages", "silu_and_mul",
+    "BACKENDS", "BackendUnavailableError", "MLADecodePlan", "MLAExtendPlan", "check_expert_ids", "check_positions",
+    "check_slot_mapping", "concat_and_cache_mla", "fused_moe", "gather_pages", "is_backend_supported", "mla_decode",
+    "mla_decode_run", "mla_extend", "mla_extend_run", "moe_align_block_size", "moe_route", "plan_mla_decode",
+    "plan_mla_extend", "resolve_backend", "rms_norm", "rope_interleaved", "sample", "scatter_pages", "silu_and_mul",
 ]

@@ -27,7 +27,8 @@ kv_last_page_lens, max_seqlen_q, *, sm_scale, return_lse=True)`` in its non-pers
   sum there) and its result is then set to kvtier's convention, ``out = 0``, ``lse = +inf``.
 
 The metadata is a :class:`MlaDecodePlan` (:func:`plan_mla_decode`, then :func:`run_mla_decode`;
-``ops.mla_decode`` plans on every call, a caller with many layers per step can plan once). It is
+``ops.plan_mla_decode(..., backend="aiter")`` builds it once per step into the step's plan, which
+``ops.mla_decode_run`` passes to every layer's call; ``ops.mla_decode`` plans on every call). It is
 built with device ops from ``block_table`` and ``seq_lens`` (no host sync), so
 ``kv_indices`` has the static length ``batch * max_pages * page_size`` with only its first
 ``kv_indptr[-1]`` entries used; aiter reads that length as the total KV only to choose its split
@@ -256,12 +257,6 @@ def run_mla_decode(plan: MlaDecodePlan, q, kv_cache, sm_scale, kv_lora_rank, kv_
     result = o[:, :num_heads] if kv_scale == 1.0 else o[:, :num_heads].float() * kv_scale
     out.copy_(result.masked_fill(plan.empty[..., None], 0))
     return lse.copy_(lse_padded[:, :num_heads].masked_fill(plan.empty, math.inf))
-
-
-def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out):
-    """:func:`run_mla_decode` under a plan built for this call; returns lse [B, H] fp32."""
-    plan = plan_mla_decode(block_table, seq_lens, kv_cache.shape[1])
-    return run_mla_decode(plan, q, kv_cache, sm_scale, kv_lora_rank, kv_scale, out)
 
 
 def check_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

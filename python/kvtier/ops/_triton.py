@@ -19,6 +19,7 @@ import torch
 import triton.language as tl
 
 from kvtier.ops.dispatch import _interpreter_unready
+from kvtier.ops.split_kv import num_compute_units  # noqa: F401 (re-exported for the launchers)
 
 
 @functools.cache
@@ -46,11 +47,6 @@ def arch_of(device: torch.device) -> str:
     if torch.version.hip is not None:
         return props.gcnArchName.split(":")[0]
     return f"sm_{props.major}{props.minor}"
-
-
-def num_compute_units(device: torch.device) -> int:
-    """SMs / CUs of the device (1 on CPU)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -129,8 +129,12 @@ def is_backend_supported(op: str, backend: str, device: torch.device | str = "cp
     return unavailable_reason(op, backend, device) is None
 
 
+@torch.compiler.assume_constant_result
 def resolve_backend(op: str, backend: str, device: torch.device | str, dtype: torch.dtype) -> str:
     """Return the concrete backend name for ``op`` (pure function of its arguments and the build).
+
+    ``torch.compile`` evaluates it while tracing and keeps the answer as a constant (it reads only
+    the build and the arguments), so ops called with ``backend=`` trace without a graph break.
 
     Raises:
         ValueError: ``backend`` is not one of :data:`BACKENDS`.
@@ -145,3 +149,20 @@ def resolve_backend(op: str, backend: str, device: torch.device | str, dtype: to
     if reason is not None:
         raise BackendUnavailableError(f"{op}: backend {backend!r} is unavailable: {reason}")
     return backend
+
+
+@torch.compiler.assume_constant_result
+def device_backend(op: str, device: torch.device | str) -> str:
+    """The backend that the ``torch.ops.kvtier.<op>`` kernel registered for ``device``'s type runs.
+
+    ``torch`` (the reference) on CPU; on a GPU ``triton`` where available, else ``hip`` where
+    ``kvtier._hip`` is built and implements ``op``, else ``torch``. The public op functions call the
+    registered op when their resolved backend is this one, and the backend's code directly
+    otherwise (``backend="triton"`` on CPU under the interpreter, ``"hip"`` next to Triton, ``"aiter"``).
+    """
+    if _device_type(device) != "cuda":
+        return "torch"
+    for backend in ("triton", "hip"):
+        if is_backend_supported(op, backend, device):
+            return backend
+    return "torch"

@@ -36,7 +36,7 @@ def silu_and_mul(x, *, backend="auto"):
     return reference.silu_and_mul(x)
 
 
-def rope_interleaved(x, positions, cos_sin_cache, *, backend="auto"):
+def rope_interleaved(x, positions, cos_sin_cache, *, validate=True, backend="auto"):
     """Interleaved (GPT-J style) rotary embedding of the last dim.
 
     Args:
@@ -44,6 +44,8 @@ def rope_interleaved(x, positions, cos_sin_cache, *, backend="auto"):
         positions: [num_tokens] int64 token positions.
         cos_sin_cache: [max_position, rope_dim] fp32, cos (times the YaRN attention factor) in
             the first half, sin in the second (:func:`kvtier.model.rope.build_cos_sin_cache`).
+        validate: check the position values (one host read); a caller that checked the step's
+            positions once (:func:`check_positions`) passes False in its layers.
 
     Returns:
         Rotated tensor shaped and typed like x (pairs stay interleaved).
@@ -57,8 +59,15 @@ def rope_interleaved(x, positions, cos_sin_cache, *, backend="auto"):
                          f"rope_dim, got shape {tuple(x.shape)}")
     check_tensor(positions, "positions", shape=[x.shape[0]], dtypes=[torch.int64], device=x.device)
     check_tensor(cos_sin_cache, "cos_sin_cache", shape=[None, x.shape[-1]], dtypes=[torch.float32], device=x.device)
-    if positions.numel() and (int(positions.max()) >= cos_sin_cache.shape[0] or int(positions.min()) < 0):
-        raise ValueError(f"positions must be in [0, max_position={cos_sin_cache.shape[0]}), got range "
-                         f"[{int(positions.min())}, {int(positions.max())}]")
+    if validate:
+        check_positions(positions, cos_sin_cache.shape[0])
     resolve_backend("rope_interleaved", backend, x.device, x.dtype)
     return reference.rope_interleaved(x, positions, cos_sin_cache)
+
+
+def check_positions(positions: torch.Tensor, max_position: int) -> None:
+    """Raise ValueError unless every position is in ``[0, max_position)`` (one host read)."""
+    if positions.numel():
+        lo, hi = torch.stack([positions.min(), positions.max()]).tolist()
+        if lo < 0 or hi >= max_position:
+            raise ValueError(f"positions must be in [0, max_position={max_position}), got range [{lo}, {hi}]")

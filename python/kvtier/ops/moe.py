@@ -11,7 +11,7 @@ import torch
 
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
-from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
+from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend, triton_interpreting
 
 register_backend("moe_route", "triton")
 register_backend("fused_moe", "triton", "aiter")
@@ -46,7 +46,8 @@ def fused_moe_config(num_experts: int, n: int, k: int, dtype: torch.dtype, arch:
     return dict(buckets[str(pick)])
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto"):
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, validate: bool = True,
+                         backend: str = "auto"):
     """Sort the (token, choice) pairs by expert and pad each expert's rows to ``block_m``: the row
     layout of the grouped MoE GEMM.
 
@@ -54,6 +55,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         topk_ids: [num_tokens, top_k] int32 expert ids in ``[0, num_experts)``.
         num_experts: E (1 .. 8192 for ``backend="hip"``).
         block_m: rows per tile of the grouped GEMM (>= 1).
+        validate: check the id values (one host read); False for ids a router produced.
         backend: "auto" | "torch" | "hip" ("auto" is torch: the torch version needs no host sync).
 
     Returns:
@@ -70,19 +72,50 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     check_tensor(topk_ids, "topk_ids", ndim=2, dtypes=[torch.int32])
     if num_experts < 1 or block_m < 1:
         raise ValueError(f"num_experts and block_m must be >= 1, got {num_experts} and {block_m}")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must be in [0, {num_experts}), got range "
-                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if validate:
+        check_expert_ids(topk_ids, num_experts)
     resolved = resolve_backend("moe_align_block_size", backend, topk_ids.device, topk_ids.dtype)
     with torch.profiler.record_function("kvtier::moe_align_block_size"):
-        if resolved == "hip":
-            from kvtier.ops import _native
+        if resolved == device_backend("moe_align_block_size", topk_ids.device):
+            return torch.ops.kvtier.moe_align_block_size(topk_ids, num_experts, block_m)
+        return _moe_align_impl(resolved, topk_ids, num_experts, block_m)
 
-            lib = _native.gpu_kernels()
-            if num_experts > lib.MOE_ALIGN_MAX_EXPERTS:
-                raise ValueError(f"backend='hip' needs num_experts <= {lib.MOE_ALIGN_MAX_EXPERTS}, got {num_experts}")
-            return _native.moe_align_block_size(lib, topk_ids, num_experts, block_m)
-        return reference.moe_align_block_size(topk_ids, num_experts, block_m)
+
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Raise ValueError unless every id is in ``[0, num_experts)`` (one host read of ``topk_ids``)."""
+    if topk_ids.numel():
+        lo, hi = torch.stack([topk_ids.min(), topk_ids.max()]).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"topk_ids must be in [0, {num_experts}), got range [{lo}, {hi}]")
+
+
+def _moe_align_impl(backend: str, topk_ids, num_experts: int, block_m: int):
+    if backend == "hip":
+        from kvtier.ops import _native
+
+        lib = _native.gpu_kernels()
+        if num_experts > lib.MOE_ALIGN_MAX_EXPERTS:
+            raise ValueError(f"backend='hip' needs num_experts <= {lib.MOE_ALIGN_MAX_EXPERTS}, got {num_experts}")
+        return _native.moe_align_block_size(lib, topk_ids, num_experts, block_m)
+    return reference.moe_align_block_size(topk_ids, num_experts, block_m)
+
+
+@torch.library.custom_op("kvtier::moe_align_block_size", mutates_args=(), device_types="cpu")
+def _moe_align_cpu(topk_ids: torch.Tensor, num_experts: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.moe_align_block_size(topk_ids, num_experts, block_m)
+
+
+@_moe_align_cpu.register_kernel("cuda")
+def _(topk_ids, num_experts, block_m):
+    backend = device_backend("moe_align_block_size", topk_ids.device)
+    return _moe_align_impl(backend, topk_ids, num_experts, block_m)
+
+
+@_moe_align_cpu.register_fake
+def _(topk_ids, num_experts, block_m):
+    max_padded = -(-(topk_ids.numel() + num_experts * (block_m - 1)) // block_m) * block_m
+    return (topk_ids.new_empty(max_padded), topk_ids.new_empty(max_padded // block_m), topk_ids.new_empty(1))
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -91,11 +124,13 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
     launchable(kernel, args[0].device)[grid](*args, **kwargs)
 
 
-@torch.library.custom_op("kvtier::moe_route", mutates_args=())
-def _moe_route_op(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, n_group: int,
-                  topk_group: int, routed_scaling_factor: float, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_route_triton(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
+                      renormalize):
     from kvtier.triton_kernels.moe import moe_route_kernel
 
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    e_score_correction_bias = e_score_correction_bias.contiguous()
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
@@ -107,18 +142,39 @@ def _moe_route_op(router_logits: torch.Tensor, e_score_correction_bias: torch.Te
     return weights, ids
 
 
-@_moe_route_op.register_fake
+def _moe_route_impl(backend, *args):
+    return _moe_route_triton(*args) if backend == "triton" else reference.moe_route(*args)
+
+
+@torch.library.custom_op("kvtier::moe_route", mutates_args=(), device_types="cpu")
+def _moe_route_cpu(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, n_group: int,
+                   topk_group: int, routed_scaling_factor: float,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
+                               routed_scaling_factor, renormalize)
+
+
+@_moe_route_cpu.register_kernel("cuda")
+def _(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
+    return _moe_route_impl(device_backend("moe_route", router_logits.device), router_logits, e_score_correction_bias,
+                           top_k, n_group, topk_group, routed_scaling_factor, renormalize)
+
+
+@_moe_route_cpu.register_fake
 def _(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor, renormalize):
     t = router_logits.shape[0]
     return (router_logits.new_empty(t, top_k, dtype=torch.float32),
             router_logits.new_empty(t, top_k, dtype=torch.int32))
 
 
-@torch.library.custom_op("kvtier::fused_moe", mutates_args=())
-def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+def _fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids):
     from kvtier.triton_kernels.moe import fused_moe_kernel
 
+    if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+        raise ValueError(f"backend='triton' needs w13 and w2 in hidden_states.dtype {hidden_states.dtype}, got "
+                         f"{w13.dtype} and {w2.dtype}")
+    hidden_states, w13, w2 = hidden_states.contiguous(), w13.contiguous(), w2.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     num_tokens, hidden = hidden_states.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -152,7 +208,23 @@ def _fused_moe_op(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     return y.view(num_tokens, top_k, hidden).sum(1).to(dtype)
 
 
-@_fused_moe_op.register_fake
+def _fused_moe_impl(backend, *args):
+    return _fused_moe_triton(*args) if backend == "triton" else reference.fused_moe(*args)
+
+
+@torch.library.custom_op("kvtier::fused_moe", mutates_args=(), device_types="cpu")
+def _fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor) -> torch.Tensor:
+    return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+@_fused_moe_cpu.register_kernel("cuda")
+def _(hidden_states, w13, w2, topk_weights, topk_ids):
+    return _fused_moe_impl(device_backend("fused_moe", hidden_states.device), hidden_states, w13, w2, topk_weights,
+                           topk_ids)
+
+
+@_fused_moe_cpu.register_fake
 def _(hidden_states, w13, w2, topk_weights, topk_ids):
     return torch.empty_like(hidden_states)
 
@@ -199,16 +271,14 @@ def _moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_grou
     if not 0 < top_k <= topk_group * (num_experts // n_group):
         raise ValueError(f"top_k must be in [1, {topk_group * (num_experts // n_group)}], got {top_k}")
     resolved = resolve_backend("moe_route", backend, router_logits.device, router_logits.dtype)
-    if resolved == "triton":
-        if router_logits.stride(-1) != 1:
-            router_logits = router_logits.contiguous()
-        return _moe_route_op(router_logits, e_score_correction_bias.contiguous(), top_k, n_group, topk_group,
-                             float(routed_scaling_factor), bool(renormalize))
-    return reference.moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group,
-                               routed_scaling_factor, renormalize)
+    args = (router_logits, e_score_correction_bias, top_k, n_group, topk_group, float(routed_scaling_factor),
+            bool(renormalize))
+    if resolved == device_backend("moe_route", router_logits.device):
+        return torch.ops.kvtier.moe_route(*args)
+    return _moe_route_impl(resolved, *args)
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto"):
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, validate=True, backend="auto"):
     """SiLU-gated mixture of the routed experts of each token.
 
     Args:
@@ -217,6 +287,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
         w2: [num_experts, hidden_size, intermediate].
         topk_weights: [num_tokens, top_k] fp32 routing weights.
         topk_ids: [num_tokens, top_k] int32 expert ids in [0, num_experts).
+        validate: check the id values (one host read); a model passing its router's ids passes
+            False (no host synchronisation per layer).
 
     Returns:
         [num_tokens, hidden_size] in ``hidden_states.dtype``.
@@ -235,10 +307,10 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, backend="auto")
         aiter's ``fused_moe`` (ROCm) on the same arguments, see :mod:`kvtier.ops._aiter`.
     """
     with torch.profiler.record_function("kvtier::fused_moe"):
-        return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend)
+        return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend)
 
 
-def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend):
+def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend):
     check_tensor(hidden_states, "hidden_states", ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden = hidden_states.shape
     dev = hidden_states.device
@@ -251,19 +323,14 @@ def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, backend):
     check_tensor(topk_ids, "topk_ids", ndim=2, dtypes=[torch.int32], device=dev)
     check_tensor(topk_weights, "topk_weights", shape=list(topk_ids.shape), dtypes=[torch.float32], device=dev)
     check_tensor(topk_ids, "topk_ids", shape=[num_tokens, None])
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must be in [0, {num_experts}), got range "
-                         f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    if validate:
+        check_expert_ids(topk_ids, num_experts)
     resolved = resolve_backend("fused_moe", backend, hidden_states.device, hidden_states.dtype)
-    if resolved == "triton":
-        if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
-            raise ValueError(f"backend='triton' needs w13 and w2 in hidden_states.dtype {hidden_states.dtype}, got "
-                             f"{w13.dtype} and {w2.dtype}")
-        return _fused_moe_op(hidden_states.contiguous(), w13.contiguous(), w2.contiguous(), topk_weights.contiguous(),
-                             topk_ids.contiguous())
     if resolved == "aiter":
         from kvtier.ops import _aiter
 
         _aiter.check_fused_moe(hidden_states, w13, w2)
         return _aiter.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
-    return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    if resolved == device_backend("fused_moe", dev):
+        return torch.ops.kvtier.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+    return _fused_moe_impl(resolved, hidden_states, w13, w2, topk_weights, topk_ids)

@@ -18,7 +18,7 @@ import torch
 
 from kvtier import reference
 from kvtier.ops.checks import check_tensor
-from kvtier.ops.dispatch import register_backend, resolve_backend
+from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend
 
 register_backend("gather_pages", "triton", "hip")
 register_backend("scatter_pages", "triton", "hip")
@@ -92,31 +92,47 @@ def _pages_native(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: to
     _native.page_copy(_native.gpu_kernels(), kv_pools, pages, staging, gather=gather)
 
 
-@torch.library.custom_op("kvtier::gather_pages", mutates_args=("staging",))
-def _gather_pages_op(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor, backend: str) -> None:
+def _pages_impl(backend: str, kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor,
+                gather: bool) -> None:
     if backend == "hip":
-        return _pages_native(kv_pools, pages, staging, gather=True)
-    from kvtier.triton_kernels.pages import gather_pages_kernel
+        _pages_native(kv_pools, pages, staging, gather=gather)
+    elif backend == "triton":
+        from kvtier.triton_kernels.pages import gather_pages_kernel, scatter_pages_kernel
 
-    _pages_triton(gather_pages_kernel, kv_pools, pages, staging)
+        _pages_triton(gather_pages_kernel if gather else scatter_pages_kernel, kv_pools, pages, staging)
+    elif gather:
+        staging.copy_(reference.gather_pages(kv_pools, pages))
+    else:
+        reference.scatter_pages(staging, kv_pools, pages)
 
 
-@_gather_pages_op.register_fake
-def _(kv_pools, pages, staging, backend):
+@torch.library.custom_op("kvtier::gather_pages", mutates_args=("staging",), device_types="cpu")
+def _gather_pages_cpu(kv_pools: list[torch.Tensor], pages: torch.Tensor, staging: torch.Tensor) -> None:
+    _pages_impl("torch", kv_pools, pages, staging, gather=True)
+
+
+@_gather_pages_cpu.register_kernel("cuda")
+def _(kv_pools, pages, staging):
+    _pages_impl(device_backend("gather_pages", staging.device), kv_pools, pages, staging, gather=True)
+
+
+@_gather_pages_cpu.register_fake
+def _(kv_pools, pages, staging):
     return None
 
 
-@torch.library.custom_op("kvtier::scatter_pages", mutates_args=("kv_pools",))
-def _scatter_pages_op(staging: torch.Tensor, kv_pools: list[torch.Tensor], pages: torch.Tensor, backend: str) -> None:
-    if backend == "hip":
-        return _pages_native(kv_pools, pages, staging, gather=False)
-    from kvtier.triton_kernels.pages import scatter_pages_kernel
-
-    _pages_triton(scatter_pages_kernel, kv_pools, pages, staging)
+@torch.library.custom_op("kvtier::scatter_pages", mutates_args=("kv_pools",), device_types="cpu")
+def _scatter_pages_cpu(staging: torch.Tensor, kv_pools: list[torch.Tensor], pages: torch.Tensor) -> None:
+    _pages_impl("torch", kv_pools, pages, staging, gather=False)
 
 
-@_scatter_pages_op.register_fake
-def _(staging, kv_pools, pages, backend):
+@_scatter_pages_cpu.register_kernel("cuda")
+def _(staging, kv_pools, pages):
+    _pages_impl(device_backend("scatter_pages", staging.device), kv_pools, pages, staging, gather=False)
+
+
+@_scatter_pages_cpu.register_fake
+def _(staging, kv_pools, pages):
     return None
 
 
@@ -155,10 +171,10 @@ def gather_pages(kv_pools: Sequence[torch.Tensor], pages: torch.Tensor, *, out: 
         else:
             _check_staging(out, "out", kv_pools, pages.numel())
         resolved = resolve_backend("gather_pages", backend, dev, kv_pools[0].dtype)
-        if resolved in ("triton", "hip"):
-            _gather_pages_op(list(kv_pools), pages, out, resolved)
+        if resolved == device_backend("gather_pages", dev):
+            torch.ops.kvtier.gather_pages(list(kv_pools), pages, out)
         else:
-            out.copy_(reference.gather_pages(kv_pools, pages))
+            _pages_impl(resolved, list(kv_pools), pages, out, gather=True)
         return out
 
 
@@ -183,7 +199,7 @@ def scatter_pages(staging: torch.Tensor, kv_pools: Sequence[torch.Tensor], pages
         _check_pages(pages, num_pages, dev, distinct=True)
         _check_staging(staging, "staging", kv_pools, pages.numel())
         resolved = resolve_backend("scatter_pages", backend, dev, kv_pools[0].dtype)
-        if resolved in ("triton", "hip"):
-            _scatter_pages_op(staging, list(kv_pools), pages, resolved)
+        if resolved == device_backend("scatter_pages", dev):
+            torch.ops.kvtier.scatter_pages(staging, list(kv_pools), pages)
         else:
-            reference.scatter_pages(staging, kv_pools, pages)
+            _pages_impl(resolved, list(kv_pools), pages, staging, gather=False)

@@ -1,4 +1,10 @@
-"""Token sampling op."""
+"""Token sampling op.
+
+``torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, token_bitmask=None)`` samples by
+inverse CDF from one uniform per row (CPU: :func:`kvtier.reference.sample_from_uniforms`; GPU:
+the Triton kernel). :func:`sample` with ``backend="torch"`` keeps the reference that draws with
+``torch.multinomial`` and a generator.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import torch
 
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
-from kvtier.ops.dispatch import register_backend, resolve_backend, triton_interpreting
+from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend, triton_interpreting
 
 register_backend("sample", "triton")
 
@@ -20,11 +26,13 @@ def _launch(kernel, grid, *args, **kwargs) -> None:
     launchable(kernel, args[0].device)[grid](*args, **kwargs)
 
 
-@torch.library.custom_op("kvtier::sample", mutates_args=())
-def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
-               token_bitmask: torch.Tensor | None) -> torch.Tensor:
+def _sample_triton(logits, temperature, top_p, uniforms, token_bitmask):
     from kvtier.triton_kernels.sampling import sample_kernel
 
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    temperature, top_p = temperature.contiguous(), top_p.contiguous()
+    token_bitmask = None if token_bitmask is None else token_bitmask.contiguous()
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
@@ -39,8 +47,23 @@ def _sample_op(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     return out
 
 
-@_sample_op.register_fake
-def _(logits, temperature, top_p, uniforms, token_bitmask):
+def _sample_impl(backend, *args):
+    return _sample_triton(*args) if backend == "triton" else reference.sample_from_uniforms(*args)
+
+
+@torch.library.custom_op("kvtier::sample", mutates_args=(), device_types="cpu")
+def _sample_cpu(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    return reference.sample_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask)
+
+
+@_sample_cpu.register_kernel("cuda")
+def _(logits, temperature, top_p, uniforms, token_bitmask=None):
+    return _sample_impl(device_backend("sample", logits.device), logits, temperature, top_p, uniforms, token_bitmask)
+
+
+@_sample_cpu.register_fake
+def _(logits, temperature, top_p, uniforms, token_bitmask=None):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
@@ -102,11 +125,10 @@ def _sample(logits, temperature, top_p, token_bitmask, generator, backend):
     check_tensor(top_p, "top_p", device=logits.device)
     if token_bitmask is not None:
         check_tensor(token_bitmask, "token_bitmask", device=logits.device)
-        token_bitmask = token_bitmask.contiguous()
     if batch and bool((temperature > 0).any()):
         uniforms = torch.rand(batch, generator=generator, device=logits.device, dtype=torch.float32)
     else:
         uniforms = torch.zeros(batch, device=logits.device, dtype=torch.float32)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    return _sample_op(logits, temperature.contiguous(), top_p.contiguous(), uniforms, token_bitmask)
+    if resolved == device_backend("sample", logits.device):
+        return torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, token_bitmask)
+    return _sample_impl(resolved, logits, temperature, top_p, uniforms, token_bitmask)

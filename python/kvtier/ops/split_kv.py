@@ -7,6 +7,8 @@ in parallel and are merged by their log-sum-exp afterwards (FlashDecoding).
 
 from __future__ import annotations
 
+import torch
+
 MAX_KV_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, merge traffic) dominates
 
@@ -26,3 +28,8 @@ def decode_num_splits(batch: int, num_heads: int, max_kv_tokens: int, num_units:
     want = -(-2 * num_units // max(batch * head_blocks, 1))
     cap = max(1, min(MAX_KV_SPLITS, max_kv_tokens // MIN_TOKENS_PER_SPLIT))
     return max(1, min(want, cap))
+
+
+def num_compute_units(device: torch.device) -> int:
+    """SMs / CUs of the device (1 on CPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1

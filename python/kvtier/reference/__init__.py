@@ -10,9 +10,9 @@ from kvtier.reference.moe import fused_moe, moe_align_block_size, moe_route
 from kvtier.reference.norm import rms_norm
 from kvtier.reference.pages import gather_pages, scatter_pages
 from kvtier.reference.rope import rope_interleaved
-from kvtier.reference.sampling import sample
+from kvtier.reference.sampling import sample, sample_from_uniforms
 
 __all__ = [
     "concat_and_cache_mla", "fused_moe", "gather_pages", "mla_decode", "mla_extend", "moe_align_block_size", "moe_route",
-    "rms_norm", "rope_interleaved", "sample", "scatter_pages", "silu_and_mul",
+    "rms_norm", "rope_interleaved", "sample", "sample_from_uniforms", "scatter_pages", "silu_and_mul",
 ]

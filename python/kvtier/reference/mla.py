@@ -89,10 +89,21 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                          slot_mapping: torch.Tensor) -> None:
     """Write ``[kv_c | k_pe]`` of each token into slot ``slot_mapping[t]`` (``-1`` = skip).
 
+    Reads no device value on the host (so a CUDA graph can capture it): a skipped token rewrites
+    the row the first written token writes, with the same value (or slot 0 with its own value when
+    no token is written), so every duplicate index of the one scatter carries one value.
+
     Bytes: ``T*D`` read + ``T*D`` written.
     """
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1).to(kv_cache.dtype)
+    if slot_mapping.numel() == 0:
+        return
     page_size = kv_cache.shape[1]
-    kv_cache[slots // page_size, slots % page_size] = rows
+    rows = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    slots = slot_mapping.long()
+    keep = slots >= 0
+    first = torch.argmax(keep.to(torch.int32))  # first written token (0 when none is)
+    spare = slots[first].clamp(min=0)
+    spare_row = torch.where(keep[first], rows[first], kv_cache[spare // page_size, spare % page_size])
+    target = torch.where(keep, slots, spare)
+    values = torch.where(keep[:, None], rows, spare_row[None, :])
+    kv_cache[target // page_size, target % page_size] = values

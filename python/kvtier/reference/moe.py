@@ -53,13 +53,14 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
 
 def moe_align_block_size(topk_ids, num_experts, block_m):
     """The layout of :func:`kvtier.ops.moe_align_block_size` (see there), in torch ops without a host
-    sync: every size derives from the static bound ``max_padded``. ``topk_ids`` [T, k] int32 in
+    sync (no ``bincount``, which reads its input's max): every size derives from the static bound
+    ``max_padded``. ``topk_ids`` [T, k] int32 in
     ``[0, num_experts)``; returns ``(sorted_ids, expert_ids, num_padded)``."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
     max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded

@@ -33,3 +33,35 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None):
     choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(-1)
     out[rows] = order.gather(1, choice[:, None]).squeeze(-1)
     return out
+
+
+def sample_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask=None):
+    """The inverse-CDF contract of the ``sample`` kernels (``triton_kernels/sampling.py``), one
+    uniform per row: greedy rows (``temperature <= 0``) take the argmax of the allowed logits;
+    the others keep the allowed tokens whose ``p_j = exp(s_j - max s)`` (``s = logit / temperature``)
+    is at least the largest threshold whose kept mass reaches ``top_p`` of the total (ties to it
+    all kept), then take the first token in id order whose running kept mass exceeds
+    ``uniforms[b]`` times the kept mass (else the last kept token). Reads no device value on the
+    host. Returns [B] int64.
+    """
+    x = logits.float()
+    if token_bitmask is not None:
+        x = apply_token_bitmask(x, token_bitmask)
+    greedy = x.argmax(dim=-1)
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        return greedy
+    sampled = temperature > 0
+    s = x / torch.where(sampled, temperature.float(), 1.0)[:, None]
+    p = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+    sorted_p = p.sort(dim=-1, descending=True).values
+    mass = sorted_p.cumsum(-1)
+    reach = torch.searchsorted(mass, (top_p.float() * mass[:, -1])[:, None].contiguous())
+    thr = sorted_p.gather(1, reach.clamp(max=p.shape[1] - 1))
+    thr = torch.where((top_p < 1)[:, None], thr, 0.0)
+    kept = torch.where(p >= thr, p, 0.0)
+    running = kept.cumsum(-1)
+    goal = uniforms.float()[:, None] * running[:, -1:]
+    first = (running <= goal).sum(-1)
+    last_kept = kept.shape[1] - 1 - torch.argmax((kept.flip(-1) > 0).to(torch.int32), dim=-1)
+    token = torch.where(first < kept.shape[1], first, last_kept)
+    return torch.where(sampled, token, greedy)

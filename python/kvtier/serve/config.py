@@ -27,6 +27,9 @@ class EngineConfig:
         cache_salt: tenant isolation: engines with different salts never share cached blocks
             (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
+        cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
+            4, .. up to max_num_seqs, at most 64), as vLLM and SGLang do; needs a GPU model (the
+            runner raises ValueError otherwise). Off by default until measured.
 
     Every field is checked for its type (a bool is not an int, a str is not a size, an int is
     not a directory) and range; sizes that give a host or disk tier of zero blocks are errors
@@ -49,8 +52,11 @@ class EngineConfig:
     cache_write_policy: str = "write-through"
     cache_salt: str = ""
     seed: int = 0
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), min_value=1)
         check_str("cache_salt", self.cache_salt)

@@ -40,6 +40,11 @@ class ModelRunner:
         shape = (config.num_device_pages, config.page_size, model.config.kv_cache_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device)
                           for _ in range(model.config.num_hidden_layers)]
+        self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
+        if config.cuda_graph:
+            from kvtier.serve.cuda_graph import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.num_device_pages)
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.page_ids) for s in seqs)
@@ -77,11 +82,21 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), attn, owners
 
+    def _forward_logits(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]) -> torch.Tensor:
+        """[len(rows), vocab] fp32 logits of the step's token rows ``rows``: from a captured graph for
+        a decode-only step that fits one, else from an eager forward."""
+        attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if (self.graphs is not None and not batch.extends
+                and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
+            return self.graphs.run(input_ids, positions, attn)[index]
+        hidden = self.model(input_ids, positions, attn, self.kv_caches)
+        return self.model.compute_logits(hidden[index])
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, SeqLogits]:
         """Run one step; returns the logits each sequence needs, by ``seq_id``."""
         input_ids, positions, attn, owners = self.prepare(batch)
-        hidden = self.model(input_ids, positions, attn, self.kv_caches)
         rows, wanted = [], {}
         for row, (seq, p) in enumerate(owners):
             entry = wanted.setdefault(seq.seq_id, ([], None))
@@ -91,7 +106,7 @@ class ModelRunner:
                 wanted[seq.seq_id] = (entry[0], row)
         for prompt_rows, last in wanted.values():
             rows += [r for r, _ in prompt_rows] + ([last] if last is not None else [])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+        logits = self._forward_logits(batch, input_ids, positions, attn, rows)
         where = {r: i for i, r in enumerate(rows)}
         out = {}
         for seq_id, (prompt_rows, last) in wanted.items():
