@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvtier.cache.policy import PoolConfig
 
+SCHEDULE_POLICIES = ("cache-aware", "fcfs")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -25,6 +27,11 @@ class EngineConfig:
         cache_salt: tenant isolation: engines with different salts never share cached blocks
             (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
+        schedule_policy: ``cache-aware`` (waiting requests ordered by their estimated cost to
+            serve, cached ones first, with aging; see :mod:`kvtier.serve.scheduler`) or
+            ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
+        schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
+            this many steps is served ahead of every request that was not, in arrival order.
 
     Raises:
         ValueError: a field out of range, naming it.
@@ -42,9 +49,14 @@ class EngineConfig:
     cache_write_policy: str = "write-through"
     cache_salt: str = ""
     seed: int = 0
+    schedule_policy: str = "cache-aware"
+    schedule_max_passes: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "schedule_max_passes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
