@@ -63,6 +63,9 @@ def test_closed_loop_think_times_and_order(model):
     # the second turn of a session re-uses its first turn's full blocks from the device
     a1 = next(r for r in run.records if r.session_id == "a" and r.turn == 1)
     assert a1.cached_tokens == 8 and a1.cached_tokens_by_tier["device"] == 8
+    for r in run.records:  # TTFT = queue wait + load wait + prefill, each part >= 0
+        parts = (r.queue_wait_s, r.load_wait_s, r.prefill_s)
+        assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(r.ttft_s, abs=1e-9)
 
 
 def test_concurrency_bounds_active_sessions(model):

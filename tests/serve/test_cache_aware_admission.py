@@ -12,6 +12,7 @@ from tests.cache.test_tiers_e2e import prompt
 from tests.serve.test_admission import N, ONE, PS, host_cached
 
 BUDGET = 64  # max_num_batched_tokens of these engines
+TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
 def engine_for(policy: str, **kw):
@@ -128,3 +129,41 @@ def test_schedule_policy_is_validated():
         LLM("tiny", num_device_pages=16, schedule_policy="lifo")
     with pytest.raises(ValueError, match="schedule_max_passes must be a positive int, got 0"):
         LLM("tiny", num_device_pages=16, schedule_max_passes=0)
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(policy):
+    """38 device pages: a 36-page cold prefill soon leaves too few for a 13-page request whose
+    blocks are cached; cache-aware admission preempts the prefill (its computed blocks stay
+    cached and are loaded back) and lets the cached request in; both produce what they produce
+    alone."""
+    from tests.cache.test_tiers_e2e import always_load
+
+    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+                          host_cache_bytes=64 * 15360, schedule_policy=policy))
+    engine = llm.engine
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
+    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
+    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
+    cold = engine.add_request(cold_prompt, TWO)
+    for _ in range(6):
+        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
+    rid = engine.add_request(short, TWO)
+    first, outs, step = {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+        for seq in engine.scheduler.running:
+            if seq.output_token_ids:
+                first.setdefault(seq.seq_id, step)
+        for i in outs:
+            first.setdefault(i, step)
+        step += 1
+    assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]
+    assert outs[rid].num_cached_tokens == 12 * PS
+    if policy == "cache-aware":
+        assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
+    else:  # it waits for the whole prefill
+        assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0

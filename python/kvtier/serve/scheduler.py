@@ -37,14 +37,18 @@ class Scheduler:
       by their estimated cost to serve, ``load_s + recompute_s(tokens to prefill)`` from the
       pool's cost model (:meth:`KVPool.estimate_prefix`), cheapest first, so a returning turn
       whose prefix is cached is placed ahead of, or in the same step as, a long cold prefill.
-      The oldest unfinished prefill always gets at least a quarter of the step's token budget
-      (mixed chunked prefill: it progresses every step beside the cached ones). A request that
-      cannot be placed now (its loads need more free pages than there are, or its first chunk
-      does not fit) is skipped, not waited on. Aging bounds how long a request can be skipped:
-      a request passed over in ``schedule_max_passes`` steps (a step in which a later arrival
-      got prefill tokens and it got none) ranks ahead of every request that was not, in
-      arrival order; such a request that cannot be placed stops admission behind it until
-      pages are freed.
+      As in SGLang's mixed chunked prefill, one prefill at a time runs in chunks (a request
+      whose prompt does not fit in what is left of the step's budget waits while another is
+      chunked: a partly computed prompt holds pages), beside any number of prefills that end
+      in the step, and the chunked one gets at least a quarter of every step's budget. A
+      request that cannot be placed now (its loads need more free pages than there are, or its
+      first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
+      request, running prefills ranked behind it are preempted if their pages let it in.
+      Aging bounds how long a request can be skipped: a request passed over in
+      ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
+      got none; a preemption counts as one) ranks ahead of every request that was not, in
+      arrival order, and is not preempted for others; such a request that cannot be placed
+      stops admission behind it until pages are freed.
     * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
       the first that cannot be placed holds the ones behind it.
 
@@ -206,6 +210,36 @@ class Scheduler:
             if seq.seq_id not in got and self._arrival(seq) < latest:
                 seq.num_passed_over += 1
 
+    def _make_room(self) -> None:
+        """Preempt running prefills that rank behind the best-ranked request blocked on pages,
+        when their pages together let it in (vLLM's priority scheduling preempts the same way).
+        Only prefills that are not aged are taken, most expensive first, and each preemption
+        counts as a step passed over, so aging bounds how often one request is preempted."""
+        blocked = [s for s in self.waiting if s.seq_id in self._blocked]
+        if not blocked:
+            return
+        head = self._ranked(blocked)[0]
+        if head.page_ids:
+            return
+        tokens, cost = self._estimate(head)  # its reused prefix and first chunk need pages
+        need = self.pool.pages_needed(head, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
+        if self.pool.num_free_pages >= need:
+            return
+        victims = sorted((s for s in self.running
+                          if self._remaining(s) > 1 and not self._urgent(s) and self._estimate(s)[1] > cost),
+                         key=lambda s: self._estimate(s)[1], reverse=True)
+        chosen, free = [], self.pool.num_free_pages
+        for v in victims:
+            if free >= need:
+                break
+            chosen.append(v)
+            free += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
+        if free < need:
+            return
+        for v in chosen:
+            self._preempt(v)
+            v.num_passed_over += 1
+
     # ---- admission ----------------------------------------------------------------------------
     def _mark(self, seq: Sequence, name: str) -> None:
         if getattr(seq.metrics, name) is None:
@@ -246,6 +280,8 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if not hold_line and self._estimate(seq)[0] > budget and self._chunking(batch):
+                continue  # one chunked prefill at a time: it would hold pages while it waits for budget
             n = self._admit(batch, seq, budget)
             if n is None:
                 if hold_line or self._urgent(seq):
@@ -253,6 +289,12 @@ class Scheduler:
                 continue
             budget -= n
         return budget
+
+    def _chunking(self, batch: ScheduledBatch) -> bool:
+        """Whether a running sequence will still have prompt tokens to run after this step."""
+        placed = {s.seq_id: n for s, n in batch.extends}
+        placed.update((s.seq_id, 1) for s in batch.decodes)
+        return any(s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1 for s in self.running)
 
     def _admit(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
         """Start ``seq``'s loads (0) or place its first chunk (its tokens); None: it cannot be
@@ -313,6 +355,7 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, None)
             self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
             return batch
+        self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
         num_loading = len(self.loading)
         budget = self._admit_waiting(batch, budget, self._ranked(list(self.waiting)), hold_line=False)
