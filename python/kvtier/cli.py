@@ -251,7 +251,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
         kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
-        kernel_device=args.kernel_device)
+        kernel_device=args.kernel_device, schedule_policy=args.schedule_policy)
     opts.resolve()  # bad options fail before anything runs
     for path in (args.json, args.plot):
         if path:
@@ -369,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a GPU: their best rates replace peak x efficiency")
     m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
+    m.add_argument("--schedule-policy", choices=["cache-aware", "fcfs"],
+                   help="admission order of the engines (default: the scenario's, cache-aware)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
     m.set_defaults(func=cmd_simulate)
