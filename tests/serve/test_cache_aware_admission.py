@@ -72,12 +72,14 @@ def test_cached_requests_report_their_hits_and_a_breakdown_that_sums_to_ttft():
         assert o.metrics.admitted_time is not None and o.metrics.loaded_time is not None
 
 
-@pytest.mark.parametrize("max_passes", [4, 10**6])
+@pytest.mark.parametrize("max_passes", [1, 4, 16])
 def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_bound(max_passes):
     """Bound: a request is passed over (a later arrival gets prefill tokens, it gets none) in at
-    most ``schedule_max_passes`` steps; it is then ranked first, and while first it gets at
-    least ``budget - budget // 4 - decodes`` tokens per step. Here (no decodes) its first token
-    comes within ``max_passes + ceil(L / (3 * budget / 4)) + 1`` steps of its arrival."""
+    most ``schedule_max_passes`` steps; it then ranks first, is admitted once the prefill being
+    chunked, if any, ends (one more step here), and as the chunked prefill gets at least half of
+    every step's budget. Here (no decodes) its first token comes within
+    ``max_passes + 2 + ceil(L / (budget / 2))`` steps of its arrival, however fast the stream
+    comes (the deadline rank may admit it sooner; the bound does not depend on timing)."""
     engine = engine_for("cache-aware", schedule_max_passes=max_passes)
     base = prompt(4 * PS, 7)
     engine.add_request(base + [1], ONE)
@@ -93,12 +95,8 @@ def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_b
                 engine.add_request(base + prompt(48, 1000 + next(counter)), ONE)
 
     first = run_steps(engine, on_step=feed)
-    bound = max_passes + math.ceil(length / (BUDGET - BUDGET // 4)) + 1
-    if max_passes < stream_steps:
-        assert first[cold] <= bound, (first[cold], bound)
-        assert engine.scheduler.num_preemptions == 0
-    else:  # without aging the cheaper stream keeps it waiting as long as the stream lasts
-        assert first[cold] >= stream_steps
+    assert first[cold] <= max_passes + 2 + math.ceil(length / (BUDGET // 2)), first[cold]
+    assert max(first.values()) >= stream_steps  # the stream really outlasted the bound
 
 
 @pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
@@ -143,6 +141,7 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           host_cache_bytes=64 * 15360, schedule_policy=policy))
     engine = llm.engine
+    engine.pool.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
     plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
     alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
     llm.generate(prompt_token_ids=[short], sampling_params=TWO)

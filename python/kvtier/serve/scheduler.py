@@ -28,6 +28,15 @@ class ScheduledBatch:
         return bool(self.extends or self.decodes)
 
 
+DEADLINE_STRETCH = 1.0
+"""Cache-aware rank: a request's deadline is its arrival plus this many times its estimated
+cost to serve, so a cheap request goes ahead of a costly one that arrived up to (this times)
+the difference in cost before it, and a costly one is not passed over by later arrivals for
+longer than about its own cost."""
+CHUNK_SHARE = 0.5
+"""Share of each step's token budget the chunked prefill gets at least, whatever ranks ahead."""
+
+
 class Scheduler:
     """Running sequences first (decodes, then prefill chunks), then admissions.
 
@@ -35,12 +44,15 @@ class Scheduler:
 
     * ``cache-aware`` (default): every step, unfinished prefills and waiting requests are ranked
       by their estimated cost to serve, ``load_s + recompute_s(tokens to prefill)`` from the
-      pool's cost model (:meth:`KVPool.estimate_prefix`), cheapest first, so a returning turn
-      whose prefix is cached is placed ahead of, or in the same step as, a long cold prefill.
-      As in SGLang's mixed chunked prefill, one prefill at a time runs in chunks (a request
-      whose prompt does not fit in what is left of the step's budget waits while another is
-      chunked: a partly computed prompt holds pages), beside any number of prefills that end
-      in the step, and the chunked one gets at least a quarter of every step's budget. A
+      pool's cost model (:meth:`KVPool.estimate_prefix`), as a deadline: arrival plus
+      ``DEADLINE_STRETCH`` times that cost, earliest first, so a returning turn whose prefix is
+      cached is placed ahead of, or in the same step as, a long cold prefill, and a long prefill
+      is not passed over for much longer than its own cost. As in SGLang's mixed chunked
+      prefill, one prefill at a time runs in chunks (a request whose prompt does not fit in
+      what is left of the step's budget waits while another is chunked: a partly computed
+      prompt holds pages), beside any number of prefills that end in the step; the chunked one
+      gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
+      whatever they leave. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
       request, running prefills ranked behind it are preempted if their pages let it in.
@@ -152,26 +164,31 @@ class Scheduler:
     def _arrival(seq: Sequence) -> tuple[float, int]:
         return seq.metrics.arrival_time, seq.seq_id
 
+    def _key(self, seq: Sequence) -> tuple:
+        """Rank key: aged requests first, by arrival; then by deadline, arrival plus
+        ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
+        arrival, seq_id = self._arrival(seq)
+        if self._urgent(seq):
+            return 0, arrival, seq_id
+        return 1, arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
+
     def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
-        """``seqs`` in cache-aware order: aged ones first by arrival, then cheapest to serve."""
-        def key(seq: Sequence):
-            if self._urgent(seq):
-                return 0, *self._arrival(seq)
-            return 1, self._estimate(seq)[1], *self._arrival(seq)
-        return sorted(seqs, key=key)
+        """``seqs`` in cache-aware order (see :meth:`_key`)."""
+        return sorted(seqs, key=self._key)
 
     def _plan(self, budget: int) -> dict[int, int]:
-        """Prefill tokens each running prefill may take this step: the oldest at least a quarter
-        of the step's budget, then, in rank order with the waiting requests, what they need."""
+        """Prefill tokens each running prefill may take this step: the oldest (the chunked one)
+        at least ``CHUNK_SHARE`` of the step's budget, the others, in rank order with the waiting
+        requests, what they need; budget left after admission goes to them in :meth:`_top_up`."""
         prefills = [s for s in self.running if self._remaining(s) > 1]
         left = budget - (len(self.running) - len(prefills))
         if not prefills or left <= 0:
             return {}
         oldest = prefills[0]
-        reserve = min(self._remaining(oldest), max(1, self.config.max_num_batched_tokens // 4), left)
+        reserve = min(self._remaining(oldest), max(1, int(self.config.max_num_batched_tokens * CHUNK_SHARE)), left)
         plan = {oldest.seq_id: reserve}
         left -= reserve
-        for seq in self._ranked(prefills + list(self.waiting)):
+        for seq in self._ranked(prefills[1:] + list(self.waiting)):
             if left <= 0:
                 break
             give = min(max(self._estimate(seq)[0] - plan.get(seq.seq_id, 0), 0), left)
@@ -221,13 +238,14 @@ class Scheduler:
         head = self._ranked(blocked)[0]
         if head.page_ids:
             return
-        tokens, cost = self._estimate(head)  # its reused prefix and first chunk need pages
+        tokens = self._estimate(head)[0]  # its reused prefix and first chunk need pages
         need = self.pool.pages_needed(head, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
             return
+        key = self._key(head)
         victims = sorted((s for s in self.running
-                          if self._remaining(s) > 1 and not self._urgent(s) and self._estimate(s)[1] > cost),
-                         key=lambda s: self._estimate(s)[1], reverse=True)
+                          if self._remaining(s) > 1 and not self._urgent(s) and self._key(s) > key),
+                         key=self._key, reverse=True)
         chosen, free = [], self.pool.num_free_pages
         for v in victims:
             if free >= need:
