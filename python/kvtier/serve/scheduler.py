@@ -295,10 +295,11 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, order: list[Sequence], hold_line: bool) -> int:
         """Admit ``order``'s waiting requests while budget and sequence slots last; one that cannot
         be placed stops the rest when ``hold_line`` (or it is aged), else it is skipped."""
+        chunking = not hold_line and self._chunking(batch)
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            if not hold_line and self._estimate(seq)[0] > budget and self._chunking(batch):
+            if chunking and self._estimate(seq)[0] > budget:
                 continue  # one chunked prefill at a time: it would hold pages while it waits for budget
             n = self._admit(batch, seq, budget)
             if n is None:
@@ -306,6 +307,7 @@ class Scheduler:
                     break
                 continue
             budget -= n
+            chunking = chunking or (not hold_line and 0 < n < self._remaining(seq) - 1)
         return budget
 
     def _chunking(self, batch: ScheduledBatch) -> bool:
