@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
     m.add_argument("--schedule-policy", choices=["cache-aware", "fcfs"],
-                   help="admission order of the engines (default: the scenario's, cache-aware)")
+                   help="admission order of the engines (default: the scenario's, fcfs, as calibrated)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
     m.set_defaults(func=cmd_simulate)

@@ -623,7 +623,7 @@ def test_ramp_override_spreads_the_first_sessions_starts(capsys):
 
 
 def test_schedule_policy_reaches_the_simulated_engines():
-    scn = SimOptions("tiny", schedule_policy="fcfs").resolve()
-    assert scn.schedule_policy == "fcfs" and SimOptions("tiny").resolve().schedule_policy == "cache-aware"
+    scn = SimOptions("tiny", schedule_policy="cache-aware").resolve()
+    assert scn.schedule_policy == "cache-aware" and SimOptions("tiny").resolve().schedule_policy == "fcfs"
     with pytest.raises(ValueError, match="--schedule-policy must be one of cache-aware, fcfs, got 'lifo'"):
         SimOptions("tiny", schedule_policy="lifo").resolve()
