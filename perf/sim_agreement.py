@@ -71,6 +71,7 @@ def main() -> None:
         max_turns=args.max_turns,
         configs=args.configs,
         seed=args.seed,
+        schedule_policy="fcfs",  # the simulated scenarios' admission order
     )
     torch.set_num_threads(opts.threads)
     t0 = time.perf_counter()

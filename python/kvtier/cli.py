@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -109,9 +110,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.bench import report
-    from kvtier.bench.run import BenchOptions, run_all
+    from kvtier.bench.run import BenchOptions
+    from kvtier.bench.sweep import parse_loads
 
-    console = Console()
+    if args.json_records and not args.json:
+        raise ValueError("--json-records adds the per-request records to --json PATH; give --json too")
+    loads = parse_loads(args.load_sweep) if args.load_sweep is not None else None
+    if args.ttft_slo is not None and (loads is None or not 0 < args.ttft_slo < math.inf):
+        raise ValueError(f"--ttft-slo needs --load-sweep and a finite number of seconds > 0, got {args.ttft_slo}")
+    if args.plot is None:
+        args.plot = "kvtier-bench-load.png" if loads else "kvtier-bench-ttft.png"
     opts = BenchOptions(
         model=args.model, trace=args.trace, conversations=args.conversations, tokenizer=args.tokenizer,
         page_size=args.page_size, max_output_tokens=args.max_output_tokens, sessions=args.sessions, concurrency=args.concurrency,
@@ -119,12 +127,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_think_s=args.max_think_s, max_turns=args.max_turns or None, ramp_s=args.ramp_s, device_fraction=args.device_fraction,
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads)
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads,
+        schedule_policy=args.schedule_policy)
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
+    console = Console()
     if args.endpoint:
+        if loads:
+            raise ValueError("--load-sweep replays the workload in-process; it cannot be combined with --endpoint")
         return _bench_endpoint(args, opts, console)
+    if loads:
+        return _bench_sweep(args, opts, loads, console)
+    return _bench_once(args, opts, console)
+
+
+@contextlib.contextmanager
+def _progress(console: Console):
+    """``(on_start, on_finish)`` callbacks that show one progress bar per replay."""
+    from kvtier.bench import report
+
     with contextlib.ExitStack() as stack:
         bars: list = []
 
@@ -132,7 +154,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             stack.close()
             bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
 
-        workload, sizing, runs, prov = run_all(opts, on_start=on_start, on_finish=lambda r: bars[-1].advance())
+        yield on_start, lambda r: bars[-1].advance()
+
+
+def _describe(console: Console, opts, workload, sizing) -> None:
     if sizing.device_floor_applied:
         console.print(f"[yellow]note:[/] the device tier was raised to {sizing.device_pages} pages so that the largest "
                       f"turn fits; it is {sizing.device_pages / sizing.working_set_pages:.2f} of the working set, "
@@ -140,13 +165,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{workload.block_size}-token blocks; device tier {sizing.device_pages} pages = "
                   f"{sizing.device_pages / sizing.working_set_pages:.2f} of the working set "
-                  f"({sizing.working_set_pages} pages); host tier {sizing.host_cache_bytes / 2**20:.1f} MiB")
+                  f"({sizing.working_set_pages} pages); host tier {sizing.host_cache_bytes / 2**20:.1f} MiB; "
+                  f"{opts.schedule_policy} admission")
+
+
+def _bench_once(args: argparse.Namespace, opts, console: Console) -> int:
+    from kvtier.bench import report
+    from kvtier.bench.run import run_all
+    from kvtier.bench.tail import tail_json, tail_lines
+
+    with _progress(console) as (on_start, on_finish):
+        workload, sizing, runs, prov = run_all(opts, on_start=on_start, on_finish=on_finish)
+    _describe(console, opts, workload, sizing)
     report.render_table(runs, console=console)
+    tails = tail_json(runs)
+    for line in tail_lines(tails):
+        console.print(line, markup=False, highlight=False)
     if args.plot:
         console.print(f"wrote {report.plot_ttft(runs, args.plot)}")
     if args.json:
-        report.write_json(args.json, report.bench_json(runs, prov))
+        report.write_json(args.json, report.bench_json(runs, prov, records=args.json_records) | {"tail": tails})
         console.print(f"wrote {args.json}")
+    return _report_errors(runs, console)
+
+
+def _bench_sweep(args: argparse.Namespace, opts, loads: tuple[float, ...], console: Console) -> int:
+    from kvtier.bench import report
+    from kvtier.bench.run import run_sweep
+    from kvtier.bench.sweep import plot_sweep, sweep_json, sweep_lines
+
+    with _progress(console) as (on_start, on_finish):
+        workload, sizing, points, prov = run_sweep(opts, loads, on_start=on_start, on_finish=on_finish)
+    _describe(console, opts, workload, sizing)
+    data = sweep_json(points, args.ttft_slo)
+    for line in sweep_lines(data):
+        console.print(line, markup=False, highlight=False)
+    if args.plot:
+        console.print(f"wrote {plot_sweep(data, args.plot)}")
+    if args.json:
+        doc = {"provenance": prov, "load_sweep": data}
+        if args.json_records:
+            doc["records"] = {f"{run.name}@x{load:g}": [report.record_json(r) for r in run.records]
+                              for load, runs in points for run in runs}
+        report.write_json(args.json, doc)
+        console.print(f"wrote {args.json}")
+    return _report_errors([run for _, runs in points for run in runs], console)
+
+
+def _report_errors(runs, console: Console) -> int:
+    """Print each run's failed requests; 1 when every request of some run failed, else 0."""
     failed = False
     for run in runs:
         errors = sorted({r.error for r in run.records if r.error})
@@ -165,29 +232,17 @@ def _bench_endpoint(args: argparse.Namespace, opts, console: Console) -> int:
     from kvtier.bench import report
     from kvtier.bench.endpoint import run_endpoint
 
-    bars: list = []
-    with contextlib.ExitStack() as stack:
-        def on_start(name: str, total: int) -> None:
-            bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
-
-        workload, run, prov = run_endpoint(opts, args.endpoint, on_start=on_start,
-                                           on_finish=lambda r: bars[-1].advance())
+    with _progress(console) as (on_start, on_finish):
+        workload, run, prov = run_endpoint(opts, args.endpoint, on_start=on_start, on_finish=on_finish)
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{workload.block_size}-token blocks; replayed against {args.endpoint} (model {opts.model})")
     report.render_table([run], console=console, baseline=run.name)
     if args.plot:
         console.print(f"wrote {report.plot_ttft([run], args.plot)}")
     if args.json:
-        report.write_json(args.json, report.bench_json([run], prov, baseline=run.name))
+        report.write_json(args.json, report.bench_json([run], prov, baseline=run.name, records=args.json_records))
         console.print(f"wrote {args.json}")
-    errors = [r.error for r in run.records if r.error]
-    if errors:
-        console.print(f"[red]{len(errors)} request(s) failed[/], e.g. " + "; ".join(sorted(set(errors))[:3]),
-                      highlight=False)
-    if run.records and len(errors) == len(run.records):
-        print("kvtier bench: error: every request failed (see above)", file=sys.stderr)
-        return 1
-    return 0
+    return _report_errors([run], console)
 
 
 def _list_scenarios(console: Console) -> None:
@@ -220,7 +275,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
         kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
-        kernel_device=args.kernel_device)
+        kernel_device=args.kernel_device, schedule_policy=args.schedule_policy)
     opts.resolve()  # bad options fail before anything runs
     for path in (args.json, args.plot):
         if path:
@@ -303,8 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see kvtier.bench.run)")
-    b.add_argument("--plot", metavar="PATH", default="kvtier-bench-ttft.png", help="TTFT distribution PNG ('' = none)")
+    b.add_argument("--plot", metavar="PATH", default=None,
+                   help="PNG: the TTFT distribution (default kvtier-bench-ttft.png) or, with --load-sweep, p99 TTFT "
+                        "against throughput (default kvtier-bench-load.png); '' = none")
     b.add_argument("--json", metavar="PATH", help="write the results with provenance here")
+    b.add_argument("--json-records", action="store_true",
+                   help="include every request's record (times, TTFT parts, tier mix) in --json")
+    b.add_argument("--schedule-policy", default="cache-aware", choices=["cache-aware", "fcfs"],
+                   help="admission order: cached and cheap requests first, with aging (default), or arrival order")
+    b.add_argument("--load-sweep", metavar="LOADS", default=None,
+                   help="replay the sessions at each of these offered loads (comma-separated think-time divisors, "
+                        "e.g. 0.5,1,2) and plot p99 TTFT against throughput per configuration")
+    b.add_argument("--ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="with --load-sweep: report goodput, the highest load whose p99 TTFT stays under this")
     b.set_defaults(func=cmd_bench)
     m = sub.add_parser("simulate", help="the bench replay at cluster scale, in virtual time")
     m.add_argument("--scenario", default="kimi-mi355x-128", help="scenario name (--list shows them)")
@@ -331,6 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a GPU: their best rates replace peak x efficiency")
     m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
+    m.add_argument("--schedule-policy", choices=["cache-aware", "fcfs"],
+                   help="admission order of the engines (default: the scenario's, fcfs, as calibrated)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
     m.set_defaults(func=cmd_simulate)

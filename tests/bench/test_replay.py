@@ -39,13 +39,14 @@ def _workload(sessions) -> Workload:
     return Workload("test", "test", "builtin", PAGE, 1.0, 1.0, float("inf"), tuple(sessions))
 
 
-def _engine(model, *, device_pages: int, host_bytes: int = 0, disk_dir=None, caching=True, policy="lru") -> Engine:
+def _engine(model, *, device_pages: int, host_bytes: int = 0, disk_dir=None, caching=True, policy="lru",
+            schedule_policy: str = "cache-aware") -> Engine:
     net, model_id = model
     cfg = EngineConfig(page_size=PAGE, num_device_pages=device_pages, max_num_batched_tokens=64,
                        enable_prefix_caching=caching, host_cache_bytes=host_bytes,
                        disk_cache_dir=None if disk_dir is None else str(disk_dir),
                        disk_cache_bytes=64 << 20 if disk_dir is not None else 0, cache_policy=policy,
-                       cache_write_policy="write-back")
+                       cache_write_policy="write-back", schedule_policy=schedule_policy)
     return Engine(net, cfg, model_id)
 
 
@@ -62,6 +63,9 @@ def test_closed_loop_think_times_and_order(model):
     # the second turn of a session re-uses its first turn's full blocks from the device
     a1 = next(r for r in run.records if r.session_id == "a" and r.turn == 1)
     assert a1.cached_tokens == 8 and a1.cached_tokens_by_tier["device"] == 8
+    for r in run.records:  # TTFT = queue wait + load wait + prefill, each part >= 0
+        parts = (r.queue_wait_s, r.load_wait_s, r.prefill_s)
+        assert all(p >= 0 for p in parts) and sum(parts) == pytest.approx(r.ttft_s, abs=1e-9)
 
 
 def test_concurrency_bounds_active_sessions(model):
@@ -83,6 +87,9 @@ def test_oversized_turn_is_an_error_record_and_the_session_goes_on(model):
     assert by_turn[0].error is None and by_turn[2].error is None and by_turn[2].output_tokens == 3
 
 
+
+
+
 def _all_tier_workloads() -> list[Workload]:
     # Phase 1: six sessions with long, shared-nothing contexts, interleaved: device pages hold
     # about one session and the host tier a couple, so returning turns find their blocks on host
@@ -92,10 +99,15 @@ def _all_tier_workloads() -> list[Workload]:
             _workload([_session("alone", 9000, [33, 37, 41], out=4)])]
 
 
-def test_cache_never_changes_results(model, tmp_path):
-    """Greedy fp32 outputs with hits from device, host and disk equal those of no caching."""
+# Tier sizes that give hits from every tier under each admission order: cache-aware admission
+# serves the sessions whose prefixes are in device pages first, so it needs a smaller device tier.
+@pytest.mark.parametrize(("schedule_policy", "device_pages", "host_blocks"), [("cache-aware", 28, 12), ("fcfs", 40, 24)])
+def test_cache_never_changes_results(model, tmp_path, schedule_policy, device_pages, host_blocks):
+    """Greedy fp32 outputs with hits from device, host and disk equal those of no caching,
+    whatever the order requests are admitted in."""
     block_bytes = 3 * PAGE * model[0].config.kv_cache_dim * 4
-    engine = _engine(model, device_pages=40, host_bytes=24 * block_bytes, disk_dir=tmp_path / "disk")
+    engine = _engine(model, device_pages=device_pages, host_bytes=host_blocks * block_bytes,
+                     disk_dir=tmp_path / "disk", schedule_policy=schedule_policy)
     # A fixed cost model (alpha=0: observations change nothing) that always prefers loading, so
     # which tier serves a hit does not depend on how busy the machine is while the test runs.
     engine.pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(1e-6, 1e10), Tier.DISK: TierCost(1e-5, 1e9)},

@@ -620,3 +620,10 @@ def test_ramp_override_spreads_the_first_sessions_starts(capsys):
     assert 0.0 == starts[20.0][0] < starts[20.0][-1] < 20.0
     assert main(["simulate", "--scenario", "tiny", "--ramp-s", "-2", "--plot", ""]) == 2
     assert "ramp_s must be a finite number of seconds >= 0, got -2.0" in capsys.readouterr().err
+
+
+def test_schedule_policy_reaches_the_simulated_engines():
+    scn = SimOptions("tiny", schedule_policy="cache-aware").resolve()
+    assert scn.schedule_policy == "cache-aware" and SimOptions("tiny").resolve().schedule_policy == "fcfs"
+    with pytest.raises(ValueError, match="--schedule-policy must be one of cache-aware, fcfs, got 'lifo'"):
+        SimOptions("tiny", schedule_policy="lifo").resolve()

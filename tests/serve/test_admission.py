@@ -12,9 +12,10 @@ N = 8 * PS + 1  # 8 full blocks and one token
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def host_cached(*prompts, num_device_pages=10):
+def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware"):
     """A tiny engine whose host tier holds ``prompts``' blocks and whose device pages do not."""
-    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=num_device_pages, host_cache_bytes=64 * BLOCK))
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=num_device_pages, host_cache_bytes=64 * BLOCK,
+                          schedule_policy=schedule_policy))
     for p in (*prompts, prompt(N, 901), prompt(N, 902)):
         llm.generate(prompt_token_ids=[p], sampling_params=ONE)
     llm.engine.pool.poll(wait=True)
@@ -52,7 +53,7 @@ def test_loaded_prefixes_that_cannot_both_fit_are_both_loaded_whole():
 
 def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
     b = prompt(N, 2)
-    llm = host_cached(b)
+    llm = host_cached(b, schedule_policy="fcfs")  # the cold request first, b behind it
     engine, pool = llm.engine, llm.engine.pool
     calls = []
     real = pool.begin_prefix
@@ -75,7 +76,7 @@ def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
 
 def test_head_that_waited_for_its_loads_runs_as_soon_as_they_end():
     b = prompt(N, 2)
-    llm = host_cached(b, num_device_pages=16)
+    llm = host_cached(b, num_device_pages=16, schedule_policy="fcfs")  # b waits behind the others
     engine, pool, sched = llm.engine, llm.engine.pool, llm.engine.scheduler
     engine.add_request(prompt(5 * PS, 3), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     engine.add_request(prompt(4 * PS, 4), ONE)  # frees its 4 pages after its prefill
@@ -96,7 +97,7 @@ def test_head_that_waited_for_its_loads_runs_as_soon_as_they_end():
 
 def test_prefixes_whose_loads_end_together_are_placed_in_arrival_order():
     a, b = prompt(N, 1), prompt(N, 2)
-    llm = host_cached(a, b, num_device_pages=20)
+    llm = host_cached(a, b, num_device_pages=20, schedule_policy="fcfs")
     engine, pool, sched = llm.engine, llm.engine.pool, llm.engine.scheduler
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(a, two), engine.add_request(b, two)]

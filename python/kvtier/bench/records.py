@@ -26,6 +26,13 @@ class RequestRecord:
         error: the engine's error for this request, or None.
         output_token_ids, logprobs: the generated tokens and their log-probabilities, kept only
             when the replay was asked for them (``replay(..., keep_outputs=True)``).
+        admitted_s: when the scheduler first gave it pages (its cached prefix placed or its
+            loads started); None: never, or not recorded.
+        loaded_s: when its loaded pages were usable (``admitted_s`` when nothing was loaded).
+
+    TTFT splits into ``queue_wait_s`` (arrival -> admission), ``load_wait_s`` (admission ->
+    loaded pages usable) and ``prefill_s`` (-> first token: its prefill chunks, and the steps
+    between them); the three add up to ``ttft_s``.
     """
 
     session_id: str
@@ -40,6 +47,31 @@ class RequestRecord:
     error: str | None = None
     output_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    admitted_s: float | None = None
+    loaded_s: float | None = None
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Arrival to admission in seconds (None when not admitted or not recorded)."""
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
+
+    @property
+    def load_wait_s(self) -> float | None:
+        """Admission to its loaded pages being usable, in seconds."""
+        return None if self.admitted_s is None or self.loaded_s is None else self.loaded_s - self.admitted_s
+
+    @property
+    def prefill_s(self) -> float | None:
+        """Loaded pages usable to first token, in seconds."""
+        return None if self.loaded_s is None or self.first_token_s is None else self.first_token_s - self.loaded_s
+
+    @property
+    def tier_mix(self) -> dict[str, int]:
+        """Prompt tokens by where they came from: ``{"device", "host", "disk", "computed"}``
+        (computed = prefilled on the first admission)."""
+        mix = {t: self.cached_tokens_by_tier.get(t, 0) for t in ("device", "host", "disk")}
+        mix["computed"] = self.input_tokens - self.cached_tokens
+        return mix
 
     @property
     def ttft_s(self) -> float | None:

@@ -185,7 +185,8 @@ def _record(out: RequestOutput, a: _Active, t0: float, keep_outputs: bool) -> Re
         finish_s=rel(m.finish_time), cached_tokens=out.num_cached_tokens,
         cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error,
         output_token_ids=list(out.token_ids) if keep_outputs else None,
-        logprobs=list(out.logprobs) if keep_outputs and out.logprobs is not None else None)
+        logprobs=list(out.logprobs) if keep_outputs and out.logprobs is not None else None,
+        admitted_s=rel(m.admitted_time), loaded_s=rel(m.loaded_time))
 
 
 def _run_result(name: str, engine: Engine, records: list[RequestRecord], wall_s: float, workload: Workload,

@@ -22,6 +22,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,8 @@ BASELINE = "device-only"
 """Name of the run the others are compared against (ratios appear when it is present)."""
 
 TIERS = ("device", "host", "disk")
+PHASES = ("queue_wait_s", "load_wait_s", "prefill_s")
+"""The parts of TTFT each record splits it into (see ``kvtier.bench.records.RequestRecord``)."""
 DIRECTIONS = ("device->host", "host->device", "host->disk", "disk->device")
 """Canonical order of ``bytes_moved`` keys in the table; other keys follow, sorted."""
 
@@ -65,14 +68,15 @@ def summarize(run: ConfigRun) -> dict:
 
     Returns:
         ``{"ttft_s": {"p50", "p90", "p99"}, "tpot_s": {"p50", "p99"}, "e2e_s": {"p50", "p99"},
-        "throughput_tok_s", "requests", "hit_tokens": {"device", "host", "disk"},
+        "queue_wait_s", "load_wait_s", "prefill_s": {"p50", "p99"}, "throughput_tok_s", "requests", "hit_tokens": {"device", "host", "disk"},
         "recomputed_tokens", "bytes_moved": {direction: bytes}, "errors",
         "hit_rate": {"device", "host", "disk", "total"}, "input_tokens", "output_tokens",
         "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors",
         "stores_refused": {tier: blocks}, "device_pages", "working_set_pages"}``.
 
         - ``*_s`` percentiles: seconds, numpy ``"linear"`` percentiles over finished requests
-          (TPOT only over those with >= 2 output tokens); None when there is no such request.
+          (TPOT only over those with >= 2 output tokens; the TTFT parts over those that
+          recorded them); None when there is no such request.
         - ``throughput_tok_s``: tokens/s, (input + output tokens of finished requests) /
           ``wall_s``; None when ``wall_s`` is 0.
         - ``requests``: records submitted (finished or not); ``errors``: records with an error.
@@ -97,6 +101,8 @@ def summarize(run: ConfigRun) -> dict:
         raise ValueError(f"run {run.name!r}: wall_s must be finite and >= 0 seconds, got {run.wall_s!r}")
     done = _finished(run)
     ttft = [r.ttft_s for r in done if r.ttft_s is not None]
+    phases = {name: _percentiles([v for r in done if (v := getattr(r, name)) is not None], {"p50": 50, "p99": 99})
+              for name in PHASES}
     tpot = [r.tpot_s for r in done if r.tpot_s is not None]
     e2e = [r.e2e_s for r in done]
     input_tokens = sum(r.input_tokens for r in done)
@@ -109,6 +115,7 @@ def summarize(run: ConfigRun) -> dict:
         "ttft_s": _percentiles(ttft, {"p50": 50, "p90": 90, "p99": 99}),
         "tpot_s": _percentiles(tpot, {"p50": 50, "p99": 99}),
         "e2e_s": _percentiles(e2e, {"p50": 50, "p99": 99}),
+        **phases,
         "throughput_tok_s": _ratio(float(input_tokens + output_tokens), float(run.wall_s)),
         "requests": len(run.records),
         "hit_tokens": hit_tokens,
@@ -142,7 +149,12 @@ def _summaries(runs: list[ConfigRun]) -> dict[str, dict]:
     return out
 
 
-def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE) -> dict:
+def record_json(r: RequestRecord) -> dict:
+    """One request as JSON: its fields, ``ttft_s``, the TTFT parts and ``tier_mix``."""
+    return {**asdict(r), "ttft_s": r.ttft_s, **{name: getattr(r, name) for name in PHASES}, "tier_mix": r.tier_mix}
+
+
+def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE, records: bool = False) -> dict:
     """The ``kvtier bench --json`` document (``kvtier simulate --json`` writes the same shape).
 
     Args:
@@ -158,11 +170,16 @@ def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE
         where ``ttft_p99_ratio`` = the baseline's p99 TTFT / this run's (> 1: this run is
         faster) and ``throughput_ratio`` = this run's throughput / the baseline's (> 1: more
         tokens/s); a ratio is None when either side is None or the denominator is 0.
+        With ``records``, each configuration also holds ``"records"``: every request as
+        :func:`record_json` writes it, in finishing order.
 
     Raises:
         ValueError: two runs share a name, or a run's ``wall_s`` is invalid (see ``summarize``).
     """
     configs = _summaries(runs)
+    if records:
+        for run in runs:
+            configs[run.name]["records"] = [record_json(r) for r in run.records]
     data = {"provenance": provenance, "configs": configs}
     if baseline in configs and len(configs) > 1:
         data["comparison"] = {name: _compare(configs[baseline], s)
@@ -271,6 +288,9 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
     rows += [(f"TTFT {q} (ms)", col(lambda x, q=q: _ms(x["ttft_s"][q]))) for q in ("p50", "p90", "p99")]
     rows += [(f"TPOT {q} (ms)", col(lambda x, q=q: _ms(x["tpot_s"][q]))) for q in ("p50", "p99")]
     rows += [(f"e2e {q} (ms)", col(lambda x, q=q: _ms(x["e2e_s"][q]))) for q in ("p50", "p99")]
+    for name in PHASES:
+        label = name.removesuffix("_s").replace("_", " ")
+        rows += [(f"  {label} {q} (ms)", col(lambda x, q=q, name=name: _ms(x[name][q]))) for q in ("p50", "p99")]
     rows.append(("throughput (tok/s)", col(lambda x: "n/a" if x["throughput_tok_s"] is None
                                           else f"{x['throughput_tok_s']:.1f}")))
     rows += [(f"hit rate {t}", col(lambda x, t=t: _pct(x["hit_rate"][t]))) for t in (*TIERS, "total")]

@@ -13,7 +13,7 @@ import math
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
 from kvtier.serve import Engine, EngineConfig, SamplingParams
+from kvtier.serve.config import SCHEDULE_POLICIES
 from kvtier.tokenize import KimiTokenizer, load_tokenizer
 
 
@@ -66,6 +67,8 @@ class BenchOptions:
             given to torch, an op's threads wait on each other whenever another thread is
             scheduled (on 2 cores a 4-request decode run took 34 s with 2 threads under
             contention vs 0.55 s with 1).
+        schedule_policy: admission order of every configuration's engine (``cache-aware`` or
+            ``fcfs``; see :mod:`kvtier.serve.scheduler`).
     """
 
     model: str = "tiny"
@@ -90,8 +93,12 @@ class BenchOptions:
     max_num_batched_tokens: int = 1024
     seed: int = 0
     threads: int = 1
+    schedule_policy: str = "cache-aware"
 
     def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
         if self.trace is not None and self.conversations is not None:
             raise ValueError("--trace and --conversations are exclusive: give one workload")
         if self.conversations is None:
@@ -251,7 +258,7 @@ def prepare(opts: BenchOptions):
     sizing = size_tiers(opts, workload, model)
     base = EngineConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
-                        seed=opts.seed)
+                        seed=opts.seed, schedule_policy=opts.schedule_policy)
     return model, model_id, workload, sizing, base, tokenizer
 
 
@@ -272,4 +279,32 @@ def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload
     return workload, sizing, runs, bench_provenance(opts, workload, sizing, model)
 
 
-__all__ = ["BenchOptions", "Sizing", "prepare", "run_all", "run_config", "size_tiers"]
+def at_load(opts: BenchOptions, load: float) -> BenchOptions:
+    """``opts`` with every think time, and the cap on it, divided by ``load`` (> 0)."""
+    return replace(opts, time_scale=opts.time_scale / load, max_think_s=opts.max_think_s / load)
+
+
+def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_finish=None):
+    """Run every configuration of ``opts`` at each offered load of ``loads`` (see
+    :mod:`kvtier.bench.sweep`); returns ``(workload, sizing, points, provenance)`` with
+    ``points = [(load, runs)]``. The tiers are sized once, for the workload at ``opts``'s
+    think times (lengths do not change with load). ``on_start(name, num_requests)`` gets
+    ``name@xLOAD``."""
+    configs = parse_configs(opts.configs)
+    torch.set_num_threads(opts.threads)
+    model, model_id, workload, sizing, base, tokenizer = prepare(opts)
+    warm_up(model, base)
+    points = []
+    for load in loads:
+        o = at_load(opts, load)
+        wl = load_workload(o, model.config.max_position_embeddings, tokenizer)
+        runs = []
+        for config in configs:
+            if on_start is not None:
+                on_start(f"{config.name}@x{load:g}", wl.num_requests())
+            runs.append(run_config(config, model, model_id, base, sizing, wl, o, on_finish, tokenizer))
+        points.append((load, runs))
+    return workload, sizing, points, bench_provenance(opts, workload, sizing, model) | {"load_sweep": list(loads)}
+
+
+__all__ = ["BenchOptions", "Sizing", "at_load", "prepare", "run_all", "run_config", "run_sweep", "size_tiers"]

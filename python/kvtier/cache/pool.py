@@ -264,12 +264,7 @@ class KVPool:
         assert not seq.page_ids, "sequence already holds pages"
         if not self.config.enable_prefix_caching:
             return PrefixStart.READY
-        max_blocks = (seq.num_tokens - 1) // self.page_size
-        self._hash_blocks(seq, max_blocks)
-        hashes = seq.block_hashes[:max_blocks]
-        rows = self.index.match(hashes, self._usable_tiers())
-        sources = [self._best_source(row) for row in rows]
-        take = self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
+        hashes, rows, sources, take = self._match_prefix(seq)
         if not partial and self._load_pages(rows, sources, take) > len(self.free_pages):
             return PrefixStart.NO_ROOM
         for i in range(take):  # reference resident pages first: loads must not evict them
@@ -284,6 +279,36 @@ class KVPool:
             return PrefixStart.LOADING
         self._complete(seq, loads)
         return PrefixStart.READY
+
+    def _match_prefix(self, seq: Sequence):
+        """``(hashes, rows, sources, take)``: the prompt's block hashes, their index rows, the
+        fastest tier of each matched block, and how many leading blocks the cost model takes."""
+        max_blocks = (seq.num_tokens - 1) // self.page_size
+        self._hash_blocks(seq, max_blocks)
+        hashes = seq.block_hashes[:max_blocks]
+        rows = self.index.match(hashes, self._usable_tiers())
+        sources = [self._best_source(row) for row in rows]
+        return hashes, rows, sources, self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
+
+    def estimate_prefix(self, seq: Sequence) -> tuple[int, float]:
+        """What :meth:`begin_prefix` would reuse for page-less ``seq`` now, taking nothing.
+
+        Returns:
+            ``(reused_tokens, load_s)``: prompt tokens it would place from cached blocks (device
+            hits and the loads the cost model chooses), and the cost model's estimate of those
+            loads in seconds (0.0 when every block is a device hit). Whether the loads' pages are
+            free is not checked.
+        """
+        if not self.config.enable_prefix_caching:
+            return 0, 0.0
+        _, _, sources, take = self._match_prefix(seq)
+        load_s, paid = 0.0, set()
+        for tier in sources[:take]:
+            if tier != Tier.DEVICE:
+                load_s += self.cost_model.load_s(tier, self.block_bytes) - (
+                    self.cost_model.load_s(tier, 0) if tier in paid else 0.0)
+                paid.add(tier)
+        return take * self.page_size, load_s
 
     def _load_pages(self, rows, sources: list[Tier], take: int) -> int:
         """Free pages the first ``take`` blocks need: one per load, plus each resident page that

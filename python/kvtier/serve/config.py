@@ -8,6 +8,8 @@ from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.policy import WRITE_POLICIES, PoolConfig
 from kvtier.options import check_choice, check_int, check_str
 
+SCHEDULE_POLICIES = ("cache-aware", "fcfs")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -30,6 +32,11 @@ class EngineConfig:
         cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
             4, .. up to max_num_seqs, at most 64), as vLLM and SGLang do; needs a GPU model (the
             runner raises ValueError otherwise). Off by default until measured.
+        schedule_policy: ``cache-aware`` (waiting requests ordered by their estimated cost to
+            serve, cached ones first, with aging; see :mod:`kvtier.serve.scheduler`) or
+            ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
+        schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
+            this many steps is served ahead of every request that was not, in arrival order.
 
     Every field is checked for its type (a bool is not an int, a str is not a size, an int is
     not a directory) and range; sizes that give a host or disk tier of zero blocks are errors
@@ -53,14 +60,17 @@ class EngineConfig:
     cache_salt: str = ""
     seed: int = 0
     cuda_graph: bool = False
+    schedule_policy: str = "cache-aware"
+    schedule_max_passes: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "schedule_max_passes"):
             check_int(name, getattr(self, name), min_value=1)
         check_str("cache_salt", self.cache_salt)
         check_choice("cache_write_policy", self.cache_write_policy, WRITE_POLICIES)
+        check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
         self.pool_config()  # validates the cache fields
 

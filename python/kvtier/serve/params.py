@@ -97,11 +97,19 @@ class SamplingParams:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.perf_counter`` seconds) of one request."""
+    """Wall-clock times (``time.perf_counter`` seconds) of one request.
+
+    ``arrival_time`` <= ``admitted_time`` (the first step that gave it pages: its cached prefix
+    placed or its loads started) <= ``loaded_time`` (its loaded pages usable; equal to
+    ``admitted_time`` when nothing was loaded) <= ``first_token_time`` <= ``finish_time``;
+    None until reached. A preempted request keeps its first admission's times.
+    """
 
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
+    admitted_time: float | None = None
+    loaded_time: float | None = None
 
     @property
     def ttft_s(self) -> float | None:

@@ -47,6 +47,7 @@ class Sequence:
     hit_tiers: dict[bytes, str] = field(default_factory=dict)
     prefix_done: bool = False  # the cached prefix was matched (and loaded) since the last admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is set on the first admission only)
+    num_passed_over: int = 0  # steps in which a later arrival got prefill tokens and this one none
     error: str | None = None
     constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer

@@ -1,9 +1,11 @@
-"""Continuous-batching scheduler with chunked prefill, asynchronous prefix loads and recompute
-preemption."""
+"""Continuous-batching scheduler with chunked prefill, asynchronous prefix loads, recompute
+preemption and cache-aware admission."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.cache.pool import KVPool, PrefixStart
@@ -26,32 +28,70 @@ class ScheduledBatch:
         return bool(self.extends or self.decodes)
 
 
+DEADLINE_STRETCH = 1.0
+"""Cache-aware rank: a request's deadline is its arrival plus this many times its estimated
+cost to serve, so a cheap request goes ahead of a costly one that arrived up to (this times)
+the difference in cost before it, and a costly one is not passed over by later arrivals for
+longer than about its own cost."""
+CHUNK_SHARE = 0.5
+"""Share of each step's token budget the chunked prefill gets at least, whatever ranks ahead."""
+
+
 class Scheduler:
-    """FCFS: running sequences first (decodes and unfinished prefills), then admissions.
+    """Running sequences first (decodes, then prefill chunks), then admissions.
+
+    Admission order (``EngineConfig.schedule_policy``):
+
+    * ``cache-aware`` (default): every step, unfinished prefills and waiting requests are ranked
+      by their estimated cost to serve, ``load_s + recompute_s(tokens to prefill)`` from the
+      pool's cost model (:meth:`KVPool.estimate_prefix`), as a deadline: arrival plus
+      ``DEADLINE_STRETCH`` times that cost, earliest first, so a returning turn whose prefix is
+      cached is placed ahead of, or in the same step as, a long cold prefill, and a long prefill
+      is not passed over for much longer than its own cost. As in SGLang's mixed chunked
+      prefill, one prefill at a time runs in chunks (a request whose prompt does not fit in
+      what is left of the step's budget waits while another is chunked: a partly computed
+      prompt holds pages), beside any number of prefills that end in the step; the chunked one
+      gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
+      whatever they leave. A
+      request that cannot be placed now (its loads need more free pages than there are, or its
+      first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
+      request, running prefills ranked behind it are preempted if their pages let it in.
+      Aging bounds how long a request can be skipped: a request passed over in
+      ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
+      got none; a preemption counts as one) ranks ahead of every request that was not, in
+      arrival order, and is not preempted for others; such a request that cannot be placed
+      stops admission behind it until pages are freed.
+    * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
+      the first that cannot be placed holds the ones behind it.
 
     An admitted sequence first gets its cached prefix from the pool; the pool's cost model
     decides how much of it to load from the tiers holding it rather than recompute. While blocks
-    load from a lower tier the sequence waits in ``loading`` and the batch goes on without it. A sequence whose loads need more device pages than are free stays
-    at the head of ``waiting`` until running sequences free pages; only when nothing else holds
-    pages does it load what fits and recompute the rest. A head that failed admission is not
-    retried until pages were freed (or its chunk budget shrank). When pages run out, the most
-    recently admitted running sequence is preempted: its pages are released into the prefix
-    cache, so its full blocks are offloaded rather than lost (an evicted page is copied to the
-    host tier when there is one: at once under write-through, at eviction under write-back).
-    When it is re-admitted it matches them like any returning prompt and loads them back; its
-    last, partial block, and whatever no tier kept or the cost model chose not to load, are
-    recomputed.
+    load from a lower tier the sequence waits in ``loading`` and the batch goes on without it;
+    when they ended it is ranked again (cheaply: only its remaining tokens). Its loads take
+    device pages only when all of them fit, unless nothing else holds pages, when it loads what
+    fits and recomputes the rest. A request that failed admission is not retried until pages
+    were freed (or its chunk budget shrank). When pages run out, the most recently admitted
+    running sequence is preempted: its pages are released into the prefix cache, so its full
+    blocks are offloaded rather than lost (an evicted page is copied to the host tier when there
+    is one: at once under write-through, at eviction under write-back). When it is re-admitted
+    it matches them like any returning prompt and loads them back; its last, partial block, and
+    whatever no tier kept or the cost model chose not to load, are recomputed.
+
+    ``clock`` gives the times recorded in each request's metrics (``admitted_time``,
+    ``loaded_time``), in the same unit and origin as its ``arrival_time``.
     """
 
-    def __init__(self, config: EngineConfig, pool: KVPool):
+    def __init__(self, config: EngineConfig, pool: KVPool, clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.pool = pool
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.loading: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # The head that failed admission, the free pages then and the token budget it had.
-        self._blocked: tuple[Sequence, int, int] | None = None
+        # Requests that failed admission: the free pages then and the token budget they had.
+        self._blocked: dict[int, tuple[int, int]] = {}
+        self._estimates: dict[int, tuple[int, float]] = {}  # this step's cost estimates by seq_id
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -62,6 +102,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq)
+        self._estimates.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.prefix_done = False
         seq.status = SequenceStatus.WAITING
@@ -74,7 +115,13 @@ class Scheduler:
         else:
             batch.extends.append((seq, n))
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        return seq.num_tokens - seq.num_computed_tokens
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, plan: dict[int, int] | None) -> int:
+        """Place running sequences in admission order; ``plan`` (None: no cap) caps each prefill
+        chunk (a sequence with more than one token to run) by its seq_id, 0 when absent."""
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -83,7 +130,11 @@ class Scheduler:
             if seq.num_computed_tokens >= seq.num_tokens:
                 # Computed but never sampled (a step was interrupted): recompute the last token.
                 seq.num_computed_tokens = seq.num_tokens - 1
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(self._remaining(seq), budget)
+            if plan is not None and n > 1:
+                n = min(n, plan.get(seq.seq_id, 0))
+                if n == 0:
+                    continue
             while not self.pool.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -94,6 +145,124 @@ class Scheduler:
                 budget -= n
         return budget
 
+    # ---- cache-aware ranking ------------------------------------------------------------------
+    def _estimate(self, seq: Sequence) -> tuple[int, float]:
+        """``(tokens to prefill, estimated seconds to serve its prompt)``, memoised per step."""
+        got = self._estimates.get(seq.seq_id)
+        if got is None:
+            reused, load_s = 0, 0.0
+            if seq.status is SequenceStatus.WAITING and not seq.prefix_done and not seq.page_ids:
+                reused, load_s = self.pool.estimate_prefix(seq)
+            tokens = max(1, self._remaining(seq) - reused)
+            got = self._estimates[seq.seq_id] = (tokens, load_s + self.pool.cost_model.recompute_s(tokens))
+        return got
+
+    def _urgent(self, seq: Sequence) -> bool:
+        return self.config.schedule_policy != "fcfs" and seq.num_passed_over >= self.config.schedule_max_passes
+
+    @staticmethod
+    def _arrival(seq: Sequence) -> tuple[float, int]:
+        return seq.metrics.arrival_time, seq.seq_id
+
+    def _key(self, seq: Sequence) -> tuple:
+        """Rank key: aged requests first, by arrival; then by deadline, arrival plus
+        ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
+        arrival, seq_id = self._arrival(seq)
+        if self._urgent(seq):
+            return 0, arrival, seq_id
+        return 1, arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
+
+    def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
+        """``seqs`` in cache-aware order (see :meth:`_key`)."""
+        return sorted(seqs, key=self._key)
+
+    def _plan(self, budget: int) -> dict[int, int]:
+        """Prefill tokens each running prefill may take this step: the oldest (the chunked one)
+        at least ``CHUNK_SHARE`` of the step's budget, the others, in rank order with the waiting
+        requests, what they need; budget left after admission goes to them in :meth:`_top_up`."""
+        prefills = [s for s in self.running if self._remaining(s) > 1]
+        left = budget - (len(self.running) - len(prefills))
+        if not prefills or left <= 0:
+            return {}
+        oldest = prefills[0]
+        reserve = min(self._remaining(oldest), max(1, int(self.config.max_num_batched_tokens * CHUNK_SHARE)), left)
+        plan = {oldest.seq_id: reserve}
+        left -= reserve
+        for seq in self._ranked(prefills[1:] + list(self.waiting)):
+            if left <= 0:
+                break
+            give = min(max(self._estimate(seq)[0] - plan.get(seq.seq_id, 0), 0), left)
+            if seq.status is SequenceStatus.RUNNING:
+                plan[seq.seq_id] = plan.get(seq.seq_id, 0) + give
+            left -= give
+        return plan
+
+    def _top_up(self, batch: ScheduledBatch, budget: int) -> None:
+        """Give budget no admission took to running prefills, cheapest first, without preempting."""
+        placed = {s.seq_id: i for i, (s, _) in enumerate(batch.extends)}
+        decoding = {s.seq_id for s in batch.decodes}
+        for seq in self._ranked([s for s in self.running if s.seq_id not in decoding]):
+            if budget <= 0:
+                break
+            i = placed.get(seq.seq_id)
+            have = 0 if i is None else batch.extends[i][1]
+            extra = min(self._remaining(seq) - have, budget)
+            if extra <= 0 or not self.pool.allocate(seq, seq.num_computed_tokens + have + extra):
+                continue
+            if i is None:
+                self._place(batch, seq, extra)
+            else:
+                batch.extends[i] = (seq, have + extra)
+            budget -= extra
+
+    def _age(self, batch: ScheduledBatch, started_loading: list[Sequence]) -> None:
+        """Count a step passed over for each request that got no prefill tokens while a later
+        arrival got some (or started its loads)."""
+        served = [s for s, _ in batch.extends] + started_loading
+        if not served:
+            return
+        latest = max(self._arrival(s) for s in served)
+        got = {s.seq_id for s in served} | {s.seq_id for s in batch.decodes}
+        for seq in [*self.waiting, *self.running]:
+            if seq.seq_id not in got and self._arrival(seq) < latest:
+                seq.num_passed_over += 1
+
+    def _make_room(self) -> None:
+        """Preempt running prefills that rank behind the best-ranked request blocked on pages,
+        when their pages together let it in (vLLM's priority scheduling preempts the same way).
+        Only prefills that are not aged are taken, most expensive first, and each preemption
+        counts as a step passed over, so aging bounds how often one request is preempted."""
+        blocked = [s for s in self.waiting if s.seq_id in self._blocked]
+        if not blocked:
+            return
+        head = self._ranked(blocked)[0]
+        if head.page_ids:
+            return
+        tokens = self._estimate(head)[0]  # its reused prefix and first chunk need pages
+        need = self.pool.pages_needed(head, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
+        if self.pool.num_free_pages >= need:
+            return
+        key = self._key(head)
+        victims = sorted((s for s in self.running
+                          if self._remaining(s) > 1 and not self._urgent(s) and self._key(s) > key),
+                         key=self._key, reverse=True)
+        chosen, free = [], self.pool.num_free_pages
+        for v in victims:
+            if free >= need:
+                break
+            chosen.append(v)
+            free += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
+        if free < need:
+            return
+        for v in chosen:
+            self._preempt(v)
+            v.num_passed_over += 1
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _mark(self, seq: Sequence, name: str) -> None:
+        if getattr(seq.metrics, name) is None:
+            setattr(seq.metrics, name, self.clock())
+
     def _collect_loaded(self) -> None:
         """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
         they were admitted."""
@@ -101,6 +270,7 @@ class Scheduler:
         for seq in reversed(ended):
             self.loading.remove(seq)
             seq.prefix_done = True
+            self._mark(seq, "loaded_time")
             self.waiting.appendleft(seq)
 
     def _cap_reuse(self, seq: Sequence) -> None:
@@ -122,59 +292,95 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.cached_tokens_by_tier = dict(seq.prefix_tokens_by_tier)
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            others = bool(self.running or self.loading)  # they will free pages
-            if others and self._still_blocked(seq, budget):
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, order: list[Sequence], hold_line: bool) -> int:
+        """Admit ``order``'s waiting requests while budget and sequence slots last; one that cannot
+        be placed stops the rest when ``hold_line`` (or it is aged), else it is skipped."""
+        chunking = not hold_line and self._chunking(batch)
+        for seq in order:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            if not seq.prefix_done:
-                start = self.pool.begin_prefix(seq, partial=not others)
-                if start is PrefixStart.NO_ROOM:
-                    self._block(seq, 0)  # its loads need the pages whatever the budget
+            if chunking and self._estimate(seq)[0] > budget:
+                continue  # one chunked prefill at a time: it would hold pages while it waits for budget
+            n = self._admit(batch, seq, budget)
+            if n is None:
+                if hold_line or self._urgent(seq):
                     break
-                if start is PrefixStart.LOADING:
-                    self.waiting.popleft()
-                    self.loading.append(seq)
-                    self._blocked = None  # it holds pages now: when its loads end it is placed at once
-                    continue
-                seq.prefix_done = True
-            self._cap_reuse(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.pool.allocate(seq, seq.num_computed_tokens + n):
-                # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
-                # loaded ones are now device copies), so waiting can never deadlock the pool.
-                for w in self.waiting:
-                    if w.page_ids or w.prefix_done:
-                        self.pool.free(w)
-                        w.num_computed_tokens, w.prefix_done = 0, False
-                self._block(seq, budget)
-                break
-            self.waiting.popleft()
-            self._blocked = None
-            self._record_admission(seq)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            self._place(batch, seq, n)
+                continue
             budget -= n
+            chunking = chunking or (not hold_line and 0 < n < self._remaining(seq) - 1)
+        return budget
+
+    def _chunking(self, batch: ScheduledBatch) -> bool:
+        """Whether a running sequence will still have prompt tokens to run after this step."""
+        placed = {s.seq_id: n for s, n in batch.extends}
+        placed.update((s.seq_id, 1) for s in batch.decodes)
+        return any(s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1 for s in self.running)
+
+    def _admit(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
+        """Start ``seq``'s loads (0) or place its first chunk (its tokens); None: it cannot be
+        placed now."""
+        others = bool(self.running or self.loading)  # they will free pages
+        if others and self._still_blocked(seq, budget):
+            return None
+        if not seq.prefix_done:
+            start = self.pool.begin_prefix(seq, partial=not others)
+            if start is PrefixStart.NO_ROOM:
+                self._block(seq, 0)  # its loads need the pages whatever the budget
+                return None
+            if start is PrefixStart.LOADING:
+                self._mark(seq, "admitted_time")
+                self.waiting.remove(seq)
+                self.loading.append(seq)
+                self._blocked.pop(seq.seq_id, None)  # it holds pages now: when its loads end it is placed at once
+                return 0
+            seq.prefix_done = True
+        self._cap_reuse(seq)
+        n = min(self._remaining(seq), budget)
+        if not self.pool.allocate(seq, seq.num_computed_tokens + n):
+            # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
+            # loaded ones are now device copies), so waiting can never deadlock the pool.
+            for w in self.waiting:
+                if w.page_ids or w.prefix_done:
+                    self.pool.free(w)
+                    w.num_computed_tokens, w.prefix_done = 0, False
+            self._block(seq, budget)
+            return None
+        self.waiting.remove(seq)
+        self._blocked.pop(seq.seq_id, None)
+        self._mark(seq, "admitted_time")
+        self._mark(seq, "loaded_time")
+        self._record_admission(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._place(batch, seq, n)
+        return n
 
     def _block(self, seq: Sequence, budget: int) -> None:
-        self._blocked = (seq, self.pool.num_free_pages, budget)
+        self._blocked[seq.seq_id] = (self.pool.num_free_pages, budget)
 
     def _still_blocked(self, seq: Sequence, budget: int) -> bool:
         """``seq`` failed admission, no page was freed since and its chunk can be no smaller:
         retrying would fail again."""
-        if self._blocked is None or self._blocked[0] is not seq:
-            return False
-        return self.pool.num_free_pages <= self._blocked[1] and budget >= self._blocked[2]
+        blocked = self._blocked.get(seq.seq_id)
+        return blocked is not None and self.pool.num_free_pages <= blocked[0] and budget >= blocked[1]
 
     def schedule(self) -> ScheduledBatch:
         """Pick this step's work within ``max_num_batched_tokens``."""
         self.pool.poll()
         self._collect_loaded()
+        self._estimates = {}
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        self._admit_waiting(batch, budget)
+        budget = self.config.max_num_batched_tokens
+        if self.config.schedule_policy == "fcfs":
+            budget = self._schedule_running(batch, budget, None)
+            self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
+            return batch
+        self._make_room()
+        budget = self._schedule_running(batch, budget, self._plan(budget))
+        num_loading = len(self.loading)
+        budget = self._admit_waiting(batch, budget, self._ranked(list(self.waiting)), hold_line=False)
+        self._top_up(batch, budget)
+        self._age(batch, self.loading[num_loading:])
         return batch
 
     def abort(self, seq: Sequence) -> None:
@@ -184,8 +390,7 @@ class Scheduler:
                 queue.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if self._blocked is not None and self._blocked[0] is seq:
-            self._blocked = None
+        self._blocked.pop(seq.seq_id, None)
         self.pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"

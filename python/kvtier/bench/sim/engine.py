@@ -161,7 +161,7 @@ class SimEngine:
             disk=disk,
             clock=clock,
         )
-        self.scheduler = Scheduler(config, self.pool)
+        self.scheduler = Scheduler(config, self.pool, clock=clock)
         self.num_prefill_tokens = 0
         self.busy_s = 0.0
         self._next_id = 0

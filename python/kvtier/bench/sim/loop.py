@@ -184,6 +184,8 @@ def _record(
         m.finish_time,
         seq.num_cached_tokens,
         dict(seq.cached_tokens_by_tier),
+        admitted_s=m.admitted_time,
+        loaded_s=m.loaded_time,
     )
 
 

@@ -34,7 +34,7 @@ from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
 from kvtier.provenance import provenance
-from kvtier.serve.config import EngineConfig
+from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,8 @@ class SimOptions:
         matrix_efficiency: override of the assumed matrix efficiency.
         kernel_csv: ``perf/`` kernel-timing CSVs whose rates replace ``peak x efficiency``.
         kernel_device: the ``device`` substring of the CSV rows to use.
+        schedule_policy: the engines' admission order (``cache-aware`` or ``fcfs``; None = the
+            scenario's).
     """
 
     scenario: str
@@ -74,6 +76,7 @@ class SimOptions:
     matrix_efficiency: float | None = None
     kernel_csv: tuple[str, ...] = ()
     kernel_device: str | None = None
+    schedule_policy: str | None = None
 
     def resolve(self) -> Scenario:
         """The scenario with the overrides applied.
@@ -119,6 +122,11 @@ class SimOptions:
                     scn.efficiency, matrix=self.matrix_efficiency
                 ),
             )
+        if self.schedule_policy is not None:
+            if self.schedule_policy not in SCHEDULE_POLICIES:
+                raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                                 f"got {self.schedule_policy!r}")
+            scn = dataclasses.replace(scn, schedule_policy=self.schedule_policy)
         if self.configs is not None:
             scn = scn.select([n.strip() for n in self.configs.split(",") if n.strip()])
         return scn
@@ -200,6 +208,7 @@ def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig
         max_num_batched_tokens=scn.max_num_batched_tokens,
         max_num_seqs=max(scn.replay.concurrency, 1),
         seed=scn.replay.seed,
+        schedule_policy=scn.schedule_policy,
     )
     host_bytes = sizing.host_slots * HostTier.row_bytes(
         sizing.page_size

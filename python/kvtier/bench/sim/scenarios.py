@@ -158,6 +158,8 @@ class Scenario:
             bench`` does, as a fraction of the working set (for CPU-scale scenarios).
         kv_dtype_bytes, weight_dtype_bytes: bytes per KV value and per linear weight.
         calibration: what the scenario's fitted values were fitted on ("" = nothing fitted).
+        schedule_policy: the engines' admission order (``EngineConfig.schedule_policy``):
+            ``fcfs``, under which the scenarios were calibrated, unless overridden.
     """
 
     name: str
@@ -177,6 +179,7 @@ class Scenario:
     kv_dtype_bytes: float = 1.0
     weight_dtype_bytes: float = 1.0
     calibration: str = ""
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]

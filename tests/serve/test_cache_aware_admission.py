@@ -1,0 +1,168 @@
+"""Cache-aware admission: cached requests are served beside a long cold prefill, not behind it;
+aging bounds how long a cold request is passed over; a request waiting for pages for its
+loads does not hold the requests behind it. Each test also runs FCFS, where the situation it
+guards against happens, so the test shows the policy is what makes the difference."""
+
+import math
+
+import pytest
+
+from kvtier import LLM, SamplingParams
+from tests.cache.test_tiers_e2e import prompt
+from tests.serve.test_admission import N, ONE, PS, host_cached
+
+BUDGET = 64  # max_num_batched_tokens of these engines
+TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def engine_for(policy: str, **kw):
+    llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy, **kw)
+    return llm.engine
+
+
+def run_steps(engine, on_step=None, max_steps=500):
+    """Step until idle; returns ``{request_id: step index of its first token}``."""
+    first = {}
+    step = 0
+    while engine.has_unfinished():
+        if on_step is not None:
+            on_step(step)
+        for out in engine.step():
+            first.setdefault(out.request_id, step)
+        for seq in engine.scheduler.running:
+            if seq.output_token_ids:
+                first.setdefault(seq.seq_id, step)
+        step += 1
+        assert step < max_steps, "did not finish"
+    return first
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_cached_requests_get_first_token_before_a_long_cold_prefill_ends(policy):
+    engine = engine_for(policy)
+    shorts = [prompt(4 * PS + 1, 10 + i) for i in range(3)]
+    for p in shorts:  # their 4 full blocks become device-cached
+        engine.add_request(p, ONE)
+    run_steps(engine)
+    cold = engine.add_request(prompt(20 * PS, 99), ONE)  # 320 tokens: 5 steps of 64 on its own
+    engine.step()  # the cold prefill is under way
+    cached = [engine.add_request(p, ONE) for p in shorts]
+    first = run_steps(engine)
+    if policy == "cache-aware":
+        assert all(first[rid] < first[cold] for rid in cached), first
+    else:  # FCFS: the running prefill takes every step's budget; they wait for its last chunk
+        assert all(first[rid] >= first[cold] for rid in cached), first
+
+
+def test_cached_requests_report_their_hits_and_a_breakdown_that_sums_to_ttft():
+    engine = engine_for("cache-aware")
+    short = prompt(4 * PS + 1, 10)
+    engine.add_request(short, ONE)
+    run_steps(engine)
+    engine.add_request(prompt(20 * PS, 99), ONE)
+    engine.step()
+    rid = engine.add_request(short, ONE)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    out, m = outs[rid], outs[rid].metrics
+    assert out.num_cached_tokens == 4 * PS
+    assert m.arrival_time <= m.admitted_time <= m.loaded_time <= m.first_token_time
+    for o in outs.values():
+        assert o.metrics.admitted_time is not None and o.metrics.loaded_time is not None
+
+
+@pytest.mark.parametrize("max_passes", [1, 4, 16])
+def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_bound(max_passes):
+    """Bound: a request is passed over (a later arrival gets prefill tokens, it gets none) in at
+    most ``schedule_max_passes`` steps; it then ranks first, is admitted once the prefill being
+    chunked, if any, ends (one more step here), and as the chunked prefill gets at least half of
+    every step's budget. Here (no decodes) its first token comes within
+    ``max_passes + 2 + ceil(L / (budget / 2))`` steps of its arrival, however fast the stream
+    comes (the deadline rank may admit it sooner; the bound does not depend on timing)."""
+    engine = engine_for("cache-aware", schedule_max_passes=max_passes)
+    base = prompt(4 * PS, 7)
+    engine.add_request(base + [1], ONE)
+    run_steps(engine)  # the shared 4 blocks are device-cached
+    length = 16 * PS
+    cold = engine.add_request(prompt(length, 99), ONE)
+    stream_steps = 40
+    counter = iter(range(10**6))
+
+    def feed(step):  # two requests a step, 48 uncached tokens each: more than the budget
+        if step < stream_steps:
+            for _ in range(2):
+                engine.add_request(base + prompt(48, 1000 + next(counter)), ONE)
+
+    first = run_steps(engine, on_step=feed)
+    assert first[cold] <= max_passes + 2 + math.ceil(length / (BUDGET // 2)), first[cold]
+    assert max(first.values()) >= stream_steps  # the stream really outlasted the bound
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_request_waiting_for_pages_for_its_loads_does_not_stop_the_ones_behind_it(policy):
+    b = prompt(N, 2)
+    llm = host_cached(b, schedule_policy=policy)  # 10 device pages; b's 8 blocks in the host tier
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request(prompt(5 * PS, 3), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    engine.step()  # it holds 5, then 6 pages while it decodes
+    blocked = engine.add_request(b, ONE)
+    behind = engine.add_request(prompt(2 * PS, 5), ONE)  # 2 pages: fits now
+    outs = engine.step()  # b's 8 loads do not fit in the pages left
+    seq = next(s for s in sched.waiting if s.seq_id == blocked)
+    assert not seq.page_ids and seq not in sched.loading
+    if policy == "cache-aware":
+        assert [o.request_id for o in outs] == [behind]
+    else:
+        assert outs == [] and any(s.seq_id == behind for s in sched.waiting)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step()})
+    assert done[blocked].num_cached_tokens == 8 * PS  # it still loads its whole prefix later
+    assert done[blocked].cached_tokens_by_tier["host"] > 0
+
+
+def test_schedule_policy_is_validated():
+    with pytest.raises(ValueError, match="schedule_policy must be one of cache-aware, fcfs, got 'lifo'"):
+        LLM("tiny", num_device_pages=16, schedule_policy="lifo")
+    with pytest.raises(ValueError, match="schedule_max_passes must be a positive int, got 0"):
+        LLM("tiny", num_device_pages=16, schedule_max_passes=0)
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(policy):
+    """38 device pages: a 36-page cold prefill soon leaves too few for a 13-page request whose
+    blocks are cached; cache-aware admission preempts the prefill (its computed blocks stay
+    cached and are loaded back) and lets the cached request in; both produce what they produce
+    alone."""
+    from tests.cache.test_tiers_e2e import always_load
+
+    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+                          host_cache_bytes=64 * 15360, schedule_policy=policy))
+    engine = llm.engine
+    engine.pool.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
+    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
+    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
+    cold = engine.add_request(cold_prompt, TWO)
+    for _ in range(6):
+        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
+    rid = engine.add_request(short, TWO)
+    first, outs, step = {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+        for seq in engine.scheduler.running:
+            if seq.output_token_ids:
+                first.setdefault(seq.seq_id, step)
+        for i in outs:
+            first.setdefault(i, step)
+        step += 1
+    assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]
+    assert outs[rid].num_cached_tokens == 12 * PS
+    if policy == "cache-aware":
+        assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
+    else:  # it waits for the whole prefill
+        assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0
