@@ -123,9 +123,9 @@ def test_request_waiting_for_pages_for_its_loads_does_not_stop_the_ones_behind_i
 
 
 def test_schedule_policy_is_validated():
-    with pytest.raises(ValueError, match="schedule_policy must be one of cache-aware, fcfs, got 'lifo'"):
+    with pytest.raises(ValueError, match=r"schedule_policy must be one of \('cache-aware', 'fcfs'\), got 'lifo'"):
         LLM("tiny", num_device_pages=16, schedule_policy="lifo")
-    with pytest.raises(ValueError, match="schedule_max_passes must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="schedule_max_passes must be an int >= 1, got 0"):
         LLM("tiny", num_device_pages=16, schedule_max_passes=0)
 
 
