@@ -41,25 +41,52 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part) -> bool:
+    """A loc part pydantic adds for a member of a union (``str``, ``list[int]``,
+    ``literal['auto','none']``): not a field the client wrote."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
 def _loc(loc) -> str:
     out = ""
     for part in loc:
-        if part == "body":
+        if part == "body" or _is_union_tag(part):
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
+def _problem(error: dict) -> tuple:
+    """The field an error is about: for a union member's error, the union field itself (so the
+    errors of every member count as one problem)."""
+    loc = tuple(error.get("loc", ()))
+    tags = [i for i, part in enumerate(loc) if _is_union_tag(part)]
+    return loc[:tags[0]] if tags else loc
+
+
 def validation_error(e: ValidationError | list) -> ApiError:
-    """A pydantic (or FastAPI) validation error as a 400 naming the first bad field."""
+    """A pydantic (or FastAPI) validation error as a 400 naming the first bad field.
+
+    A field of several types (``stop``: a string or a list of strings) that matches none is one
+    problem: the message is the most specific one (deepest path, e.g. ``stop[0]``), and when its
+    members fail equally deep, what each expected."""
     errors = e.errors() if isinstance(e, ValidationError) else e
     first = errors[0]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                         "body")
-    param = _loc(first.get("loc", ())) or "body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return ApiError(400, f"{param}: {first['msg']}{more}", param)
+    key = _problem(first)
+    group = [x for x in errors if _problem(x) == key]
+    depth = {id(x): sum(p != "body" and not _is_union_tag(p) for p in x.get("loc", ())) for x in group}
+    deepest = [x for x in group if depth[id(x)] == max(depth.values())]
+    msgs = list(dict.fromkeys(x["msg"] for x in deepest))
+    param = _loc(deepest[0].get("loc", ())) or "body"
+    others = len({_problem(x) for x in errors} - {key})
+    more = f" (and {others} more problem(s))" if others else ""
+    return ApiError(400, f"{param}: {' or '.join(msgs)}{more}", param)
 
 
 def value_error(e: ValueError) -> ApiError:

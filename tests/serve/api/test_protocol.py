@@ -1,0 +1,43 @@
+"""Request bodies parsed without a server: every refusal is an ApiError(400) whose ``param``
+names the field as the client wrote it (never pydantic's internal union-member tags)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
+
+ASK = [{"role": "user", "content": "hello"}]
+
+
+def _refusal(model, **fields) -> ApiError:
+    body = {"model": "tiny", **({"messages": ASK} if model is ChatRequest else {"prompt": "hi"}), **fields}
+    with pytest.raises(ApiError) as info:
+        parse(model, body)
+    return info.value
+
+
+@pytest.mark.parametrize("model, fields, param, says", [
+    (ChatRequest, {"stop": 3}, "stop", "valid string"),
+    (ChatRequest, {"stop": [1, 2]}, "stop[0]", "valid string"),
+    (ChatRequest, {"stop": {"a": 1}}, "stop", "valid list"),
+    (ChatRequest, {"tool_choice": 3}, "tool_choice", "'auto', 'none' or 'required'"),
+    (ChatRequest, {"tool_choice": "sometimes"}, "tool_choice", "valid dictionary"),
+    (CompletionRequest, {"prompt": [True, False]}, "prompt[0]", "valid integer"),
+    (CompletionRequest, {"prompt": [1.0]}, "prompt[0]", "valid integer"),
+    (CompletionRequest, {"prompt": [[1], [True]]}, "prompt[1][0]", "valid integer"),
+    (CompletionRequest, {"prompt": None}, "prompt", "valid string"),
+    (CompletionRequest, {"prompt": 5}, "prompt", "valid list"),
+])
+def test_union_fields_are_named_as_sent(model, fields, param, says):
+    e = _refusal(model, **fields)
+    assert e.status == 400 and e.param == param, (e.param, e.message)
+    assert e.message.startswith(f"{param}: ") and says in e.message, e.message
+    assert "[str]" not in e.message and "literal[" not in e.message, e.message
+
+
+def test_other_fields_still_counted_after_a_union_field():
+    e = _refusal(ChatRequest, stop=3, max_tokens="x")
+    assert e.param == "max_tokens" and "1 more problem" in e.message, e.message
+    e = _refusal(ChatRequest, stream_options={"include_usage": "x"})
+    assert e.param == "stream_options.include_usage", e.param
