@@ -41,3 +41,12 @@ def test_other_fields_still_counted_after_a_union_field():
     assert e.param == "max_tokens" and "1 more problem" in e.message, e.message
     e = _refusal(ChatRequest, stream_options={"include_usage": "x"})
     assert e.param == "stream_options.include_usage", e.param
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "expected_tool_wait_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_numbers_are_refused_as_such(field, value):
+    # JSON from Python clients may carry NaN/Infinity (and 1e999 decodes to inf): an infinite
+    # tool wait would keep a session's blocks forever under the tool-aware policy
+    e = _refusal(ChatRequest, **{field: value})
+    assert e.status == 400 and e.param == field and "finite" in e.message, e.message

@@ -1,12 +1,12 @@
 """OpenAI request bodies (validated with pydantic), their sampling parameters, and the error
 shape.
 
-Fields are typed strictly: a wrong type is a 400 naming the field (``max_tokens: Input should
-be a valid integer``), never a silent conversion. Unknown fields are ignored, as OpenAI-style
-servers do (clients send vendor extensions). kvtier's extensions: ``session_id`` (or the header
-``X-Session-Id``), ``expected_tool_wait_s`` (a hint of how long the tools of this turn will
-run), ``ignore_eos`` (as vLLM has it: generate ``max_tokens`` tokens whatever the model says;
-what replay clients send) and ``cache_salt``.
+Fields are typed strictly: a wrong type or a non-finite number (NaN, Infinity) is a 400 naming
+the field (``max_tokens: Input should be a valid integer``), never a silent conversion. Unknown
+fields are ignored, as OpenAI-style servers do (clients send vendor extensions). kvtier's
+extensions: ``session_id`` (or the header ``X-Session-Id``), ``expected_tool_wait_s`` (a hint
+of how long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: generate
+``max_tokens`` tokens whatever the model says; what replay clients send) and ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -97,14 +97,14 @@ def value_error(e: ValueError) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
