@@ -50,3 +50,16 @@ def test_non_finite_numbers_are_refused_as_such(field, value):
     # tool wait would keep a session's blocks forever under the tool-aware policy
     e = _refusal(ChatRequest, **{field: value})
     assert e.status == 400 and e.param == field and "finite" in e.message, e.message
+
+
+@pytest.mark.parametrize("model", [ChatRequest, CompletionRequest])
+def test_stream_options_need_stream(model):
+    # as OpenAI and vLLM answer: stream_options only mean something for a streamed response
+    body = {"model": "tiny", "messages": ASK, "prompt": "hi", "stream_options": {"include_usage": True}}
+    with pytest.raises(ApiError) as info:
+        parse(model, body).include_usage()
+    assert info.value.status == 400 and info.value.param == "stream_options", info.value.message
+    assert "stream" in info.value.message
+    assert parse(model, {**body, "stream": True}).include_usage() is True
+    assert parse(model, {**body, "stream": True, "stream_options": None}).include_usage() is False
+    assert parse(model, {**body, "stream_options": None}).include_usage() is False

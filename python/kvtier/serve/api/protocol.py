@@ -125,6 +125,13 @@ class _Common(BaseModel):
             raise ApiError(400, "stop: at most 4 non-empty strings", "stop")
         return stops
 
+    def include_usage(self) -> bool:
+        """``stream_options.include_usage``; ``stream_options`` without ``stream`` is a 400 (as
+        OpenAI and vLLM answer)."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+        return bool(self.stream_options and self.stream_options.include_usage)
+
     def max_new_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
 
