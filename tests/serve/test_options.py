@@ -202,3 +202,12 @@ def test_cli_rejects_wrong_types_with_the_option_name(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(["generate", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "prompt_logprobs", "parallel_tool_calls"])
+def test_flag_messages_say_only_what_the_flag_is(name):
+    # the note on top-N alternatives belongs to logprobs alone
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{name: "x"})
+    _message_names(e.value, name, "x")
+    assert "top-N" not in str(e.value) and "True or False" in str(e.value), str(e.value)
