@@ -211,3 +211,9 @@ def test_flag_messages_say_only_what_the_flag_is(name):
         SamplingParams(**{name: "x"})
     _message_names(e.value, name, "x")
     assert "top-N" not in str(e.value) and "True or False" in str(e.value), str(e.value)
+
+
+def test_a_kv_cache_too_large_to_allocate_names_num_device_pages():
+    # 2**40 pages of the tiny model are petabytes: the allocator's RuntimeError named no option
+    with pytest.raises(ValueError, match=r"num_device_pages=1099511627776 .*bytes"):
+        LLM("tiny", page_size=16, num_device_pages=2**40)
