@@ -175,3 +175,14 @@ def test_a_non_streaming_client_that_leaves_frees_its_pages(server):
         time.sleep(0.2)
     assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 1
     assert server.wait_pages_free() == 0
+
+
+def test_session_header_is_checked_like_the_body_field(server):
+    # the X-Session-Id header is the body's session_id by another way: the same 1-256 characters
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 257}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "session_id" and "X-Session-Id" in err["message"], r.text
+    assert httpx.delete(f"{server.url}/v1/sessions/{'s' * 257}", timeout=60).status_code == 404  # none was made
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 256}, timeout=60)
+    assert ok.status_code == 200, ok.text

@@ -104,7 +104,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def chat(request: Request):
         req = parse(ChatRequest, await _json(request))
         params = req.params()
-        sid = req.session_id or request.headers.get(SESSION_HEADER) or None
+        sid = req.session(request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
                             req.expected_tool_wait_s)
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvtier.serve.params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+SESSION_ID_MAX = 256  # characters of a session id (body field or header)
 
 
 class ApiError(Exception):
@@ -116,7 +117,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_id: str | None = Field(default=None, min_length=1, max_length=SESSION_ID_MAX)
     cache_salt: str | None = Field(default=None, max_length=256)
 
     def stop_strings(self) -> list[str]:
@@ -124,6 +125,16 @@ class _Common(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop: at most 4 non-empty strings", "stop")
         return stops
+
+    def session(self, header: str | None) -> str | None:
+        """The request's session id: the body's ``session_id``, else the ``X-Session-Id`` header
+        (empty: none), which must then be 1-256 characters as the body field."""
+        if self.session_id is not None or not header:
+            return self.session_id
+        if len(header) > SESSION_ID_MAX:
+            raise ApiError(400, f"session_id: the X-Session-Id header has {len(header)} characters; "
+                           f"at most {SESSION_ID_MAX}", "session_id")
+        return header
 
     def include_usage(self) -> bool:
         """``stream_options.include_usage``; ``stream_options`` without ``stream`` is a 400 (as
