@@ -63,3 +63,12 @@ def test_stream_options_need_stream(model):
     assert parse(model, {**body, "stream": True}).include_usage() is True
     assert parse(model, {**body, "stream": True, "stream_options": None}).include_usage() is False
     assert parse(model, {**body, "stream_options": None}).include_usage() is False
+
+
+@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (405, "invalid_request_error"),
+                                          (413, "invalid_request_error"), (422, "invalid_request_error"),
+                                          (404, "not_found_error"), (503, "service_unavailable_error"),
+                                          (500, "server_error")])
+def test_error_types_follow_the_status(status, kind):
+    # a client error (GET on a POST route: 405) is not the server's fault
+    assert ApiError(status, "x").body()["error"]["type"] == kind

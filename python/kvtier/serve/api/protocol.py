@@ -28,14 +28,15 @@ class ApiError(Exception):
         status: 400 bad request, 404 unknown model or session, 503 overloaded.
         message: what was wrong, naming the field.
         param: the offending field's path (``messages[0].role``), or None.
-        type: OpenAI's error type (``invalid_request_error``, ``not_found_error``, ...).
+        type: OpenAI's error type: ``not_found_error`` (404), ``service_unavailable_error`` (503),
+            ``invalid_request_error`` (other 4xx), ``server_error`` (5xx).
     """
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type or {400: "invalid_request_error", 404: "not_found_error",
-                             503: "service_unavailable_error"}.get(status, "server_error")
+        default = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        self.type = type or {404: "not_found_error", 503: "service_unavailable_error"}.get(status, default)
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape)."""
