@@ -186,3 +186,19 @@ def test_session_header_is_checked_like_the_body_field(server):
     assert httpx.delete(f"{server.url}/v1/sessions/{'s' * 257}", timeout=60).status_code == 404  # none was made
     ok = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 256}, timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_refused_first_turn_leaves_no_session(server):
+    # a refused request must not start the session: its cache_salt would bind the session id
+    bad = {"model": "tiny", "messages": [{"role": "robot", "content": "x"}], "max_tokens": 1,
+           "session_id": "refused-first", "cache_salt": "tenant-a"}
+    assert _post(server, "/v1/chat/completions", bad).status_code == 400
+    assert httpx.delete(f"{server.url}/v1/sessions/refused-first", timeout=60).status_code == 404
+    good = {**bad, "messages": ASK, "cache_salt": "tenant-b"}
+    r = _post(server, "/v1/chat/completions", good)
+    assert r.status_code == 200, r.text
+    # a refused later turn keeps the session and its salt
+    assert _post(server, "/v1/chat/completions", {**bad, "cache_salt": "tenant-b"}).status_code == 400
+    r = _post(server, "/v1/chat/completions", {**good, "cache_salt": "tenant-a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    assert httpx.delete(f"{server.url}/v1/sessions/refused-first", timeout=60).status_code == 200
