@@ -291,3 +291,21 @@ def test_progress_on_a_terminal_and_bad_total():
     assert "device-only" in buf.getvalue() and "3/3" in buf.getvalue()
     with pytest.raises(ValueError, match="total_requests"), replay_progress(-1, "x", Console(file=io.StringIO())):
         pass
+
+
+def test_counters_a_client_cannot_see_are_not_reported_as_zero():
+    # kvtier bench --endpoint sees only the responses: the server's copy errors, preemptions,
+    # evictions, refused stores and device pages are unknown, not 0
+    import dataclasses
+
+    remote = dataclasses.replace(make_run("endpoint tiny"), server_counters=False)
+    s = summarize(remote)
+    assert s["copy_errors"] is None and s["preemptions"] is None and s["device_pages"] is None
+    assert s["evictions"] is None and s["stores_refused"] is None
+    assert s["working_set_pages"] == 96 and s["recomputed_tokens"] == 321  # known from the workload and usage
+    text = render([make_run("tiered"), remote])
+    assert cells(text, "copy errors") == ["copy errors", "2", "n/a"]
+    assert cells(text, "preemptions") == ["preemptions", "4", "n/a"]
+    assert cells(text, "stores refused host / disk")[-1] == "n/a"
+    assert cells(text, "device pages / working set")[-1] == "n/a / 96"
+    json.dumps(bench_json([remote], {}))  # null in the JSON

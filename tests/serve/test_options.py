@@ -202,3 +202,18 @@ def test_cli_rejects_wrong_types_with_the_option_name(capsys, argv):
     with pytest.raises(SystemExit) as e:
         main(["generate", *argv])
     assert e.value.code == 2 and argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "prompt_logprobs", "parallel_tool_calls"])
+def test_flag_messages_say_only_what_the_flag_is(name):
+    # the note on top-N alternatives belongs to logprobs alone
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{name: "x"})
+    _message_names(e.value, name, "x")
+    assert "top-N" not in str(e.value) and "True or False" in str(e.value), str(e.value)
+
+
+def test_a_kv_cache_too_large_to_allocate_names_num_device_pages():
+    # 2**40 pages of the tiny model are petabytes: the allocator's RuntimeError named no option
+    with pytest.raises(ValueError, match=r"num_device_pages=1099511627776 .*bytes"):
+        LLM("tiny", page_size=16, num_device_pages=2**40)

@@ -31,6 +31,12 @@ def test_chat_errors(llm, tok_dir):
         llm.chat([{"role": "robot", "content": "x"}])
     with pytest.raises(ValueError, match="no tokenizer"):
         LLM("tiny", num_device_pages=16).chat([{"role": "user", "content": "x"}])
+    # an empty conversation is refused, as the server refuses messages=[] (it generated from the
+    # template's default system prompt alone, and in a session dropped the whole history)
+    with pytest.raises(ValueError, match="messages: empty"):
+        llm.chat([])
+    with pytest.raises(ValueError, match="messages: empty"):
+        llm.chat((), session_id="s-empty")
 
 
 def test_chat_hands_the_buffer_hashes_to_the_prefix_lookup(llm, monkeypatch):

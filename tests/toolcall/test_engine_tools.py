@@ -43,7 +43,7 @@ def test_sampling_params_check_tools():
         )
     with pytest.raises(ValueError, match="'required' needs at least one tool"):
         SamplingParams(tool_choice="required")
-    with pytest.raises(ValueError, match="parallel_tool_calls must be a bool"):
+    with pytest.raises(ValueError, match="parallel_tool_calls must be True or False"):
         SamplingParams(tools=[LS], parallel_tool_calls=1)
 
 

@@ -158,7 +158,8 @@ async def replay_http(url: str, model: str, workload: Workload, name: str, *, co
     wall = time.perf_counter() - t0
     recomputed = sum(max(r.input_tokens - r.cached_tokens, 0) for r in records if r.error is None)
     return ConfigRun(name=name, records=records, wall_s=wall, recomputed_tokens=recomputed,
-                     working_set_pages=working_set_pages(workload, workload.block_size, concurrency))
+                     working_set_pages=working_set_pages(workload, workload.block_size, concurrency),
+                     server_counters=False)
 
 
 def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workload, ConfigRun, dict]:

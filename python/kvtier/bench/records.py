@@ -110,6 +110,9 @@ class ConfigRun:
         preemptions: running requests preempted when device pages ran out.
         device_pages: device pages per layer; ``working_set_pages``: pages the concurrent
             sessions' contexts need at their peak (for the capacity ratio printed).
+        server_counters: False when the engine's own counters (bytes moved, copy errors,
+            evictions, refused stores, preemptions, device pages) were not observed, as over HTTP
+            (``kvtier bench --endpoint``): the report shows them as unknown, not 0.
     """
 
     name: str
@@ -123,3 +126,4 @@ class ConfigRun:
     preemptions: int = 0
     device_pages: int = 0
     working_set_pages: int = 0
+    server_counters: bool = True

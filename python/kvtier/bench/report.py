@@ -83,7 +83,9 @@ def summarize(run: ConfigRun) -> dict:
         - ``input_tokens``, ``output_tokens``, ``hit_tokens``: tokens, finished requests only.
         - ``hit_rate[tier]``: ``hit_tokens[tier] / input_tokens``; ``hit_rate["total"]``:
           ``cached_tokens`` (any tier) / ``input_tokens``; None when ``input_tokens`` is 0.
-        - ``bytes_moved`` (bytes), ``evictions`` (blocks) and the counters are copied from ``run``.
+        - ``bytes_moved`` (bytes), ``evictions`` (blocks) and the counters are copied from ``run``;
+          ``preemptions``, ``evictions``, ``copy_errors``, ``stores_refused`` and ``device_pages``
+          are None when ``run.server_counters`` is False (a run over HTTP cannot see them).
 
     Raises:
         ValueError: ``run.wall_s`` is negative or not finite (names the run).
@@ -126,13 +128,18 @@ def summarize(run: ConfigRun) -> dict:
         "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         "wall_s": float(run.wall_s),
-        "preemptions": run.preemptions,
-        "evictions": dict(run.evictions),
-        "copy_errors": run.copy_errors,
-        "stores_refused": dict(run.stores_refused),
-        "device_pages": run.device_pages,
         "working_set_pages": run.working_set_pages,
+        **_server_counters(run),
     }
+
+
+def _server_counters(run: ConfigRun) -> dict:
+    """The engine's counters of ``run``; None each when they were not observed (over HTTP)."""
+    seen = run.server_counters
+    return {"preemptions": run.preemptions if seen else None, "evictions": dict(run.evictions) if seen else None,
+            "copy_errors": run.copy_errors if seen else None,
+            "stores_refused": dict(run.stores_refused) if seen else None,
+            "device_pages": run.device_pages if seen else None}
 
 
 def _compare(baseline: dict, summary: dict) -> dict:
@@ -267,6 +274,10 @@ def _times(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}x"
 
 
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else str(n)
+
+
 def _bytes(n: int | None) -> str:
     if n is None:
         return "n/a"
@@ -298,10 +309,11 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
     seen = {d for x in s.values() for d in x["bytes_moved"]}
     dirs = [d for d in DIRECTIONS if d in seen] + sorted(seen - set(DIRECTIONS))
     rows += [(f"bytes moved {d}", col(lambda x, d=d: _bytes(x["bytes_moved"].get(d, 0)))) for d in dirs]
-    rows.append(("device pages / working set", col(lambda x: f"{x['device_pages']} / {x['working_set_pages']}")))
+    rows.append(("device pages / working set",
+                 col(lambda x: f"{_count(x['device_pages'])} / {x['working_set_pages']}")))
     for label, key in (("copy errors", "copy_errors"), ("request errors", "errors"), ("preemptions", "preemptions")):
-        rows.append((label, col(lambda x, key=key: str(x[key]))))
-    rows.append(("stores refused host / disk", col(lambda x: " / ".join(
+        rows.append((label, col(lambda x, key=key: _count(x[key]))))
+    rows.append(("stores refused host / disk", col(lambda x: "n/a" if x["stores_refused"] is None else " / ".join(
         str(x["stores_refused"].get(t, 0)) for t in ("host", "disk")))))
     if baseline in s and len(s) > 1:
         cmp = {n: _compare(s[baseline], s[n]) for n in names}

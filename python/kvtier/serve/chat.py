@@ -51,9 +51,11 @@ def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: Sampl
     ``encoder`` must come from :func:`new_encoder` with the same ``cache_salt``.
 
     Raises:
-        ValueError: bad messages or tools (naming ``messages[i].field`` / ``tools[i]...``), or a
-        prompt the engine refuses (see :meth:`Engine.check_request`).
+        ValueError: no messages, bad messages or tools (naming ``messages[i].field`` /
+        ``tools[i]...``), or a prompt the engine refuses (see :meth:`Engine.check_request`).
     """
+    if isinstance(messages, Seq) and not isinstance(messages, (str, bytes)) and not messages:
+        raise ValueError("messages: empty; a conversation needs at least one message")
     encoder.append(messages, params.tools)
     return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes(),
                               cache_salt=cache_salt)

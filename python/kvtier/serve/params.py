@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.options import check_bool, check_int, check_real
+
 GREEDY_TEMPERATURE = 1e-5
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _is_real(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)
 
 
 @dataclass(frozen=True)
@@ -63,23 +55,21 @@ class SamplingParams:
     tool_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        check_int("max_tokens", self.max_tokens, min_value=1)
+        check_real("temperature", self.temperature, min_value=0)
+        check_real("top_p", self.top_p, min_value=0, min_open=True)
+        if self.top_p > 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
-        for name in ("ignore_eos", "logprobs", "prompt_logprobs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool (top-N alternatives are not returned), "
-                                 f"got {getattr(self, name)!r}")
+        if self.seed is not None:  # None: not seeded
+            check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
+        if not isinstance(self.logprobs, bool):
+            raise ValueError(f"logprobs must be True or False (top-N alternatives are not returned), "
+                             f"got {self.logprobs!r}")
+        for name in ("ignore_eos", "prompt_logprobs", "parallel_tool_calls"):
+            check_bool(name, getattr(self, name))
         self._check_tools()
 
     def _check_tools(self) -> None:
-        if not isinstance(self.parallel_tool_calls, bool):
-            raise ValueError(f"parallel_tool_calls must be a bool, got {self.parallel_tool_calls!r}")  # noqa: TRY004
         if self.tools is None and self.tool_choice == "auto":
             return
         from kvtier.toolcall import normalize_tool_choice, normalize_tools, turn_grammar

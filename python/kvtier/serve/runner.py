@@ -29,6 +29,23 @@ class SeqLogits:
     prompt_logits: torch.Tensor | None
 
 
+def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) -> list[torch.Tensor]:
+    """One zeroed ``[num_device_pages, page_size, kv_cache_dim]`` page pool per layer.
+
+    Raises:
+        ValueError: the pools do not fit on ``device`` (naming ``num_device_pages`` and the bytes).
+    """
+    shape = (config.num_device_pages, config.page_size, model.config.kv_cache_dim)
+    layers = model.config.num_hidden_layers
+    try:
+        return [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(layers)]
+    except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's enforce failure
+        per_layer = config.num_device_pages * config.page_size * model.config.kv_cache_dim * model.dtype.itemsize
+        raise ValueError(f"num_device_pages={config.num_device_pages} needs {per_layer * layers:,} bytes of KV "
+                         f"cache on {device} ({layers} layers x {per_layer:,} bytes), which could not be "
+                         f"allocated: {str(e).splitlines()[0][:200]}") from None
+
+
 class ModelRunner:
     """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``."""
 
@@ -37,9 +54,7 @@ class ModelRunner:
         self.config = config
         device = model.embed_tokens.device
         self.device = device
-        shape = (config.num_device_pages, config.page_size, model.config.kv_cache_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device)
-                          for _ in range(model.config.num_hidden_layers)]
+        self.kv_caches = _allocate_kv_caches(model, config, device)
         self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
         if config.cuda_graph:
             from kvtier.serve.cuda_graph import DecodeGraphs

@@ -27,6 +27,7 @@ def test_bench_endpoint_replays_the_builtin_workload(server, tmp_path):
     assert run["requests"] == data["provenance"]["workload"]["requests"] and run["errors"] == 0
     assert run["ttft_s"]["p50"] > 0 and run["output_tokens"] > 0
     assert data["provenance"]["endpoint"] == server.url
+    assert run["preemptions"] is None and run["stores_refused"] is None  # the server's own: not seen over HTTP
 
 
 def test_bench_endpoint_replays_conversations_through_chat(server, tmp_path):

@@ -175,3 +175,30 @@ def test_a_non_streaming_client_that_leaves_frees_its_pages(server):
         time.sleep(0.2)
     assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 1
     assert server.wait_pages_free() == 0
+
+
+def test_session_header_is_checked_like_the_body_field(server):
+    # the X-Session-Id header is the body's session_id by another way: the same 1-256 characters
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 1}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 257}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "session_id" and "X-Session-Id" in err["message"], r.text
+    assert httpx.delete(f"{server.url}/v1/sessions/{'s' * 257}", timeout=60).status_code == 404  # none was made
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"X-Session-Id": "s" * 256}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_refused_first_turn_leaves_no_session(server):
+    # a refused request must not start the session: its cache_salt would bind the session id
+    bad = {"model": "tiny", "messages": [{"role": "robot", "content": "x"}], "max_tokens": 1,
+           "session_id": "refused-first", "cache_salt": "tenant-a"}
+    assert _post(server, "/v1/chat/completions", bad).status_code == 400
+    assert httpx.delete(f"{server.url}/v1/sessions/refused-first", timeout=60).status_code == 404
+    good = {**bad, "messages": ASK, "cache_salt": "tenant-b"}
+    r = _post(server, "/v1/chat/completions", good)
+    assert r.status_code == 200, r.text
+    # a refused later turn keeps the session and its salt
+    assert _post(server, "/v1/chat/completions", {**bad, "cache_salt": "tenant-b"}).status_code == 400
+    r = _post(server, "/v1/chat/completions", {**good, "cache_salt": "tenant-a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    assert httpx.delete(f"{server.url}/v1/sessions/refused-first", timeout=60).status_code == 200

@@ -66,3 +66,20 @@ def test_serve_options_are_checked_before_anything_loads(argv, match, capsys):
 
     assert main(["serve", "tiny", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_refused_requests_start_no_session(llm):
+    store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=Clock())
+    store.encoder("new", "salt-a")
+    store.refused("new")
+    assert "new" not in store.sessions  # the refused first request left nothing, not even its salt
+    store.encoder("new", "salt-b")
+    store.encoder("new", "salt-b")  # a second request while the first is in flight
+    store.refused("new")
+    assert store.sessions["new"].in_flight == 1  # the first is still in flight: the session stays
+    store.accepted("new")
+    store.turn_ended("new", None, [], None)
+    store.encoder("new", "salt-b")
+    store.refused("new")
+    assert "new" in store.sessions and store.sessions["new"].in_flight == 0  # it had an accepted turn
+    store.refused(None)  # no session: nothing to do

@@ -104,7 +104,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def chat(request: Request):
         req = parse(ChatRequest, await _json(request))
         params = req.params()
-        sid = req.session_id or request.headers.get(SESSION_HEADER) or None
+        sid = req.session(request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
                             req.expected_tool_wait_s)
 
@@ -130,6 +130,7 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
     stops = req.stop_strings()
+    include_usage = req.include_usage()
     if st.pending >= opts.max_queue:
         raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
                        f"{opts.max_queue}); retry later")
@@ -176,7 +177,6 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         body = (responses.chat_completion(rid, created, opts.model_name, final, tok) if kind == "chat"
                 else responses.text_completion(rid, created, opts.model_name, final))
         return JSONResponse(body)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     writer = responses.ChunkWriter(kind, rid, created, opts.model_name, tok, include_usage)
     st.metrics.requests.labels(endpoint, "200").inc()
     flight = _Flight(st, job, release)

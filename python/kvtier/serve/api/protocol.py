@@ -1,12 +1,12 @@
 """OpenAI request bodies (validated with pydantic), their sampling parameters, and the error
 shape.
 
-Fields are typed strictly: a wrong type is a 400 naming the field (``max_tokens: Input should
-be a valid integer``), never a silent conversion. Unknown fields are ignored, as OpenAI-style
-servers do (clients send vendor extensions). kvtier's extensions: ``session_id`` (or the header
-``X-Session-Id``), ``expected_tool_wait_s`` (a hint of how long the tools of this turn will
-run), ``ignore_eos`` (as vLLM has it: generate ``max_tokens`` tokens whatever the model says;
-what replay clients send) and ``cache_salt``.
+Fields are typed strictly: a wrong type or a non-finite number (NaN, Infinity) is a 400 naming
+the field (``max_tokens: Input should be a valid integer``), never a silent conversion. Unknown
+fields are ignored, as OpenAI-style servers do (clients send vendor extensions). kvtier's
+extensions: ``session_id`` (or the header ``X-Session-Id``), ``expected_tool_wait_s`` (a hint
+of how long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: generate
+``max_tokens`` tokens whatever the model says; what replay clients send) and ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from kvtier.serve.params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
+SESSION_ID_MAX = 256  # characters of a session id (body field or header)
 
 
 class ApiError(Exception):
@@ -27,39 +28,67 @@ class ApiError(Exception):
         status: 400 bad request, 404 unknown model or session, 503 overloaded.
         message: what was wrong, naming the field.
         param: the offending field's path (``messages[0].role``), or None.
-        type: OpenAI's error type (``invalid_request_error``, ``not_found_error``, ...).
+        type: OpenAI's error type: ``not_found_error`` (404), ``service_unavailable_error`` (503),
+            ``invalid_request_error`` (other 4xx), ``server_error`` (5xx).
     """
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.type = type or {400: "invalid_request_error", 404: "not_found_error",
-                             503: "service_unavailable_error"}.get(status, "server_error")
+        default = "invalid_request_error" if 400 <= status < 500 else "server_error"
+        self.type = type or {404: "not_found_error", 503: "service_unavailable_error"}.get(status, default)
 
     def body(self) -> dict:
         """``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape)."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _is_union_tag(part) -> bool:
+    """A loc part pydantic adds for a member of a union (``str``, ``list[int]``,
+    ``literal['auto','none']``): not a field the client wrote."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
 def _loc(loc) -> str:
     out = ""
     for part in loc:
-        if part == "body":
+        if part == "body" or _is_union_tag(part):
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
+def _problem(error: dict) -> tuple:
+    """The field an error is about: for a union member's error, the union field itself (so the
+    errors of every member count as one problem)."""
+    loc = tuple(error.get("loc", ()))
+    tags = [i for i, part in enumerate(loc) if _is_union_tag(part)]
+    return loc[:tags[0]] if tags else loc
+
+
 def validation_error(e: ValidationError | list) -> ApiError:
-    """A pydantic (or FastAPI) validation error as a 400 naming the first bad field."""
+    """A pydantic (or FastAPI) validation error as a 400 naming the first bad field.
+
+    A field of several types (``stop``: a string or a list of strings) that matches none is one
+    problem: the message is the most specific one (deepest path, e.g. ``stop[0]``), and when its
+    members fail equally deep, what each expected."""
     errors = e.errors() if isinstance(e, ValidationError) else e
     first = errors[0]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
                         "body")
-    param = _loc(first.get("loc", ())) or "body"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    return ApiError(400, f"{param}: {first['msg']}{more}", param)
+    key = _problem(first)
+    group = [x for x in errors if _problem(x) == key]
+    depth = {id(x): sum(p != "body" and not _is_union_tag(p) for p in x.get("loc", ())) for x in group}
+    deepest = [x for x in group if depth[id(x)] == max(depth.values())]
+    msgs = list(dict.fromkeys(x["msg"] for x in deepest))
+    param = _loc(deepest[0].get("loc", ())) or "body"
+    others = len({_problem(x) for x in errors} - {key})
+    more = f" (and {others} more problem(s))" if others else ""
+    return ApiError(400, f"{param}: {' or '.join(msgs)}{more}", param)
 
 
 def value_error(e: ValueError) -> ApiError:
@@ -70,14 +99,14 @@ def value_error(e: ValueError) -> ApiError:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -89,7 +118,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
-    session_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_id: str | None = Field(default=None, min_length=1, max_length=SESSION_ID_MAX)
     cache_salt: str | None = Field(default=None, max_length=256)
 
     def stop_strings(self) -> list[str]:
@@ -97,6 +126,23 @@ class _Common(BaseModel):
         if len(stops) > 4 or any(not s for s in stops):
             raise ApiError(400, "stop: at most 4 non-empty strings", "stop")
         return stops
+
+    def session(self, header: str | None) -> str | None:
+        """The request's session id: the body's ``session_id``, else the ``X-Session-Id`` header
+        (empty: none), which must then be 1-256 characters as the body field."""
+        if self.session_id is not None or not header:
+            return self.session_id
+        if len(header) > SESSION_ID_MAX:
+            raise ApiError(400, f"session_id: the X-Session-Id header has {len(header)} characters; "
+                           f"at most {SESSION_ID_MAX}", "session_id")
+        return header
+
+    def include_usage(self) -> bool:
+        """``stream_options.include_usage``; ``stream_options`` without ``stream`` is a 400 (as
+        OpenAI and vLLM answer)."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options: only allowed when stream is true", "stream_options")
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def max_new_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS

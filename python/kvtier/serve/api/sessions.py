@@ -1,5 +1,7 @@
 """Chat sessions of the server: one incremental encoder per session id, tool waits told to the
-pool, an idle TTL. Used on the engine thread only (no locking).
+pool, an idle TTL. Used on the engine thread only (no locking). A session, and the
+``cache_salt`` it keeps, starts with its first request the engine accepts: a refused request
+leaves none behind.
 
 When a session's turn ends in tool calls, the pool is told the session is waiting on a tool
 (``KVPool.tool_wait`` with the turn's prompt and output tokens) for an expected time: the
@@ -34,6 +36,7 @@ class Session:
     waiting_tools: list[str] = field(default_factory=list)
     in_flight: int = 0
     cache_salt: str = ""
+    accepted: bool = False  # a request of the session reached the engine
 
 
 class SessionStore:
@@ -78,6 +81,23 @@ class SessionStore:
         s.last_used_s = now
         s.in_flight += 1
         return s.encoder
+
+    def refused(self, session_id: str | None) -> None:
+        """A request of ``session_id`` taken by :meth:`encoder` was refused before reaching the
+        engine. A session none of whose requests was accepted is dropped (a refused request
+        starts no session, so its ``cache_salt`` binds nothing)."""
+        s = self.sessions.get(session_id) if session_id is not None else None
+        if s is None:
+            return
+        s.in_flight = max(s.in_flight - 1, 0)
+        if not s.accepted and not s.in_flight:
+            del self.sessions[session_id]
+
+    def accepted(self, session_id: str | None) -> None:
+        """A request of ``session_id`` taken by :meth:`encoder` reached the engine."""
+        s = self.sessions.get(session_id) if session_id is not None else None
+        if s is not None:
+            s.accepted = True
 
     def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None) -> None:
         """A turn of ``session_id`` finished; ``tool_names`` non-empty: it ended in tool calls and

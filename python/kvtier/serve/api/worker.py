@@ -138,8 +138,9 @@ class EngineWorker:
                 try:
                     rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt)
                 except BaseException:
-                    self.sessions.turn_ended(job.session_id, None, [], None)
+                    self.sessions.refused(job.session_id)
                     raise
+                self.sessions.accepted(job.session_id)
             else:
                 prompt = job.payload["prompt"]
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
