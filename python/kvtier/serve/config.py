@@ -27,6 +27,11 @@ class EngineConfig:
         cache_salt: tenant isolation: engines with different salts never share cached blocks
             (the model's identity is always mixed in by the engine).
         seed: seed of the engine's sampling generator.
+        remote_cache_url: shared remote tier (``redis://HOST:PORT`` or
+            ``mooncake://HOST:PORT[?metadata=URL]``; None = none); needs ``host_cache_bytes``.
+            Engines with the same model, dtype, page size and ``cache_salt`` share its blocks.
+        remote_timeout_s: seconds a remote read, write or lookup may take before it counts as
+            a miss.
 
     Every field is checked for its type (a bool is not an int, a str is not a size, an int is
     not a directory) and range; sizes that give a host or disk tier of zero blocks are errors
@@ -49,6 +54,8 @@ class EngineConfig:
     cache_write_policy: str = "write-through"
     cache_salt: str = ""
     seed: int = 0
+    remote_cache_url: str | None = None
+    remote_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -65,4 +72,5 @@ class EngineConfig:
                           num_device_pages=self.num_device_pages,
                           host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
                           disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
-                          write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)
+                          write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching,
+                          remote_cache_url=self.remote_cache_url, remote_timeout_s=self.remote_timeout_s)

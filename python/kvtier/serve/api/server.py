@@ -12,11 +12,17 @@ from kvtier.serve.api.worker import EngineWorker
 
 
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
-             session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0, **engine_args):
+             session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+             kv_events_endpoint: str | None = None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
+    ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
+    (:mod:`kvtier.cache.kv_events`; the bound endpoint is the events' worker id and is reported
+    by ``/health``).
+
     Raises:
-        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit.
+        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
+            or a KV events endpoint that cannot be bound.
     """
     from kvtier.llm import LLM
 
@@ -27,6 +33,12 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     llm.engine.attach_tokenizer(llm.tokenizer)
     warm_up(llm)
     options.max_model_len = llm.config.max_position_embeddings
+    if kv_events_endpoint is not None:
+        from kvtier.cache.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(kv_events_endpoint, worker_id="")
+        publisher.worker_id = options.kv_events = publisher.endpoint
+        llm.engine.pool.publish_events_to(publisher)  # called on the engine thread (pool.poll)
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["worker"].snapshot)
     worker = holder["worker"] = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)

@@ -92,6 +92,8 @@ class EngineWorker:
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
                 self._last_housekeeping = now
                 try:
+                    if not self.engine.has_unfinished():  # idle: background writes and KV events go on
+                        self.engine.pool.poll()
                     self.sessions.expire()
                     self._publish()
                 except Exception:  # noqa: BLE001 - housekeeping must not stop the engine thread
