@@ -68,12 +68,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-    """Run ``app`` with uvicorn until interrupted. Prints ``listening on http://HOST:PORT`` (the
-    real port when ``port`` is 0) once the socket is open."""
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          name: str = "kvtier serve") -> None:
+    """Run ``app`` with uvicorn until interrupted. Prints ``NAME: listening on http://HOST:PORT``
+    (the real port when ``port`` is 0) once the socket is open."""
     import uvicorn
 
     sock = listen(host, port)
-    print(f"kvtier serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True, file=sys.stdout)
+    print(f"{name}: listening on http://{host}:{sock.getsockname()[1]}", flush=True, file=sys.stdout)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])
