@@ -121,7 +121,10 @@ class MooncakeBackend:
         return out
 
     def exists(self, keys: list[str]) -> list[bool]:
-        return [c == 1 for c in self._store.batch_is_exist(keys)]
+        codes = self._store.batch_is_exist(keys)
+        if any(c < 0 for c in codes):
+            raise RuntimeError(f"{self.url}: batch_is_exist failed with codes {sorted(set(codes))}")
+        return [c == 1 for c in codes]
 
     def close(self) -> None:
         with self._lock:

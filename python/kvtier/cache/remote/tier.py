@@ -6,7 +6,7 @@ A value is served only after its header and CRC-32C passed (:mod:`.block_format`
 corrupt value, a store error or no answer within ``timeout_s`` is a failed status, counted in
 :class:`RemoteStats`, never an exception. After a timeout or a failed call the store is left
 alone for ``retry_after_s`` (calls fail at once as ``UNAVAILABLE``), so a dead store costs
-each step nothing.
+each step nothing. A call fails when it raises or when every key in it got ``ERROR``.
 """
 
 from __future__ import annotations
@@ -135,6 +135,8 @@ class RemoteTier:
             self.stats.last_error = f"{type(e).__name__}: {e}"
             self._trip()
             statuses = [RemoteStatus.ERROR] * num_blocks
+        if statuses and all(st == RemoteStatus.ERROR for st in statuses):
+            self._trip()  # every key failed: the store itself is failing
         return statuses, time.perf_counter() - t0
 
     def put(self, hashes: list[bytes], payload: torch.Tensor) -> RemoteHandle:
