@@ -359,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     kernels_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     router_cli.add_parser(sub)
+    router_cli.add_cluster_parser(sub)
     return parser
 
 
