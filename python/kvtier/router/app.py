@@ -38,13 +38,16 @@ def check_workers(urls: list[str], timeout_s: float = 5.0) -> None:
 
 
 async def poll_worker(client: httpx.AsyncClient, w) -> None:
-    """Refresh ``w``'s load from its ``/metrics``; a failure takes it out of routing."""
+    """Refresh ``w``'s load from its ``/metrics``. A refused connection or an error status takes
+    it out of routing; a slow answer (a busy worker) only leaves its figures as they were."""
     try:
-        r = await client.get(f"{w.url}/metrics", timeout=2.0)
+        r = await client.get(f"{w.url}/metrics", timeout=5.0)
         r.raise_for_status()
         values = {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}
         w.waiting, w.running = int(values.get("kvtier_requests_waiting", 0)), int(values.get("kvtier_requests_running", 0))
         w.healthy = True
+    except httpx.TimeoutException:
+        pass
     except (httpx.HTTPError, ValueError):
         w.healthy = False
 
@@ -114,10 +117,14 @@ def build_router_app(router: Router, poll_s: float = 0.25) -> FastAPI:
             try:
                 req = client.build_request("POST", f"{url}{path}", content=raw, headers=headers)
                 resp = await client.send(req, stream=True)
-            except httpx.HTTPError:
+            except (httpx.ConnectError, httpx.RemoteProtocolError):
                 w.inflight -= 1
                 w.healthy = False  # dead or unreachable: out of routing until a poll succeeds
                 continue
+            except httpx.HTTPError as e:
+                w.inflight -= 1
+                return JSONResponse({"error": {"message": f"worker {url}: {type(e).__name__}", "type": "bad_gateway",
+                                               "code": 502}}, status_code=502)
             if isinstance(body, dict) and body.get("stream"):
                 return StreamingResponse(_relay(resp, w, router, sid, est, t0), status_code=resp.status_code,
                                          media_type=resp.headers.get("content-type"), headers={WORKER_HEADER: url})

@@ -51,6 +51,7 @@ def test_turn_moves_to_a_fresh_worker_and_loads_from_the_remote_tier(workers):
     assert moved.choices[0].message.content == first.choices[0].message.content
     metrics = b.metrics()
     assert metrics[("kvtier_hit_tokens_total", ("tier", "remote"))] >= 160
+    assert metrics[("kvtier_remote_gets_total", ("status", "ok"))] >= 160 // 16
     again = a.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
     sub.poll(2.0)
     while sub.poll(0.5):

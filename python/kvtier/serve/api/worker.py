@@ -215,6 +215,10 @@ class EngineWorker:
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
             "in_flight": len(self._jobs),
         }
+        if pool.remote is not None:
+            rs = pool.remote.stats
+            self.snapshot["remote"] = {"gets": dict(rs.gets), "puts": dict(rs.puts),
+                                       "exists_failures": rs.exists_failures}
 
 
 def _prompt_error(e: ValueError, kind: str) -> ApiError:
