@@ -36,7 +36,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", default="migration-experiment")
-    ap.add_argument("--cluster-args", default="--num-device-pages 96 --max-num-seqs 4 --host-cache-bytes 8388608")
+    ap.add_argument("--cluster-args", default="--num-device-pages 400 --max-num-seqs 4 --host-cache-bytes 8388608",
+                    help="kvtier cluster options for both workers")
     args, bench_args = ap.parse_known_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,14 +53,13 @@ def main() -> int:
                 os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(60)
             s = json.loads((out / f"{name}.json").read_text())
-            run = s["runs"][0] if "runs" in s else s
-            summary = run.get("summary", run)
-            rows.append((policy, store != "none", summary["ttft_s"]["p99"], summary["throughput_tok_s"],
-                         summary.get("hit_tokens", {})))
-    print("| routing | remote tier | p99 TTFT (s) | throughput (tok/s) | hit tokens by tier |")
-    print("|---|---|---|---|---|")
-    for policy, remote, p99, tput, hits in rows:
-        print(f"| {policy} | {'on' if remote else 'off'} | {p99:.3f} | {tput:.1f} | {hits} |")
+            summary = next(iter(s["configs"].values()))
+            rows.append((policy, store != "none", summary["ttft_s"]["p99"], summary["ttft_s"]["p50"],
+                         summary["throughput_tok_s"], summary["hit_rate"]["total"], summary["errors"]))
+    print("| routing | remote tier | p99 TTFT (s) | p50 TTFT (s) | throughput (tok/s) | hit rate | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for policy, remote, p99, p50, tput, hit, errors in rows:
+        print(f"| {policy} | {'on' if remote else 'off'} | {p99:.3f} | {p50:.3f} | {tput:.1f} | {hit:.1%} | {errors} |")
     return 0
 
 
