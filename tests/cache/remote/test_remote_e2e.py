@@ -8,7 +8,7 @@ import torch
 from kvtier import LLM, SamplingParams
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.prefix_index import Tier
-from tests.stores import start_redis
+from tests.stores import start_mooncake, start_redis
 
 PS = 16
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, ignore_eos=True)
@@ -85,9 +85,10 @@ def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     client.close()
 
 
-def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared):
+@pytest.mark.parametrize("start", [start_redis, start_mooncake], ids=["redis", "mooncake"])
+def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared, start):
     first, second, want = shared
-    store = start_redis(tmp_path)
+    store = start(tmp_path)
     a = write_with_a(store.url, first)
     b = engine(store.url)
     b.generate(prompt_token_ids=[prompt(40, 9)], sampling_params=PARAMS)  # connected and serving
