@@ -8,7 +8,7 @@ from kvtier.router.policy import POLICIES
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from kvtier.router.app import build_router_app, check_workers
+    from kvtier.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.router.policy import Router
     from kvtier.serve.api.server import serve
 
@@ -18,8 +18,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     router = Router(urls, policy=args.policy, remote=args.remote)
-    check_workers(urls)
-    serve(build_router_app(router), args.host, args.port, args.log_level, name="kvtier router")
+    events = subscribe_events(router, check_workers(urls))
+    serve(build_router_app(router, events=events), args.host, args.port, args.log_level, name="kvtier router")
     return 0
 
 

@@ -44,3 +44,15 @@ def test_bad_router_arguments_are_named():
     r.workers[A].healthy = False
     with pytest.raises(RuntimeError, match="no healthy worker"):
         r.choose(None, 1)
+
+
+def test_kv_aware_follows_the_event_view_when_it_has_one():
+    from kvtier.cache.kv_events import EventBatch, GlobalKVView
+
+    view, h = GlobalKVView(), b"\x07" * 16
+    r = Router([A, B], policy="kv-aware", remote=False, view=view, worker_ids={A: "ev-a", B: "ev-b"})
+    view.apply(EventBatch("ev-a", 0, []))
+    view.apply(EventBatch("ev-b", 0, [(True, "host", h)]))  # B holds the prefix, not A
+    r.record("s", A, 20000, 0.5, last_block=h)
+    assert r.prefix_tier(B, r.sessions["s"]) == "local" and r.prefix_tier(A, r.sessions["s"]) is None
+    assert r.choose("s", 20000) == B

@@ -77,7 +77,7 @@ def _exit_on_signal(signum, frame):
 def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str, port: int,
                 worker_args: list[str], log_level: str = "warning") -> int:
     """Start everything, serve the router until SIGINT/SIGTERM, then stop every process."""
-    from kvtier.router.app import build_router_app
+    from kvtier.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.router.policy import Router
     from kvtier.serve.api.server import serve
 
@@ -102,10 +102,11 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
                 WorkerProcess("", proc, log).stop()
             raise
         router = Router([w.url for w in procs], policy=policy, remote=st is not None)
+        events = subscribe_events(router, check_workers(router.urls))
         # uvicorn re-raises the SIGTERM/SIGINT it stopped on once it is done: turn that into
         # SystemExit so the processes below are stopped.
         signal.signal(signal.SIGTERM, _exit_on_signal)
-        serve(build_router_app(router), host, port, log_level, name="kvtier cluster: router")
+        serve(build_router_app(router, events=events), host, port, log_level, name="kvtier cluster: router")
         return 0
     finally:
         for w in procs:

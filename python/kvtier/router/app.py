@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.router.policy import Router
 
 SESSION_HEADER = "x-session-id"
@@ -20,21 +22,37 @@ WORKER_HEADER = "x-kvtier-worker"  # which worker served the response
 _FORWARD = ("content-type", "authorization", SESSION_HEADER)
 
 
-def check_workers(urls: list[str], timeout_s: float = 5.0) -> None:
-    """Every worker answers ``/health``.
+def check_workers(urls: list[str], timeout_s: float = 5.0) -> dict[str, dict]:
+    """Every worker answers ``/health``; returns each one's answer (``kv_events``: its KV events
+    endpoint, when it publishes them).
 
     Raises:
         ValueError: the unreachable or unhealthy URLs, named.
     """
-    bad = []
+    bad, health = [], {}
     for u in urls:
         try:
-            if httpx.get(f"{u}/health", timeout=timeout_s).status_code != 200:
+            r = httpx.get(f"{u}/health", timeout=timeout_s)
+            if r.status_code != 200:
                 bad.append(u)
-        except httpx.HTTPError as e:
+            else:
+                health[u] = r.json()
+        except (httpx.HTTPError, ValueError) as e:
             bad.append(f"{u} ({type(e).__name__})")
     if bad:
         raise ValueError(f"--workers: not answering /health: {', '.join(bad)}")
+    return health
+
+
+def subscribe_events(router: Router, health: dict[str, dict]) -> KVEventSubscriber | None:
+    """Subscribe ``router`` to the KV events of the workers that publish them (their ``/health``
+    names the endpoint); None when none does."""
+    endpoints = {u: h["kv_events"] for u, h in health.items() if h.get("kv_events")}
+    if not endpoints:
+        return None
+    sub = KVEventSubscriber(endpoints.values())
+    router.view, router.worker_ids = sub.view, dict(endpoints)
+    return sub
 
 
 async def poll_worker(client: httpx.AsyncClient, w) -> None:
@@ -58,13 +76,16 @@ def _prompt_tokens_estimate(body: dict) -> int:
     return max(1, len(json.dumps(text)) // 4)
 
 
-def build_router_app(router: Router, poll_s: float = 0.25) -> FastAPI:
-    """The router application over ``router`` (its workers were checked by :func:`check_workers`)."""
+def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscriber | None = None) -> FastAPI:
+    """The router application over ``router`` (its workers were checked by :func:`check_workers`);
+    ``events`` (from :func:`subscribe_events`) feeds ``router.view`` on every poll."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
 
     async def poller():
         while True:
             await asyncio.gather(*(poll_worker(client, w) for w in router.workers.values()))
+            if events is not None:
+                events.poll(0.0)
             await asyncio.sleep(poll_s)
 
     @asynccontextmanager
@@ -73,6 +94,8 @@ def build_router_app(router: Router, poll_s: float = 0.25) -> FastAPI:
         yield
         task.cancel()
         await client.aclose()
+        if events is not None:
+            events.close()
 
     app = FastAPI(title="kvtier router", lifespan=lifespan)
     app.state.router = router
@@ -135,7 +158,9 @@ def build_router_app(router: Router, poll_s: float = 0.25) -> FastAPI:
                 w.inflight -= 1
             if resp.status_code == 200:
                 usage = json.loads(content).get("usage") or {}
-                router.record(sid, url, int(usage.get("prompt_tokens", est)), time.monotonic() - t0)
+                last = usage.get("kv_last_block")
+                router.record(sid, url, int(usage.get("prompt_tokens", est)), time.monotonic() - t0,
+                              bytes.fromhex(last) if last else None)
             return Response(content, resp.status_code, media_type=resp.headers.get("content-type"),
                             headers={WORKER_HEADER: url})
 
@@ -150,11 +175,19 @@ def build_router_app(router: Router, poll_s: float = 0.25) -> FastAPI:
     return app
 
 
+_USAGE_IN_STREAM = re.compile(rb'"prompt_tokens":\s*(\d+).*?"kv_last_block":\s*"([0-9a-f]{32})"', re.S)
+
+
 async def _relay(resp: httpx.Response, w, router: Router, sid, est: int, t0: float):
+    tokens, last, tail = est, None, b""
     try:
         async for chunk in resp.aiter_raw():
             yield chunk
-        router.record(sid, w.url, est, time.monotonic() - t0)
+            m = _USAGE_IN_STREAM.search(tail + chunk)  # the usage chunk (stream_options.include_usage)
+            if m:
+                tokens, last = int(m.group(1)), bytes.fromhex(m.group(2).decode())
+            tail = chunk[-512:]
+        router.record(sid, w.url, tokens, time.monotonic() - t0, last)
     finally:
         await resp.aclose()
         w.inflight -= 1

@@ -5,7 +5,10 @@ Policies:
 * ``sticky``: a session stays on the worker that served its first turn (the baseline);
 * ``least-loaded``: the worker with the fewest requests running or waiting;
 * ``kv-aware``: the lowest predicted TTFT, ``queue wait + load of the cached prefix from that
-  worker's best tier + recomputation of the rest``; a session leaves its worker only when
+  worker's best tier + recomputation of the rest``. Where the prefix is comes from the workers'
+  KV events (:class:`kvtier.cache.kv_events.GlobalKVView`: which worker holds the block hash
+  of the session's last prompt block in a local tier) when the router has them, else from
+  where the session's last turn ran; a session leaves its worker only when
   another one wins by more than one request's time (the workers' load figures lag by up to a
   poll period). The worker that served the session's last
   turn holds its prefix in a local tier; with a shared remote tier every other worker can load
@@ -19,6 +22,10 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
+
+from kvtier.cache.kv_events import GlobalKVView
+
+_LOCAL_TIERS = {"device", "host", "disk"}
 
 POLICIES = ("sticky", "least-loaded", "kv-aware")
 
@@ -68,6 +75,7 @@ class Placement:
 
     worker: str
     prompt_tokens: int
+    last_block: bytes | None = None  # hash of the prompt's last full block (from the response)
 
 
 @dataclass
@@ -78,6 +86,8 @@ class Router:
     policy: str = "kv-aware"
     remote: bool = False
     cost: CostParams = field(default_factory=CostParams)
+    view: GlobalKVView | None = None
+    worker_ids: dict[str, str] = field(default_factory=dict)  # worker URL -> its KV events' worker id
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -94,15 +104,23 @@ class Router:
         """Seconds until ``w`` would give the first token of a ``prompt_tokens``-token turn."""
         place = self.sessions.get(session_id) if session_id else None
         cached, load_s = 0, 0.0
-        if place is not None:
+        where = self.prefix_tier(w.url, place) if place is not None else None
+        if where is not None:
             cached = min(place.prompt_tokens, prompt_tokens)
-            if place.worker == w.url:
-                load_s = cached / self.cost.local_tok_s
-            elif self.remote:
-                load_s = self.cost.remote_latency_s + cached / self.cost.remote_tok_s
-            else:
-                cached = 0
+            load_s = cached / self.cost.local_tok_s if where == "local" else \
+                self.cost.remote_latency_s + cached / self.cost.remote_tok_s
         return w.load * self.cost.request_s + load_s + (prompt_tokens - cached) / self.cost.prefill_tok_s
+
+    def prefix_tier(self, url: str, place: Placement) -> str | None:
+        """Where worker ``url`` would get the session's prefix: ``local`` (its own tiers),
+        ``remote`` (the shared store) or None (recompute)."""
+        wid = self.worker_ids.get(url)
+        if self.view is not None and place.last_block is not None and wid in self.view.workers:
+            if self.view.tiers(wid, place.last_block) & _LOCAL_TIERS:
+                return "local"
+        elif place.worker == url:
+            return "local"
+        return "remote" if self.remote else None
 
     def choose(self, session_id: str | None, prompt_tokens: int) -> str:
         """The worker URL for this turn.
@@ -128,8 +146,10 @@ class Router:
             return place.worker  # a move must win more than one request's time (load figures lag)
         return best
 
-    def record(self, session_id: str | None, url: str, prompt_tokens: int, seconds: float) -> None:
-        """A turn of ``session_id`` ran on ``url`` in ``seconds``."""
+    def record(self, session_id: str | None, url: str, prompt_tokens: int, seconds: float,
+               last_block: bytes | None = None) -> None:
+        """A turn of ``session_id`` ran on ``url`` in ``seconds``; ``last_block``: the hash of
+        its prompt's last full block (``usage.kv_last_block``)."""
         if session_id:
-            self.sessions[session_id] = Placement(url, prompt_tokens)
+            self.sessions[session_id] = Placement(url, prompt_tokens, last_block)
         self.cost.observe_request(seconds)

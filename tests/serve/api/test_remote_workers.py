@@ -94,6 +94,7 @@ def test_router_keeps_moves_and_reroutes_a_session(workers, router):
     second_url, r2 = _turn(router, messages, "s1")
     assert second_url == first_url  # kv-aware: the prefix is on that worker
     assert r2.usage.model_extra["cached_tokens_by_tier"]["device"] >= 160
+    assert len(bytes.fromhex(r2.usage.model_extra["kv_last_block"])) == 16  # what the router looks up in events
     busy = by_url[first_url]
     flood = [threading.Thread(target=lambda i=i: busy.client().completions.create(
         model="tiny", prompt=f"busy {i}", max_tokens=150, temperature=0.0, extra_body={"ignore_eos": True}))
