@@ -7,6 +7,17 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# System packages of the remote tier's stores (redis-server for the Redis backend and tests,
+# libibverbs for Mooncake Store, needed even over TCP); installed only when missing.
+need_apt=()
+command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
+dpkg -s libibverbs1 >/dev/null 2>&1 || need_apt+=(libibverbs1)
+dpkg -s ibverbs-providers >/dev/null 2>&1 || need_apt+=(ibverbs-providers)
+if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y "${need_apt[@]}" >/dev/null 2>&1 \
+    || { $SUDO apt-get update >/dev/null && $SUDO apt-get install -y "${need_apt[@]}" >/dev/null; }
+fi
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi

@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier import LLM, SamplingParams
-from kvtier import kernels_cli, serve_cli
+from kvtier import kernels_cli, router_cli, serve_cli
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -426,6 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_create_checkpoint)
     kernels_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    router_cli.add_parser(sub)
+    router_cli.add_cluster_parser(sub)
     return parser
 
 

@@ -89,7 +89,8 @@ class LLM:
         seed: seed of the random preset weights and of the engine's sampler.
         **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_device_pages,
             max_num_batched_tokens, max_num_seqs, enable_prefix_caching, host_cache_bytes,
-            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy, cache_salt).
+            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy, cache_salt,
+            remote_cache_url, remote_timeout_s).
             Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
             compute dtype and ``cache_salt``; on disk each salt and block layout has its own
             subdirectory of ``disk_cache_dir`` with its own ``disk_cache_bytes`` budget, so

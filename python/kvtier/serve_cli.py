@@ -26,10 +26,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        enable_prefix_caching=not args.no_prefix_caching, host_cache_bytes=args.host_cache_bytes,
                        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=args.disk_cache_bytes,
                        cache_policy=args.cache_policy, cache_write_policy=args.cache_write_policy,
-                       cache_salt=args.cache_salt)
+                       cache_salt=args.cache_salt, remote_cache_url=args.remote_cache_url,
+                       remote_timeout_s=args.remote_timeout_s)
     app = make_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                    max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
-                   seed=args.seed, **engine_args)
+                   seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -57,6 +58,11 @@ def add_parser(sub) -> None:
     s.add_argument("--cache-policy", default="lru", help="eviction policy: lru or tool-aware")
     s.add_argument("--cache-write-policy", default="write-through", help="write-through or write-back")
     s.add_argument("--cache-salt", default="", help="tenant salt of every cached block")
+    s.add_argument("--remote-cache-url", default=None,
+                   help="shared remote KV tier: redis://HOST:PORT or mooncake://HOST:PORT (needs --host-cache-bytes)")
+    s.add_argument("--remote-timeout-s", type=float, default=1.0, help="seconds before a remote call is a miss")
+    s.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV events (blocks stored/removed per tier) on this ZeroMQ PUB endpoint; port 0 = free")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=cmd_serve)

@@ -81,6 +81,7 @@ async def _send(client, url: str, path: str, body: dict, session_id: str, t0: fl
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 out["error"] = f"HTTP {r.status_code}: {text[:300]}"
+                out["finish"] = time.perf_counter() - t0
                 return out
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):

@@ -30,6 +30,11 @@ class TierCost:
 # conservative NVMe-class figure; observed copies then correct it.
 UNPROBED_TIER = TierCost(latency_s=1e-3, bandwidth_Bps=1e9)
 
+# Start-up cost of the remote tier (not probed: a probe would write to a shared store): 2 ms
+# per batched call and 0.5 GB/s, the order of Redis and Mooncake Store over loopback TCP
+# (batched gets of 1 MiB values measured at 0.3-0.7 GB/s); observed loads then correct it.
+REMOTE_TIER = TierCost(latency_s=2e-3, bandwidth_Bps=5e8)
+
 
 @dataclass
 class CostModel:

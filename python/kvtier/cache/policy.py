@@ -6,6 +6,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from kvtier.cache.remote import check_remote_url
 from kvtier.options import check_bool, check_choice, check_int, check_path, check_real
 
 WRITE_POLICIES = ("write-through", "write-back")
@@ -28,6 +29,11 @@ class PoolConfig:
         enable_prefix_caching: reuse blocks by hash at all.
         salt: tenant salt of the block hashes.
         copy_threads: copy-engine worker threads.
+        remote_cache_url: the shared remote tier's store (:mod:`kvtier.cache.remote`):
+            ``redis://HOST:PORT`` or ``mooncake://HOST:PORT[?...]``; None = no remote tier.
+            Needs a host tier (blocks are written through to it from host memory).
+        remote_timeout_s: seconds a remote read, write or lookup may take before it counts as
+            a miss (and the store is left alone for a while).
 
     Sizes that depend on the model (host or disk budgets smaller than one block) are checked
     by :class:`kvtier.cache.pool.KVPool`, which knows the block size.
@@ -47,6 +53,8 @@ class PoolConfig:
     enable_prefix_caching: bool = True
     salt: bytes = b""
     copy_threads: int = 2
+    remote_cache_url: str | None = None
+    remote_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         ps = check_int("page_size", self.page_size, min_value=1)
@@ -65,6 +73,11 @@ class PoolConfig:
         if not isinstance(self.salt, bytes):
             raise ValueError(f"salt must be bytes, got {self.salt!r} ({type(self.salt).__name__})")
         check_int("copy_threads", self.copy_threads, min_value=1)
+        check_remote_url("remote_cache_url", self.remote_cache_url)
+        check_real("remote_timeout_s", self.remote_timeout_s, min_value=0.0, min_open=True)
+        if self.remote_cache_url is not None and self.host_cache_bytes == 0:
+            raise ValueError(f"remote_cache_url={self.remote_cache_url!r} needs host_cache_bytes > 0: blocks reach "
+                             "the remote tier through host memory; got host_cache_bytes=0")
 
 
 class LRUPolicy:

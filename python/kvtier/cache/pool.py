@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
-from kvtier.cache.cost_model import CostModel, probe
+from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
+from kvtier.cache.remote import RemoteStatus, RemoteTier, open_remote
 from kvtier.options import check_hashable, check_real, checked_block_hashes, checked_token_ids
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # kvtier.serve imports this module
     from kvtier.serve.request import Sequence
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
+_REMOTE_LOOKUP_BLOCKS = 256  # blocks past the local match asked of the remote store at most
 
 
 class PrefixStart(enum.Enum):
@@ -73,7 +75,7 @@ class _BlockLoad:
 @dataclass
 class _Write:
     hash: bytes
-    target: Tier               # HOST (from a device page) or DISK (from a host slot)
+    target: Tier               # HOST (from a device page), DISK or REMOTE (from a host slot)
     handle: CopyHandle
     page: int = -1
     slot: int = -1
@@ -99,12 +101,18 @@ class KVPool:
             same), and may hold blocks this pool cannot evict.
         clock: seconds, monotonic; what the eviction policy's TTLs and prefetch times are
             measured in. None = ``time.monotonic``.
+        remote: the remote tier (:class:`kvtier.cache.remote.RemoteTier`); None opens
+            ``config.remote_cache_url`` when set. Blocks are written to it from host slots in
+            the background; a prefix that runs past the local tiers is looked up there
+            (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
+            misses, corrupt values and timeouts are counted (``remote.stats``) and recomputed.
 
     Raises:
         ValueError: bad config: a host or disk budget that holds no block (``host_cache_bytes``
             below one slot, ``disk_cache_bytes`` below one block file), a disk tier without a
             host block, or a host/disk tier over GPU page pools (not supported yet);
-        RuntimeError: the disk directory cannot be used.
+        RuntimeError: the disk directory cannot be used, or the remote store does not
+            answer at start-up (names ``remote_cache_url``).
 
     Warns:
         RuntimeWarning: the disk tier can store no block (its budget is taken by blocks this
@@ -112,7 +120,8 @@ class KVPool:
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
-                 copy_engine=None, disk=None, clock: Callable[[], float] | None = None):
+                 copy_engine=None, disk=None, clock: Callable[[], float] | None = None,
+                 remote: RemoteTier | None = None):
         if not isinstance(config, PoolConfig):
             raise ValueError(f"config must be a PoolConfig, got {type(config).__name__}")
         self.config = config
@@ -146,6 +155,12 @@ class KVPool:
         self.prefetches: list[_BlockLoad] = []
         self.policy = make_policy(config.cache_policy)
         self.clock = clock if clock is not None else time.monotonic
+        if remote is None and config.remote_cache_url is not None:
+            remote = open_remote(config.remote_cache_url, self.meta, config.remote_timeout_s)
+        self.remote = remote
+        self.event_sink: Callable[[list], None] | None = None
+        if remote is not None:
+            self.stats.add_tier("remote")
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -156,6 +171,8 @@ class KVPool:
         if self.host is not None and self.host.num_slots:
             slot = self.host.slot(0)
             model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
+        if self.remote is not None:
+            model.tiers[Tier.REMOTE] = TierCost(REMOTE_TIER.latency_s, REMOTE_TIER.bandwidth_Bps)
         if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
             buf = aligned_empty(self.block_bytes).zero_()
             if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
@@ -280,13 +297,17 @@ class KVPool:
         self._complete(seq, loads)
         return PrefixStart.READY
 
-    def _match_prefix(self, seq: Sequence):
+    def _match_prefix(self, seq: Sequence, remote: bool = True):
         """``(hashes, rows, sources, take)``: the prompt's block hashes, their index rows, the
-        fastest tier of each matched block, and how many leading blocks the cost model takes."""
+        fastest tier of each matched block, and how many leading blocks the cost model takes.
+        With ``remote`` the remote store is asked for the blocks past the local match (a round
+        trip, at most ``remote_timeout_s``); without it only blocks already indexed count."""
         max_blocks = (seq.num_tokens - 1) // self.page_size
         self._hash_blocks(seq, max_blocks)
         hashes = seq.block_hashes[:max_blocks]
         rows = self.index.match(hashes, self._usable_tiers())
+        if remote:
+            rows = self._match_remote(hashes, rows)
         sources = [self._best_source(row) for row in rows]
         return hashes, rows, sources, self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
 
@@ -297,11 +318,12 @@ class KVPool:
             ``(reused_tokens, load_s)``: prompt tokens it would place from cached blocks (device
             hits and the loads the cost model chooses), and the cost model's estimate of those
             loads in seconds (0.0 when every block is a device hit). Whether the loads' pages are
-            free is not checked.
+            free is not checked, and the remote store is not asked (it is called every step for
+            every waiting request): remote blocks count once a lookup has indexed them.
         """
         if not self.config.enable_prefix_caching:
             return 0, 0.0
-        _, _, sources, take = self._match_prefix(seq)
+        _, _, sources, take = self._match_prefix(seq, remote=False)
         load_s, paid = 0.0, set()
         for tier in sources[:take]:
             if tier != Tier.DEVICE:
@@ -322,11 +344,29 @@ class KVPool:
             tiers.append(Tier.HOST)
         if self.disk is not None:
             tiers.append(Tier.DISK)
+        if self.remote is not None:
+            tiers.append(Tier.REMOTE)
         return tiers
 
     @staticmethod
     def _best_source(row) -> Tier:
-        return next(t for t in (Tier.DEVICE, Tier.HOST, Tier.DISK) if row[t] >= 0)
+        return next(t for t in Tier if row[t] >= 0)
+
+    def _match_remote(self, hashes: list[bytes], rows):
+        """``rows`` extended by the blocks after them that the remote store holds (indexed as
+        remote copies, slot 0); ``rows`` as given without a remote tier or when it has none."""
+        n = len(rows)
+        if self.remote is None or n >= len(hashes):
+            return rows
+        tail = hashes[n:n + _REMOTE_LOOKUP_BLOCKS]
+        found = 0
+        for present in self.remote.exists(tail):
+            if not present:
+                break
+            found += 1
+        for h in tail[:found]:
+            self.index.insert(h, Tier.REMOTE, 0)
+        return self.index.match(hashes, self._usable_tiers()) if found else rows
 
     def _fit_to_free_pages(self, rows, sources: list[Tier], take: int) -> int:
         """Shrink ``take`` until its loads fit in the free pages; unreference dropped resident pages."""
@@ -361,17 +401,22 @@ class KVPool:
         if source == Tier.HOST:
             self._submit_host_to_device(b, int(row[Tier.HOST]))
         else:
-            self._submit_disk_read(b)
+            self._submit_staged_read(b, source)
         return b
 
     def _submit_host_to_device(self, b: _BlockLoad, slot: int) -> None:
         b.stage = Tier.HOST
         b.handle = self.copy_engine.scatter(self.host.slot(slot), self.kv_caches, [b.page])
 
-    def _submit_disk_read(self, b: _BlockLoad) -> None:
-        b.stage = Tier.DISK
+    def _submit_staged_read(self, b: _BlockLoad, source: Tier) -> None:
+        """Read a disk or remote block into a staging buffer (then :meth:`_end_stage` copies it
+        into the device page)."""
+        b.stage = source
         b.staging = aligned_empty(self.block_bytes, pin_memory=self.host is not None and self.host.storage.is_pinned())
-        b.handle = self.copy_engine.disk_read(self.disk, [b.hash], self.meta, b.staging)
+        if source == Tier.DISK:
+            b.handle = self.copy_engine.disk_read(self.disk, [b.hash], self.meta, b.staging)
+        else:
+            b.handle = self.remote.get([b.hash], b.staging)
 
     def _end_stage(self, b: _BlockLoad, status: list[int]) -> None:
         """Account for the copy that just ended and start the next one, if any."""
@@ -381,12 +426,16 @@ class KVPool:
             assert unlocked, "a load's source copy was not locked while it was read"
         b.handle, b.stage = None, None
         if not ok:
-            self.stats.copy_errors += 1
+            if stage == Tier.REMOTE:  # lossy by contract: a counted miss (remote.stats), not an error
+                if status[:1] != [RemoteStatus.UNAVAILABLE]:
+                    self.index.remove(b.hash, Tier.REMOTE)
+            else:
+                self.stats.copy_errors += 1
             if stage == Tier.DISK and status and status[0] in (DiskStatus.CORRUPT, DiskStatus.MISSING):
                 self.index.remove(b.hash, Tier.DISK)  # the disk tier already dropped the file
             b.ok, b.staging = False, None
-        elif stage == Tier.DISK:  # in the staging buffer: copy it into the device page
-            self.stats.bytes_loaded["disk"] += self.block_bytes
+        elif stage in (Tier.DISK, Tier.REMOTE):  # in the staging buffer: copy it into the device page
+            self.stats.bytes_loaded[stage.name.lower()] += self.block_bytes
             b.handle = self.copy_engine.scatter(b.staging, self.kv_caches, [b.page])
         else:
             if stage == Tier.HOST:
@@ -431,7 +480,7 @@ class KVPool:
         while keep < len(loads) and loads[keep].ok:
             keep += 1
         self._keep_loaded(seq, loads, keep)
-        seq.prefix_tokens_by_tier = {"device": 0, "host": 0, "disk": 0}
+        seq.prefix_tokens_by_tier = dict.fromkeys(self.stats.hit_tokens, 0)
         for b in loads[:keep]:
             # A block this sequence loaded from a lower tier in an earlier lookup (it was sent
             # back to wait after its loads ended) is now a device copy: keep crediting the tier
@@ -524,6 +573,16 @@ class KVPool:
         w = _Write(h, Tier.DISK, self.copy_engine.disk_write(self.disk, [h], self.meta, self.host.slot(slot)), slot=slot)
         self._finish_write(w) if wait else self.writes.append(w)
 
+    def _copy_slot_to_remote(self, h: bytes, slot: int) -> None:
+        """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
+        if self.remote is not None and not self._in_tier(h, Tier.REMOTE) and self.remote.available():
+            self.writes.append(_Write(h, Tier.REMOTE, self.remote.put([h], self.host.slot(slot))))
+
+    def close(self) -> None:
+        """Release the remote tier's connections (the pool's other resources are memory)."""
+        if self.remote is not None:
+            self.remote.close()
+
     def _finish_write(self, w: _Write) -> None:
         try:
             status = w.handle.result()
@@ -537,8 +596,13 @@ class KVPool:
                 self.stats.bytes_written["host"] += self.block_bytes
                 if self.config.write_policy == "write-through":
                     self._copy_slot_to_disk(w.hash, w.slot, wait=False)
+                self._copy_slot_to_remote(w.hash, w.slot)
             else:
                 self.host.release(w.slot)
+        elif w.target == Tier.REMOTE:
+            if ok and self.index.insert(w.hash, Tier.REMOTE, 0):
+                self.stats.bytes_written["remote"] += self.block_bytes
+            return  # a failed remote write is counted in remote.stats, not as a copy error
         else:
             self.index.unlock([w.hash], Tier.HOST)
             if ok and self.disk_budget.add(w.hash):
@@ -634,6 +698,17 @@ class KVPool:
         self._start_prefetches()
         self._finish_prefetches(wait)
         self._finish_writes(wait)
+        if self.event_sink is not None:
+            events = self.index.drain_events()
+            if events:
+                self.event_sink(events)
+
+    def publish_events_to(self, sink: Callable[[list], None] | None) -> None:
+        """From now on, hand the index's events (:class:`kvtier.cache.prefix_index.Event`) to
+        ``sink`` in one batch per :meth:`poll` (e.g. a :class:`kvtier.cache.kv_events.KVEventPublisher`);
+        None stops. Events from before the call are dropped: call it before serving."""
+        self.index.drain_events()
+        self.event_sink = sink
 
     def _finish_writes(self, wait: bool) -> None:
         while self.writes:

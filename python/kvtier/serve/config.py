@@ -37,6 +37,11 @@ class EngineConfig:
             ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
         schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
             this many steps is served ahead of every request that was not, in arrival order.
+        remote_cache_url: shared remote tier (``redis://HOST:PORT`` or
+            ``mooncake://HOST:PORT[?metadata=URL]``; None = none); needs ``host_cache_bytes``.
+            Engines with the same model, dtype, page size and ``cache_salt`` share its blocks.
+        remote_timeout_s: seconds a remote read, write or lookup may take before it counts as
+            a miss.
 
     Every field is checked for its type (a bool is not an int, a str is not a size, an int is
     not a directory) and range; sizes that give a host or disk tier of zero blocks are errors
@@ -62,6 +67,8 @@ class EngineConfig:
     cuda_graph: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
+    remote_cache_url: str | None = None
+    remote_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.cuda_graph, bool):
@@ -81,4 +88,5 @@ class EngineConfig:
                           num_device_pages=self.num_device_pages,
                           host_cache_bytes=self.host_cache_bytes, disk_cache_dir=self.disk_cache_dir,
                           disk_cache_bytes=self.disk_cache_bytes, cache_policy=self.cache_policy,
-                          write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching)
+                          write_policy=self.cache_write_policy, enable_prefix_caching=self.enable_prefix_caching,
+                          remote_cache_url=self.remote_cache_url, remote_timeout_s=self.remote_timeout_s)

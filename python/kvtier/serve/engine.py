@@ -305,8 +305,7 @@ class Engine:
         self.scheduler.finish(seq, reason)
         return True
 
-    @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
         parsed = {}
         if seq.parser is not None:  # once at the end: the parser's result does not depend on chunking
             seq.parser.feed_ids(seq.output_token_ids)
@@ -323,8 +322,14 @@ class Engine:
             cached_tokens_by_tier=dict(seq.cached_tokens_by_tier),
             finish_reason=seq.finish_reason,
             metrics=seq.metrics,
+            last_prompt_block=_last_prompt_block(seq, self.pool.page_size),
             **parsed,
         )
+
+
+def _last_prompt_block(seq: Sequence, page_size: int) -> bytes | None:
+    full = len(seq.prompt_token_ids) // page_size
+    return seq.block_hashes[full - 1] if 0 < full <= len(seq.block_hashes) else None
 
 
 def _checked_int_array(ids, vocab: int) -> list[int] | None:

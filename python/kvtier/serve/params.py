@@ -139,6 +139,9 @@ class RequestOutput:
             order (None without a tokenizer).
         tool_call_problems: calls that could not be returned (e.g. ``incomplete`` when the
             output was cut), as :meth:`kvtier.toolcall.ToolCallProblem.to_dict` dicts.
+        last_prompt_block: the block hash (16 bytes) of the prompt's last full block, None when
+            the prompt has no full block or prefix caching is off: what a router looks up in
+            the workers' KV events to find where the prompt's prefix is cached.
     """
 
     request_id: int
@@ -155,3 +158,4 @@ class RequestOutput:
     reasoning_content: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_problems: list[dict] | None = None
+    last_prompt_block: bytes | None = None

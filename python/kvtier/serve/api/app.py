@@ -37,11 +37,14 @@ class ServerOptions:
         model_name: the name clients send as ``model`` (others get 404).
         max_queue: requests accepted at once (running or queued); more get 503.
         max_model_len: the model's context in tokens (reported by ``/v1/models``).
+        kv_events: the ZeroMQ endpoint publishing this worker's KV events (reported by
+            ``/health``; the events' worker id is this endpoint), or None.
     """
 
     model_name: str
     max_queue: int = 256
     max_model_len: int | None = None
+    kv_events: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
@@ -83,7 +86,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def health():
         if not worker.alive:
             raise ApiError(503, "the engine thread is not running")
-        return {"status": "ok"}
+        return {"status": "ok"} if options.kv_events is None else {"status": "ok", "kv_events": options.kv_events}
 
     @app.get("/metrics")
     async def prometheus():

@@ -49,6 +49,7 @@ class Final:
     e2e_s: float | None = None
     error: str | None = None
     error_status: int = 500
+    last_prompt_block: bytes | None = None  # see RequestOutput.last_prompt_block
 
 
 class StopFilter:
@@ -166,4 +167,4 @@ class Job:
         return Final(finish_reason or "stop", len(o.prompt_token_ids), n_out, o.num_cached_tokens,
                      dict(o.cached_tokens_by_tier), self.content, getattr(self.decoder, "reasoning", ""),
                      list(self.calls), problems, lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
-                     error, status)
+                     error, status, getattr(o, "last_prompt_block", None))  # a Sequence when cut by a stop string

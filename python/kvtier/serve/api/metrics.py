@@ -54,6 +54,19 @@ class _EngineCollector:
             for tier, v in sorted(s[key].items()):
                 fam.add_metric([tier], v)
             yield fam
+        if "remote" in s:  # a pool with a remote tier: its reads and writes by outcome
+            yield from _remote_families(s["remote"])
+
+
+def _remote_families(r: dict):
+    for name, doc, key in [("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)", "gets"),
+                           ("kvtier_remote_puts", "remote tier block writes, by status", "puts")]:
+        fam = CounterMetricFamily(name, doc, labels=["status"])
+        for status, v in sorted(r[key].items()):
+            fam.add_metric([status], v)
+        yield fam
+    yield CounterMetricFamily("kvtier_remote_lookup_failures", "remote lookups that failed or timed out (taken "
+                              "as absent)", value=r["exists_failures"])
 
 
 class ServerMetrics:

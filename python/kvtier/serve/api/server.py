@@ -12,11 +12,17 @@ from kvtier.serve.api.worker import EngineWorker
 
 
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
-             session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0, **engine_args):
+             session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+             kv_events_endpoint: str | None = None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
+    ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
+    (:mod:`kvtier.cache.kv_events`; the bound endpoint is the events' worker id and is reported
+    by ``/health``).
+
     Raises:
-        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit.
+        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
+            or a KV events endpoint that cannot be bound.
     """
     from kvtier.llm import LLM
 
@@ -27,6 +33,12 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     llm.engine.attach_tokenizer(llm.tokenizer)
     warm_up(llm)
     options.max_model_len = llm.config.max_position_embeddings
+    if kv_events_endpoint is not None:
+        from kvtier.cache.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(kv_events_endpoint, worker_id="")
+        publisher.worker_id = options.kv_events = publisher.endpoint
+        llm.engine.pool.publish_events_to(publisher)  # called on the engine thread (pool.poll)
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["worker"].snapshot)
     worker = holder["worker"] = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
@@ -56,12 +68,13 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-    """Run ``app`` with uvicorn until interrupted. Prints ``listening on http://HOST:PORT`` (the
-    real port when ``port`` is 0) once the socket is open."""
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+          name: str = "kvtier serve") -> None:
+    """Run ``app`` with uvicorn until interrupted. Prints ``NAME: listening on http://HOST:PORT``
+    (the real port when ``port`` is 0) once the socket is open."""
     import uvicorn
 
     sock = listen(host, port)
-    print(f"kvtier serve: listening on http://{host}:{sock.getsockname()[1]}", flush=True, file=sys.stdout)
+    print(f"{name}: listening on http://{host}:{sock.getsockname()[1]}", flush=True, file=sys.stdout)
     server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
     server.run(sockets=[sock])

@@ -92,6 +92,8 @@ class EngineWorker:
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
                 self._last_housekeeping = now
                 try:
+                    if not self.engine.has_unfinished():  # idle: background writes and KV events go on
+                        self.engine.pool.poll()
                     self.sessions.expire()
                     self._publish()
                 except Exception:  # noqa: BLE001 - housekeeping must not stop the engine thread
@@ -214,6 +216,10 @@ class EngineWorker:
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
             "in_flight": len(self._jobs),
         }
+        if pool.remote is not None:
+            rs = pool.remote.stats
+            self.snapshot["remote"] = {"gets": dict(rs.gets), "puts": dict(rs.puts),
+                                       "exists_failures": rs.exists_failures}
 
 
 def _prompt_error(e: ValueError, kind: str) -> ApiError:

@@ -1,0 +1,115 @@
+"""Start a store, N ``kvtier serve`` workers and the router on one machine, as processes.
+
+Every process listens on 127.0.0.1 (the router on ``--host:--port``); all are stopped by PID
+(SIGTERM, then SIGKILL) when the router stops. Logs go to a fresh temporary directory, printed
+at start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvtier.cluster.stores import StoreProcess, start_store
+
+START_TIMEOUT_S = 300.0
+
+
+@dataclass
+class WorkerProcess:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def spawn_worker(model: str, args: list[str], log: Path) -> subprocess.Popen:
+    """``kvtier serve MODEL --host 127.0.0.1 --port 0 ARGS`` with output to ``log``."""
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", model, "--host", "127.0.0.1", "--port", "0", *args]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def wait_worker(proc: subprocess.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> WorkerProcess:
+    """Wait until the worker prints its URL and answers ``/health``.
+
+    Raises:
+        RuntimeError: it exited or did not answer within ``timeout_s`` (with its log's tail).
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
+        if m:
+            url = m.group(1).decode()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    return WorkerProcess(url, proc, log)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.2)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    raise RuntimeError(f"worker did not start ({log}): {log.read_text(errors='replace')[-2000:]}")
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str, port: int,
+                worker_args: list[str], log_level: str = "warning") -> int:
+    """Start everything, serve the router until SIGINT/SIGTERM, then stop every process."""
+    from kvtier.router.app import build_router_app, check_workers, subscribe_events
+    from kvtier.router.policy import Router
+    from kvtier.serve.api.server import serve
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
+    print(f"kvtier cluster: logs in {workdir}", flush=True)
+    st: StoreProcess | None = None
+    procs: list[WorkerProcess] = []
+    try:
+        args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+        if store != "none":
+            st = start_store(store, workdir)
+            args += ["--remote-cache-url", st.url]
+            print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
+        spawned = [(spawn_worker(model, args, workdir / f"worker-{i}.log"), workdir / f"worker-{i}.log")
+                   for i in range(workers)]
+        try:
+            for proc, log in spawned:
+                procs.append(wait_worker(proc, log))
+                print(f"kvtier cluster: worker {procs[-1].url} (pid {proc.pid})", flush=True)
+        except BaseException:
+            for proc, log in spawned[len(procs):]:
+                WorkerProcess("", proc, log).stop()
+            raise
+        router = Router([w.url for w in procs], policy=policy, remote=st is not None)
+        events = subscribe_events(router, check_workers(router.urls))
+        # uvicorn re-raises the SIGTERM/SIGINT it stopped on once it is done: turn that into
+        # SystemExit so the processes below are stopped.
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        serve(build_router_app(router, events=events), host, port, log_level, name="kvtier cluster: router")
+        return 0
+    finally:
+        for w in procs:
+            w.stop()
+        if st is not None:
+            st.stop(signal.SIGTERM)

@@ -1,0 +1,68 @@
+"""``kvtier router --workers URL,...``: the OpenAI-compatible router (see :mod:`kvtier.router`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.router.policy import POLICIES
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvtier.router.app import build_router_app, check_workers, subscribe_events
+    from kvtier.router.policy import Router
+    from kvtier.serve.api.server import serve
+
+    urls = [u.strip().rstrip("/") for u in args.workers.split(",") if u.strip()]
+    if not urls or any(not u.startswith(("http://", "https://")) for u in urls):
+        raise ValueError(f"--workers must be a comma-separated list of http:// URLs, got {args.workers!r}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    router = Router(urls, policy=args.policy, remote=args.remote)
+    events = subscribe_events(router, check_workers(urls))
+    serve(build_router_app(router, events=events), args.host, args.port, args.log_level, name="kvtier router")
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("router", help="OpenAI-compatible router in front of several kvtier serve workers")
+    s.add_argument("--workers", required=True, metavar="URL,...", help="worker base URLs (http://HOST:PORT)")
+    s.add_argument("--policy", default="kv-aware", choices=POLICIES, help="routing policy")
+    s.add_argument("--remote", action="store_true",
+                   help="the workers share a remote KV tier (a moved session loads its prefix from it)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8100, help="port (0 = a free port, printed at start)")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(func=cmd_router)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from kvtier.cluster.launch import run_cluster
+
+    if args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.host_cache_bytes <= 0 and args.store != "none":
+        raise ValueError(f"--store {args.store} needs --host-cache-bytes > 0, got {args.host_cache_bytes}")
+    worker_args = ["--host-cache-bytes", str(args.host_cache_bytes), "--num-device-pages", str(args.num_device_pages),
+                   "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)]
+    if args.tokenizer:
+        worker_args += ["--tokenizer", args.tokenizer]
+    return run_cluster(args.model, workers=args.workers, store=args.store, policy=args.policy, host=args.host,
+                       port=args.port, worker_args=worker_args, log_level=args.log_level)
+
+
+def add_cluster_parser(sub) -> None:
+    s = sub.add_parser("cluster", help="a store, N kvtier serve workers and a router on this machine, as processes")
+    s.add_argument("model", help="checkpoint directory or preset")
+    s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
+    s.add_argument("--workers", type=int, default=2, help="kvtier serve workers to start")
+    s.add_argument("--store", default="redis", choices=["redis", "mooncake", "none"],
+                   help="shared remote KV tier (none: each worker keeps its own cache)")
+    s.add_argument("--policy", default="kv-aware", choices=POLICIES, help="routing policy")
+    s.add_argument("--host", default="127.0.0.1", help="router address")
+    s.add_argument("--port", type=int, default=8100, help="router port (0 = a free port, printed at start)")
+    s.add_argument("--host-cache-bytes", type=int, default=256 << 20, help="each worker's host tier budget")
+    s.add_argument("--num-device-pages", type=int, default=1024, help="each worker's device KV pages")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="each worker's requests running at once")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(func=cmd_cluster)

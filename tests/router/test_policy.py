@@ -1,0 +1,58 @@
+"""Routing decisions of ``kvtier router`` (no processes): sticky, least-loaded, kv-aware."""
+
+import pytest
+
+from kvtier.router.policy import Router
+
+A, B = "http://a", "http://b"
+
+
+def test_kv_aware_keeps_a_session_then_moves_it_when_its_worker_is_overloaded():
+    r = Router([A, B], policy="kv-aware", remote=True)
+    r.record("s", A, 2000, 0.5)
+    assert r.choose("s", 2100) == A
+    r.workers[A].waiting = 8
+    assert r.choose("s", 2100) == B
+    r.workers[B].healthy = False
+    assert r.choose("s", 2100) == A
+
+
+def test_kv_aware_without_remote_counts_recomputation():
+    r = Router([A, B], policy="kv-aware", remote=False)
+    r.record("s", A, 20000, 0.5)
+    r.workers[A].waiting = 2  # 1 s of queue < 10 s of recomputing 20000 tokens elsewhere
+    assert r.predicted_ttft(r.workers[B], "s", 20000) > r.predicted_ttft(r.workers[A], "s", 20000)
+    assert r.choose("s", 20000) == A
+
+
+def test_sticky_and_least_loaded():
+    sticky = Router([A, B], policy="sticky")
+    sticky.record("s", B, 100, 0.1)
+    sticky.workers[B].waiting = 50
+    assert sticky.choose("s", 100) == B
+    least = Router([A, B], policy="least-loaded")
+    least.workers[A].running = 3
+    assert least.choose("s", 100) == B
+
+
+def test_bad_router_arguments_are_named():
+    with pytest.raises(ValueError, match="policy"):
+        Router([A], policy="random")
+    with pytest.raises(ValueError, match="workers"):
+        Router([])
+    r = Router([A])
+    r.workers[A].healthy = False
+    with pytest.raises(RuntimeError, match="no healthy worker"):
+        r.choose(None, 1)
+
+
+def test_kv_aware_follows_the_event_view_when_it_has_one():
+    from kvtier.cache.kv_events import EventBatch, GlobalKVView
+
+    view, h = GlobalKVView(), b"\x07" * 16
+    r = Router([A, B], policy="kv-aware", remote=False, view=view, worker_ids={A: "ev-a", B: "ev-b"})
+    view.apply(EventBatch("ev-a", 0, []))
+    view.apply(EventBatch("ev-b", 0, [(True, "host", h)]))  # B holds the prefix, not A
+    r.record("s", A, 20000, 0.5, last_block=h)
+    assert r.prefix_tier(B, r.sessions["s"]) == "local" and r.prefix_tier(A, r.sessions["s"]) is None
+    assert r.choose("s", 20000) == B

@@ -1,0 +1,123 @@
+"""Two ``kvtier serve`` workers on one Redis remote tier, publishing KV events: a conversation
+worker A served continues on a fresh worker B from the remote tier, and A's events show it; a
+``kvtier router`` in front keeps a session where its cache is, moves it when that worker is
+overloaded (the prefix then comes from the remote tier), and routes around a dead worker."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvtier.cache.kv_events import KVEventSubscriber
+from kvtier.cli import main
+from tests.serve.api.conftest import ROOT, start_server, stop_server
+from tests.stores import redis_store  # noqa: F401
+
+LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory, redis_store):  # noqa: F811
+    args = ("--num-device-pages", "256", "--max-num-seqs", "1", "--host-cache-bytes", str(16 << 20), "--remote-cache-url", redis_store.url,
+            "--kv-events-endpoint", "tcp://127.0.0.1:0")
+    a = start_server(tmp_path_factory.mktemp("a"), *args)
+    try:
+        b = start_server(tmp_path_factory.mktemp("b"), *args)
+    except Exception:
+        stop_server(a)
+        raise
+    yield a, b
+    stop_server(a)
+    stop_server(b)
+
+
+def test_turn_moves_to_a_fresh_worker_and_loads_from_the_remote_tier(workers):
+    a, b = workers
+    endpoint = httpx.get(f"{a.url}/health", timeout=10).json()["kv_events"]
+    sub = KVEventSubscriber([endpoint])
+    messages = [{"role": "system", "content": LONG}, {"role": "user", "content": "Summarise the lines."}]
+    first = a.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+    assert first.usage.prompt_tokens > 160
+    moved = b.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+    by_tier = moved.usage.model_extra["cached_tokens_by_tier"]
+    assert by_tier["remote"] >= 160 and by_tier["remote"] == moved.usage.prompt_tokens_details.cached_tokens
+    assert moved.choices[0].message.content == first.choices[0].message.content
+    metrics = b.metrics()
+    assert metrics[("kvtier_hit_tokens_total", ("tier", "remote"))] >= 160
+    assert metrics[("kvtier_remote_gets_total", ("status", "ok"))] >= 160 // 16
+    again = a.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+    sub.poll(2.0)
+    while sub.poll(0.5):
+        pass
+    assert sub.view.blocks(endpoint, "device")  # at least the third request's blocks were seen stored
+    assert again.usage.prompt_tokens_details.cached_tokens >= 160
+    sub.close()
+
+
+@pytest.fixture(scope="module")
+def router(workers, tmp_path_factory):
+    log = tmp_path_factory.mktemp("router") / "router.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "kvtier.cli", "router", "--workers", ",".join(w.url for w in workers),
+           "--policy", "kv-aware", "--remote", "--port", "0"]
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    url, deadline = None, time.monotonic() + 60
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
+        url = m.group(1).decode() if m else time.sleep(0.1)
+    assert url, log.read_text(errors="replace")
+    yield url
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(20)
+
+
+def _turn(router_url, messages, session):
+    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=300)
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=messages, max_tokens=4,
+                                                           temperature=0.0, extra_headers={"x-session-id": session})
+    return raw.headers["x-kvtier-worker"], raw.parse()
+
+
+def test_router_keeps_moves_and_reroutes_a_session(workers, router):
+    by_url = {w.url: w for w in workers}
+    messages = [{"role": "system", "content": LONG.replace("fox", "cat")}, {"role": "user", "content": "Go."}]
+    first_url, r1 = _turn(router, messages, "s1")
+    messages += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "More."}]
+    second_url, r2 = _turn(router, messages, "s1")
+    assert second_url == first_url  # kv-aware: the prefix is on that worker
+    assert r2.usage.model_extra["cached_tokens_by_tier"]["device"] >= 160
+    assert len(bytes.fromhex(r2.usage.model_extra["kv_last_block"])) == 16  # what the router looks up in events
+    busy = by_url[first_url]
+    flood = [threading.Thread(target=lambda i=i: busy.client().completions.create(
+        model="tiny", prompt=f"busy {i}", max_tokens=150, temperature=0.0, extra_body={"ignore_eos": True}))
+        for i in range(6)]
+    for t in flood:
+        t.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{router}/health").json()["workers"][first_url]["waiting"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    messages += [{"role": "assistant", "content": r2.choices[0].message.content}, {"role": "user", "content": "Again."}]
+    third_url, r3 = _turn(router, messages, "s1")
+    assert third_url != first_url  # overloaded: the turn moves
+    assert r3.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
+    for t in flood:
+        t.join()
+    stop_server(by_url[third_url])  # the worker now holding the session dies
+    messages += [{"role": "assistant", "content": r3.choices[0].message.content}, {"role": "user", "content": "End."}]
+    fourth_url, r4 = _turn(router, messages, "s1")
+    assert fourth_url == first_url and r4.choices[0].message.content is not None
+    health = httpx.get(f"{router}/health").json()
+    assert health["workers"][third_url]["healthy"] is False
+
+
+def test_router_names_unreachable_workers(capsys):
+    assert main(["router", "--workers", "http://127.0.0.1:1", "--port", "0"]) == 2
+    assert "http://127.0.0.1:1" in capsys.readouterr().err
