@@ -4,7 +4,6 @@ prints), shared by the tests of this folder and stopped by its PID."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cluster.launch import wait_worker
 from tests.conftest import TOKENIZER_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -62,8 +62,6 @@ class Server:
 
 def start_server(tmp_path: Path, *args: str) -> Server:
     """Start ``kvtier serve tiny --port 0 ARGS`` and wait until ``/health`` answers."""
-    import httpx
-
     if not (TOKENIZER_DIR / "tiktoken.model").is_file():
         pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
     log = tmp_path / "server.log"
@@ -72,20 +70,11 @@ def start_server(tmp_path: Path, *args: str) -> Server:
            "--host", "127.0.0.1", "--port", "0", *args]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    url = None
-    while time.monotonic() < deadline and proc.poll() is None:
-        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
-        if m:
-            url = m.group(1).decode()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    return Server(proc, url, log)
-            except httpx.HTTPError:
-                pass
-        time.sleep(0.2)
-    stop_server(Server(proc, url or "", log))
-    raise RuntimeError(f"kvtier serve did not start: {log.read_text(errors='replace')[-3000:]}")
+    try:
+        worker = wait_worker(proc, log, START_TIMEOUT_S)
+    except RuntimeError as e:
+        raise RuntimeError(f"kvtier serve did not start: {e}") from None
+    return Server(proc, worker.url, log)
 
 
 def stop_server(server: Server) -> None:
