@@ -26,7 +26,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,15 +34,13 @@ from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
+from kvtier.cache.kv_state import KVState
 from kvtier.cache.policy import PoolConfig, make_policy
 from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.cache.remote import RemoteStatus, RemoteTier, open_remote
 from kvtier.options import check_hashable, check_real, checked_block_hashes, checked_token_ids
 from kvtier.transfer import CopyEngine, CopyError, CopyHandle
-
-if TYPE_CHECKING:  # kvtier.serve imports this module
-    from kvtier.serve.request import Sequence
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 _REMOTE_LOOKUP_BLOCKS = 256  # blocks past the local match asked of the remote store at most
@@ -194,7 +191,7 @@ class KVPool:
     def num_free_pages(self) -> int:
         return len(self.free_pages)
 
-    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+    def pages_needed(self, seq: KVState, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_ids))
 
     def _take_page(self) -> int:
@@ -222,7 +219,7 @@ class KVPool:
             if reuse_first:
                 self.free_pages.move_to_end(page, last=False)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
+    def allocate(self, seq: KVState, num_tokens: int) -> bool:
         """Add pages so ``seq`` holds ``num_tokens`` tokens; False (nothing changed) if too few are free."""
         need = self.pages_needed(seq, num_tokens)
         if need > len(self.free_pages):
@@ -230,7 +227,7 @@ class KVPool:
         seq.page_ids += [self._take_page() for _ in range(need)]
         return True
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: KVState) -> None:
         """Drop ``seq``'s pages; its last pages become reusable first, its first pages last."""
         loads = self.loads.pop(seq.seq_id, None)
         if loads is not None:  # preempted while loading: let the copies into its pages end first
@@ -243,7 +240,7 @@ class KVPool:
         seq.page_ids = []
         seq.num_registered_blocks = 0
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+    def truncate(self, seq: KVState, num_tokens: int) -> None:
         """Keep only the pages of ``seq``'s first ``num_tokens // page_size`` full blocks (a
         placed prefix that must not be reused whole); the rest stay cached but unreferenced."""
         keep = min(num_tokens // self.page_size, len(seq.page_ids))
@@ -254,16 +251,16 @@ class KVPool:
         seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
 
     # ---- hashing ------------------------------------------------------------------------------
-    def _hash_blocks(self, seq: Sequence, num_blocks: int) -> None:
+    def _hash_blocks(self, seq: KVState, num_blocks: int) -> None:
         have = len(seq.block_hashes)
         if have < num_blocks:
             ps = self.page_size
             parent = seq.block_hashes[-1] if have else None
-            salt = self.config.salt + getattr(seq, "salt", b"")  # a request's own salt isolates it further
+            salt = self.config.salt + seq.salt  # a request's own salt isolates it further
             seq.block_hashes += block_hashes(seq.token_ids(have * ps, num_blocks * ps), ps, parent, salt)
 
     # ---- prefix reuse and loads ---------------------------------------------------------------
-    def begin_prefix(self, seq: Sequence, *, partial: bool = True) -> PrefixStart:
+    def begin_prefix(self, seq: KVState, *, partial: bool = True) -> PrefixStart:
         """Reuse or start loading ``seq``'s cached prefix.
 
         Args:
@@ -297,7 +294,7 @@ class KVPool:
         self._complete(seq, loads)
         return PrefixStart.READY
 
-    def _match_prefix(self, seq: Sequence, remote: bool = True):
+    def _match_prefix(self, seq: KVState, remote: bool = True):
         """``(hashes, rows, sources, take)``: the prompt's block hashes, their index rows, the
         fastest tier of each matched block, and how many leading blocks the cost model takes.
         With ``remote`` the remote store is asked for the blocks past the local match (a round
@@ -311,7 +308,7 @@ class KVPool:
         sources = [self._best_source(row) for row in rows]
         return hashes, rows, sources, self.cost_model.blocks_to_load(sources, self.block_bytes, self.page_size)
 
-    def estimate_prefix(self, seq: Sequence) -> tuple[int, float]:
+    def estimate_prefix(self, seq: KVState) -> tuple[int, float]:
         """What :meth:`begin_prefix` would reuse for page-less ``seq`` now, taking nothing.
 
         Returns:
@@ -464,7 +461,7 @@ class KVPool:
                     b.handle.wait(timeout_s)
                     return
 
-    def finish_prefix(self, seq: Sequence) -> int | None:
+    def finish_prefix(self, seq: KVState) -> int | None:
         """None while ``seq``'s loads run; else the number of tokens now in its pages."""
         loads = self.loads.get(seq.seq_id)
         if loads is None:
@@ -475,7 +472,7 @@ class KVPool:
         self._complete(seq, loads)
         return seq.num_computed_tokens
 
-    def _complete(self, seq: Sequence, loads: list[_BlockLoad]) -> None:
+    def _complete(self, seq: KVState, loads: list[_BlockLoad]) -> None:
         keep = 0
         while keep < len(loads) and loads[keep].ok:
             keep += 1
@@ -497,7 +494,7 @@ class KVPool:
         seq.num_computed_tokens = keep * self.page_size
         seq.num_registered_blocks = keep
 
-    def _keep_loaded(self, seq: Sequence, loads: list[_BlockLoad], keep: int) -> None:
+    def _keep_loaded(self, seq: KVState, loads: list[_BlockLoad], keep: int) -> None:
         """Keep the first ``keep`` blocks' pages on ``seq``; give back the others."""
         for b in loads[keep:]:
             self._unref_page(b.page, reuse_first=b.source != Tier.DEVICE)
@@ -508,7 +505,7 @@ class KVPool:
         if self.index.insert(h, Tier.DEVICE, page):
             self.page_hash[page] = h
 
-    def register_computed(self, seq: Sequence) -> None:
+    def register_computed(self, seq: KVState) -> None:
         """Index the pages of ``seq`` that became full and start their write-through copies."""
         if not self.config.enable_prefix_caching:
             return
@@ -651,7 +648,7 @@ class KVPool:
 
     def tool_wait_blocks(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
         """:meth:`tool_wait` given the session's block hashes (16-byte chain hashes with this
-        pool's salt, as ``Sequence.block_hashes`` holds them) instead of its tokens.
+        pool's salt, as ``KVState.block_hashes`` holds them) instead of its tokens.
 
         Raises:
             ValueError: an unhashable ``session_id``, ``hashes`` that are not a list of 16-byte
