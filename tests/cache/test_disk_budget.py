@@ -11,10 +11,10 @@ from kvtier.bench.sim.copies import SimDisk
 from kvtier.cache import PrefixIndex, block_hashes
 from kvtier.cache.disk_budget import DiskBudget, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
-from kvtier.cache.policy import PoolConfig
-from kvtier.cache.pool import KVPool, PoolStats
-from kvtier.serve.params import RequestMetrics
-from kvtier.serve.request import Sequence
+from kvtier.cache.config import PoolConfig
+from kvtier.cache.kv_state import KVState, TokenList
+from kvtier.cache.pool import KVPool
+from kvtier.cache.pool_stats import PoolStats
 from kvtier.transfer import CopyEngine
 from tests.cache.test_tiers_e2e import prompt
 
@@ -202,7 +202,7 @@ def _pool_over(disk, host_blocks=8, pages=8):
 
 
 def _store_blocks(pool, n, seed):
-    seq = Sequence(seed, prompt(4 * n + 1, seed), PARAMS, RequestMetrics(0.0))
+    seq = KVState(TokenList(prompt(4 * n + 1, seed)))
     assert pool.allocate(seq, 4 * n)
     seq.num_computed_tokens = 4 * n
     pool.register_computed(seq)

@@ -2,16 +2,13 @@
 
 import torch
 
-from kvtier import SamplingParams
+from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost
-from kvtier.cache.policy import PoolConfig
+from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.cache.prefix_index import Tier
-from kvtier.serve.params import RequestMetrics
-from kvtier.serve.request import Sequence
 
 PS, PAGES = 4, 8
-PARAMS = SamplingParams(max_tokens=1)
 
 
 def _pool() -> KVPool:
@@ -21,14 +18,15 @@ def _pool() -> KVPool:
     return pool
 
 
-def _seq(i: int, tokens: list[int]) -> Sequence:
-    return Sequence(i, list(tokens), PARAMS, RequestMetrics(0.0))
+def _seq(i: int, tokens: list[int]) -> KVState:
+    return KVState(TokenList(tokens))
 
 
-def _place(pool: KVPool, seq: Sequence) -> int:
+def _place(pool: KVPool, seq: KVState) -> int:
     start = pool.begin_prefix(seq)
     while start is PrefixStart.LOADING and pool.finish_prefix(seq) is None:
         pool.wait_for_loads(0.05)
+    seq.num_computed_tokens = pool.finish_prefix(seq)
     return seq.num_computed_tokens
 
 
@@ -46,7 +44,7 @@ def test_reload_from_host_after_preemption_is_a_host_hit():
     assert _place(pool, seq) == 3 * PS  # first admission: found on device
     assert pool.stats.hit_tokens == {"device": 3 * PS, "host": 0, "disk": 0}
     pool.free(seq)  # preempted
-    seq.num_computed_tokens, seq.prefix_done = 0, False
+    seq.num_computed_tokens = 0
 
     filler = _seq(2, list(range(PAGES * PS + 1)))
     assert pool.allocate(filler, PAGES * PS)  # every page taken: the device copies are evicted
@@ -75,7 +73,7 @@ def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
     seq = _seq(2, tokens)
     assert _place(pool, seq) == 2 * PS  # loaded from host
     pool.free(seq)  # sent back to wait; its loaded blocks stay cached on the device
-    seq.num_computed_tokens, seq.prefix_done = 0, False
+    seq.num_computed_tokens = 0
     assert _place(pool, seq) == 2 * PS
     assert pool.stats.hit_tokens == {"device": 0, "host": 2 * PS, "disk": 0}
     assert seq.prefix_tokens_by_tier["host"] == 2 * PS

@@ -2,10 +2,9 @@
 
 import torch
 
-from kvtier.cache.policy import PoolConfig
+from kvtier.cache.config import PoolConfig
+from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool, PrefixStart
-from kvtier.serve.params import RequestMetrics, SamplingParams
-from kvtier.serve.request import Sequence
 
 PS = 4
 
@@ -17,11 +16,12 @@ def BlockManager(num_pages, page_size, salt=b"", enable_prefix_caching=True):
 
 
 def seq(tokens, sid=0):
-    return Sequence(sid, list(tokens), SamplingParams(), RequestMetrics(0.0))
+    return KVState(TokenList(tokens))
 
 
 def begin_prefix_tokens(bm, s):
     assert bm.begin_prefix(s) is PrefixStart.READY  # device-only: nothing to wait for
+    s.num_computed_tokens = bm.finish_prefix(s)  # the caller owns the progress
     return s.num_computed_tokens
 
 
@@ -97,7 +97,7 @@ def test_generated_tokens_are_registered_too():
     bm = BlockManager(8, PS)
     a = seq(range(6))
     compute(bm, a)
-    a.output_token_ids += [7, 8, 9]
+    a.tokens.ids += [7, 8, 9]  # generated
     compute(bm, a)
     b = seq(list(range(6)) + [7, 8, 9, 10], 1)
     assert begin_prefix_tokens(bm, b) == 8

@@ -103,7 +103,7 @@ def test_write_back_copies_only_on_eviction(shared):
                           cache_write_policy="write-back"))
     llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     pool = llm.engine.pool
-    assert pool.stats.bytes_written["host"] == 0 and not pool.writes  # nothing copied yet
+    assert pool.stats.bytes_written["host"] == 0 and not pool.writes.pending  # nothing copied yet
     flush_device(llm)
     assert pool.stats.bytes_written["host"] > 0
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]

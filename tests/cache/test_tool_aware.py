@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from kvtier.cache.cost_model import CostModel, TierCost
-from kvtier.cache.policy import PoolConfig, ToolAwarePolicy
+from kvtier.cache.config import PoolConfig
+from kvtier.cache.kv_state import KVState, TokenList
+from kvtier.cache.policy import ToolAwarePolicy
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
-from kvtier.serve.params import RequestMetrics, SamplingParams
-from kvtier.serve.request import Sequence
 
 PS = 4
 
@@ -31,10 +31,11 @@ def make_pool(policy="tool-aware", pages=8):
 
 def run(pool, tokens, sid):
     """Compute a sequence fully (fake model: the pages keep whatever they hold) and free it."""
-    s = Sequence(sid, list(tokens), SamplingParams(), RequestMetrics(0.0))
+    s = KVState(TokenList(tokens))
     pool.begin_prefix(s)
     while pool.finish_prefix(s) is None:
         pool.wait_for_loads(0.1)
+    s.num_computed_tokens = pool.finish_prefix(s)
     assert pool.allocate(s, s.num_tokens)
     s.num_computed_tokens = s.num_tokens
     pool.register_computed(s)
@@ -116,7 +117,7 @@ def test_a_prefetch_locks_the_host_copy_it_reads():
     pool.copy_engine.scatter = lambda *a: held.append(HeldCopy(real(*a))) or held[-1]
     pool.clock.now += 7.5
     pool.poll()  # the prefetches start; their copies have not ended
-    assert len(held) == 3 and len(pool.prefetches) == 3
+    assert len(held) == 3 and len(pool.prefetcher.pending) == 3
 
     def evictable():
         return {h for h, _ in pool.index.eviction_candidates(Tier.HOST, 1000)}

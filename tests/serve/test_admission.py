@@ -2,9 +2,8 @@
 rather than being cut short and recomputed, and a blocked head is not retried every step."""
 
 from kvtier import LLM, SamplingParams
+from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import PrefixStart
-from kvtier.serve.params import RequestMetrics
-from kvtier.serve.request import Sequence
 from tests.cache.test_tiers_e2e import always_load, prompt
 
 PS, BLOCK = 16, 15360
@@ -23,8 +22,8 @@ def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware"):
 
 
 def occupy(pool, num_pages):
-    """A sequence holding ``num_pages`` device pages."""
-    s = Sequence(10_000, list(range(num_pages * PS)), ONE, RequestMetrics(0.0))
+    """A request's KV state holding ``num_pages`` device pages."""
+    s = KVState(TokenList(range(num_pages * PS)))
     assert pool.allocate(s, num_pages * PS)
     return s
 
@@ -35,9 +34,9 @@ def test_begin_prefix_without_partial_takes_nothing_when_loads_do_not_fit():
     pool = llm.engine.pool
     occupy(pool, pool.num_free_pages - 3)  # 3 free pages for 8 blocks to load
     free, refs = pool.num_free_pages, list(pool.ref_counts)
-    s = Sequence(0, a, ONE, RequestMetrics(0.0))
+    s = KVState(TokenList(a))
     assert pool.begin_prefix(s, partial=False) is PrefixStart.NO_ROOM
-    assert s.page_ids == [] and pool.num_free_pages == free and pool.ref_counts == refs and not pool.loads
+    assert s.page_ids == [] and pool.num_free_pages == free and pool.ref_counts == refs and not pool.loading
     assert pool.begin_prefix(s, partial=True) is PrefixStart.LOADING and len(s.page_ids) == 3
 
 

@@ -11,7 +11,7 @@ import torch
 from kvtier import LLM, SamplingParams
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
-from kvtier.cache.policy import PoolConfig
+from kvtier.cache.config import PoolConfig
 from kvtier.cli import main
 from kvtier.serve.config import EngineConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.cache.block_hash import compose_salt
-from kvtier.cache.policy import WRITE_POLICIES, PoolConfig
+from kvtier.cache.config import WRITE_POLICIES, PoolConfig
 from kvtier.options import check_choice, check_int, check_str
 
 SCHEDULE_POLICIES = ("cache-aware", "fcfs")

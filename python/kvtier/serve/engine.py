@@ -143,7 +143,7 @@ class Engine:
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
         seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
-                       block_hashes=hashes, salt=salt)
+                       prompt_block_hashes=hashes, cache_salt=salt)
         self._sequences[seq.seq_id] = seq
         if self.tokenizer is not None:
             from kvtier.toolcall import ToolCallParser
@@ -212,8 +212,7 @@ class Engine:
             self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
         finished = failed
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
-            seq.num_computed_tokens += n
-            self.pool.register_computed(seq)
+            self.scheduler.advance(seq, n)
             try:
                 done = self._postprocess(seq, results[seq.seq_id], masks.get(seq.seq_id))
             except Exception as e:  # one bad request must not stop the others

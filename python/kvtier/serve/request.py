@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
+from kvtier.cache.kv_state import KVState
 from kvtier.serve.params import RequestMetrics, SamplingParams
 
 
@@ -20,8 +21,15 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request's state.
 
-    ``num_computed_tokens`` counts tokens whose KV is in this sequence's pages (computed or
-    reused); the tokens ``[num_computed_tokens, num_tokens)`` still have to run.
+    Its KV state in the pool (pages, block hashes, hits per tier, loads) is :attr:`kv`, which the
+    sequence owns and the pool reads and writes. ``num_computed_tokens`` (kept in ``kv``) counts
+    tokens whose KV is in its pages (computed or reused); the tokens ``[num_computed_tokens,
+    num_tokens)`` still have to run. Only the scheduler advances it.
+
+    Args (besides the fields):
+        prompt_block_hashes: the chained hashes of the prompt's first full blocks, when known
+            (they are not computed again); None = none.
+        cache_salt: the request's own salt of its block hashes (``KVState.salt``).
     """
 
     seq_id: int
@@ -31,31 +39,46 @@ class Sequence:
     generator: torch.Generator | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    page_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0
     logprobs: list[float] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
-    # Where the reused prompt tokens came from (tokens per tier): of the last prefix placement,
-    # and as reported (the first admission's).
-    prefix_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    # Where the reused prompt tokens came from (tokens per tier), as reported (the first
+    # admission's; the last placement's are in kv.prefix_tokens_by_tier).
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    # Tier each reused block was first served from to this sequence (hash -> tier name).
-    hit_tiers: dict[bytes, str] = field(default_factory=dict)
     prefix_done: bool = False  # the cached prefix was matched (and loaded) since the last admission
     admitted: bool = False  # admitted at least once (num_cached_tokens is set on the first admission only)
     num_passed_over: int = 0  # steps in which a later arrival got prefill tokens and this one none
     error: str | None = None
     constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
-    salt: bytes = b""  # this request's cache salt, mixed into its block hashes after the engine's
+    kv: KVState = field(init=False, repr=False)
+    prompt_block_hashes: InitVar[list[bytes] | None] = None
+    cache_salt: InitVar[bytes] = b""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, prompt_block_hashes: list[bytes] | None, cache_salt: bytes) -> None:
+        self.kv = KVState(self, salt=cache_salt, block_hashes=list(prompt_block_hashes or []))
         if self.params.prompt_logprobs and not self.prompt_logprobs:
             self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose KV is in the sequence's pages (``kv.num_computed_tokens``)."""
+        return self.kv.num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        self.kv.num_computed_tokens = n
+
+    @property
+    def page_ids(self) -> list[int]:
+        """Its device pages, i.e. its row of ``block_table`` (``kv.page_ids``; the pool's to change)."""
+        return self.kv.page_ids
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """Chained hashes of its full blocks known so far (``kv.block_hashes``)."""
+        return self.kv.block_hashes
 
     @property
     def num_tokens(self) -> int:

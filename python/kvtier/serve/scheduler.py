@@ -101,7 +101,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq)
+        self.pool.free(seq.kv)
         self._estimates.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.prefix_done = False
@@ -135,7 +135,7 @@ class Scheduler:
                 n = min(n, plan.get(seq.seq_id, 0))
                 if n == 0:
                     continue
-            while not self.pool.allocate(seq, seq.num_computed_tokens + n):
+            while not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
@@ -152,7 +152,7 @@ class Scheduler:
         if got is None:
             reused, load_s = 0, 0.0
             if seq.status is SequenceStatus.WAITING and not seq.prefix_done and not seq.page_ids:
-                reused, load_s = self.pool.estimate_prefix(seq)
+                reused, load_s = self.pool.estimate_prefix(seq.kv)
             tokens = max(1, self._remaining(seq) - reused)
             got = self._estimates[seq.seq_id] = (tokens, load_s + self.pool.cost_model.recompute_s(tokens))
         return got
@@ -207,7 +207,7 @@ class Scheduler:
             i = placed.get(seq.seq_id)
             have = 0 if i is None else batch.extends[i][1]
             extra = min(self._remaining(seq) - have, budget)
-            if extra <= 0 or not self.pool.allocate(seq, seq.num_computed_tokens + have + extra):
+            if extra <= 0 or not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
                 continue
             if i is None:
                 self._place(batch, seq, extra)
@@ -239,7 +239,7 @@ class Scheduler:
         if head.page_ids:
             return
         tokens = self._estimate(head)[0]  # its reused prefix and first chunk need pages
-        need = self.pool.pages_needed(head, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
+        need = self.pool.pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
             return
         key = self._key(head)
@@ -266,7 +266,12 @@ class Scheduler:
     def _collect_loaded(self) -> None:
         """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
         they were admitted."""
-        ended = [seq for seq in self.loading if self.pool.finish_prefix(seq) is not None]
+        ended = []
+        for seq in self.loading:
+            tokens = self.pool.finish_prefix(seq.kv)
+            if tokens is not None:
+                seq.num_computed_tokens = tokens
+                ended.append(seq)
         for seq in reversed(ended):
             self.loading.remove(seq)
             seq.prefix_done = True
@@ -282,7 +287,7 @@ class Scheduler:
         first_missing = next((i for i in range(seq.num_cached_tokens, len(entries)) if entries[i] is None),
                              seq.num_prompt_tokens)
         if seq.num_computed_tokens > first_missing:
-            self.pool.truncate(seq, first_missing)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, self.pool.truncate(seq.kv, first_missing))
 
     @staticmethod
     def _record_admission(seq: Sequence) -> None:
@@ -290,7 +295,7 @@ class Scheduler:
         if not seq.admitted:
             seq.admitted = True
             seq.num_cached_tokens = seq.num_computed_tokens
-            seq.cached_tokens_by_tier = dict(seq.prefix_tokens_by_tier)
+            seq.cached_tokens_by_tier = dict(seq.kv.prefix_tokens_by_tier)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, order: list[Sequence], hold_line: bool) -> int:
         """Admit ``order``'s waiting requests while budget and sequence slots last; one that cannot
@@ -323,7 +328,7 @@ class Scheduler:
         if others and self._still_blocked(seq, budget):
             return None
         if not seq.prefix_done:
-            start = self.pool.begin_prefix(seq, partial=not others)
+            start = self.pool.begin_prefix(seq.kv, partial=not others)
             if start is PrefixStart.NO_ROOM:
                 self._block(seq, 0)  # its loads need the pages whatever the budget
                 return None
@@ -333,15 +338,16 @@ class Scheduler:
                 self.loading.append(seq)
                 self._blocked.pop(seq.seq_id, None)  # it holds pages now: when its loads end it is placed at once
                 return 0
+            seq.num_computed_tokens = self.pool.finish_prefix(seq.kv)  # READY: the prefix it placed
             seq.prefix_done = True
         self._cap_reuse(seq)
         n = min(self._remaining(seq), budget)
-        if not self.pool.allocate(seq, seq.num_computed_tokens + n):
+        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
             # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
             # loaded ones are now device copies), so waiting can never deadlock the pool.
             for w in self.waiting:
                 if w.page_ids or w.prefix_done:
-                    self.pool.free(w)
+                    self.pool.free(w.kv)
                     w.num_computed_tokens, w.prefix_done = 0, False
             self._block(seq, budget)
             return None
@@ -391,12 +397,18 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._blocked.pop(seq.seq_id, None)
-        self.pool.free(seq)
+        self.pool.free(seq.kv)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
+
+    def advance(self, seq: Sequence, num_tokens: int) -> None:
+        """``num_tokens`` more of ``seq``'s tokens ran: its progress moves on (this scheduler is
+        the one owner of ``num_computed_tokens``) and the pool indexes its newly full blocks."""
+        seq.num_computed_tokens += num_tokens
+        self.pool.register_computed(seq.kv)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.pool.free(seq)
+        self.pool.free(seq.kv)

@@ -95,7 +95,7 @@ def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared, start)
     pool = b.engine.pool
     rows = pool.index.match(_chain(a, first)[:HIT // PS], [Tier.REMOTE])
     assert len(rows) == 0
-    pool._match_remote(_chain(a, first)[:HIT // PS], rows)  # B has seen A's blocks in the store
+    pool.reuse._match_remote(_chain(a, first)[:HIT // PS], rows)  # B has seen A's blocks in the store
     store.stop()
     outs = b.generate(prompt_token_ids=[second, prompt(60, 10)], sampling_params=PARAMS)
     assert_same_as_recompute(outs[0], want, 0)

@@ -4,8 +4,8 @@ a step timer and every copy by a virtual-time job.
 :meth:`SimEngine.begin_step` / :meth:`SimEngine.end_step` are ``kvtier.serve.Engine.step`` split
 at the forward pass: ``Scheduler.schedule()`` runs at the step's start (polling the pool,
 collecting ended loads, admitting), the step lasts ``timer.step_s(BatchShape.of(batch))`` virtual
-seconds, and at its end each sequence advances by its chunk, ``KVPool.register_computed`` indexes
-its new full blocks (starting write-through copies), and sequences that reached their end get
+seconds, and at its end each sequence advances by its chunk (``Scheduler.advance``; the pool indexes
+its new full blocks, starting write-through copies), and sequences that reached their end get
 one token (a placeholder id: the simulator never materialises tokens, requests ignore EOS) and
 finish after ``max_tokens``. The prefill rate the pool's cost model learns comes from these
 virtual step times, as the engine's does from measured ones.
@@ -197,8 +197,8 @@ class SimEngine:
             PromptLength(num_prompt_tokens),
             params,
             RequestMetrics(arrival_s),
+            prompt_block_hashes=block_hashes,
         )
-        seq.block_hashes = block_hashes
         self._next_id += 1
         return seq
 
@@ -269,8 +269,7 @@ class SimEngine:
         finished = []
         now = self.clock.now
         for seq, n in [*batch.extends, *((s, 1) for s in batch.decodes)]:
-            seq.num_computed_tokens += n
-            self.pool.register_computed(seq)
+            self.scheduler.advance(seq, n)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue
             seq.output_token_ids.append(_PLACEHOLDER_TOKEN)

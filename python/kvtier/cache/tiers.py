@@ -1,0 +1,121 @@
+"""The parts of one pool that its jobs share: the prefix index, the tiers, the copy engine, the
+cost model, the eviction policy, the clock and the counters.
+
+:class:`PoolTiers` opens the tiers a :class:`kvtier.cache.config.PoolConfig` asks for (or takes
+the ones passed in), checks their budgets and probes their speed; the pool's jobs
+(:mod:`~kvtier.cache.device_pages`, :mod:`~kvtier.cache.loads`, :mod:`~kvtier.cache.writes`,
+:mod:`~kvtier.cache.prefetch`, :mod:`~kvtier.cache.prefix_reuse`) each hold the same instance.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtier.cache.config import PoolConfig
+from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
+from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
+from kvtier.cache.host_tier import HostTier
+from kvtier.cache.policy import make_policy
+from kvtier.cache.pool_stats import PoolStats
+from kvtier.cache.prefix_index import PrefixIndex, Tier
+from kvtier.cache.remote import RemoteTier, open_remote
+from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
+from kvtier.transfer import CopyEngine as NativeCopyEngine
+
+_PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
+
+
+class PoolTiers:
+    """Shared state of one pool (see :class:`kvtier.cache.pool.KVPool` for the arguments).
+
+    Attributes:
+        config, kv_caches, index, stats, copy_engine, host, disk, disk_budget, remote, policy,
+        clock, cost_model: as their names say; ``cost_model``, ``clock`` and ``index`` may be
+            replaced (tests, the simulator) and every job sees the new one.
+        meta: the layout of one page-first block; ``block_bytes`` its payload bytes.
+    """
+
+    def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None,
+                 copy_engine: CopyEngine | None, disk: DiskStore | None, clock: Clock | None,
+                 remote: RemoteTier | None):
+        if not isinstance(config, PoolConfig):
+            raise ValueError(f"config must be a PoolConfig, got {type(config).__name__}")
+        self.config = config
+        self.page_size = config.page_size
+        self.kv_caches = kv_caches
+        self.index = PrefixIndex()
+        self.stats = PoolStats()
+        self.copy_engine = copy_engine if copy_engine is not None else NativeCopyEngine(config.copy_threads,
+                                                                                        max_queued=256)
+        self.meta = BlockMeta.of_pools(kv_caches)
+        self.block_bytes = self.meta.payload_bytes
+        if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
+            raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
+                             "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
+        check_budgets(config, self.block_bytes, disk)
+        self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
+        private = disk is None and config.disk_cache_dir is not None
+        if private:
+            disk = DiskTier(namespace_dir(config.disk_cache_dir, config.salt, self.meta), config.disk_cache_bytes)
+        self.disk = disk
+        self.disk_budget = None
+        if self.disk is not None:
+            self.disk_budget = DiskBudget(self.disk, self.index, self.meta, self.stats, private=private)
+            self.disk_budget.recover()
+        self.policy = make_policy(config.cache_policy)
+        self.clock = clock if clock is not None else time.monotonic
+        if remote is None and config.remote_cache_url is not None:
+            remote = open_remote(config.remote_cache_url, self.meta, config.remote_timeout_s)
+        self.remote = remote
+        if remote is not None:
+            self.stats.add_tier("remote")
+        self.cost_model = cost_model if cost_model is not None else self._probe()
+
+    # ---- lookups every job uses ---------------------------------------------------------------
+    def usable_tiers(self) -> list[Tier]:
+        """The tiers this pool has, fastest first."""
+        tiers = [Tier.DEVICE]
+        if self.host is not None:
+            tiers.append(Tier.HOST)
+        if self.disk is not None:
+            tiers.append(Tier.DISK)
+        if self.remote is not None:
+            tiers.append(Tier.REMOTE)
+        return tiers
+
+    @staticmethod
+    def best_source(row) -> Tier:
+        """The fastest tier of an index row (``PrefixIndex.match``) that holds a copy."""
+        return next(t for t in Tier if row[t] >= 0)
+
+    def in_tier(self, h: bytes, tier: Tier) -> bool:
+        return self.index.match([h], [tier]).shape[0] == 1
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def _probe(self) -> CostModel:
+        model = CostModel()
+        if self.kv_caches[0].device.type != "cpu":
+            return model
+        if self.host is not None and self.host.num_slots:
+            slot = self.host.slot(0)
+            model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
+        if self.remote is not None:
+            model.tiers[Tier.REMOTE] = TierCost(REMOTE_TIER.latency_s, REMOTE_TIER.bandwidth_Bps)
+        if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
+            buf = aligned_empty(self.block_bytes).zero_()
+            if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
+                model.tiers[Tier.DISK] = probe(lambda: self._disk_probe_read(buf))
+                self.disk.remove(_PROBE_HASH)
+        return model
+
+    def _disk_probe_read(self, buf: torch.Tensor) -> int:
+        self.disk.read(_PROBE_HASH, self.meta, buf)
+        return self.block_bytes
+
+    def _copy_ok(self, handle: CopyJob) -> int:
+        """Wait for a probe copy; returns the bytes it moved."""
+        handle.result()
+        return self.block_bytes

@@ -1,0 +1,154 @@
+"""Copies down the tiers: device -> host -> disk and -> remote, write-through or write-back, and
+the eviction of host slots they need.
+
+Write-through copies each block down as soon as it is full and indexed; write-back only when
+its device page (or host slot) is taken for something else. A page or host copy a write reads
+stays referenced (locked) until the write ended, and a block is indexed in the tier it was
+written to only once its copy finished successfully.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.cache.device_pages import DevicePages
+from kvtier.cache.disk_tier import DiskStatus
+from kvtier.cache.prefix_index import RemoveResult, Tier
+from kvtier.cache.seams import CopyJob
+from kvtier.cache.tiers import PoolTiers
+from kvtier.transfer import CopyError
+
+
+@dataclass
+class Write:
+    """One block being copied down: to ``target`` from device ``page`` or host ``slot``."""
+
+    hash: bytes
+    target: Tier               # HOST (from a device page), DISK or REMOTE (from a host slot)
+    handle: CopyJob
+    page: int = -1
+    slot: int = -1
+
+
+class Writes:
+    """The writes in flight of one pool and what starts them."""
+
+    def __init__(self, tiers: PoolTiers, pages: DevicePages):
+        self.tiers = tiers
+        self.pages = pages
+        self.pending: list[Write] = []
+
+    @property
+    def write_back(self) -> bool:
+        return self.tiers.config.write_policy == "write-back"
+
+    def evicting(self, h: bytes, page: int) -> None:
+        """A cached device page is being reused: under write-back copy its block to host first
+        (and wait: nothing else can touch the page meanwhile)."""
+        if self.write_back:
+            self.page_to_host(h, page, wait=True)
+
+    def computed(self, h: bytes, page: int) -> None:
+        """Block ``h`` was just computed into ``page`` and indexed: start its write-through copy."""
+        if not self.write_back:
+            self.page_to_host(h, page, wait=False)
+
+    def _host_slot(self) -> int:
+        """A free host slot, evicting the least recently used unreferenced copy if needed; -1 if none.
+
+        When every slot is held by copies still in flight, those are finished first (back-pressure).
+        """
+        t = self.tiers
+        slot = t.host.allocate()
+        if slot is not None:
+            return slot
+        if not t.index.eviction_candidates(Tier.HOST, 1) and self.pending:
+            self.finish(wait=True)
+            slot = t.host.allocate()
+            if slot is not None:
+                return slot
+        for h, victim in t.index.eviction_candidates(Tier.HOST, 1):
+            if self.write_back and t.disk is not None and not t.in_tier(h, Tier.DISK):
+                self._slot_to_disk(h, victim, wait=True)
+            res, slot = t.index.remove(h, Tier.HOST)
+            if res == RemoveResult.REMOVED:
+                t.stats.evictions["host"] += 1
+                return slot
+        return -1
+
+    def page_to_host(self, h: bytes, page: int, wait: bool) -> None:
+        t = self.tiers
+        if t.host is None or t.in_tier(h, Tier.HOST):
+            return
+        slot = self._host_slot()
+        if slot < 0:
+            t.stats.stores_refused["host"] += 1
+            return
+        handle = t.copy_engine.gather(t.kv_caches, [page], t.host.slot(slot))
+        if wait:  # write-back during eviction: the page is being taken, nothing else can touch it
+            self._finish_one(Write(h, Tier.HOST, handle, slot=slot))
+        else:  # the page stays referenced until the copy ended
+            self.pages.ref(page)
+            self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
+
+    def _slot_to_disk(self, h: bytes, slot: int, wait: bool) -> None:
+        t = self.tiers
+        if t.disk is None or t.in_tier(h, Tier.DISK):
+            return
+        if not t.disk_budget.room(w.hash for w in self.pending if w.target == Tier.DISK):
+            t.stats.stores_refused["disk"] += 1
+            return
+        if not t.index.lock([h], Tier.HOST):
+            return
+        w = Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)), slot=slot)
+        self._finish_one(w) if wait else self.pending.append(w)
+
+    def _slot_to_remote(self, h: bytes, slot: int) -> None:
+        """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
+        t = self.tiers
+        if t.remote is not None and not t.in_tier(h, Tier.REMOTE) and t.remote.available():
+            self.pending.append(Write(h, Tier.REMOTE, t.remote.put([h], t.host.slot(slot))))
+
+    def _finish_one(self, w: Write) -> None:
+        t = self.tiers
+        try:
+            status = w.handle.result()
+        except CopyError:
+            status = [-1]
+        ok = status == [0]
+        if w.target == Tier.HOST:
+            if w.page >= 0:
+                self.pages.unref(w.page)
+            if ok and t.index.insert(w.hash, Tier.HOST, w.slot):
+                t.stats.bytes_written["host"] += t.block_bytes
+                if not self.write_back:
+                    self._slot_to_disk(w.hash, w.slot, wait=False)
+                self._slot_to_remote(w.hash, w.slot)
+            else:
+                t.host.release(w.slot)
+        elif w.target == Tier.REMOTE:
+            if ok and t.index.insert(w.hash, Tier.REMOTE, 0):
+                t.stats.bytes_written["remote"] += t.block_bytes
+            return  # a failed remote write is counted in remote.stats, not as a copy error
+        else:
+            t.index.unlock([w.hash], Tier.HOST)
+            if ok and t.disk_budget.add(w.hash):
+                t.stats.bytes_written["disk"] += t.block_bytes
+            elif not ok and status[:1] == [DiskStatus.FULL]:
+                t.stats.stores_refused["disk"] += 1
+                t.disk_budget.refused(DiskStatus.FULL)
+        t.stats.copy_errors += not ok
+
+    def finish(self, wait: bool) -> None:
+        """Collect the writes that ended (with ``wait``: every write, and the ones they start)."""
+        while self.pending:
+            ready, pending = [], []
+            for w in self.pending:
+                (ready if wait or w.handle.done() else pending).append(w)
+            if not ready:
+                return
+            self.pending = pending
+            for w in ready:
+                self._finish_one(w)
+            if not wait:
+                return
