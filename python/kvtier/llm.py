@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -87,12 +86,14 @@ class LLM:
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
         device: torch device for weights and KV cache.
         seed: seed of the random preset weights and of the engine's sampler.
-        **engine_args: fields of :class:`kvtier.serve.EngineConfig` (page_size, num_device_pages,
-            max_num_batched_tokens, max_num_seqs, enable_prefix_caching, host_cache_bytes,
-            disk_cache_dir, disk_cache_bytes, cache_policy, cache_write_policy, cache_salt,
-            remote_cache_url, remote_timeout_s).
+        **engine_args: fields of :class:`kvtier.cache.config.PoolConfig` (page_size,
+            num_device_pages, enable_prefix_caching, host_cache_bytes, disk_cache_dir,
+            disk_cache_bytes, cache_policy, write_policy, salt, copy_threads, remote_cache_url,
+            remote_timeout_s) and of :class:`kvtier.serve.EngineConfig` (max_num_batched_tokens,
+            max_num_seqs, cuda_graph, schedule_policy, schedule_max_passes), flat
+            (:meth:`kvtier.serve.EngineConfig.of`).
             Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
-            compute dtype and ``cache_salt``; on disk each salt and block layout has its own
+            compute dtype and ``salt`` (bytes, the tenant's); on disk each salt and block layout has its own
             subdirectory of ``disk_cache_dir`` with its own ``disk_cache_bytes`` budget, so
             engines of other models, dtypes, page sizes or salts can share the directory and
             never see each other's blocks (engines with the same settings should not run on one
@@ -121,11 +122,7 @@ class LLM:
         self._tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
         self._tokenizer = None
         self._sessions: dict = {}  # session_id -> SessionEncoder
-        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {unknown}; expected some of {sorted(known)}")
-        config = EngineConfig(seed=seed, **engine_args)  # checked before the model loads
+        config = EngineConfig.of(seed=seed, **engine_args)  # checked before the model loads
         net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
         self.config = net.config
         self.engine = Engine(net, config, model_id)

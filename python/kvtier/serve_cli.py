@@ -25,8 +25,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=not args.no_prefix_caching, host_cache_bytes=args.host_cache_bytes,
                        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=args.disk_cache_bytes,
-                       cache_policy=args.cache_policy, cache_write_policy=args.cache_write_policy,
-                       cache_salt=args.cache_salt, remote_cache_url=args.remote_cache_url,
+                       cache_policy=args.cache_policy, write_policy=args.cache_write_policy,
+                       salt=args.cache_salt.encode(), remote_cache_url=args.remote_cache_url,
                        remote_timeout_s=args.remote_timeout_s)
     app = make_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                    max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,

@@ -96,13 +96,14 @@ def test_undecodable_line_and_oversized_responses(tok, tmp_path):
 
 def test_replay_encodes_each_turn_and_reuses_the_cache(tok, tmp_path):
     from kvtier.llm import load_for_serving
+    from kvtier.cache.config import PoolConfig
     from kvtier.serve import Engine, EngineConfig
 
     wl = load_conversations(_write(tmp_path / "c.jsonl", [CONVERSATION]), tok, page_size=8, time_scale=0,
                             max_output_tokens=3)
     assert [t.output_tokens for t in wl.sessions[0].turns] == [3, 3, 3]
     net, model_id = load_for_serving("tiny", seed=0)
-    engine = Engine(net, EngineConfig(page_size=8, num_device_pages=256, max_num_batched_tokens=256), model_id)
+    engine = Engine(net, EngineConfig(pool=PoolConfig(page_size=8, num_device_pages=256), max_num_batched_tokens=256), model_id)
     with pytest.raises(ValueError, match="tokenizer"):
         replay(engine, wl, "x", concurrency=1)
     run = replay(engine, wl, "device-only", concurrency=1, tokenizer=tok, keep_outputs=True)

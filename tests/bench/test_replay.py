@@ -42,11 +42,11 @@ def _workload(sessions) -> Workload:
 def _engine(model, *, device_pages: int, host_bytes: int = 0, disk_dir=None, caching=True, policy="lru",
             schedule_policy: str = "cache-aware") -> Engine:
     net, model_id = model
-    cfg = EngineConfig(page_size=PAGE, num_device_pages=device_pages, max_num_batched_tokens=64,
+    cfg = EngineConfig.of(page_size=PAGE, num_device_pages=device_pages, max_num_batched_tokens=64,
                        enable_prefix_caching=caching, host_cache_bytes=host_bytes,
                        disk_cache_dir=None if disk_dir is None else str(disk_dir),
                        disk_cache_bytes=64 << 20 if disk_dir is not None else 0, cache_policy=policy,
-                       cache_write_policy="write-back", schedule_policy=schedule_policy)
+                       write_policy="write-back", schedule_policy=schedule_policy)
     return Engine(net, cfg, model_id)
 
 

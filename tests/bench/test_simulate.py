@@ -78,13 +78,13 @@ def _engine(
     timer=None,
     links=None,
 ) -> SimEngine:
-    cfg = EngineConfig(
+    cfg = EngineConfig.of(
         page_size=PAGE,
         num_device_pages=device_pages,
         max_num_batched_tokens=64,
         host_cache_bytes=host_blocks * PAGE,
         cache_policy=policy,
-        cache_write_policy=write,
+        write_policy=write,
         disk_cache_bytes=disk.capacity_bytes if disk is not None else 0,
     )
     timer = timer or LinearTimer({"step": STEP_S})

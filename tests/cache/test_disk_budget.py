@@ -137,7 +137,7 @@ FOREIGN = {  # another engine that leaves block files in the same directory
     "other-dtype": dict(dtype="bfloat16"),
     "other-page-size": dict(page_size=2 * PS),
     "other-model": dict(seed=1),
-    "other-salt": dict(cache_salt="tenant-x"),
+    "other-salt": dict(salt=b"tenant-x"),
 }
 
 

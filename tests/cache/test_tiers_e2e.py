@@ -100,7 +100,7 @@ def test_failed_host_copy_is_recomputed_and_counted(shared, monkeypatch):
 def test_write_back_copies_only_on_eviction(shared):
     first, second, want = shared
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20,
-                          cache_write_policy="write-back"))
+                          write_policy="write-back"))
     llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     pool = llm.engine.pool
     assert pool.stats.bytes_written["host"] == 0 and not pool.writes.pending  # nothing copied yet

@@ -86,7 +86,7 @@ def test_head_that_waited_for_its_loads_runs_as_soon_as_they_end():
     pool.poll(wait=True)  # the short request's write-through copies end: its pages are free
     engine.step()  # now b's loads fit
     assert seq in sched.loading
-    while pool.finish_prefix(seq) is None:
+    while pool.finish_prefix(seq.kv) is None:
         pool.wait_for_loads(0.05)
     # Its loads ended: it takes the one page it still needs now, not when the long decode ends.
     outs = engine.step()
@@ -103,7 +103,7 @@ def test_prefixes_whose_loads_end_together_are_placed_in_arrival_order():
     seqs = [engine._sequences[i] for i in ids]
     engine.step()  # both start loading
     assert sched.loading == seqs
-    while any(pool.finish_prefix(s) is None for s in seqs):
+    while any(pool.finish_prefix(s.kv) is None for s in seqs):
         pool.wait_for_loads(0.05)
     engine.step()  # both collected in one step
     assert [s.seq_id for s in sched.running] == ids
@@ -114,7 +114,7 @@ def test_write_back_never_evicts_the_host_copies_a_prefix_is_loading():
     host tier then evicts its least recently used copy, which must not be one being loaded."""
     a, b = prompt(N, 1), prompt(N, 2)
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=10, host_cache_bytes=8 * BLOCK,
-                          cache_write_policy="write-back"))
+                          write_policy="write-back"))
     for p in (a, b):  # a's blocks go to the host tier when b takes their pages
         llm.generate(prompt_token_ids=[p], sampling_params=ONE)
     out = llm.generate(prompt_token_ids=[a], sampling_params=ONE)[0]

@@ -94,7 +94,7 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompts, match):
 ])
 def test_bad_engine_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -8,6 +8,7 @@ from kvtier import LLM, SamplingParams
 from kvtier.cache import block_hashes
 from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.prefix_index import Tier
+from kvtier.cache.config import PoolConfig
 from kvtier.serve.config import EngineConfig
 from tests.cache.test_tiers_e2e import always_load, flush_device, prompt
 
@@ -17,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, ign
 
 def tenant(path, salt, **kw):
     args = dict(page_size=PS, num_device_pages=17, host_cache_bytes=2 * BLOCK, disk_cache_dir=str(path),
-                disk_cache_bytes=64 << 20, cache_salt=salt)
+                disk_cache_bytes=64 << 20, salt=salt.encode())
     return always_load(LLM("tiny", **{**args, **kw}))
 
 
@@ -101,7 +102,7 @@ def test_a_correct_chain_is_used(tmp_path):
 
 def test_salt_parts_are_length_prefixed():
     assert compose_salt(b"ab", b"c") != compose_salt(b"a", b"bc")
-    cfg = EngineConfig(cache_salt="x")
-    assert cfg.pool_config(b"m").salt != EngineConfig(cache_salt="mx").pool_config(b"").salt
-    dtype_in_salt = EngineConfig(cache_salt="torch.float32").pool_config(compose_salt(b"", b"torch.float32"))
+    cfg = EngineConfig(pool=PoolConfig(salt=b"x"))
+    assert cfg.pool_config(b"m").salt != EngineConfig(pool=PoolConfig(salt=b"mx")).pool_config(b"").salt
+    dtype_in_salt = EngineConfig(pool=PoolConfig(salt=b"torch.float32")).pool_config(compose_salt(b"", b"torch.float32"))
     assert dtype_in_salt.salt != EngineConfig().pool_config(compose_salt(b"torch.float32", b"torch.float32")).salt

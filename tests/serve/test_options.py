@@ -28,8 +28,8 @@ ENGINE_PROBES = (
     + [(n, v) for n in ("host_cache_bytes", "disk_cache_bytes") for v in SIZE_BAD]
     + [("disk_cache_dir", v) for v in (123, b"/tmp/x", "", True, 1.5)]
     + [("cache_policy", v) for v in ("LRU", "fifo", 1, None, True)]
-    + [("cache_write_policy", v) for v in ("write_through", "", 0, None)]
-    + [("cache_salt", v) for v in (123, b"tenant", None, True, ["a"])]
+    + [("write_policy", v) for v in ("write_through", "", 0, None)]
+    + [("salt", v) for v in (123, "tenant", None, True, ["a"])]
     + [("seed", v) for v in (True, -1, "0", 1.5, 2**63, None)]
 )
 
@@ -43,8 +43,18 @@ def _message_names(err: Exception, name: str, value) -> None:
 @pytest.mark.parametrize(("name", "value"), ENGINE_PROBES)
 def test_engine_config_rejects(name, value):
     with pytest.raises(ValueError) as e:
-        EngineConfig(**{name: value})
+        EngineConfig.of(**{name: value})  # flat, as LLM(**engine_args) passes them
     _message_names(e.value, name, value)
+
+
+def test_engine_config_embeds_the_pool_config():
+    pool = PoolConfig(page_size=32, host_cache_bytes=1 << 20, write_policy="write-back", salt=b"t")
+    assert EngineConfig(pool=pool, max_num_seqs=4) == EngineConfig.of(
+        page_size=32, host_cache_bytes=1 << 20, write_policy="write-back", salt=b"t", max_num_seqs=4)
+    with pytest.raises(ValueError, match="pool must be a PoolConfig"):
+        EngineConfig(pool={"page_size": 32})
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['cache_write_policy'\]"):
+        EngineConfig.of(cache_write_policy="write-back")
 
 
 POOL_PROBES = (
@@ -67,11 +77,11 @@ def test_pool_config_rejects(name, value):
 def test_disk_dir_needs_a_budget_and_paths_are_not_created_from_ints(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="disk_cache_bytes > 0"):
-        EngineConfig(disk_cache_dir=str(tmp_path / "d"))
+        PoolConfig(disk_cache_dir=str(tmp_path / "d"))
     with pytest.raises(ValueError, match="disk_cache_dir"):
-        EngineConfig(disk_cache_dir=123, disk_cache_bytes=1 << 20, host_cache_bytes=1 << 20)
+        PoolConfig(disk_cache_dir=123, disk_cache_bytes=1 << 20, host_cache_bytes=1 << 20)
     assert not (tmp_path / "123").exists()
-    assert EngineConfig(disk_cache_dir=tmp_path, disk_cache_bytes=1 << 20).disk_cache_dir == tmp_path  # a Path is fine
+    assert PoolConfig(disk_cache_dir=tmp_path, disk_cache_bytes=1 << 20).disk_cache_dir == tmp_path  # a Path is fine
 
 
 SAMPLING_PROBES = (
@@ -92,7 +102,7 @@ def test_sampling_params_rejects(name, value):
 
 LLM_PROBES = [("model", 123), ("model", None), ("dtype", "fp32"), ("dtype", 1), ("device", 5),
               ("device", "gpu0"), ("seed", True), ("seed", "0"), ("seed", -1), ("tokenizer", 5),
-              ("cache_salt", 123), ("host_cache_bytes", "1G"), ("disk_cache_dir", 123),
+              ("salt", 123), ("salt", "tenant"), ("host_cache_bytes", "1G"), ("disk_cache_dir", 123),
               ("enable_prefix_caching", "no"), ("max_num_seqs", True)]
 
 

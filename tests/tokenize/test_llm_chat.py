@@ -42,12 +42,12 @@ def test_chat_errors(llm, tok_dir):
 def test_chat_hands_the_buffer_hashes_to_the_prefix_lookup(llm, monkeypatch):
     """The engine hashes only pages the session's token buffer has not hashed yet."""
     from kvtier import SamplingParams
-    from kvtier.cache import block_hashes, pool
+    from kvtier.cache import block_hashes, prefix_reuse
 
     hashed = []
-    real = pool.block_hashes
-    monkeypatch.setattr(pool, "block_hashes", lambda ids, *a, **k: hashed.append(len(ids)) or real(ids, *a, **k))
-    ps = llm.engine.config.page_size
+    real = prefix_reuse.block_hashes  # where the pool hashes a request's blocks
+    monkeypatch.setattr(prefix_reuse, "block_hashes", lambda ids, *a, **k: hashed.append(len(ids)) or real(ids, *a, **k))
+    ps = llm.engine.config.pool.page_size
     msgs = [{"role": "user", "content": "Summarise this file:\n" + "def f(x):\n    return x * 2\n" * 40}]
     out = llm.chat(msgs, sampling_params=SamplingParams(max_tokens=2, temperature=0), session_id="hashes")
     enc = llm._sessions["hashes"]
@@ -66,7 +66,7 @@ def test_add_request_rejects_hashes_that_do_not_match(llm):
     from kvtier import SamplingParams
     from kvtier.cache import block_hashes
 
-    eng, ps = llm.engine, llm.engine.config.page_size
+    eng, ps = llm.engine, llm.engine.config.pool.page_size
     prompt = np.arange(1000, 1000 + 3 * ps + 5, dtype=np.uint32)
     params = SamplingParams(max_tokens=1)
     good = block_hashes(prompt, ps, salt=eng.block_hash_salt)

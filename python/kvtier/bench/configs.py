@@ -42,13 +42,14 @@ class BenchConfig:
 
     def engine_config(self, base: EngineConfig, host_cache_bytes: int, disk_dir: str | None,
                       disk_cache_bytes: int) -> EngineConfig:
-        """``base`` with this configuration's cache fields."""
-        return dataclasses.replace(
-            base, enable_prefix_caching=self.enable_prefix_caching,
+        """``base`` with this configuration's pool fields."""
+        pool = dataclasses.replace(
+            base.pool, enable_prefix_caching=self.enable_prefix_caching,
             host_cache_bytes=host_cache_bytes if self.host else 0,
             disk_cache_dir=disk_dir if self.disk else None,
             disk_cache_bytes=disk_cache_bytes if self.disk else 0,
-            cache_policy=self.cache_policy, cache_write_policy=self.cache_write_policy)
+            cache_policy=self.cache_policy, write_policy=self.cache_write_policy)
+        return dataclasses.replace(base, pool=pool)
 
 
 CONFIGS = {c.name: c for c in (

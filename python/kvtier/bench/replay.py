@@ -170,7 +170,7 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
 def _encode(a: _Active, chat, tokenizer: KimiTokenizer, engine: Engine) -> list[bytes] | None:
     """Encode a text turn with the session's encoder; sets ``a.prompt``, returns the block hashes."""
     if a.encoder is None:
-        a.encoder = SessionEncoder(tokenizer, page_size=engine.config.page_size, salt=engine.block_hash_salt)
+        a.encoder = SessionEncoder(tokenizer, page_size=engine.config.pool.page_size, salt=engine.block_hash_salt)
     a.encoder.append(list(chat.messages), list(chat.tools) if chat.tools else None)
     a.prompt = a.encoder.ids
     return a.encoder.block_hashes()
@@ -198,5 +198,5 @@ def _run_result(name: str, engine: Engine, records: list[RequestRecord], wall_s:
         bytes_moved={"device->host": stats.bytes_written["host"], "host->device": stats.bytes_loaded["host"],
                      "host->disk": stats.bytes_written["disk"], "disk->device": stats.bytes_loaded["disk"]},
         copy_errors=stats.copy_errors, evictions=dict(stats.evictions), stores_refused=dict(stats.stores_refused),
-        preemptions=engine.scheduler.num_preemptions, device_pages=engine.config.num_device_pages,
-        working_set_pages=working_set_pages(workload, engine.config.page_size, concurrency))
+        preemptions=engine.scheduler.num_preemptions, device_pages=engine.config.pool.num_device_pages,
+        working_set_pages=working_set_pages(workload, engine.config.pool.page_size, concurrency))

@@ -23,6 +23,7 @@ from kvtier.bench.conversations import load_conversations
 from kvtier.bench.records import ConfigRun
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
+from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.llm import load_for_serving
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
@@ -205,11 +206,11 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
 
 def warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
     """One uncached prefill and a few decodes, so the first timed request pays no one-time costs."""
-    engine = Engine(model, EngineConfig(page_size=base.page_size, num_device_pages=base.num_device_pages,
-                                        max_num_batched_tokens=base.max_num_batched_tokens,
-                                        enable_prefix_caching=False))
+    pool = PoolConfig(page_size=base.pool.page_size, num_device_pages=base.pool.num_device_pages,
+                      enable_prefix_caching=False)
+    engine = Engine(model, EngineConfig(pool=pool, max_num_batched_tokens=base.max_num_batched_tokens))
     n = max(1, min(base.max_num_batched_tokens, model.config.max_position_embeddings - 8,
-                   (base.num_device_pages - 1) * base.page_size - 4))
+                   (base.pool.num_device_pages - 1) * base.pool.page_size - 4))
     engine.add_request(list(range(300, 300 + n)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
@@ -256,7 +257,7 @@ def prepare(opts: BenchOptions):
         raise ValueError("the workload has no session that fits the model's context "
                          f"(max_position_embeddings={model.config.max_position_embeddings} tokens after scaling)")
     sizing = size_tiers(opts, workload, model)
-    base = EngineConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
+    base = EngineConfig(pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
                         seed=opts.seed, schedule_policy=opts.schedule_policy)
     return model, model_id, workload, sizing, base, tokenizer

@@ -2,7 +2,7 @@
 
 A pool that opens its disk tier from ``disk_cache_dir`` stores its blocks in a subdirectory
 named after the block layout and a digest of the hash salt (:func:`namespace_dir`). The salt
-already binds the model's weights, the compute dtype and ``cache_salt``, so a block file is
+already binds the model's weights, the compute dtype and the tenant salt, so a block file is
 only ever found by a pool whose salt and layout are the ones it was written with: engines of
 other models, dtypes, page sizes or tenants that share ``disk_cache_dir`` each see their own
 subdirectory, never count each other's files against their budget and can never be served

@@ -40,7 +40,7 @@ def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
     for requests with ``cache_salt``."""
     from kvtier.tokenize import SessionEncoder
 
-    return SessionEncoder(tokenizer, page_size=engine.config.page_size,
+    return SessionEncoder(tokenizer, page_size=engine.config.pool.page_size,
                           salt=engine.block_hash_salt + request_salt(cache_salt))
 
 

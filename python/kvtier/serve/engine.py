@@ -94,11 +94,11 @@ class Engine:
         if len(prompt) > max_pos:
             raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
                              f"max_position_embeddings={max_pos}")
-        ps = self.config.page_size
+        ps = self.config.pool.page_size
         pages = -(-(min(len(prompt) + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
-        if pages > self.config.num_device_pages:
+        if pages > self.config.pool.num_device_pages:
             raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
-                             f"{ps} tokens, more than num_device_pages={self.config.num_device_pages}")
+                             f"{ps} tokens, more than num_device_pages={self.config.pool.num_device_pages}")
         if params.tool_grammar is not None and self.tokenizer is None:
             raise ValueError(f"sampling_params[{index}].tools needs a tokenizer: build the engine through "
                              "LLM(..., tokenizer=DIR) or call Engine.attach_tokenizer(tokenizer)")
@@ -106,7 +106,7 @@ class Engine:
 
     @property
     def block_hash_salt(self) -> bytes:
-        """The salt of this engine's block hashes (model id, dtype and ``cache_salt``)."""
+        """The salt of this engine's block hashes (model id, dtype and ``config.pool.salt``)."""
         return self.pool.config.salt
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
@@ -167,7 +167,7 @@ class Engine:
         if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Seq):
             raise ValueError(f"{where}: expected a list of {BLOCK_HASH_BYTES}-byte hashes, got {type(hashes).__name__}")
         hashes = list(hashes)
-        ps, n = self.config.page_size, len(hashes)
+        ps, n = self.config.pool.page_size, len(hashes)
         if n > len(prompt) // ps:
             raise ValueError(f"{where}: {n} hashes for a prompt of {len(prompt)} tokens; at most "
                              f"{len(prompt) // ps} full pages of page_size={ps}")

@@ -35,13 +35,13 @@ def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) 
     Raises:
         ValueError: the pools do not fit on ``device`` (naming ``num_device_pages`` and the bytes).
     """
-    shape = (config.num_device_pages, config.page_size, model.config.kv_cache_dim)
+    shape = (config.pool.num_device_pages, config.pool.page_size, model.config.kv_cache_dim)
     layers = model.config.num_hidden_layers
     try:
         return [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(layers)]
     except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's enforce failure
-        per_layer = config.num_device_pages * config.page_size * model.config.kv_cache_dim * model.dtype.itemsize
-        raise ValueError(f"num_device_pages={config.num_device_pages} needs {per_layer * layers:,} bytes of KV "
+        per_layer = config.pool.num_device_pages * config.pool.page_size * model.config.kv_cache_dim * model.dtype.itemsize
+        raise ValueError(f"num_device_pages={config.pool.num_device_pages} needs {per_layer * layers:,} bytes of KV "
                          f"cache on {device} ({layers} layers x {per_layer:,} bytes), which could not be "
                          f"allocated: {str(e).splitlines()[0][:200]}") from None
 
@@ -59,7 +59,7 @@ class ModelRunner:
         if config.cuda_graph:
             from kvtier.serve.cuda_graph import DecodeGraphs
 
-            self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.num_device_pages)
+            self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.pool.num_device_pages)
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.page_ids) for s in seqs)
@@ -67,7 +67,7 @@ class ModelRunner:
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        ps = self.config.page_size
+        ps = self.config.pool.page_size
         return [seq.page_ids[p // ps] * ps + p % ps for p in range(start, end)]
 
     def prepare(self, batch: ScheduledBatch):

@@ -64,7 +64,7 @@ def test_engine_b_reads_what_engine_a_wrote(any_store, shared):
 
 def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     first, second, _ = shared
-    salt_engine = engine(redis_store.url, cache_salt="corrupt")
+    salt_engine = engine(redis_store.url, salt=b"corrupt")
     salt_engine.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     pool = salt_engine.engine.pool
     pool.poll(wait=True)
@@ -73,15 +73,15 @@ def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     value = bytearray(client.get(keys[4]))
     value[-1] ^= 0xFF
     client.set(keys[4], bytes(value))  # block 4 corrupt: blocks 0-3 load, the rest is recomputed
-    b = engine(redis_store.url, cache_salt="corrupt")
+    b = engine(redis_store.url, salt=b"corrupt")
     out = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert out.cached_tokens_by_tier["remote"] == 4 * PS and b.engine.pool.remote.stats.gets["corrupt"] == 1
-    assert_same_as_recompute(out, _reference(second, "corrupt"), 4 * PS)
+    assert_same_as_recompute(out, _reference(second, b"corrupt"), 4 * PS)
     client.delete(keys[2])  # block 2 missing: a fresh engine loads blocks 0-1 only
-    c = engine(redis_store.url, cache_salt="corrupt")
+    c = engine(redis_store.url, salt=b"corrupt")
     out = c.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert out.cached_tokens_by_tier["remote"] == 2 * PS
-    assert_same_as_recompute(out, _reference(second, "corrupt"), 2 * PS)
+    assert_same_as_recompute(out, _reference(second, b"corrupt"), 2 * PS)
     client.close()
 
 
@@ -125,5 +125,5 @@ def _chain(llm, tokens):
 
 
 def _reference(tokens, salt):
-    ref = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False, cache_salt=salt)
+    ref = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False, salt=salt)
     return ref.generate(prompt_token_ids=[tokens], sampling_params=PARAMS)[0]

@@ -35,7 +35,7 @@ def test_tool_waits_estimates_ttl_and_end(llm, monkeypatch):
     assert store.encoder("a") is enc and store.encoder(None) is not enc  # kept; None: a one-off encoder
     store.turn_ended("a", None, [], None)
     store.turn_ended("a", list(range(40)), ["ls"], None)
-    ps = llm.engine.config.page_size
+    ps = llm.engine.config.pool.page_size
     assert waits == [("a", 40 // ps, DEFAULT_TOOL_WAIT_S)] and returns == []
     clock.t += 3.0  # the tool took 3 s: the next request ends the wait and teaches the estimate
     store.encoder("a")

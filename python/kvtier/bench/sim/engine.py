@@ -135,7 +135,7 @@ class SimEngine:
         # One layer of one-byte rows: the pool's placeholder storage (page_size bytes per block).
         kv_caches = [
             torch.zeros(
-                (config.num_device_pages, config.page_size, 1), dtype=torch.uint8
+                (config.pool.num_device_pages, config.pool.page_size, 1), dtype=torch.uint8
             ).view(torch.float8_e4m3fn)
         ]
         self.copy_engine = SimCopyEngine(
@@ -148,7 +148,7 @@ class SimEngine:
         )
         pool_config = config.pool_config(salt)
         pool_block_bytes = (
-            config.page_size
+            config.pool.page_size
         )  # BlockMeta of kv_caches: 1 layer x page_size x 1 byte
         cost = links.cost_model(
             pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens)
@@ -186,7 +186,7 @@ class SimEngine:
         Raises:
             ValueError: too few hashes.
         """
-        need = (num_prompt_tokens + max_tokens) // self.config.page_size
+        need = (num_prompt_tokens + max_tokens) // self.config.pool.page_size
         if len(block_hashes) < need:
             raise ValueError(
                 f"block_hashes has {len(block_hashes)} hashes; {need} full blocks need one each"

@@ -148,12 +148,12 @@ def _refusal(engine: SimEngine, turn: Turn, max_context_tokens: int) -> str | No
         return f"prompt has {turn.input_tokens} tokens, more than max_position_embeddings={max_context_tokens}"
     pages = -(
         -(min(turn.input_tokens + turn.output_tokens, max_context_tokens) - 1)
-        // cfg.page_size
+        // cfg.pool.page_size
     )
-    if pages > cfg.num_device_pages:
+    if pages > cfg.pool.num_device_pages:
         return (
-            f"prompt with max_tokens={turn.output_tokens} needs {pages} pages of {cfg.page_size} tokens, "
-            f"more than num_device_pages={cfg.num_device_pages}"
+            f"prompt with max_tokens={turn.output_tokens} needs {pages} pages of {cfg.pool.page_size} tokens, "
+            f"more than num_device_pages={cfg.pool.num_device_pages}"
         )
     return None
 
@@ -241,7 +241,7 @@ class _Loop:
         self.warmup_records: list[RequestRecord] = []
         first = engines[0]
         self.hasher = _Hasher(
-            workload.block_size, first.config.page_size, first.pool.config.salt
+            workload.block_size, first.config.pool.page_size, first.pool.config.salt
         )
         self.queue = deque(s for s in workload.sessions if s.turns)
         self.active: list[_Active] = []
@@ -415,7 +415,7 @@ def simulate(
         )
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
-    if len({e.config.page_size for e in engines}) != 1:
+    if len({e.config.pool.page_size for e in engines}) != 1:
         raise ValueError("all engines must have the same page_size")
     loop = _Loop(
         engines,
@@ -463,8 +463,8 @@ def _run_result(
         evictions=evictions,
         stores_refused={t: sum(e.pool.stats.stores_refused[t] for e in engines) for t in ("host", "disk")},
         preemptions=sum(e.scheduler.num_preemptions for e in engines),
-        device_pages=sum(e.config.num_device_pages for e in engines),
+        device_pages=sum(e.config.pool.num_device_pages for e in engines),
         working_set_pages=working_set_pages(
-            workload, engines[0].config.page_size, concurrency
+            workload, engines[0].config.pool.page_size, concurrency
         ),
     )

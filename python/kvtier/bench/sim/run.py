@@ -30,6 +30,7 @@ from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import Scenario, Variant, scenario
 from kvtier.bench.sim.timing import KernelRates, RooflineTimer, weight_bytes
 from kvtier.bench.workload import Workload, generate_workload, load_trace
+from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
@@ -203,8 +204,7 @@ def size_tiers(
 
 def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig:
     base = EngineConfig(
-        page_size=sizing.page_size,
-        num_device_pages=sizing.device_pages,
+        pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
         max_num_batched_tokens=scn.max_num_batched_tokens,
         max_num_seqs=max(scn.replay.concurrency, 1),
         seed=scn.replay.seed,
@@ -226,7 +226,7 @@ def build_engines(
     store_link = node.disk_link if scn.store == "disk" else node.network_link
     links = TierLinks(sizing.block_bytes, node.host_link, node.host_link, store_link)
     shared = (
-        SimDisk(config.disk_cache_bytes * scn.workers)
+        SimDisk(config.pool.disk_cache_bytes * scn.workers)
         if v.cache.disk and v.shared_store
         else None
     )
@@ -235,7 +235,7 @@ def build_engines(
         disk = (
             shared
             if shared is not None
-            else (SimDisk(config.disk_cache_bytes) if v.cache.disk else None)
+            else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
         )
         engines.append(SimEngine(config, timer, links, VirtualClock(), disk=disk))
     if shared is not None:

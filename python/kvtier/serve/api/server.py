@@ -52,7 +52,7 @@ def warm_up(llm) -> None:
 
     cfg, model = llm.engine.config, llm.config
     n = max(1, min(cfg.max_num_batched_tokens, model.max_position_embeddings - 8,
-                   (cfg.num_device_pages - 1) * cfg.page_size - 4, 1024))
+                   (cfg.pool.num_device_pages - 1) * cfg.pool.page_size - 4, 1024))
     llm.generate(prompt_token_ids=[list(range(300, 300 + n))],
                  sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
 

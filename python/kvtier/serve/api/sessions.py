@@ -111,7 +111,7 @@ class SessionStore:
             return
         expected = hint_s if hint_s is not None else max(self._estimate(n).value() for n in tool_names)
         salt = self.engine.block_hash_salt + request_salt(s.cache_salt)
-        hashes = block_hashes(token_ids, self.engine.config.page_size, None, salt)
+        hashes = block_hashes(token_ids, self.engine.config.pool.page_size, None, salt)
         self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
 
