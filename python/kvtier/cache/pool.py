@@ -32,6 +32,7 @@ import torch
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES, block_hashes
 from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
+from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.kv_state import KVState
@@ -40,7 +41,7 @@ from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, RemoveResult, Tier
 from kvtier.cache.remote import RemoteStatus, RemoteTier, open_remote
 from kvtier.options import check_hashable, check_real, checked_block_hashes, checked_token_ids
-from kvtier.transfer import CopyEngine, CopyError, CopyHandle
+from kvtier.transfer import CopyError, CopyHandle
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 _REMOTE_LOOKUP_BLOCKS = 256  # blocks past the local match asked of the remote store at most
@@ -86,7 +87,10 @@ class KVPool:
         kv_caches: the model's per-layer page pools ``[num_device_pages, page_size, row]``.
         cost_model: load-vs-recompute decisions; None probes the tiers at start-up.
         copy_engine: moves blocks between tiers; None starts a native
-            :class:`kvtier.transfer.CopyEngine` with ``config.copy_threads`` workers. Anything with
+            :class:`kvtier.transfer.CopyEngine` with ``config.copy_threads`` workers for CPU page
+            pools, a :class:`kvtier.cache.device_copy.DeviceCopyEngine` (copy stream, pinned host
+            tier) for GPU page pools (``DeviceCopyEngine("cpu", CpuStreams(...))`` runs that
+            path on CPU pools, for tests). Anything with
             its ``gather``/``scatter``/``disk_read``/``disk_write`` methods and handles
             (``done``, ``wait``, ``result``, ``run_s``) works, e.g. the simulator's virtual-time
             engine (:mod:`kvtier.bench.sim.copies`).
@@ -107,7 +111,9 @@ class KVPool:
     Raises:
         ValueError: bad config: a host or disk budget that holds no block (``host_cache_bytes``
             below one slot, ``disk_cache_bytes`` below one block file), a disk tier without a
-            host block, or a host/disk tier over GPU page pools (not supported yet);
+            host block; for GPU page pools a host or disk tier where no GPU page kernel runs, or
+            a ``host_cache_bytes`` over what pinned memory allows
+            (:func:`kvtier.cache.device_copy.check_device_tiers`);
         RuntimeError: the disk directory cannot be used, or the remote store does not
             answer at start-up (names ``remote_cache_url``).
 
@@ -131,12 +137,10 @@ class KVPool:
         self.page_hash: list[bytes | None] = [None] * self.num_pages
         # Unreferenced pages in reuse order (front first); those with a hash are cached copies.
         self.free_pages: OrderedDict[int, None] = OrderedDict((p, None) for p in range(self.num_pages))
-        self.copy_engine = copy_engine if copy_engine is not None else CopyEngine(config.copy_threads, max_queued=256)
+        check_device_tiers(config.host_cache_bytes, config.disk_cache_dir, kv_caches)
+        self.copy_engine = copy_engine if copy_engine is not None else copy_engine_for(kv_caches, config.copy_threads)
         self.meta = BlockMeta.of_pools(kv_caches)
         self.block_bytes = self.meta.payload_bytes
-        if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
-            raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
-                             "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
         check_budgets(config, self.block_bytes, disk)
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
         private = disk is None and config.disk_cache_dir is not None
@@ -163,8 +167,6 @@ class KVPool:
     # ---- start-up -----------------------------------------------------------------------------
     def _probe(self) -> CostModel:
         model = CostModel()
-        if self.kv_caches[0].device.type != "cpu":
-            return model
         if self.host is not None and self.host.num_slots:
             slot = self.host.slot(0)
             model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
