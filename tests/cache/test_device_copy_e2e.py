@@ -99,3 +99,33 @@ def test_a_forward_waits_for_its_load_while_others_run(prompts):
         assert streams.log.index(("copy", seq)) < streams.log.index(("compute_wait", seq)) < forward
     assert outs[rid].cached_tokens_by_tier["host"] > 0
     assert_matches(outs[rid], reference(second, "cpu"), min_hit=PS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+def test_a_forward_waits_for_its_load_on_the_gpu(prompts):
+    first, second = prompts
+    llm = device_path(always_load(LLM("tiny", device="cuda", dtype="float32", page_size=PS, num_device_pages=17,
+                                      host_cache_bytes=64 << 20)), "cuda")
+    engine, streams = llm.engine, llm.engine.pool.copy_engine.streams
+    warm(llm, first)
+    log, wait, run = [], streams.compute_wait, engine.runner.run
+
+    def logged_wait(span):
+        log.append("compute_wait")
+        wait(span)
+
+    def logged_run(batch):
+        log.append({s.seq_id for s, _ in batch.extends} | {s.seq_id for s in batch.decodes})
+        return run(batch)
+
+    streams.compute_wait, engine.runner.run = logged_wait, logged_run
+    torch.cuda._sleep(int(2e8))  # the loads wait behind running compute work
+    rid = engine.add_request(second, PARAMS)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    forward = next(i for i, e in enumerate(log) if isinstance(e, set) and rid in e)
+    assert "compute_wait" in log[:forward]
+    assert outs[rid].cached_tokens_by_tier["host"] > 0
+    assert_matches(outs[rid], reference(second, "cuda"), min_hit=PS)
