@@ -59,11 +59,22 @@ class Streams(Protocol):
 
     device: torch.device
 
-    def record_compute(self) -> CopySpan | None: ...
+    def record_compute(self) -> CopySpan | None:
+        """A marker after the compute work enqueued so far (None where compute is synchronous)."""
+        ...
 
-    def on_copy(self, work: Callable[[], None], after: CopySpan | None = None) -> CopySpan: ...
+    def on_copy(self, work: Callable[[], None], after: CopySpan | None = None) -> CopySpan:
+        """Run ``work`` (it enqueues copies and kernels) on the copy stream after ``after``.
 
-    def compute_wait(self, span: CopySpan) -> None: ...
+        Raises:
+            whatever ``work`` raises while it is enqueued (on a GPU; deferred CPU work keeps its
+            error on the returned span instead).
+        """
+        ...
+
+    def compute_wait(self, span: CopySpan) -> None:
+        """Order compute work enqueued from now on after ``span`` (never blocks on a GPU)."""
+        ...
 
 
 class _CudaSpan:
@@ -89,7 +100,9 @@ class _CudaSpan:
         return True
 
     def elapsed_s(self) -> float:
-        return self.start.elapsed_time(self.end) / 1e3 if self.end.query() else 0.0
+        if self.start is self.end or not self.end.query():  # a compute marker, or not completed yet
+            return 0.0
+        return self.start.elapsed_time(self.end) / 1e3
 
 
 class CudaStreams:
@@ -111,7 +124,7 @@ class CudaStreams:
         self.copy_stream = torch.cuda.Stream(device)
 
     def record_compute(self) -> _CudaSpan:
-        ev = torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event()  # an ordering marker only: no timing (cheaper to record and wait on)
         ev.record(torch.cuda.current_stream(self.device))
         return _CudaSpan(ev, ev)
 
