@@ -245,3 +245,15 @@ def test_gpu_pools_without_page_kernels_or_with_too_much_pinned_memory_fail_at_c
     with pytest.raises(ValueError, match=r"host_cache_bytes=9,000,000 exceeds the pinned memory"):
         check_device_tiers(9_000_000, None, meta)
     check_device_tiers(8_000_000, None, meta)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_pool_picks_its_copy_engine_by_the_pools_device(device):
+    config = PoolConfig(page_size=PS, num_device_pages=8, host_cache_bytes=8 * LAYERS * PS * ROW * 4)
+    pool = KVPool(config, [torch.zeros(8, PS, ROW, device=device) for _ in range(LAYERS)])
+    if device == "cpu":
+        assert isinstance(pool.copy_engine, CopyEngine)  # memcpy on worker threads
+    else:
+        assert isinstance(pool.copy_engine, DeviceCopyEngine) and isinstance(pool.copy_engine.streams, CudaStreams)
+        assert pool.host.storage.is_pinned()
+    assert Tier.HOST in pool.cost_model.tiers  # the host tier was probed through it
