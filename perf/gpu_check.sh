@@ -24,9 +24,18 @@
 #      moe_align_block_size and the page gather on torch, triton and hip);
 #   4b. perf/bench_decode_graph.py: decode step time eager vs replayed from a CUDA/HIP graph, batch
 #      1-64 (tiny model; 90 s at most);
-#   5. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
+#   5. serving on the GPU preset k2-gpu (K2's layers at one-GPU size; kvtier.model.config): the
+#      built-in workload, `kvtier bench --device cuda` for device-only and tiered (p99 TTFT,
+#      throughput, hit rates per tier), then perf/bench_copy_path.py: the device copy path's
+#      bandwidth vs the pinned host<->device bandwidth measured in the same run. SERVING_S (default
+#      200 s) of the budget is kept for this step; the kernel benchmarks share the rest. A bench
+#      that runs out of its time is killed and reported as skipped;
+#   6. a summary: gpu_check_summary.md (decode/extend table with % of measured HBM bandwidth).
+# --dry-run skips the build (it uses the installed kvtier) and runs steps 3-6 at CPU sizes (tiny
+# preset on the CPU, CPU streams), so CI checks every command line of the script; its budget and
+# step limits are 4x (a CPU is slower than the GPU it stands for).
 # Files: gpu_check.log, gpu_check_build.log, gpu_check_build_hip.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
-# bench_decode_graph.csv,
+# bench_decode_graph.csv, bench_serving.json, bench_serving.log, bench_copy_path.csv, serving_summary.md,
 # gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
 set -uo pipefail
 DRY=""
@@ -37,7 +46,12 @@ PY="${PYTHON:-python3}"
 DEST="${OUT:-$ROOT/perf/results}"
 mkdir -p "$DEST"
 exec > >(tee "$DEST/gpu_check.log") 2>&1
-BUDGET="${GPU_CHECK_BUDGET_S:-450}"
+# A dry run on a shared CPU is several times slower than the GPU run it stands for: it gets a
+# larger budget and longer step limits (SLOW), so that it checks the commands, not the CPU's speed.
+SLOW=1
+[ -n "$DRY" ] && SLOW=4
+BUDGET="${GPU_CHECK_BUDGET_S:-$((450 * SLOW))}"
+SERVING_S="${SERVING_S:-200}"
 T0=$SECONDS
 status=0
 left() { echo $((BUDGET - (SECONDS - T0))); }
@@ -64,7 +78,11 @@ fi
 
 step "build in place (offline)"
 NATIVE="built"
-if ! KVTIER_BUILD_HIP=off timeout 180 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log" 2>&1; then
+HIP_BUILD="built"
+if [ -n "$DRY" ]; then
+  NATIVE="not rebuilt (--dry-run)"; HIP_BUILD="not rebuilt (--dry-run)"
+  echo "--dry-run: no build; the installed kvtier is used"
+elif ! KVTIER_BUILD_HIP=off timeout 180 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build.log" 2>&1; then
   NATIVE="NOT built"
   echo "native extension kvtier._C NOT built (last lines of gpu_check_build.log below); the kernel tests"
   echo "and benchmarks run without it (kvtier.ops does not import it)"
@@ -72,8 +90,9 @@ if ! KVTIER_BUILD_HIP=off timeout 180 "$PY" setup.py build_ext --inplace >"$DEST
 else
   echo "native extension kvtier._C built in place"
 fi
-HIP_BUILD="built"
-if ! KVTIER_BUILD_HIP=auto timeout 240 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build_hip.log" 2>&1; then
+if [ -n "$DRY" ]; then
+  :
+elif ! KVTIER_BUILD_HIP=auto timeout 240 "$PY" setup.py build_ext --inplace >"$DEST/gpu_check_build_hip.log" 2>&1; then
   HIP_BUILD="FAILED (gpu_check_build_hip.log)"
   status=1
   tail -n 15 "$DEST/gpu_check_build_hip.log" | sed 's/^/  | /'
@@ -91,7 +110,8 @@ export PYTHONPATH="$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import kvtier.ops, kvtier.triton_kernels; print('kvtier from', kvtier.__file__)" || status=1
 
 step "GPU tests (pytest -m gpu)"
-timeout 150 "$PY" -m pytest tests/ops tests/serve/test_cuda_graph.py -m gpu -q -p no:cacheprovider \
+timeout $((200 * SLOW)) "$PY" -m pytest tests/ops tests/serve/test_cuda_graph.py tests/cache/test_device_copy.py \
+  tests/cache/test_device_copy_e2e.py tests/bench/test_device_option.py -m gpu -q -p no:cacheprovider \
   >"$DEST/gpu_check_pytest.log" 2>&1
 rc=$?
 tail -n 15 "$DEST/gpu_check_pytest.log"
@@ -101,11 +121,11 @@ if [ $rc -ne 0 ]; then
 fi
 
 step "decode step, eager vs CUDA/HIP graph (batch 1-64)"
-timeout 90 "$PY" perf/bench_decode_graph.py $DRY --repeats 10 --csv "$DEST/bench_decode_graph.csv" \
+timeout $((90 * SLOW)) "$PY" perf/bench_decode_graph.py $DRY --repeats 10 --csv "$DEST/bench_decode_graph.csv" \
   || { echo "bench_decode_graph.py failed (exit $?; 124 = time limit)"; status=1; }
 
 step "MLA benchmarks"
-share=$(( ($(left) - 20) * 11 / 20 ))  # ~55% of what is left; MoE and the summary get the rest
+share=$(( ($(left) - 20 - SERVING_S) * 11 / 20 ))  # ~55% of what is left; MoE, serving, the summary the rest
 if [ "$share" -gt 30 ]; then
   timeout $((share + 60)) "$PY" perf/bench_mla.py $DRY --budget-s "$share" --repeats 10 --csv "$DEST/bench_mla.csv" \
     --summary "$DEST/gpu_check_summary.md" >/dev/null || { echo "bench_mla.py failed"; status=1; }
@@ -114,13 +134,42 @@ else
 fi
 
 step "MoE benchmarks"
-share=$(( $(left) - 30 ))
+share=$(( $(left) - 30 - SERVING_S ))
 if [ "$share" -gt 20 ]; then
   timeout $((share + 20)) "$PY" perf/bench_moe.py $DRY --budget-s "$share" --repeats 5 --csv "$DEST/bench_moe.csv" \
     || { echo "bench_moe.py failed"; status=1; }
 else
   echo "no time left for the MoE benchmarks"; status=1
 fi
+
+step "serving on the GPU preset: device-only vs tiered; copy path vs pinned bandwidth"
+if [ -n "$DRY" ]; then
+  SERVE_ARGS=(--device cpu --model tiny --sessions 2 --concurrency 2 --max-turns 2 --token-scale 0.015625)
+  COPY_ARGS=(--dry-run)
+else
+  SERVE_ARGS=(--device cuda --model k2-gpu --sessions 8 --concurrency 4 --max-turns 4 --token-scale 0.0625
+              --max-num-batched-tokens 4096 --ramp-s 2 --threads 8)
+  COPY_ARGS=(--device cuda --model k2-gpu --page-size 16 --blocks 512 --mib 256 --repeats 5)
+fi
+share=$(( $(left) - 45 ))
+rm -f "$DEST/bench_serving.json"
+if [ "$share" -gt 30 ]; then
+  timeout "$share" "$PY" -m kvtier.cli bench "${SERVE_ARGS[@]}" --configs device-only,tiered \
+    --json "$DEST/bench_serving.json" --plot "" >"$DEST/bench_serving.log" 2>&1
+  rc=$?
+  tail -n 12 "$DEST/bench_serving.log"
+  if [ $rc -eq 124 ]; then
+    echo "serving bench: SKIPPED, it did not finish in its $share s (bench_serving.log has what ran)"
+  elif [ $rc -ne 0 ]; then
+    echo "serving bench: FAILED (exit $rc)"; status=1
+  fi
+else
+  echo "serving bench: SKIPPED, only $share s left"
+fi
+BENCH_JSON=()
+[ -f "$DEST/bench_serving.json" ] && BENCH_JSON=(--bench-json "$DEST/bench_serving.json")
+timeout $((60 * SLOW)) "$PY" perf/bench_copy_path.py "${COPY_ARGS[@]}" "${BENCH_JSON[@]}" --csv "$DEST/bench_copy_path.csv" \
+  --summary "$DEST/serving_summary.md" >/dev/null || { echo "bench_copy_path.py failed (exit $?)"; status=1; }
 
 step "summary"
 {
@@ -130,6 +179,10 @@ step "summary"
     "$([ $status -eq 0 ] && echo ok || echo FAILED)"
   echo
   [ -f "$DEST/gpu_check_summary.md" ] && cat "$DEST/gpu_check_summary.md"
+  if [ -f "$DEST/serving_summary.md" ]; then
+    echo
+    cat "$DEST/serving_summary.md"
+  fi
   if [ -f "$DEST/bench_moe.csv" ]; then
     echo
     echo "MoE, moe_align_block_size, sampling, page gather (op, shape, backend, median µs, GB/s, TFLOP/s):"

@@ -128,7 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads,
-        schedule_policy=args.schedule_policy)
+        schedule_policy=args.schedule_policy, device=args.device)
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--disk-cache-dir", default=None, help="where the per-run disk tiers go (default: temp dir)")
     b.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu or cuda (also ROCm): where the model and its KV pages live")
     b.add_argument("--threads", type=int, default=1, help="torch intra-op threads (see kvtier.bench.run)")
     b.add_argument("--plot", metavar="PATH", default=None,
                    help="PNG: the TTFT distribution (default kvtier-bench-ttft.png) or, with --load-sweep, p99 TTFT "

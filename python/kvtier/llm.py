@@ -37,14 +37,34 @@ def _check_llm_args(model, dtype, device, seed, tokenizer) -> None:
     """Types of :class:`LLM`'s own arguments (the engine's are :class:`EngineConfig`'s)."""
     check_path("model", model, optional=False)
     check_choice("dtype", dtype, ("auto", *_DTYPES))
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device must be a str or torch.device, got {device!r} ({type(device).__name__})")
-    try:
-        torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device={device!r} is not a torch device: {e}") from None
+    check_device("device", device)
     check_int("seed", seed, min_value=0, max_value=2**63 - 1)
     check_path("tokenizer", tokenizer)
+
+
+def check_device(name: str, device) -> torch.device:
+    """``device`` as a torch device that exists here.
+
+    ``"cpu"`` or ``"cuda"``/``"cuda:N"`` (ROCm's torch also calls its GPUs ``cuda``).
+
+    Raises:
+        ValueError: not a str/torch.device, not a torch device, or a ``cuda`` device on a machine
+            without a usable CUDA/ROCm GPU (or an index past the last one), naming ``name``.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"{name} must be a str or torch.device, got {device!r} ({type(device).__name__})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name}={device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={str(device)!r} needs a CUDA or ROCm GPU, and this machine has none usable "
+                             f"(torch {torch.__version__}: cuda {torch.version.cuda}, hip {torch.version.hip}, "
+                             "torch.cuda.is_available() is False); expected 'cpu' here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(device)!r}: there are {torch.cuda.device_count()} GPUs")
+    return dev
 
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
@@ -67,8 +87,10 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
     share the returned model (each has its own KV pages).
 
     Raises:
-        ValueError: neither a directory nor a known preset, or a bad ``dtype``.
+        ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
+            that does not exist here (see :func:`check_device`).
     """
+    check_device("device", device)
     torch_dtype = _resolve_dtype(dtype, device)
     if Path(model).is_dir():
         return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
@@ -84,7 +106,9 @@ class LLM:
         model: a Hugging Face-layout checkpoint directory (config.json + safetensors) or a preset
             name (``tiny``: deterministic random weights from ``seed``).
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
-        device: torch device for weights and KV cache.
+        device: torch device for weights and KV cache: ``cpu`` or ``cuda`` (also on ROCm). On a
+            GPU, host and disk tiers use the device copy path (pinned host tier, copy stream;
+            :mod:`kvtier.cache.device_copy`).
         seed: seed of the random preset weights and of the engine's sampler.
         **engine_args: fields of :class:`kvtier.cache.config.PoolConfig` (page_size,
             num_device_pages, enable_prefix_caching, host_cache_bytes, disk_cache_dir,

@@ -25,7 +25,7 @@ from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
-from kvtier.llm import load_for_serving
+from kvtier.llm import check_device, load_for_serving
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -70,6 +70,8 @@ class BenchOptions:
             contention vs 0.55 s with 1).
         schedule_policy: admission order of every configuration's engine (``cache-aware`` or
             ``fcfs``; see :mod:`kvtier.serve.scheduler`).
+        device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
+            every configuration runs there (host and disk tiers through the device copy path).
     """
 
     model: str = "tiny"
@@ -95,8 +97,10 @@ class BenchOptions:
     seed: int = 0
     threads: int = 1
     schedule_policy: str = "cache-aware"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        check_device("--device", self.device)
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                              f"got {self.schedule_policy!r}")
@@ -251,7 +255,7 @@ def prepare(opts: BenchOptions):
     """Load the model, the tokenizer (text workloads; else None) and the workload, and size the
     tiers: ``(model, model_id, workload, sizing, base, tokenizer)``."""
     tokenizer = load_tokenizer_for(opts) if opts.conversations is not None else None
-    model, model_id = load_for_serving(opts.model, seed=opts.seed)
+    model, model_id = load_for_serving(opts.model, seed=opts.seed, device=opts.device)
     workload = load_workload(opts, model.config.max_position_embeddings, tokenizer)
     if not workload.sessions:
         raise ValueError("the workload has no session that fits the model's context "

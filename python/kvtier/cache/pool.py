@@ -60,7 +60,10 @@ class KVPool:
         cost_model: load-vs-recompute decisions; None probes the tiers at start-up.
         copy_engine: moves blocks between tiers (:class:`kvtier.cache.seams.CopyEngine`); None
             starts a native :class:`kvtier.transfer.CopyEngine` with ``config.copy_threads``
-            workers. The simulator passes a virtual-time one (:mod:`kvtier.bench.sim.copies`).
+            workers for CPU page pools, a :class:`kvtier.cache.device_copy.DeviceCopyEngine`
+            (copy stream, pinned host tier) for GPU page pools
+            (``DeviceCopyEngine("cpu", CpuStreams(...))`` runs that path on CPU pools, for tests).
+            The simulator passes a virtual-time one (:mod:`kvtier.bench.sim.copies`).
         disk: the disk tier (:class:`kvtier.cache.seams.DiskStore`); None opens the subdirectory
             of ``config.disk_cache_dir`` (when set) named after this pool's salt and block layout
             (:func:`kvtier.cache.disk_budget.namespace_dir`) as a
@@ -78,8 +81,9 @@ class KVPool:
     Raises:
         ValueError: bad config: not a :class:`PoolConfig`, a host or disk budget that holds no
             block (``host_cache_bytes`` below one slot, ``disk_cache_bytes`` below one block
-            file), a disk tier without a host block, or a host/disk tier over GPU page pools
-            (not supported yet);
+            file), a disk tier without a host block; for GPU page pools a host or disk tier where
+            no GPU page kernel runs, or a ``host_cache_bytes`` over what pinned memory allows
+            (:func:`kvtier.cache.device_copy.check_device_tiers`);
         RuntimeError: the disk directory cannot be used, or the remote store does not
             answer at start-up (names ``remote_cache_url``).
 
@@ -113,7 +117,6 @@ class KVPool:
     page_size = property(lambda self: self.tiers.page_size)
     kv_caches = property(lambda self: self.tiers.kv_caches)
     stats = property(lambda self: self.tiers.stats)
-    copy_engine = property(lambda self: self.tiers.copy_engine)
     meta = property(lambda self: self.tiers.meta)
     block_bytes = property(lambda self: self.tiers.block_bytes)
     host = property(lambda self: self.tiers.host)
@@ -130,6 +133,8 @@ class KVPool:
     cost_model = property(lambda self: self.tiers.cost_model,
                           lambda self, v: setattr(self.tiers, "cost_model", v))
     clock = property(lambda self: self.tiers.clock, lambda self, v: setattr(self.tiers, "clock", v))
+    copy_engine = property(lambda self: self.tiers.copy_engine,
+                           lambda self, v: setattr(self.tiers, "copy_engine", v))
 
     # ---- device pages -------------------------------------------------------------------------
     @property

@@ -16,6 +16,7 @@ import torch
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
+from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import make_policy
@@ -23,7 +24,6 @@ from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
-from kvtier.transfer import CopyEngine as NativeCopyEngine
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
@@ -48,13 +48,10 @@ class PoolTiers:
         self.kv_caches = kv_caches
         self.index = PrefixIndex()
         self.stats = PoolStats()
-        self.copy_engine = copy_engine if copy_engine is not None else NativeCopyEngine(config.copy_threads,
-                                                                                        max_queued=256)
+        check_device_tiers(config.host_cache_bytes, config.disk_cache_dir, kv_caches)
+        self.copy_engine = copy_engine if copy_engine is not None else copy_engine_for(kv_caches, config.copy_threads)
         self.meta = BlockMeta.of_pools(kv_caches)
         self.block_bytes = self.meta.payload_bytes
-        if kv_caches[0].device.type != "cpu" and (config.host_cache_bytes or config.disk_cache_dir):
-            raise ValueError("host_cache_bytes and disk_cache_dir need CPU page pools for now: the copy engine "
-                             "moves device pages with memcpy, and its GPU gather/scatter path is not built yet")
         check_budgets(config, self.block_bytes, disk)
         self.host = HostTier(config.host_cache_bytes, self.block_bytes) if config.host_cache_bytes else None
         private = disk is None and config.disk_cache_dir is not None
@@ -97,8 +94,6 @@ class PoolTiers:
     # ---- start-up -----------------------------------------------------------------------------
     def _probe(self) -> CostModel:
         model = CostModel()
-        if self.kv_caches[0].device.type != "cpu":
-            return model
         if self.host is not None and self.host.num_slots:
             slot = self.host.slot(0)
             model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))

@@ -273,11 +273,41 @@ def _tiny() -> KimiK2Config:
     )
 
 
-PRESETS = {"kimi-k2": _k2, "tiny": _tiny}
+def _k2_gpu() -> KimiK2Config:
+    """K2's structure at one-GPU size, so that load-vs-recompute on a GPU is the real trade-off.
+
+    Every layer is a K2 layer in width (hidden 7168, 64 heads, MLA with q_lora_rank 1536,
+    kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128; dense first
+    layer with intermediate 18432; MoE experts of 2048 with one shared expert, sigmoid routing,
+    YaRN as K2), with 4 layers, 8 routed experts (top-4) and a 32768-token vocabulary: 2.46e9
+    parameters, 4.9 GB in bf16 (random weights are built in seconds and fit beside the KV cache).
+
+    Arithmetic for a 32K-token prompt (bf16):
+
+    * its KV: 576 values x 2 bytes x 4 layers = 4,608 bytes per token, 151 MB in all; over
+      PCIe Gen5 x16 from pinned memory (~50 GB/s on an H200 or MI355X host) that is ~3 ms;
+    * its prefill: per token, the attention projections 2 x 101e6 x 4 layers = 0.8 GFLOP, the MLPs
+      2 x 396e6 (dense layer) + 3 x 2 x 5 x 44e6 (4 routed + 1 shared expert) = 2.1 GFLOP, and the
+      causal attention over on average 16K earlier tokens 2 x 64 heads x (576 + 512) x 16384 x 4
+      layers = 9.1 GFLOP (absorbed MLA; the expanded form is about a third of it): ~12 GFLOP per
+      token, 3.9e14 FLOP for the prompt: >= 0.40 s on an H200 (989 TFLOP/s dense bf16 peak),
+      >= 0.17 s on an MI355X (2.3 PFLOP/s), more at a realistic utilisation.
+
+    So recomputing such a prompt costs 50-130x (at peak FLOP/s) what loading its KV costs, as
+    for the full model (whose ratio does not depend on the layer count: both scale with it).
+    K2's end-of-turn id (163585) is outside this vocabulary: random-weight runs always generate
+    ``max_tokens`` tokens.
+    """
+    return dataclasses.replace(_k2(), num_hidden_layers=4, n_routed_experts=8, num_experts_per_tok=4,
+                               vocab_size=32768)
+
+
+PRESETS = {"kimi-k2": _k2, "k2-gpu": _k2_gpu, "tiny": _tiny}
 
 
 def preset(name: str) -> KimiK2Config:
-    """A named configuration: ``kimi-k2`` (full size, for sizing/simulation) or ``tiny`` (CPU).
+    """A named configuration: ``kimi-k2`` (full size, for sizing/simulation), ``k2-gpu`` (K2's
+    layers at one-GPU size, random weights; see :func:`_k2_gpu`) or ``tiny`` (CPU).
 
     Raises:
         ValueError: unknown preset name.
