@@ -17,6 +17,7 @@ import pytest
 
 from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.cli import main
+from tests.conftest import TOKENIZER_DIR
 from tests.serve.api.conftest import ROOT, start_server, stop_server
 from tests.stores import redis_store  # noqa: F401
 
@@ -108,16 +109,56 @@ def test_router_keeps_moves_and_reroutes_a_session(workers, router):
     third_url, r3 = _turn(router, messages, "s1")
     assert third_url != first_url  # overloaded: the turn moves
     assert r3.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
+    moved_to = by_url[third_url]
+    assert moved_to.metrics()[("kvtier_hit_tokens_total", ("tier", "remote"))] >= 160  # hits counted by tier
+    other = [{"role": "system", "content": LONG.replace("fox", "owl")}, {"role": "user", "content": "Go."}]
+    puts_before = _puts(moved_to)
+    only_url, o1 = _turn(router, other, "s2")  # a new session while A is still overloaded: it runs on B only
+    assert only_url == third_url
     for t in flood:
         t.join()
-    stop_server(by_url[third_url])  # the worker now holding the session dies
+    _written(moved_to, puts_before + o1.usage.prompt_tokens // 16)
+    os.kill(moved_to.proc.pid, signal.SIGKILL)  # the worker holding both sessions dies
+    moved_to.proc.wait(10)
     messages += [{"role": "assistant", "content": r3.choices[0].message.content}, {"role": "user", "content": "End."}]
     fourth_url, r4 = _turn(router, messages, "s1")
     assert fourth_url == first_url and r4.choices[0].message.content is not None
+    other += [{"role": "assistant", "content": o1.choices[0].message.content}, {"role": "user", "content": "More."}]
+    o2_url, o2 = _turn(router, other, "s2")
+    assert o2_url == first_url  # served elsewhere, its prefix from the remote tier
+    assert o2.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
     health = httpx.get(f"{router}/health").json()
     assert health["workers"][third_url]["healthy"] is False
+
+
+def _puts(worker) -> float:
+    return worker.metrics().get(("kvtier_remote_puts_total", ("status", "ok")), 0)
+
+
+def _written(worker, blocks: float, timeout_s: float = 60) -> None:
+    """Wait until ``worker`` has written ``blocks`` blocks to the remote tier in all (its
+    write-through runs in the background after a response)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _puts(worker) >= blocks:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{worker.url} did not write {blocks} blocks to the remote tier: {worker.metrics()}")
 
 
 def test_router_names_unreachable_workers(capsys):
     assert main(["router", "--workers", "http://127.0.0.1:1", "--port", "0"]) == 2
     assert "http://127.0.0.1:1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["cluster", "tiny", "--store-url", "redis://127.0.0.1:1", "--port", "0"],
+                                  ["cluster", "tiny", "--launcher", "ray", "--store-url", "redis://127.0.0.1:1"],
+                                  ["serve", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--port", "0",
+                                   "--host-cache-bytes", str(1 << 20), "--remote-cache-url", "redis://127.0.0.1:1"]],
+                         ids=["cluster", "cluster-ray", "serve"])
+def test_unreachable_store_is_a_start_up_error_naming_it(argv, capsys):
+    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "redis://127.0.0.1:1" in err and "Traceback" not in err
