@@ -129,6 +129,7 @@ def test_router_keeps_moves_and_reroutes_a_session(workers, router):
     assert o2.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
     health = httpx.get(f"{router}/health").json()
     assert health["workers"][third_url]["healthy"] is False
+    assert health["session_moves"] == 3  # s1 to B and back to A, s2 from B to A
 
 
 def _puts(worker) -> float:
