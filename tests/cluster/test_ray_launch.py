@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
+from kvtier.cache.remote import StoreUnreachableError
 from kvtier.cluster import StartupError
 from kvtier.cluster.ray_launch import RAY_LOCAL_ENV, start_ray_cluster
-from kvtier.cache.remote import StoreUnreachableError
 from tests.conftest import TOKENIZER_DIR
 from tests.serve.api.conftest import ROOT, descendants, pid_alive
 from tests.stores import redis_store  # noqa: F401  (skips when redis-server is missing)
