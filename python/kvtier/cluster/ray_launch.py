@@ -235,18 +235,21 @@ def start_ray_cluster(model: str, *, workers: int, policy: str, worker_args: lis
 
 def run_ray_cluster(model: str, **kw) -> int:
     """:func:`start_ray_cluster`, print where everything runs, wait for SIGINT/SIGTERM, stop."""
-    signal.signal(signal.SIGTERM, exit_on_signal)  # also during start-up: what started is stopped
-    cluster = start_ray_cluster(model, **kw)
+    previous = signal.signal(signal.SIGTERM, exit_on_signal)  # also during start-up: what started is stopped
     try:
-        if cluster.store is not None:
-            print(f"kvtier cluster: store {cluster.store.url} (pid {cluster.store.proc.pid})", flush=True)
-        for w in cluster.workers:
-            print(f"kvtier cluster: worker {w['url']} on node {w['node_ip']} (pid {w['pid']}, log {w['log']})",
-                  flush=True)
-        print(f"kvtier cluster: router: listening on {cluster.router_url} (pid {cluster.router['pid']}, "
-              f"log {cluster.router['log']})", flush=True)
-        signal.signal(signal.SIGTERM, exit_on_signal)  # again: ray.init installs its own (it aborts)
-        while True:
-            time.sleep(3600)
+        cluster = start_ray_cluster(model, **kw)
+        try:
+            if cluster.store is not None:
+                print(f"kvtier cluster: store {cluster.store.url} (pid {cluster.store.proc.pid})", flush=True)
+            for w in cluster.workers:
+                print(f"kvtier cluster: worker {w['url']} on node {w['node_ip']} (pid {w['pid']}, log {w['log']})",
+                      flush=True)
+            print(f"kvtier cluster: router: listening on {cluster.router_url} (pid {cluster.router['pid']}, "
+                  f"log {cluster.router['log']})", flush=True)
+            signal.signal(signal.SIGTERM, exit_on_signal)  # again: ray.init installs its own (it aborts)
+            while True:
+                time.sleep(3600)
+        finally:
+            cluster.stop()
     finally:
-        cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
