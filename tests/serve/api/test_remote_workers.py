@@ -1,7 +1,10 @@
 """Two ``kvtier serve`` workers on one Redis remote tier, publishing KV events: a conversation
 worker A served continues on a fresh worker B from the remote tier, and A's events show it; a
 ``kvtier router`` in front keeps a session where its cache is, moves it when that worker is
-overloaded (the prefix then comes from the remote tier), and routes around a dead worker."""
+overloaded (the prefix then comes from the remote tier), and routes around a worker killed
+mid-run (its sessions continue elsewhere from the remote tier); a worker whose store is killed
+mid-run answers every request correctly and keeps serving; unreachable stores and workers are
+start-up errors naming them."""
 
 import os
 import re
@@ -19,7 +22,7 @@ from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.cli import main
 from tests.conftest import TOKENIZER_DIR
 from tests.serve.api.conftest import ROOT, start_server, stop_server
-from tests.stores import redis_store  # noqa: F401
+from tests.stores import redis_store, start_redis  # noqa: F401
 
 LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
 
@@ -163,3 +166,33 @@ def test_unreachable_store_is_a_start_up_error_naming_it(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "redis://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_store_killed_mid_run_the_worker_answers_every_request_and_keeps_serving(tmp_path):
+    store = start_redis(tmp_path)
+    worker = start_server(tmp_path, "--num-device-pages", "256", "--max-num-seqs", "2", "--host-cache-bytes",
+                          str(16 << 20), "--remote-cache-url", store.url, "--remote-timeout-s", "0.5")
+    try:
+        messages = [{"role": "system", "content": LONG.replace("fox", "eel")}, {"role": "user", "content": "Go."}]
+        before = worker.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+        answers = []
+        in_flight = [threading.Thread(target=lambda i=i: answers.append(worker.client().completions.create(
+            model="tiny", prompt=f"{LONG} {i}", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})))
+            for i in range(4)]
+        for t in in_flight:
+            t.start()
+        store.stop()  # SIGKILL while the worker prefills and writes blocks through to it
+        for t in in_flight:
+            t.join()
+        assert [a.usage.completion_tokens for a in answers] == [24] * 4
+        after = worker.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        fresh = worker.client().completions.create(model="tiny", prompt=LONG.replace("dog", "yak"), max_tokens=4,
+                                                   temperature=0.0, extra_body={"ignore_eos": True})
+        assert fresh.usage.completion_tokens == 4  # a new prefix: the dead store is asked, or left alone
+        metrics = worker.metrics()
+        assert metrics[("kvtier_remote_lookup_failures_total",)] >= 1  # counted, not raised
+        assert metrics[("kvtier_engine_errors_total",)] == 0
+    finally:
+        stop_server(worker)
+        store.stop()
