@@ -31,6 +31,7 @@ from rich.table import Table
 
 from kvtier import LLM, SamplingParams
 from kvtier import kernels_cli, router_cli, serve_cli
+from kvtier.cluster import StartupError
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, StartupError) as e:
         print(f"kvtier {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

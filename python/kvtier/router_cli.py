@@ -36,33 +36,52 @@ def add_parser(sub) -> None:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from kvtier.cluster.launch import run_cluster
-
     if args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
-    if args.host_cache_bytes <= 0 and args.store != "none":
+    if args.host_cache_bytes <= 0 and (args.store != "none" or args.store_url):
         raise ValueError(f"--store {args.store} needs --host-cache-bytes > 0, got {args.host_cache_bytes}")
+    if args.store_url:
+        from kvtier.cache.remote import check_remote_url
+
+        check_remote_url("--store-url", args.store_url)
+    if args.ray_address and args.launcher != "ray":
+        raise ValueError(f"--ray-address needs --launcher ray, got --launcher {args.launcher}")
     worker_args = ["--host-cache-bytes", str(args.host_cache_bytes), "--num-device-pages", str(args.num_device_pages),
                    "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)]
     if args.tokenizer:
         worker_args += ["--tokenizer", args.tokenizer]
-    return run_cluster(args.model, workers=args.workers, store=args.store, policy=args.policy, host=args.host,
-                       port=args.port, worker_args=worker_args, log_level=args.log_level)
+    common = dict(workers=args.workers, store=args.store, store_url=args.store_url, policy=args.policy,
+                  host=args.host, port=args.port, worker_args=worker_args)
+    if args.launcher == "ray":
+        from kvtier.cluster.ray_launch import run_ray_cluster
+
+        return run_ray_cluster(args.model, worker_cpus=args.threads, ray_address=args.ray_address, **common)
+    from kvtier.cluster.launch import run_cluster
+
+    return run_cluster(args.model, log_level=args.log_level, **common)
 
 
 def add_cluster_parser(sub) -> None:
-    s = sub.add_parser("cluster", help="a store, N kvtier serve workers and a router on this machine, as processes")
+    s = sub.add_parser("cluster", help="a store, N kvtier serve workers and a router: processes on this machine, "
+                                       "or placed by Ray (--launcher ray)")
     s.add_argument("model", help="checkpoint directory or preset")
     s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
     s.add_argument("--workers", type=int, default=2, help="kvtier serve workers to start")
     s.add_argument("--store", default="redis", choices=["redis", "mooncake", "none"],
                    help="shared remote KV tier (none: each worker keeps its own cache)")
+    s.add_argument("--store-url", metavar="URL", default=None,
+                   help="use this running store (redis://HOST:PORT or mooncake://HOST:PORT) instead of starting one")
     s.add_argument("--policy", default="kv-aware", choices=POLICIES, help="routing policy")
+    s.add_argument("--launcher", default="process", choices=["process", "ray"],
+                   help="process: every role a process on this machine; ray: workers (and the router) started "
+                        "by Ray actors, placed by Ray (pip install 'kvtier[ray]')")
+    s.add_argument("--ray-address", metavar="ADDR", default=None,
+                   help="with --launcher ray: join this Ray cluster (default: start one on this machine)")
     s.add_argument("--host", default="127.0.0.1", help="router address")
     s.add_argument("--port", type=int, default=8100, help="router port (0 = a free port, printed at start)")
     s.add_argument("--host-cache-bytes", type=int, default=256 << 20, help="each worker's host tier budget")
     s.add_argument("--num-device-pages", type=int, default=1024, help="each worker's device KV pages")
     s.add_argument("--max-num-seqs", type=int, default=64, help="each worker's requests running at once")
-    s.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    s.add_argument("--threads", type=int, default=1, help="torch threads per worker (with Ray: its CPUs)")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=cmd_cluster)

@@ -13,8 +13,12 @@ def test_kv_aware_keeps_a_session_then_moves_it_when_its_worker_is_overloaded():
     assert r.choose("s", 2100) == A
     r.workers[A].waiting = 8
     assert r.choose("s", 2100) == B
+    r.record("s", B, 2100, 0.5)
+    assert r.moves == 1
     r.workers[B].healthy = False
     assert r.choose("s", 2100) == A
+    r.record("s", B, 2200, 0.5)
+    assert r.moves == 1  # the same worker again: no move
 
 
 def test_kv_aware_without_remote_counts_recomputation():

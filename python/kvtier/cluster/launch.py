@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from kvtier.cluster.stores import StoreProcess, start_store
+from kvtier.cluster import StartupError
+from kvtier.cluster.stores import StoreProcess, check_store_url, start_store
 
 START_TIMEOUT_S = 300.0
 
@@ -40,22 +41,28 @@ class WorkerProcess:
                 self.proc.wait(10)
 
 
-def spawn_worker(model: str, args: list[str], log: Path) -> subprocess.Popen:
-    """``kvtier serve MODEL --host 127.0.0.1 --port 0 ARGS`` with output to ``log``."""
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", model, "--host", "127.0.0.1", "--port", "0", *args]
+def spawn_kvtier(argv: list[str], log: Path, **popen_kw) -> subprocess.Popen:
+    """``kvtier ARGV`` (this interpreter's kvtier) as a child process with its output to ``log``."""
     with open(log, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                **popen_kw)
+
+
+def spawn_worker(model: str, args: list[str], log: Path, host: str = "127.0.0.1") -> subprocess.Popen:
+    """``kvtier serve MODEL --host HOST --port 0 ARGS`` with output to ``log``."""
+    return spawn_kvtier(["serve", model, "--host", host, "--port", "0", *args], log)
 
 
 def wait_worker(proc: subprocess.Popen, log: Path, timeout_s: float = START_TIMEOUT_S) -> WorkerProcess:
-    """Wait until the worker prints its URL and answers ``/health``.
+    """Wait until a ``kvtier serve`` (or ``kvtier router``) process prints its URL and answers
+    ``/health``.
 
     Raises:
-        RuntimeError: it exited or did not answer within ``timeout_s`` (with its log's tail).
+        StartupError: it exited or did not answer within ``timeout_s`` (with its log's tail).
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
+        m = re.search(rb"listening on (http://[^\s/]+:\d+)", log.read_bytes())
         if m:
             url = m.group(1).decode()
             try:
@@ -67,16 +74,25 @@ def wait_worker(proc: subprocess.Popen, log: Path, timeout_s: float = START_TIME
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
-    raise RuntimeError(f"worker did not start ({log}): {log.read_text(errors='replace')[-2000:]}")
+    raise StartupError(f"kvtier {' '.join(map(str, proc.args[3:5]))} did not start (log {log}): "
+                       f"{log.read_text(errors='replace')[-2000:]}")
 
 
-def _exit_on_signal(signum, frame):
+def exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
 def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str, port: int,
-                worker_args: list[str], log_level: str = "warning") -> int:
-    """Start everything, serve the router until SIGINT/SIGTERM, then stop every process."""
+                worker_args: list[str], log_level: str = "warning", store_url: str | None = None) -> int:
+    """Start everything, serve the router until SIGINT/SIGTERM, then stop every process.
+
+    ``store_url`` (a ``remote_cache_url``): use that running store instead of starting one
+    of ``store``.
+
+    Raises:
+        StoreUnreachableError: ``store_url`` does not answer (names it); StartupError: a store
+            or worker did not start (names it, with its log's tail).
+    """
     from kvtier.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.router.policy import Router
     from kvtier.serve.api.server import serve
@@ -87,10 +103,13 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
     procs: list[WorkerProcess] = []
     try:
         args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
-        if store != "none":
+        url = check_store_url(store_url) if store_url else None
+        if url is None and store != "none":
             st = start_store(store, workdir)
-            args += ["--remote-cache-url", st.url]
+            url = st.url
             print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
+        if url:
+            args += ["--remote-cache-url", url]
         spawned = [(spawn_worker(model, args, workdir / f"worker-{i}.log"), workdir / f"worker-{i}.log")
                    for i in range(workers)]
         try:
@@ -101,11 +120,11 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
             for proc, log in spawned[len(procs):]:
                 WorkerProcess("", proc, log).stop()
             raise
-        router = Router([w.url for w in procs], policy=policy, remote=st is not None)
+        router = Router([w.url for w in procs], policy=policy, remote=bool(url))
         events = subscribe_events(router, check_workers(router.urls))
         # uvicorn re-raises the SIGTERM/SIGINT it stopped on once it is done: turn that into
         # SystemExit so the processes below are stopped.
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGTERM, exit_on_signal)
         serve(build_router_app(router, events=events), host, port, log_level, name="kvtier cluster: router")
         return 0
     finally:

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.cluster import StartupError
+
 STORES = ("redis", "mooncake")
 
 
@@ -53,26 +55,26 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} at start-up")
+            raise StartupError(f"{what} exited with {proc.returncode} at start-up")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
+    raise StartupError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s} s")
 
 
 def start_store(kind: str, workdir: Path) -> StoreProcess:
     """Start a store of ``kind`` on a free loopback port, logging to ``workdir``.
 
     Raises:
-        ValueError: an unknown kind; RuntimeError: the binary is missing or does not start.
+        ValueError: an unknown kind; StartupError: the binary is missing or does not start.
     """
     if kind not in STORES:
         raise ValueError(f"store must be one of {list(STORES)}, got {kind!r}")
     exe = store_binary(kind)
     if exe is None:
-        raise RuntimeError(f"the {kind} store is not installed (scripts/setup.sh installs redis-server and "
+        raise StartupError(f"the {kind} store is not installed (scripts/setup.sh installs redis-server and "
                            "the mooncake-transfer-engine-non-cuda wheel)")
     port = free_port()
     log = open(Path(workdir) / f"{kind}-{port}.log", "wb")
@@ -91,3 +93,16 @@ def start_store(kind: str, workdir: Path) -> StoreProcess:
     log.close()
     _wait_port(port, proc, f"{kind} store ({exe})")
     return StoreProcess(url, proc, port)
+
+
+def check_store_url(url: str, timeout_s: float = 5.0) -> str:
+    """``url`` (a ``remote_cache_url``) once a client could join the store there and leave.
+
+    Raises:
+        ValueError: a malformed URL; StoreUnreachableError (a ConnectionError): nothing answers
+            there (both name the URL).
+    """
+    from kvtier.cache.remote import open_backend
+
+    open_backend(url, timeout_s).close()
+    return url

@@ -106,7 +106,8 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
                    for w in router.workers.values()}
         status = 200 if router.healthy() else 503
         return JSONResponse({"status": "ok" if status == 200 else "no healthy worker", "policy": router.policy,
-                             "workers": workers}, status_code=status)
+                             "workers": workers, "sessions": len(router.sessions), "session_moves": router.moves},
+                            status_code=status)
 
     @app.get("/v1/models")
     async def models():

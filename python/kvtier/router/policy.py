@@ -96,6 +96,7 @@ class Router:
             raise ValueError("workers must name at least one worker URL")
         self.workers = {u: WorkerState(u) for u in self.urls}
         self.sessions: dict[str, Placement] = {}
+        self.moves = 0  # turns of a session served by another worker than its previous turn
 
     def healthy(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.healthy]
@@ -151,5 +152,7 @@ class Router:
         """A turn of ``session_id`` ran on ``url`` in ``seconds``; ``last_block``: the hash of
         its prompt's last full block (``usage.kv_last_block``)."""
         if session_id:
+            before = self.sessions.get(session_id)
+            self.moves += before is not None and before.worker != url
             self.sessions[session_id] = Placement(url, prompt_tokens, last_block)
         self.cost.observe_request(seconds)

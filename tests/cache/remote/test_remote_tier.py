@@ -1,12 +1,12 @@
 """The remote tier on both backends: round trip, header and checksum checks, misses, a dead store."""
 
-import time
+import threading
 
 import pytest
 import torch
 
 from kvtier.cache.disk_tier import BlockMeta
-from kvtier.cache.remote import RemoteStatus, block_format, check_remote_url, open_backend, open_remote
+from kvtier.cache.remote import RemoteStatus, RemoteTier, block_format, check_remote_url, open_backend, open_remote
 from tests.stores import start_mooncake, start_redis
 
 META = BlockMeta(num_layers=2, page_size=4, row_bytes=48, dtype=1, payload_bytes=2 * 4 * 48)
@@ -72,25 +72,70 @@ def test_crc32c_matches_the_disk_tiers_checksum():
     assert block_format.crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
 
 
+FAILED = {RemoteStatus.ERROR, RemoteStatus.TIMEOUT, RemoteStatus.UNAVAILABLE}
+
+
 @pytest.mark.parametrize("start", [start_redis, start_mooncake], ids=["redis", "mooncake"])
-def test_dead_store_gives_counted_misses_within_the_timeout(tmp_path, start):
+def test_dead_store_gives_counted_misses_and_is_left_alone(tmp_path, start):
     store = start(tmp_path)
     tier = open_remote(store.url, META, timeout_s=0.5)
     try:
         hs, data = hashes(2, 5), blocks(2, 5)
         assert tier.put(hs, data).result() == [RemoteStatus.OK] * 2
         store.stop()
-        t0 = time.monotonic()
         out = torch.zeros_like(data)
         got = tier.get(hs, out).result()
-        assert all(s != RemoteStatus.OK for s in got)
+        assert set(got) <= FAILED  # failed or abandoned at the timeout, never a hit
+        assert not tier.available()  # the failed call left the store alone for retry_after_s ...
         assert tier.exists(hs) == [False, False]
-        assert tier.put(hs, data).result() != [RemoteStatus.OK] * 2
-        assert time.monotonic() - t0 < 10 * tier.timeout_s + 5  # bounded, not a hang
-        assert tier.stats.misses == 2 and not tier.available()
+        assert tier.put(hs, data).result() == [RemoteStatus.UNAVAILABLE] * 2  # ... so it is not called again
+        assert tier.stats.misses == 2 and tier.stats.puts["unavailable"] == 2
+        assert not torch.any(out)  # nothing from the dead store was served
     finally:
         tier.close()
         store.stop()
+
+
+class HungBackend:
+    """A store whose calls never return until released (a master that accepts and never answers)."""
+
+    url = "hung://test"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+
+    def _hang(self):
+        self.calls += 1
+        self.release.wait()
+        raise ConnectionError("released")
+
+    def batch_put(self, keys, values):
+        return self._hang()
+
+    def batch_get(self, keys, outs):
+        return self._hang()
+
+    def exists(self, keys):
+        return self._hang()
+
+    def close(self):
+        self.release.set()
+
+
+def test_a_hung_store_call_is_abandoned_at_the_timeout():
+    backend = HungBackend()
+    tier = RemoteTier(backend, META, timeout_s=0.2, retry_after_s=60.0)
+    try:
+        out = torch.zeros(2 * META.payload_bytes, dtype=torch.uint8)
+        handle = tier.get(hashes(2, 7), out)
+        assert handle.result() == [RemoteStatus.TIMEOUT] * 2  # returned while the call still hangs
+        assert not backend.release.is_set() and backend.calls == 1
+        assert tier.stats.gets["timeout"] == 2 and tier.stats.misses == 2 and not tier.available()
+        again = tier.get(hashes(2, 7), out).result()
+        assert again == [RemoteStatus.UNAVAILABLE] * 2 and backend.calls == 1  # left alone: not called again
+    finally:
+        tier.close()
 
 
 def test_unreachable_store_names_the_url():

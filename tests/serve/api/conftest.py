@@ -77,6 +77,35 @@ def start_server(tmp_path: Path, *args: str) -> Server:
     return Server(proc, worker.url, log)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """PIDs of every live process below ``pid`` (default: this one), from ``/proc``."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":
+                parent[int(d)] = int(fields[1])
+    out, frontier = set(), {os.getpid() if pid is None else pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
 def stop_server(server: Server) -> None:
     if server.proc.poll() is None:
         os.kill(server.proc.pid, signal.SIGTERM)

@@ -12,16 +12,8 @@ import openai
 import pytest
 
 from tests.conftest import TOKENIZER_DIR
-from tests.serve.api.conftest import ROOT
+from tests.serve.api.conftest import ROOT, pid_alive
 from tests.stores import redis_store  # noqa: F401  (skips when redis-server is missing)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
 def test_cluster_serves_and_stops_everything(tmp_path, redis_store):  # noqa: F811
@@ -52,4 +44,4 @@ def test_cluster_serves_and_stops_everything(tmp_path, redis_store):  # noqa: F8
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]

@@ -1,7 +1,10 @@
 """Two ``kvtier serve`` workers on one Redis remote tier, publishing KV events: a conversation
 worker A served continues on a fresh worker B from the remote tier, and A's events show it; a
 ``kvtier router`` in front keeps a session where its cache is, moves it when that worker is
-overloaded (the prefix then comes from the remote tier), and routes around a dead worker."""
+overloaded (the prefix then comes from the remote tier), and routes around a worker killed
+mid-run (its sessions continue elsewhere from the remote tier); a worker whose store is killed
+mid-run answers every request correctly and keeps serving; unreachable stores and workers are
+start-up errors naming them."""
 
 import os
 import re
@@ -17,8 +20,9 @@ import pytest
 
 from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.cli import main
+from tests.conftest import TOKENIZER_DIR
 from tests.serve.api.conftest import ROOT, start_server, stop_server
-from tests.stores import redis_store  # noqa: F401
+from tests.stores import redis_store, start_redis  # noqa: F401
 
 LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
 
@@ -108,16 +112,87 @@ def test_router_keeps_moves_and_reroutes_a_session(workers, router):
     third_url, r3 = _turn(router, messages, "s1")
     assert third_url != first_url  # overloaded: the turn moves
     assert r3.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
+    moved_to = by_url[third_url]
+    assert moved_to.metrics()[("kvtier_hit_tokens_total", ("tier", "remote"))] >= 160  # hits counted by tier
+    other = [{"role": "system", "content": LONG.replace("fox", "owl")}, {"role": "user", "content": "Go."}]
+    puts_before = _puts(moved_to)
+    only_url, o1 = _turn(router, other, "s2")  # a new session while A is still overloaded: it runs on B only
+    assert only_url == third_url
     for t in flood:
         t.join()
-    stop_server(by_url[third_url])  # the worker now holding the session dies
+    _written(moved_to, puts_before + o1.usage.prompt_tokens // 16)
+    os.kill(moved_to.proc.pid, signal.SIGKILL)  # the worker holding both sessions dies
+    moved_to.proc.wait(10)
     messages += [{"role": "assistant", "content": r3.choices[0].message.content}, {"role": "user", "content": "End."}]
     fourth_url, r4 = _turn(router, messages, "s1")
     assert fourth_url == first_url and r4.choices[0].message.content is not None
+    other += [{"role": "assistant", "content": o1.choices[0].message.content}, {"role": "user", "content": "More."}]
+    o2_url, o2 = _turn(router, other, "s2")
+    assert o2_url == first_url  # served elsewhere, its prefix from the remote tier
+    assert o2.usage.model_extra["cached_tokens_by_tier"]["remote"] >= 160
     health = httpx.get(f"{router}/health").json()
     assert health["workers"][third_url]["healthy"] is False
+    assert health["session_moves"] == 3  # s1 to B and back to A, s2 from B to A
+
+
+def _puts(worker) -> float:
+    return worker.metrics().get(("kvtier_remote_puts_total", ("status", "ok")), 0)
+
+
+def _written(worker, blocks: float, timeout_s: float = 60) -> None:
+    """Wait until ``worker`` has written ``blocks`` blocks to the remote tier in all (its
+    write-through runs in the background after a response)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _puts(worker) >= blocks:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{worker.url} did not write {blocks} blocks to the remote tier: {worker.metrics()}")
 
 
 def test_router_names_unreachable_workers(capsys):
     assert main(["router", "--workers", "http://127.0.0.1:1", "--port", "0"]) == 2
     assert "http://127.0.0.1:1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["cluster", "tiny", "--store-url", "redis://127.0.0.1:1", "--port", "0"],
+                                  ["cluster", "tiny", "--launcher", "ray", "--store-url", "redis://127.0.0.1:1"],
+                                  ["serve", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--port", "0",
+                                   "--host-cache-bytes", str(1 << 20), "--remote-cache-url", "redis://127.0.0.1:1"]],
+                         ids=["cluster", "cluster-ray", "serve"])
+def test_unreachable_store_is_a_start_up_error_naming_it(argv, capsys):
+    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "redis://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_store_killed_mid_run_the_worker_answers_every_request_and_keeps_serving(tmp_path):
+    store = start_redis(tmp_path)
+    worker = start_server(tmp_path, "--num-device-pages", "256", "--max-num-seqs", "2", "--host-cache-bytes",
+                          str(16 << 20), "--remote-cache-url", store.url, "--remote-timeout-s", "0.5")
+    try:
+        messages = [{"role": "system", "content": LONG.replace("fox", "eel")}, {"role": "user", "content": "Go."}]
+        before = worker.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+        answers = []
+        in_flight = [threading.Thread(target=lambda i=i: answers.append(worker.client().completions.create(
+            model="tiny", prompt=f"{LONG} {i}", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})))
+            for i in range(4)]
+        for t in in_flight:
+            t.start()
+        store.stop()  # SIGKILL while the worker prefills and writes blocks through to it
+        for t in in_flight:
+            t.join()
+        assert [a.usage.completion_tokens for a in answers] == [24] * 4
+        after = worker.client().chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0.0)
+        assert after.choices[0].message.content == before.choices[0].message.content
+        fresh = worker.client().completions.create(model="tiny", prompt=LONG.replace("dog", "yak"), max_tokens=4,
+                                                   temperature=0.0, extra_body={"ignore_eos": True})
+        assert fresh.usage.completion_tokens == 4  # a new prefix: the dead store is asked, or left alone
+        metrics = worker.metrics()
+        assert metrics[("kvtier_remote_lookup_failures_total",)] >= 1  # counted, not raised
+        assert metrics[("kvtier_engine_errors_total",)] == 0
+    finally:
+        stop_server(worker)
+        store.stop()

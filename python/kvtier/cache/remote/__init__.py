@@ -9,13 +9,13 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from kvtier.cache.disk_tier import BlockMeta
-from kvtier.cache.remote.backend import RemoteBackend, RemoteStatus
+from kvtier.cache.remote.backend import RemoteBackend, RemoteStatus, StoreUnreachableError
 from kvtier.cache.remote.tier import RemoteHandle, RemoteStats, RemoteTier
 
 SCHEMES = ("redis", "mooncake")
 
 __all__ = ["SCHEMES", "RemoteBackend", "RemoteHandle", "RemoteStats", "RemoteStatus", "RemoteTier",
-           "check_remote_url", "open_backend", "open_remote"]
+           "StoreUnreachableError", "check_remote_url", "open_backend", "open_remote"]
 
 
 def check_remote_url(name: str, url) -> str | None:
@@ -43,7 +43,8 @@ def open_backend(url: str, timeout_s: float) -> RemoteBackend:
     """Connect to the store at ``url`` (checked by :func:`check_remote_url`).
 
     Raises:
-        ValueError: a malformed URL; RuntimeError: the store cannot be reached (names ``url``).
+        ValueError: a malformed URL; StoreUnreachableError (a ConnectionError and RuntimeError):
+            the store cannot be reached (names ``url``).
     """
     check_remote_url("remote_cache_url", url)
     if url.startswith("redis://"):

@@ -17,6 +17,12 @@ class RemoteStatus(enum.IntEnum):
     UNAVAILABLE = 5  # not tried: the store timed out or failed recently (see RemoteTier.retry_after_s)
 
 
+class StoreUnreachableError(ConnectionError, RuntimeError):
+    """The store named by a ``remote_cache_url`` cannot be reached at start-up (the message names
+    the URL). A ``ConnectionError`` (so an ``OSError``: the CLI reports it as a start-up error
+    without a traceback) and, as before, a ``RuntimeError``."""
+
+
 class RemoteBackend(Protocol):
     """A key-value store holding whole blocks as values, one value per key.
 

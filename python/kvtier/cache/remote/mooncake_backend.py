@@ -16,7 +16,7 @@ from urllib.parse import parse_qs, urlsplit
 import numpy as np
 import torch
 
-from kvtier.cache.remote.backend import RemoteStatus
+from kvtier.cache.remote.backend import RemoteStatus, StoreUnreachableError
 
 _OBJECT_NOT_FOUND = -704
 _BUFFER_OVERFLOW = -600  # the value is longer than expected: not a block of this layout
@@ -35,8 +35,8 @@ class MooncakeBackend:
 
     Raises:
         ValueError: a malformed URL (names it).
-        RuntimeError: the mooncake package is missing, or the client cannot join the store
-            (names ``url``).
+        RuntimeError: the mooncake package is missing; StoreUnreachableError: the client cannot
+            join the store (names ``url``).
     """
 
     def __init__(self, url: str, timeout_s: float):
@@ -63,7 +63,7 @@ class MooncakeBackend:
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(host, metadata, segment, self._arena_bytes, "tcp", "", master)
         if rc != 0:
-            raise RuntimeError(f"remote_cache_url={url!r}: cannot join the Mooncake master at {master} (setup "
+            raise StoreUnreachableError(f"remote_cache_url={url!r}: cannot join the Mooncake master at {master} (setup "
                                f"returned {rc}); is mooncake_master running there?")
         self._arena = torch.empty(self._arena_bytes, dtype=torch.uint8)
         if self._store.register_buffer(self._arena.data_ptr(), self._arena_bytes) != 0:

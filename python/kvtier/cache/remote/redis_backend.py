@@ -8,7 +8,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier.cache.remote.backend import RemoteStatus
+from kvtier.cache.remote.backend import RemoteStatus, StoreUnreachableError
 
 
 class RedisBackend:
@@ -20,7 +20,7 @@ class RedisBackend:
             server is a failed call, which the remote tier counts as misses).
 
     Raises:
-        RuntimeError: the server does not answer a PING at start-up (names ``url``).
+        StoreUnreachableError: the server does not answer a PING at start-up (names ``url``).
     """
 
     def __init__(self, url: str, timeout_s: float):
@@ -34,7 +34,7 @@ class RedisBackend:
             self._client.ping()
         except redis.RedisError as e:
             self._client.close()
-            raise RuntimeError(f"remote_cache_url={url!r}: the Redis server does not answer ({e})") from None
+            raise StoreUnreachableError(f"remote_cache_url={url!r}: the Redis server does not answer ({e})") from None
 
     def batch_put(self, keys: list[str], values: list[bytes]) -> list[RemoteStatus]:
         pipe = self._client.pipeline(transaction=False)
