@@ -7,7 +7,7 @@ whatever did not arrive. ``both`` (the default) is a colocated worker that can a
 
 Modules: :mod:`.blocks` (export, wire format, import), :mod:`.transfer` (one turn's sending
 thread and its report), :mod:`.worker` (the prefill engine thread, metrics), :mod:`.routes`
-(HTTP routes of each role), :func:`check_decode_workers` (the prefill worker's start-up check).
+(HTTP routes of each role), :func:`reach_decode_workers` and :func:`check_compatible` (the prefill worker's start-up checks).
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ import httpx
 
 from kvtier.disagg.routes import ROLES, check_role
 
-__all__ = ["ROLES", "check_decode_workers", "check_role"]
+__all__ = ["ROLES", "check_compatible", "check_role", "reach_decode_workers"]
 
 
-def check_decode_workers(urls: list[str], info: dict, timeout_s: float = 5.0) -> list[str]:
-    """The decode workers of a prefill worker whose ``/v1/kv/info`` answers with role ``decode``
-    or ``both`` and the same block layout and salt as ``info`` (this worker's).
+def reach_decode_workers(urls: list[str], timeout_s: float = 5.0) -> dict[str, dict]:
+    """``/v1/kv/info`` of each decode worker of a prefill worker that answers with role ``decode``
+    or ``both`` (asked before the model loads, so a bad list fails at once).
 
     Raises:
-        ValueError: ``urls`` is empty, none of them is reachable, or one answers with another
-            role, layout or salt (each named, with what was expected).
+        ValueError: ``urls`` is empty, or none of them answers as a decode worker (each named,
+            with what it answered).
     """
     if not urls:
         raise ValueError("--role prefill needs --decode-workers URL,... (the decode workers it sends KV to)")
-    ok, problems = [], []
+    ok, problems = {}, []
     for u in urls:
         try:
             r = httpx.get(f"{u}/v1/kv/info", timeout=timeout_s)
@@ -40,12 +40,22 @@ def check_decode_workers(urls: list[str], info: dict, timeout_s: float = 5.0) ->
             continue
         if theirs.get("role") not in ("decode", "both"):
             problems.append(f"{u}: role {theirs.get('role')!r}, expected decode or both")
-        elif theirs.get("layout") != info["layout"] or theirs.get("salt") != info["salt"]:
-            raise ValueError(f"--decode-workers: {u} has block layout {theirs.get('layout')} and salt "
-                             f"{theirs.get('salt')}, this worker {info['layout']} and {info['salt']} (another "
-                             "model, dtype, page size or --cache-salt): it could never use these blocks")
         else:
-            ok.append(u)
+            ok[u] = theirs
     if not ok:
         raise ValueError(f"--role prefill: no decode worker reachable among --decode-workers: {'; '.join(problems)}")
     return ok
+
+
+def check_compatible(infos: dict[str, dict], info: dict) -> None:
+    """Every decode worker in ``infos`` (from :func:`reach_decode_workers`) has this worker's
+    block layout and salt (``info``, :func:`kvtier.disagg.routes.worker_info`).
+
+    Raises:
+        ValueError: one that does not, named with both layouts and salts.
+    """
+    for u, theirs in infos.items():
+        if theirs.get("layout") != info["layout"] or theirs.get("salt") != info["salt"]:
+            raise ValueError(f"--decode-workers: {u} has block layout {theirs.get('layout')} and salt "
+                             f"{theirs.get('salt')}, this worker {info['layout']} and {info['salt']} (another "
+                             "model, dtype, page size or --cache-salt): it could never use these blocks")

@@ -30,12 +30,13 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
             a KV events endpoint that cannot be bound, an unknown ``role``, or a prefill worker
             without a reachable, compatible decode worker.
     """
-    from kvtier.disagg import check_decode_workers, check_role
+    from kvtier.disagg import check_compatible, check_role, reach_decode_workers
     from kvtier.llm import LLM
 
     check_role(role)
     if role == "prefill" and not engine_args.get("enable_prefix_caching", True):
         raise ValueError("--role prefill needs prefix caching (its blocks are found by hash to be sent)")
+    decoders = reach_decode_workers(list(decode_workers), transfer_timeout_s) if role == "prefill" else {}
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
     options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
@@ -55,7 +56,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         from kvtier.disagg.routes import worker_info
         from kvtier.disagg.worker import PrefillWorker
 
-        check_decode_workers(list(decode_workers), worker_info(llm.engine, role), transfer_timeout_s)
+        check_compatible(decoders, worker_info(llm.engine, role))
         worker = PrefillWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics, transfer_timeout_s=transfer_timeout_s)
     else:
         worker = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
