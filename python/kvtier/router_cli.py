@@ -78,6 +78,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
                    "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads)]
     if args.tokenizer:
         worker_args += ["--tokenizer", args.tokenizer]
+    if args.prefill_workers or args.decode_workers:
+        from kvtier.cluster.pd import run_pd_cluster
+
+        return run_pd_cluster(args.model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                              store=args.store, policy=args.policy, host=args.host, port=args.port,
+                              worker_args=worker_args, log_level=args.log_level)
     return run_cluster(args.model, workers=args.workers, store=args.store, policy=args.policy, host=args.host,
                        port=args.port, worker_args=worker_args, log_level=args.log_level)
 
@@ -87,6 +93,10 @@ def add_cluster_parser(sub) -> None:
     s.add_argument("model", help="checkpoint directory or preset")
     s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
     s.add_argument("--workers", type=int, default=2, help="kvtier serve workers to start")
+    s.add_argument("--prefill-workers", type=int, default=0,
+                   help="prefill/decode disaggregation: --role prefill workers to start (with --decode-workers; "
+                   "--workers is then ignored)")
+    s.add_argument("--decode-workers", type=int, default=0, help="with --prefill-workers: --role decode workers")
     s.add_argument("--store", default="redis", choices=["redis", "mooncake", "none"],
                    help="shared remote KV tier (none: each worker keeps its own cache)")
     s.add_argument("--policy", default="kv-aware", choices=POLICIES, help="routing policy")
