@@ -179,8 +179,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     opts = ap.parse_args()
     os.environ.setdefault("PYTHONPATH", str(ROOT / "python"))
+    from kvtier.provenance import provenance
+
     out = run(opts)
-    out["command"] = " ".join(["python", "perf/disagg_bench.py", *sys.argv[1:]])
+    out["provenance"] = provenance(command=" ".join(["python", "perf/disagg_bench.py", *sys.argv[1:]]))
     _print(out)
     if opts.json is not None:
         opts.json.parent.mkdir(parents=True, exist_ok=True)

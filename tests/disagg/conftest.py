@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.disagg.helpers import free_dead_url
 from tests.disagg.proxy import TransferProxy
 from tests.serve.api.conftest import ROOT, start_server, stop_server
 
@@ -21,15 +21,6 @@ from tests.serve.api.conftest import ROOT, start_server, stop_server
 WORKER_ARGS = ("--dtype", "float32", "--page-size", "16", "--num-device-pages", "512",
                "--max-num-batched-tokens", "64", "--max-num-seqs", "8")
 TRANSFER_TIMEOUT_S = 3.0
-
-
-def free_dead_url() -> str:
-    """A URL on 127.0.0.1 where nothing listens (a port the OS gave out and took back)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="package")

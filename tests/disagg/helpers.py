@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 
@@ -36,3 +37,12 @@ def assert_same_output(got: dict, want: dict) -> None:
 
 def metric(server, name: str, **labels) -> float:
     return server.metrics().get((name, *sorted(labels.items())), 0.0)
+
+
+def free_dead_url() -> str:
+    """A URL on 127.0.0.1 where nothing listens (a port the OS gave out and took back)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"

@@ -38,8 +38,10 @@ class TransferReport:
     blocks_needed: int = 0
     blocks_held: int = -1  # leading blocks the decode worker already had (-1: it did not answer)
     blocks_sent: int = 0
-    blocks_stored: int = 0  # the decode worker registered them (checked, complete)
-    blocks_lost: int = 0  # needed, not held, not stored: recomputed on the decode side
+    blocks_stored: int = 0  # the decode worker confirmed them registered (checked, complete)
+    # Needed, not held, not confirmed: the decode side recomputes them (except values of a cut
+    # batch that arrived complete before the cut: registered there, never confirmed here).
+    blocks_lost: int = 0
     bytes_sent: int = 0
     full_prompt_bytes: int = 0  # what sending every needed block would move
     overlapped_s: float = 0.0
