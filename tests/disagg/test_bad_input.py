@@ -70,3 +70,9 @@ def test_corrupt_values_are_counted_never_registered(pd):
     r = httpx.post(f"{decode.url}/v1/kv/blocks", content=bytes(2 * size + 10), timeout=30)
     assert r.status_code == 200
     assert r.json() == {"stored": 0, "duplicate": 0, "refused": 0, "corrupt": 2, "truncated": 1}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_roles_need_prefix_caching(role, capsys):
+    assert main(["serve", "tiny", "--role", role, "--no-prefix-caching"]) == 2
+    assert f"--role {role} needs prefix caching" in capsys.readouterr().err

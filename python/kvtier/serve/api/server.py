@@ -34,8 +34,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     from kvtier.llm import LLM
 
     check_role(role)
-    if role == "prefill" and not engine_args.get("enable_prefix_caching", True):
-        raise ValueError("--role prefill needs prefix caching (its blocks are found by hash to be sent)")
+    if role != "both" and not engine_args.get("enable_prefix_caching", True):
+        raise ValueError(f"--role {role} needs prefix caching (blocks are sent and found by their hash); "
+                         "drop --no-prefix-caching")
     decoders = reach_decode_workers(list(decode_workers), transfer_timeout_s) if role == "prefill" else {}
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
