@@ -56,3 +56,11 @@ def test_streamed_turn_carries_the_transfer_report(pd, router):
         body = r.read().decode()
     assert body.rstrip().endswith("data: [DONE]")
     assert report["blocks_sent"] == report["blocks_needed"] - report["blocks_held"] > 0
+
+
+def test_bad_request_through_the_router_gets_its_error_not_silence(router):
+    before = httpx.get(f"{router}/health", timeout=10).json()["pd"]["refused"]
+    r = httpx.post(f"{router}/v1/chat/completions", timeout=60,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert httpx.get(f"{router}/health", timeout=10).json()["pd"]["refused"] == before + 1

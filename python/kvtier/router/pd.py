@@ -47,14 +47,15 @@ class PrefillStage:
 
     Attributes:
         stats: counters: ``turns`` (prefills asked), ``fallbacks`` (turns that went to their decode
-            worker without a complete prefill), ``transfer_failures``, ``blocks_sent``,
+            worker without a complete prefill), ``refused`` (requests the prefill worker found
+            invalid; the decode worker answers them with the same error), ``transfer_failures``, ``blocks_sent``,
             ``blocks_held``, ``blocks_lost``, ``bytes_sent``, ``full_prompt_bytes``,
             ``overlapped_s``, ``exposed_s``.
     """
 
     def __init__(self, router: Router):
         self.router = router
-        self.stats = dict.fromkeys(("turns", "fallbacks", "transfer_failures", "blocks_sent", "blocks_held",
+        self.stats = dict.fromkeys(("turns", "fallbacks", "refused", "transfer_failures", "blocks_sent", "blocks_held",
                                     "blocks_lost", "bytes_sent", "full_prompt_bytes"), 0)
         self.stats.update(overlapped_s=0.0, exposed_s=0.0)
 
@@ -81,8 +82,8 @@ class PrefillStage:
             return None
         finally:
             w.inflight -= 1
-        if resp.status_code != 200:  # refused (e.g. a bad request: the decode worker answers it)
-            self.stats["fallbacks"] += 1
+        if resp.status_code != 200:  # a bad request (4xx: the decode worker gives the client its error)
+            self.stats["refused" if 400 <= resp.status_code < 500 else "fallbacks"] += 1
             return None
         out = resp.json()
         last = out.get("kv_last_block")
