@@ -11,6 +11,7 @@ SYSTEM = " ".join(f"rule {i}: keep the diff small and run the tests." for i in r
 def test_session_matches_colocated_and_sends_only_missing_blocks(pd, router):
     decode, prefill, colocated = pd["decode"], pd["prefill"], pd["colocated"]
     stored_before = metric(decode, "kvtier_kv_import_blocks_total", result="stored")
+    duplicates_before = metric(decode, "kvtier_kv_import_blocks_total", result="duplicate")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Fix the failing test."}]
     sent_total, previous_needed = 0, None
     for k in range(3):
@@ -35,7 +36,9 @@ def test_session_matches_colocated_and_sends_only_missing_blocks(pd, router):
         previous_needed = needed
         messages += [{"role": "assistant", "content": got["choices"][0]["message"]["content"]},
                      {"role": "user", "content": f"Now step {k}: explain what you changed and why."}]
+    # Every block sent was one the decode worker lacked (none arrived as a duplicate), and each was stored.
     assert metric(decode, "kvtier_kv_import_blocks_total", result="stored") - stored_before == sent_total
+    assert metric(decode, "kvtier_kv_import_blocks_total", result="duplicate") == duplicates_before
     assert metric(prefill, "kvtier_kv_transfer_bytes_total") > 0
     for server, role in ((prefill, "prefill"), (decode, "decode")):
         assert metric(server, "kvtier_worker_role", role=role) == 1
