@@ -20,6 +20,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    from kvtier.disagg import check_role
+
+    check_role(args.role)
+    decode_workers = [u.strip().rstrip("/") for u in (args.decode_workers or "").split(",") if u.strip()]
+    if any(not u.startswith(("http://", "https://")) for u in decode_workers):
+        raise ValueError(f"--decode-workers must be a comma-separated list of http:// URLs, got {args.decode_workers!r}")
+    if decode_workers and args.role != "prefill":
+        raise ValueError(f"--decode-workers is for --role prefill, got --role {args.role}")
+    if not 0 < args.transfer_timeout_s < float("inf"):
+        raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {args.transfer_timeout_s}")
     torch.set_num_threads(args.threads)
     engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -30,7 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        remote_timeout_s=args.remote_timeout_s)
     app = make_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                    max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
-                   seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, **engine_args)
+                   seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
+                   decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -63,6 +74,13 @@ def add_parser(sub) -> None:
     s.add_argument("--remote-timeout-s", type=float, default=1.0, help="seconds before a remote call is a miss")
     s.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="publish KV events (blocks stored/removed per tier) on this ZeroMQ PUB endpoint; port 0 = free")
+    s.add_argument("--role", default="both", help="prefill, decode or both (colocated): a prefill worker sends "
+                   "each turn's KV blocks to a decode worker (see kvtier router --prefill-workers/--decode-workers)")
+    s.add_argument("--decode-workers", default=None, metavar="URL,...",
+                   help="--role prefill: the decode workers it may send blocks to (at least one must answer at start)")
+    s.add_argument("--transfer-timeout-s", type=float, default=5.0,
+                   help="--role prefill: seconds a decode worker may take per call before its turn's blocks are "
+                   "given up (it recomputes them)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=cmd_serve)

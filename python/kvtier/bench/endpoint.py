@@ -74,10 +74,12 @@ def _has_output(chunk: dict) -> bool:
 
 
 async def _send(client, url: str, path: str, body: dict, session_id: str, t0: float) -> dict:
-    """One streamed request: ``{"first", "finish", "usage", "chunks", "error"}`` (times from ``t0``)."""
-    out = {"first": None, "finish": None, "usage": None, "chunks": 0, "error": None}
+    """One streamed request: ``{"first", "finish", "usage", "chunks", "error", "headers"}`` (times
+    from ``t0``; ``headers``: the response's)."""
+    out = {"first": None, "finish": None, "usage": None, "chunks": 0, "error": None, "headers": {}}
     try:
         async with client.stream("POST", url + path, json=body, headers={"X-Session-Id": session_id}) as r:
+            out["headers"] = dict(r.headers)
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 out["error"] = f"HTTP {r.status_code}: {text[:300]}"
@@ -114,8 +116,11 @@ def _record(session: Session, k: int, turn: Turn, due: float, res: dict) -> Requ
 
 async def replay_http(url: str, model: str, workload: Workload, name: str, *, concurrency: int, ramp_s: float = 0.0,
                       vocab_size: int = SAFE_VOCAB, timeout_s: float = 600.0,
-                      on_finish: Callable[[RequestRecord], None] | None = None) -> ConfigRun:
+                      on_finish: Callable[[RequestRecord], None] | None = None,
+                      on_response: Callable[[RequestRecord, dict], None] | None = None) -> ConfigRun:
     """Replay ``workload`` against the server at ``url`` serving ``model``; returns the run.
+    ``on_response(record, response_headers)`` is called after each turn (e.g. to read what a
+    router reports per turn).
 
     Raises:
         ValueError: ``concurrency`` < 1 or ``ramp_s`` < 0.
@@ -144,6 +149,8 @@ async def replay_http(url: str, model: str, workload: Workload, name: str, *, co
             records.append(rec)
             if on_finish is not None:
                 on_finish(rec)
+            if on_response is not None:
+                on_response(rec, res["headers"])
             due = res["finish"]
 
     async def slot(client, i: int) -> None:

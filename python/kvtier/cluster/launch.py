@@ -78,6 +78,28 @@ def wait_worker(proc: subprocess.Popen, log: Path, timeout_s: float = START_TIME
                        f"{log.read_text(errors='replace')[-2000:]}")
 
 
+def start_workers(model: str, args: list[str], n: int, workdir: Path, name: str,
+                  procs: list[WorkerProcess]) -> list[WorkerProcess]:
+    """Start ``n`` workers ``kvtier serve MODEL ARGS`` at once (logs ``workdir/NAME-i.log``) and
+    wait for each; they are appended to ``procs`` as they answer (the caller stops them). Returns
+    the new ones.
+
+    Raises:
+        StartupError: one did not start (those not yet waited for are stopped).
+    """
+    spawned = [(spawn_worker(model, args, workdir / f"{name}-{i}.log"), workdir / f"{name}-{i}.log") for i in range(n)]
+    first = len(procs)
+    try:
+        for proc, log in spawned:
+            procs.append(wait_worker(proc, log))
+            print(f"kvtier cluster: {name} {procs[-1].url} (pid {proc.pid})", flush=True)
+    except BaseException:
+        for proc, log in spawned[len(procs) - first:]:
+            WorkerProcess("", proc, log).stop()
+        raise
+    return procs[first:]
+
+
 def exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -110,16 +132,7 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
             print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
         if url:
             args += ["--remote-cache-url", url]
-        spawned = [(spawn_worker(model, args, workdir / f"worker-{i}.log"), workdir / f"worker-{i}.log")
-                   for i in range(workers)]
-        try:
-            for proc, log in spawned:
-                procs.append(wait_worker(proc, log))
-                print(f"kvtier cluster: worker {procs[-1].url} (pid {proc.pid})", flush=True)
-        except BaseException:
-            for proc, log in spawned[len(procs):]:
-                WorkerProcess("", proc, log).stop()
-            raise
+        start_workers(model, args, workers, workdir, "worker", procs)
         router = Router([w.url for w in procs], policy=policy, remote=bool(url))
         events = subscribe_events(router, check_workers(router.urls))
         # uvicorn re-raises the SIGTERM/SIGINT it stopped on once it is done: turn that into

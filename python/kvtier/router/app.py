@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.cache.kv_events import KVEventSubscriber
+from kvtier.router.pd import TRANSFER_HEADER
 from kvtier.router.policy import Router
 
 SESSION_HEADER = "x-session-id"
@@ -76,14 +77,18 @@ def _prompt_tokens_estimate(body: dict) -> int:
     return max(1, len(json.dumps(text)) // 4)
 
 
-def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscriber | None = None) -> FastAPI:
+def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscriber | None = None,
+                     prefill=None) -> FastAPI:
     """The router application over ``router`` (its workers were checked by :func:`check_workers`);
-    ``events`` (from :func:`subscribe_events`) feeds ``router.view`` on every poll."""
+    ``events`` (from :func:`subscribe_events`) feeds ``router.view`` on every poll. ``prefill``
+    (a :class:`kvtier.router.pd.PrefillStage`): ``router``'s workers are decode workers, and
+    each turn is prefilled on one of the stage's prefill workers first."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+    stage_workers = list(prefill.router.workers.values()) if prefill is not None else []
 
     async def poller():
         while True:
-            await asyncio.gather(*(poll_worker(client, w) for w in router.workers.values()))
+            await asyncio.gather(*(poll_worker(client, w) for w in [*router.workers.values(), *stage_workers]))
             if events is not None:
                 events.poll(0.0)
             await asyncio.sleep(poll_s)
@@ -105,9 +110,11 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
         workers = {w.url: {"healthy": w.healthy, "waiting": w.waiting, "running": w.running}
                    for w in router.workers.values()}
         status = 200 if router.healthy() else 503
+        extra = {} if prefill is None else {"prefill_workers": {w.url: {"healthy": w.healthy} for w in stage_workers},
+                                            "pd": dict(prefill.stats)}
         return JSONResponse({"status": "ok" if status == 200 else "no healthy worker", "policy": router.policy,
-                             "workers": workers, "sessions": len(router.sessions), "session_moves": router.moves},
-                            status_code=status)
+                             "workers": workers, "sessions": len(router.sessions), "session_moves": router.moves,
+                             **extra}, status_code=status)
 
     @app.get("/v1/models")
     async def models():
@@ -128,12 +135,15 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
         sid = (body.get("session_id") if isinstance(body, dict) else None) or request.headers.get(SESSION_HEADER)
         est = _prompt_tokens_estimate(body) if isinstance(body, dict) else 1
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
-        tried = set()
+        tried, pd_headers = set(), {}
         while True:
             live = [w for w in router.healthy() if w.url not in tried]
             if not live:
                 return _no_worker()
             url = router.choose(sid, est) if not tried else min(live, key=lambda w: w.load).url
+            if prefill is not None and not tried:  # P/D: the prompt's blocks go to ``url`` first
+                done = await prefill.run(client, path, raw, headers, sid, est, url)
+                pd_headers = {TRANSFER_HEADER: json.dumps(done["transfer"] if done else None)}
             tried.add(url)
             w = router.workers[url]
             w.inflight += 1
@@ -151,7 +161,8 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
                                                "code": 502}}, status_code=502)
             if isinstance(body, dict) and body.get("stream"):
                 return StreamingResponse(_relay(resp, w, router, sid, est, t0), status_code=resp.status_code,
-                                         media_type=resp.headers.get("content-type"), headers={WORKER_HEADER: url})
+                                         media_type=resp.headers.get("content-type"),
+                                         headers={WORKER_HEADER: url, **pd_headers})
             try:
                 content = await resp.aread()
             finally:
@@ -163,7 +174,7 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
                 router.record(sid, url, int(usage.get("prompt_tokens", est)), time.monotonic() - t0,
                               bytes.fromhex(last) if last else None)
             return Response(content, resp.status_code, media_type=resp.headers.get("content-type"),
-                            headers={WORKER_HEADER: url})
+                            headers={WORKER_HEADER: url, **pd_headers})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -39,7 +39,9 @@ class _EngineCollector:
                     ("kvtier_preemptions", "running requests preempted for pages", s["preemptions"]),
                     ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", s["prefill_tokens"]),
                     ("kvtier_sessions_expired", "sessions dropped after their idle TTL", s["sessions_expired"]),
-                    ("kvtier_engine_errors", "engine steps that failed", s["engine_errors"])]
+                    ("kvtier_engine_errors", "engine steps that failed", s["engine_errors"]),
+                    ("kvtier_engine_busy_seconds", "seconds the engine spent stepping (utilisation: its rate)",
+                     s.get("busy_s", 0.0))]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         blocks = GaugeMetricFamily("kvtier_cached_blocks", "blocks with a cached copy, by tier", labels=["tier"])

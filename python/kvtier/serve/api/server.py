@@ -13,19 +13,31 @@ from kvtier.serve.api.worker import EngineWorker
 
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-             kv_events_endpoint: str | None = None, **engine_args):
+             kv_events_endpoint: str | None = None, role: str = "both", decode_workers: list[str] = (),
+             transfer_timeout_s: float = 5.0, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
     (:mod:`kvtier.cache.kv_events`; the bound endpoint is the events' worker id and is reported
     by ``/health``).
 
+    ``role`` (:mod:`kvtier.disagg`): ``both`` (colocated, the default), ``decode`` (also takes
+    blocks from prefill workers) or ``prefill`` (sends each turn's blocks to one of
+    ``decode_workers``, base URLs checked at start-up; ``transfer_timeout_s`` bounds each call).
+
     Raises:
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
-            or a KV events endpoint that cannot be bound.
+            a KV events endpoint that cannot be bound, an unknown ``role``, or a prefill worker
+            without a reachable, compatible decode worker.
     """
+    from kvtier.disagg import check_compatible, check_role, reach_decode_workers
     from kvtier.llm import LLM
 
+    check_role(role)
+    if role != "both" and not engine_args.get("enable_prefix_caching", True):
+        raise ValueError(f"--role {role} needs prefix caching (blocks are sent and found by their hash); "
+                         "drop --no-prefix-caching")
+    decoders = reach_decode_workers(list(decode_workers), transfer_timeout_s) if role == "prefill" else {}
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
     options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
@@ -41,8 +53,21 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         llm.engine.pool.publish_events_to(publisher)  # called on the engine thread (pool.poll)
     holder: dict = {}
     metrics = ServerMetrics(lambda: holder["worker"].snapshot)
-    worker = holder["worker"] = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
-    return build_app(worker, options, metrics)
+    if role == "prefill":
+        from kvtier.disagg.routes import worker_info
+        from kvtier.disagg.worker import PrefillWorker
+
+        check_compatible(decoders, worker_info(llm.engine, role))
+        worker = PrefillWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics, transfer_timeout_s=transfer_timeout_s)
+    else:
+        worker = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
+    holder["worker"] = worker
+    app = build_app(worker, options, metrics)
+    from kvtier.disagg.routes import add_role_routes
+    from kvtier.disagg.worker import DisaggMetrics
+
+    add_role_routes(app, worker, role, DisaggMetrics(metrics.registry, role), list(decode_workers))
+    return app
 
 
 def warm_up(llm) -> None:

@@ -44,6 +44,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self.snapshot: dict = {}
         self.engine_errors = 0
+        self.busy_s = 0.0  # seconds the engine thread spent in Engine.step (utilisation)
         self._last_housekeeping = 0.0
 
     # -- asyncio side ------------------------------------------------------------------------------
@@ -80,6 +81,7 @@ class EngineWorker:
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
+                t0 = time.perf_counter()
                 try:
                     outs = self.engine.step()
                 except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
@@ -87,6 +89,8 @@ class EngineWorker:
                     self.engine_errors += 1
                     self._fail_all(f"{type(e).__name__}: {e}")
                     continue
+                finally:
+                    self.busy_s += time.perf_counter() - t0
                 self._progress({o.request_id: o for o in outs})
             now = time.monotonic()
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
@@ -214,7 +218,7 @@ class EngineWorker:
             "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
             "sessions_waiting": self.sessions.num_waiting,
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
-            "in_flight": len(self._jobs),
+            "in_flight": len(self._jobs), "busy_s": self.busy_s,
         }
         if pool.remote is not None:
             rs = pool.remote.stats

@@ -1,0 +1,55 @@
+"""``kvtier cluster MODEL --prefill-workers N --decode-workers M``: decode workers, then prefill
+workers that send to them, then the P/D router, as processes on this machine (see
+:mod:`kvtier.cluster.launch`; all stopped by PID when the router stops)."""
+
+from __future__ import annotations
+
+import signal
+import tempfile
+from pathlib import Path
+
+from kvtier.cluster.launch import WorkerProcess, exit_on_signal, start_workers
+from kvtier.cluster.stores import StoreProcess, start_store
+
+
+def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, store: str, policy: str, host: str,
+                   port: int, worker_args: list[str], log_level: str = "warning") -> int:
+    """Start everything, serve the router until SIGINT/SIGTERM, then stop every process.
+
+    Raises:
+        ValueError: fewer than one prefill or decode worker.
+    """
+    from kvtier.router.app import build_router_app, check_workers, subscribe_events
+    from kvtier.router.policy import Router
+    from kvtier.router_cli import prefill_stage
+    from kvtier.serve.api.server import serve
+
+    if prefill_workers < 1 or decode_workers < 1:
+        raise ValueError(f"--prefill-workers and --decode-workers must both be >= 1, got {prefill_workers} and "
+                         f"{decode_workers}")
+    workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
+    print(f"kvtier cluster: logs in {workdir}", flush=True)
+    st: StoreProcess | None = None
+    procs: list[WorkerProcess] = []
+    try:
+        args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+        if store != "none":
+            st = start_store(store, workdir)
+            args += ["--remote-cache-url", st.url]
+            print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
+        decoders = start_workers(model, [*args, "--role", "decode"], decode_workers, workdir, "decode", procs)
+        urls = [w.url for w in decoders]
+        prefills = start_workers(model, [*args, "--role", "prefill", "--decode-workers", ",".join(urls)],
+                                 prefill_workers, workdir, "prefill", procs)
+        router = Router(urls, policy=policy, remote=st is not None)
+        events = subscribe_events(router, check_workers(urls))
+        stage = prefill_stage([w.url for w in prefills], urls, policy, st is not None)
+        signal.signal(signal.SIGTERM, exit_on_signal)
+        serve(build_router_app(router, events=events, prefill=stage), host, port, log_level,
+              name="kvtier cluster: router")
+        return 0
+    finally:
+        for w in procs:
+            w.stop()
+        if st is not None:
+            st.stop(signal.SIGTERM)
