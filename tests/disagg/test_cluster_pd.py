@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import TOKENIZER_DIR
 from tests.serve.api.conftest import ROOT
-from tests.serve.api.test_cluster import _alive
+from tests.serve.api.conftest import pid_alive
 
 
 def test_pd_cluster_serves_and_stops_everything(tmp_path):
@@ -48,4 +48,4 @@ def test_pd_cluster_serves_and_stops_everything(tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(60)
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if pid_alive(p)]

@@ -79,7 +79,13 @@ class EngineWorker:
     # -- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain(block=not self.engine.has_unfinished())
+            try:
+                self._drain(block=not self.engine.has_unfinished())
+            except Exception as e:  # noqa: BLE001 - a bug handling a command: fail what is in flight, keep serving
+                log.exception("engine command failed")
+                self.engine_errors += 1
+                self._fail_all(f"{type(e).__name__}: {e}")
+                continue
             if self.engine.has_unfinished():
                 t0 = time.perf_counter()
                 try:
