@@ -42,5 +42,7 @@ class KVState(Protocol):
     def num_tokens(self) -> int: ...
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Token ids ``[start, end)`` of prompt plus output."""
+        """Token ids ``[start, end)`` of prompt plus output. The pool reads them only to hash blocks
+        past ``block_hashes``: a state that carries the hash of every block it will fill may
+        have no token ids (and raise here)."""
         ...
