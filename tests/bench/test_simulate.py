@@ -11,7 +11,7 @@ import pytest
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.engine import PromptLength, SimEngine, Step, TierLinks
+from kvtier.bench.sim.engine import SimWorker, TierLinks
 from kvtier.bench.sim.hardware import GB, Efficiency, Link, h200_node, mi355x_node
 from kvtier.bench.sim.loop import simulate
 from kvtier.bench.sim.run import (
@@ -39,6 +39,8 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.cli import main
 from kvtier.model.config import preset
 from kvtier.serve.config import EngineConfig
+from kvtier.serve.engine import Engine
+from kvtier.serve.params import SamplingParams
 from kvtier.serve.scheduler import Scheduler
 
 PAGE = 4
@@ -77,7 +79,8 @@ def _engine(
     write="write-back",
     timer=None,
     links=None,
-) -> SimEngine:
+    max_context=8192,
+) -> SimWorker:
     cfg = EngineConfig.of(
         page_size=PAGE,
         num_device_pages=device_pages,
@@ -91,7 +94,7 @@ def _engine(
     links = links or TierLinks(
         block_bytes=1e6, device_to_host=FAST, host_to_device=FAST, disk=FAST
     )
-    return SimEngine(cfg, timer, links, VirtualClock(), disk=disk)
+    return SimWorker(cfg, timer, links, preset("tiny"), max_context, VirtualClock(), disk=disk)
 
 
 # ---------------------------------------------------------------- virtual-time copies and disk
@@ -163,7 +166,7 @@ def test_disk_jobs_take_effect_when_collected():
 def test_event_times_follow_steps_and_think_times():
     wl = _workload([_session("a", 0, [9, 15], think_s=0.5)])
     sr = simulate(
-        [_engine()], wl, "device-only", concurrency=1, max_context_tokens=8192
+        [_engine()], wl, "device-only", concurrency=1
     )
     first, second = sorted(sr.run.records, key=lambda r: r.turn)
     # turn 0: one prefill step gives the first token, two decodes the other two
@@ -185,7 +188,7 @@ def test_event_times_follow_steps_and_think_times():
 def test_concurrency_ramp_and_window():
     wl = _workload([_session(f"s{i}", 100 * i, [6, 10], think_s=0.2) for i in range(4)])
     sr = simulate(
-        [_engine()], wl, "x", concurrency=2, max_context_tokens=8192, ramp_s=1.0
+        [_engine()], wl, "x", concurrency=2, ramp_s=1.0
     )
     starts = sorted(
         min(r.arrival_s for r in sr.run.records if r.session_id == s)
@@ -208,7 +211,6 @@ def test_concurrency_ramp_and_window():
         wl,
         "x",
         concurrency=2,
-        max_context_tokens=8192,
         ramp_s=1.0,
         warmup_s=0.3,
         duration_s=0.6,
@@ -225,8 +227,7 @@ def test_concurrency_ramp_and_window():
             wl,
             "x",
             concurrency=1,
-            max_context_tokens=8192,
-            warmup_s=1.0,
+                warmup_s=1.0,
             duration_s=1.0,
         )
 
@@ -234,12 +235,12 @@ def test_concurrency_ramp_and_window():
 def test_refused_turn_is_an_error_record_and_the_session_goes_on():
     wl = _workload([_session("a", 0, [9, 400, 13])])
     sr = simulate(
-        [_engine(device_pages=16)], wl, "x", concurrency=1, max_context_tokens=8192
+        [_engine(device_pages=16)], wl, "x", concurrency=1
     )
     by_turn = {r.turn: r for r in sr.run.records}
     assert "num_device_pages" in by_turn[1].error and by_turn[1].first_token_s is None
     assert by_turn[0].error is None and by_turn[2].error is None
-    sr = simulate([_engine()], wl, "x", concurrency=1, max_context_tokens=100)
+    sr = simulate([_engine(max_context=100)], wl, "x", concurrency=1)
     assert "max_position_embeddings=100" in {r.turn: r for r in sr.run.records}[1].error
 
 
@@ -254,8 +255,9 @@ def test_drives_the_real_scheduler_and_pool_through_every_tier():
     )
     disk = SimDisk(64 * 8192)
     engine = _engine(device_pages=40, host_blocks=30, disk=disk)
-    assert isinstance(engine.pool, KVPool) and isinstance(engine.scheduler, Scheduler)
-    sr = simulate([engine], wl, "tiered", concurrency=6, max_context_tokens=8192)
+    assert isinstance(engine.engine, Engine) and isinstance(engine.pool, KVPool)
+    assert isinstance(engine.scheduler, Scheduler) and engine.engine.runner is engine.runner
+    sr = simulate([engine], wl, "tiered", concurrency=6)
     stats = engine.pool.stats
     assert (
         stats.hit_tokens["host"] > 0
@@ -276,7 +278,6 @@ def test_drives_the_real_scheduler_and_pool_through_every_tier():
         wl,
         "device-only",
         concurrency=6,
-        max_context_tokens=8192,
     )
     assert sr.run.recomputed_tokens < plain.run.recomputed_tokens
 
@@ -291,24 +292,23 @@ def test_loads_collected_after_a_stall_that_cannot_be_placed_are_retried():
     clock = engine.clock
     # (arrival s, prefix, prompt tokens, output tokens): prompts with one prefix share it.
     turns = [(0.05, 2, 73, 17), (0.105, 0, 111, 12), (0.11, 3, 55, 18), (0.115, 2, 72, 16), (0.12, 0, 81, 11)]
-    seqs = []
-    while turns or engine.has_unfinished():
+    outs, added = [], 0
+    while turns or engine.engine.has_unfinished():
         while turns and turns[0][0] <= clock.now:
             _, prefix, n, out = turns.pop(0)
-            fresh = 10**6 * (len(seqs) + 1)
+            added += 1
+            fresh = 10**6 * added
             ids = [*range(1000 * prefix, 1000 * prefix + n), *range(fresh, fresh + out)]
-            seqs.append(engine.new_sequence(n, out, block_hashes(ids, PAGE, None, b""), clock.now))
-            engine.add(seqs[-1])
-        if not engine.has_unfinished():
+            params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+            engine.engine.add_hashed_request(n, block_hashes(ids, PAGE, None, b""), params, arrival_time=clock.now)
+        if not engine.engine.has_unfinished():
             clock.advance_to(turns[0][0])
             continue
-        step = engine.begin_step()
-        if isinstance(step, Step):
-            clock.advance_to(step.end_s)
-            engine.end_step(step)
-        else:
-            clock.advance_to(step)
-    assert [s.finish_reason for s in seqs] == ["length"] * 5
+        t, step = engine.begin()  # the real Engine.begin_step, then the timed runner
+        clock.advance_to(t)
+        if step is not None:
+            outs += engine.engine.end_step(step)
+    assert [o.finish_reason for o in outs] == ["length"] * 5
     assert engine.pool.stats.hit_tokens["host"] > 0
 
 
@@ -326,7 +326,6 @@ def test_tool_waits_reach_the_pool_policy():
         wl,
         "tiered-tool-aware",
         concurrency=1,
-        max_context_tokens=8192,
         tool_aware=True,
     )
     assert seen == [
@@ -346,18 +345,23 @@ def test_same_seed_same_result():
 
 
 def test_prompts_carry_no_tokens():
-    p = PromptLength(5)
-    assert len(p) == 5
-    with pytest.raises(RuntimeError, match="no token ids"):
-        p[0:2]
-    with pytest.raises(RuntimeError, match="no token ids"):
-        list(p)
+    # A simulated prompt is the engine's own request type, given by its length and block hashes.
     engine = _engine()
-    with pytest.raises(ValueError, match="block_hashes"):
-        engine.new_sequence(9, 3, [b"x" * 16], 0.0)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    hashes = block_hashes(list(range(12)), PAGE, None, b"")
+    rid = engine.engine.add_hashed_request(9, hashes, params, arrival_time=0.0)
+    seq = engine.engine.sequence(rid)
+    assert seq.prompt_token_ids is None and seq.num_prompt_tokens == 9 and seq.num_tokens == 9
+    with pytest.raises(ValueError, match="block hashes, not token ids"):
+        seq.token_ids(0, 2)
+    with pytest.raises(ValueError, match="block_hashes has 1 hashes"):
+        engine.engine.add_hashed_request(9, hashes[:1], params)
+    t, step = engine.begin()
+    out = engine.engine.end_step(step)
+    assert out == [] and seq.num_computed_tokens == 9 and seq.output_token_ids == [0] and t == STEP_S
 
 
-def _two_workers(shared: bool) -> tuple[list[SimEngine], Workload]:
+def _two_workers(shared: bool) -> tuple[list[SimWorker], Workload]:
     scn = dataclasses.replace(
         SCENARIOS["tiny"], workers=2, store="network", page_size=PAGE
     )
@@ -384,7 +388,6 @@ def test_shared_store_is_indexed_by_every_worker():
         wl,
         "migrate-reachable",
         concurrency=4,
-        max_context_tokens=8192,
         router="least-loaded",
     )
     stored = {h for h, _ in engines[0].pool.disk.blocks()}
@@ -396,7 +399,7 @@ def test_shared_store_is_indexed_by_every_worker():
     private, _ = _two_workers(shared=False)
     assert private[0].pool.disk is not private[1].pool.disk
     sticky = simulate(
-        private, wl, "sticky", concurrency=4, max_context_tokens=8192, router="sticky"
+        private, wl, "sticky", concurrency=4, router="sticky"
     )
     assert sticky.migrations == 0
     with pytest.raises(ValueError, match="disk tier"):

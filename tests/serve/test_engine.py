@@ -8,6 +8,7 @@ import torch
 
 from kvtier import LLM, EngineConfig, SamplingParams
 from kvtier.model import preset
+from kvtier.serve.runner import StepResult
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +216,27 @@ def test_prompt_logprobs_never_have_holes(trial):
     for out in llm.generate(prompt_token_ids=[a, b], sampling_params=params):
         c = out.num_cached_tokens
         assert out.prompt_logprobs[:c] == [None] * c and None not in out.prompt_logprobs[c:]
+
+
+def test_begin_run_end_is_step_and_a_fake_clock_times_the_metrics():
+    # step() is begin_step -> runner.run -> end_step: driving the three by hand gives step()'s tokens,
+    # and every metric time comes from the engine's clock.
+    want = LLM("tiny", page_size=16, num_device_pages=64).generate(prompt_token_ids=[prompt(40, 3)],
+                                                                   sampling_params=GREEDY)[0]
+    ticks = iter(range(1000))
+    llm = LLM("tiny", page_size=16, num_device_pages=64)
+    engine = llm.engine
+    engine.clock = engine.scheduler.clock = lambda: float(next(ticks))
+    rid = engine.add_request(prompt(40, 3), GREEDY, arrival_time=-5.0)
+    outs = []
+    while engine.has_unfinished():
+        batch = engine.begin_step()
+        assert batch  # nothing loads here: every step has work
+        outs += engine.end_step(engine.runner.run(batch))
+    (out,) = outs
+    assert out.request_id == rid and out.token_ids == want.token_ids
+    m = out.metrics
+    assert m.arrival_time == -5.0 and 0 <= m.admitted_time < m.first_token_time < m.finish_time < 1000
+    assert all(float(t).is_integer() for t in (m.admitted_time, m.first_token_time, m.finish_time))
+    with pytest.raises(RuntimeError, match="begin_step first"):
+        engine.end_step(StepResult())

@@ -54,7 +54,9 @@ class KVState:
     """One request's KV state as :class:`kvtier.cache.pool.KVPool` uses it.
 
     Attributes:
-        tokens: the request's tokens (read to hash full blocks past ``block_hashes``).
+        tokens: the request's tokens (read only to hash full blocks past ``block_hashes``; a
+            request that gives the hash of every block it will fill may have a source whose
+            ``token_ids`` raises, as the simulator's requests do).
         salt: the request's own cache salt, mixed into its block hashes after the pool's salt;
             ``b""`` for none.
         page_ids: device page ids holding the request's tokens, in order (``page_size`` tokens

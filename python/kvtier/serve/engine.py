@@ -1,11 +1,12 @@
-"""The engine: ``step()`` = schedule -> run -> postprocess."""
+"""The engine: ``step()`` = :meth:`Engine.begin_step` (schedule, start loads) -> the runner's
+``run`` -> :meth:`Engine.end_step` (register computed pages, sample, finish)."""
 
 from __future__ import annotations
 
 import itertools
 import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,24 +21,45 @@ from kvtier.options import is_int
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
 from kvtier.serve.request import Sequence
-from kvtier.serve.runner import ModelRunner, SeqLogits
-from kvtier.serve.scheduler import Scheduler
+from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
+from kvtier.serve.scheduler import ScheduledBatch, Scheduler
 
 
 class Engine:
     """Continuous batching over one model and its paged cache."""
 
-    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig, model_id: bytes = b""):
-        """``model_id`` identifies the weights and compute dtype; it salts every block hash so
-        that a disk cache shared by several models never serves one model's KV to another."""
+    def __init__(self, model: KimiK2ForCausalLM | None, config: EngineConfig, model_id: bytes = b"", *,
+                 runner: StepRunner | None = None, pool: KVPool | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        """Args:
+            model: the model, run by a :class:`ModelRunner`; None when ``runner`` is given.
+            config: sizes and policies.
+            model_id: identifies the weights and compute dtype; it salts every block hash so
+                that a disk cache shared by several models never serves one model's KV to another.
+            runner: runs each step instead of a :class:`ModelRunner` (e.g. the simulator's timed
+                runner); its ``model_config`` gives the limits requests are checked against.
+            pool: the tiered pool over ``runner.kv_caches`` (built with its own copy engine, disk
+                tier and clock); None = built from ``config`` over the model runner's pages.
+            clock: seconds; every time in a request's metrics is read from it.
+
+        Raises:
+            ValueError: ``config`` not an EngineConfig, or not exactly one of ``model``, ``runner``.
+        """
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
-        self.model_config = model.config
+        if (model is None) == (runner is None):
+            raise ValueError("Engine needs exactly one of model= and runner=")
         self.config = config
-        self.runner = ModelRunner(model, config)
-        salt = compose_salt(model_id, str(model.dtype).encode())
-        self.pool = KVPool(config.pool_config(salt), self.runner.kv_caches)
-        self.scheduler = Scheduler(config, self.pool)
+        self.runner = runner if runner is not None else ModelRunner(model, config)
+        self.model_config = self.runner.model_config
+        self._backend = model.backend if model is not None else "torch"
+        if pool is None:
+            salt = compose_salt(model_id, str(model.dtype).encode()) if model is not None else model_id
+            pool = KVPool(config.pool_config(salt), self.runner.kv_caches)
+        self.pool = pool
+        self.clock = clock
+        self.scheduler = Scheduler(config, self.pool, clock=clock)
+        self._pending: tuple[ScheduledBatch, object, float] | None = None  # begun step: batch, masks, start
         self.generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._ids = itertools.count()
         self._sequences: dict[int, Sequence] = {}
@@ -89,20 +111,25 @@ class Engine:
             for j, t in enumerate(prompt):
                 if not is_int(t) or not 0 <= t < vocab:
                     raise ValueError(f"prompt_token_ids[{index}][{j}] = {t!r} must be an int in [0, vocab_size={vocab})")
-        if len(prompt) == 0:
-            raise ValueError(f"prompt_token_ids[{index}] is empty; a prompt needs at least one token")
-        if len(prompt) > max_pos:
-            raise ValueError(f"prompt_token_ids[{index}] has {len(prompt)} tokens, more than "
-                             f"max_position_embeddings={max_pos}")
-        ps = self.config.pool.page_size
-        pages = -(-(min(len(prompt) + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
-        if pages > self.config.pool.num_device_pages:
-            raise ValueError(f"prompt_token_ids[{index}] with max_tokens={params.max_tokens} needs {pages} pages of "
-                             f"{ps} tokens, more than num_device_pages={self.config.pool.num_device_pages}")
+        self._check_fits(len(prompt), params, f"prompt_token_ids[{index}]")
         if params.tool_grammar is not None and self.tokenizer is None:
             raise ValueError(f"sampling_params[{index}].tools needs a tokenizer: build the engine through "
                              "LLM(..., tokenizer=DIR) or call Engine.attach_tokenizer(tokenizer)")
         return prompt
+
+    def _check_fits(self, num_tokens: int, params: SamplingParams, where: str) -> None:
+        """Raise ValueError (naming ``where``) when a prompt of ``num_tokens`` tokens is empty, longer
+        than the context, or with its output cannot fit in the page pool."""
+        max_pos = self.model_config.max_position_embeddings
+        if num_tokens == 0:
+            raise ValueError(f"{where} is empty; a prompt needs at least one token")
+        if num_tokens > max_pos:
+            raise ValueError(f"{where} has {num_tokens} tokens, more than max_position_embeddings={max_pos}")
+        ps = self.config.pool.page_size
+        pages = -(-(min(num_tokens + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
+        if pages > self.config.pool.num_device_pages:
+            raise ValueError(f"{where} with max_tokens={params.max_tokens} needs {pages} pages of "
+                             f"{ps} tokens, more than num_device_pages={self.config.pool.num_device_pages}")
 
     @property
     def block_hash_salt(self) -> bytes:
@@ -110,7 +137,8 @@ class Engine:
         return self.pool.config.salt
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
-                    prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "") -> int:
+                    prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "",
+                    arrival_time: float | None = None) -> int:
         """Queue one prompt; returns its request id.
 
         Args:
@@ -129,6 +157,8 @@ class Engine:
                 swapped for another tenant's, is rejected.
             cache_salt: this request's tenant salt: requests with different salts never share
                 cached blocks (hashes use ``request_salt(cache_salt)`` after the engine's salt).
+            arrival_time: when the request arrived, on the engine's clock (None = now); admission
+                order and TTFT count from it.
 
         Raises:
             ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
@@ -142,7 +172,7 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(next(self._ids), prompt, params, RequestMetrics(time.perf_counter()), gen,
+        seq = Sequence(next(self._ids), prompt, params, self._metrics(arrival_time), gen,
                        prompt_block_hashes=hashes, cache_salt=salt)
         self._sequences[seq.seq_id] = seq
         if self.tokenizer is not None:
@@ -155,11 +185,48 @@ class Engine:
             except ValueError as e:  # a grammar llguidance rejects fails this request only
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.finish_reason = "error"
-                seq.metrics.finish_time = time.perf_counter()
+                seq.metrics.finish_time = self.clock()
                 self._failed.append(seq)
                 return seq.seq_id
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def add_hashed_request(self, num_prompt_tokens: int, block_hashes: list[bytes], params: SamplingParams, *,
+                           arrival_time: float | None = None) -> int:
+        """Queue a prompt known only by its length and block hashes; returns its request id.
+
+        For a runner that reads no token ids (the simulator's timed runner): the pool finds and
+        indexes blocks by ``block_hashes`` alone, so they must cover every full page the request
+        will fill, prompt and output. Nothing can verify them (there are no tokens): they are
+        trusted, unlike :meth:`add_request`'s.
+
+        Args:
+            num_prompt_tokens: prompt length in tokens.
+            block_hashes: chained 16-byte hashes, at least ``(num_prompt_tokens +
+                params.max_tokens) // page_size``.
+            params: sampling parameters (no tool grammar, no logprobs: there are no logits).
+            arrival_time: when it arrived, on the engine's clock (None = now).
+
+        Raises:
+            ValueError: the prompt does not fit (as :meth:`check_request`), too few hashes, or
+                ``params`` asks for logprobs or a tool grammar.
+        """
+        where = f"prompt of {num_prompt_tokens} tokens"
+        self._check_fits(num_prompt_tokens, params, where)
+        need = (num_prompt_tokens + params.max_tokens) // self.config.pool.page_size
+        if len(block_hashes) < need:
+            raise ValueError(f"{where}: block_hashes has {len(block_hashes)} hashes; its {need} full pages of "
+                             f"page_size={self.config.pool.page_size} (prompt and max_tokens) need one each")
+        if params.logprobs or params.prompt_logprobs or params.tool_grammar is not None:
+            raise ValueError(f"{where}: a request without token ids has no logprobs or tool grammar")
+        seq = Sequence(next(self._ids), None, params, self._metrics(arrival_time),
+                       prompt_block_hashes=list(block_hashes), num_prompt_tokens=num_prompt_tokens)
+        self._sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _metrics(self, arrival_time: float | None) -> RequestMetrics:
+        return RequestMetrics(self.clock() if arrival_time is None else arrival_time)
 
     def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int, salt: bytes = b"") -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""
@@ -187,37 +254,67 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._failed)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and postprocess one step; returns the requests that finished in it."""
+        """Schedule, run and postprocess one step; returns the requests that finished in it.
+
+        ``begin_step`` -> ``runner.run`` -> ``end_step``; when nothing can run while prefix loads
+        are in flight, waits up to 50 ms for them instead.
+        """
         failed = [self._output(self._sequences.pop(s.seq_id)) for s in self._failed]
         self._failed = []
         if failed and not self.scheduler.has_unfinished():
             return failed
-        batch = self.scheduler.schedule()
-        if not batch and self.scheduler.loading:
+        batch = self.begin_step()
+        if not batch:
             self.pool.wait_for_loads(timeout_s=0.05)
             return failed
-        if not batch:  # pages may be held by background copies: let them finish, then retry once
+        return failed + self.end_step(self.runner.run(batch))
+
+    def begin_step(self) -> ScheduledBatch | None:
+        """Schedule one step (collecting ended loads, admitting, starting loads) and start the
+        tool-grammar masks of the sequences it samples; returns the batch to run, or None when
+        nothing can run until prefix loads end.
+
+        Raises:
+            RuntimeError: nothing can be scheduled and nothing is loading (the page pool is too
+                small for the waiting requests).
+        """
+        batch = self.scheduler.schedule()
+        if not batch and not self.scheduler.loading:  # pages may be held by background copies: retry once
             self.pool.poll(wait=True)
             batch = self.scheduler.schedule()
         if not batch and not self.scheduler.loading:
             raise RuntimeError("no request can be scheduled: the page pool is too small for the waiting requests")
         if not batch:
-            return failed
-        t0 = time.perf_counter()
-        masks = self._start_masks(batch)  # computed on another thread while the model runs
-        results = self.runner.run(batch)
+            return None
+        t0 = self.clock()
+        self._pending = (batch, self._start_masks(batch), t0)  # masks are filled while the model runs
+        return batch
+
+    def end_step(self, result: StepResult) -> list[RequestOutput]:
+        """Apply the run of the batch :meth:`begin_step` returned: each sequence advances by its
+        chunk, its new full pages are registered with the pool, and sequences that reached their
+        end get a token (sampled from ``result.logits`` or taken from ``result.tokens``); returns
+        the requests that finished.
+
+        Raises:
+            RuntimeError: no step was begun.
+        """
+        if self._pending is None:
+            raise RuntimeError("end_step without a begun step: call begin_step first")
+        (batch, masks, t0), self._pending = self._pending, None
         masks = masks.result() if masks is not None else {}
         self.num_prefill_tokens += sum(n for _, n in batch.extends)
         if batch.extends:
-            self.pool.cost_model.observe_prefill(batch.num_tokens, time.perf_counter() - t0)
-        finished = failed
+            seconds = result.seconds if result.seconds is not None else self.clock() - t0
+            self.pool.cost_model.observe_prefill(batch.num_tokens, seconds)
+        finished = []
         for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
             self.scheduler.advance(seq, n)
             try:
-                done = self._postprocess(seq, results[seq.seq_id], masks.get(seq.seq_id))
+                done = self._postprocess(seq, result, masks.get(seq.seq_id))
             except Exception as e:  # one bad request must not stop the others
                 seq.error = f"{type(e).__name__}: {e}"
-                seq.metrics.finish_time = time.perf_counter()
+                seq.metrics.finish_time = self.clock()
                 self.scheduler.finish(seq, "error")
                 done = True
             if done:
@@ -259,21 +356,32 @@ class Engine:
             errors = [f"{type(e).__name__}: {e}"] * len(seqs)
         return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
 
-    def _postprocess(self, seq: Sequence, res: SeqLogits, token_bitmask=None) -> bool:
-        """Record logprobs and the sampled token; True when ``seq`` finished.
+    def _postprocess(self, seq: Sequence, result: StepResult, token_bitmask=None) -> bool:
+        """Record logprobs and the sampled (or given) token; True when ``seq`` finished.
 
         ``token_bitmask``: ``[1, ceil(vocab / 32)]`` int32 allowed tokens of a constrained
         sequence, or the message of the error that left it without one (raised here).
         """
-        if res.prompt_logits is not None:
+        token, res = result.tokens.get(seq.seq_id), result.logits.get(seq.seq_id)
+        self._prompt_logprobs(seq, res)
+        if token is None:
+            if res is None or res.next_token is None:
+                return False
+            token = self._sample(seq, res.next_token, token_bitmask)
+        return self._append(seq, token)
+
+    def _prompt_logprobs(self, seq: Sequence, res) -> None:
+        if res is not None and res.prompt_logits is not None:
             targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
             lp = torch.log_softmax(res.prompt_logits, -1).gather(1, targets[:, None].to(res.prompt_logits.device))
             for p, v in zip(res.prompt_positions, lp.squeeze(1).tolist()):
                 seq.prompt_logprobs[p] = v
-        if res.next_token is None:
-            return False
+
+    def _sample(self, seq: Sequence, next_token_logits: torch.Tensor, token_bitmask) -> int:
+        """One token from ``next_token_logits`` ([vocab] fp32) under ``seq``'s parameters, its
+        grammar mask and constraint; records its logprob when asked."""
         params = seq.params
-        logits = res.next_token[None]
+        logits = next_token_logits[None]
         as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
         temperature = 0.0 if params.greedy else params.temperature
         if isinstance(token_bitmask, str):
@@ -283,13 +391,18 @@ class Engine:
         if token_bitmask is not None:
             token_bitmask = token_bitmask.to(logits.device, non_blocking=True)
         token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p), token_bitmask=token_bitmask,
-                               generator=seq.generator or self.generator, backend=self.runner.model.backend)[0])
+                               generator=seq.generator or self.generator, backend=self._backend)[0])
         if seq.constraint is not None:  # may replace a token that leaves no room to finish the turn
             token = seq.constraint.take(token)
         if params.logprobs:
             seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
+        return token
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append ``token`` to ``seq``'s output; True (and ``seq`` finished) when it stops."""
+        params = seq.params
         seq.output_token_ids.append(token)
-        now = time.perf_counter()
+        now = self.clock()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         reason = None
@@ -327,7 +440,7 @@ class Engine:
 
 
 def _last_prompt_block(seq: Sequence, page_size: int) -> bytes | None:
-    full = len(seq.prompt_token_ids) // page_size
+    full = seq.num_prompt_tokens // page_size
     return seq.block_hashes[full - 1] if 0 < full <= len(seq.block_hashes) else None
 
 

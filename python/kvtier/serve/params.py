@@ -118,7 +118,8 @@ class RequestOutput:
 
     Attributes:
         request_id: engine-assigned id.
-        prompt_token_ids: the prompt.
+        prompt_token_ids: the prompt (None for one given by its block hashes only,
+            ``Engine.add_hashed_request``).
         token_ids: generated token ids.
         logprobs: log-probability of each generated token, or None when not requested.
         prompt_logprobs: ``len(prompt) - 1`` entries, entry ``i`` for prompt token ``i + 1``;
@@ -145,7 +146,7 @@ class RequestOutput:
     """
 
     request_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     token_ids: list[int]
     logprobs: list[float] | None
     prompt_logprobs: list[float | None] | None

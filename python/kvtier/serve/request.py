@@ -30,10 +30,15 @@ class Sequence:
         prompt_block_hashes: the chained hashes of the prompt's first full blocks, when known
             (they are not computed again); None = none.
         cache_salt: the request's own salt of its block hashes (``KVState.salt``).
+
+    ``prompt_token_ids`` is None for a prompt known only by its length (``num_prompt_tokens``)
+    and the hashes of every block it will fill (``prompt_block_hashes``): what the pool needs
+    (:class:`kvtier.cache.kv_state.KVState`) and all a timed runner needs; reading its tokens
+    raises.
     """
 
     seq_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None
     params: SamplingParams
     metrics: RequestMetrics
     generator: torch.Generator | None = None
@@ -52,14 +57,19 @@ class Sequence:
     error: str | None = None
     constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
+    num_prompt_tokens: int | None = None  # given only when prompt_token_ids is None
     kv: KVState = field(init=False, repr=False)
     prompt_block_hashes: InitVar[list[bytes] | None] = None
     cache_salt: InitVar[bytes] = b""
 
     def __post_init__(self, prompt_block_hashes: list[bytes] | None, cache_salt: bytes) -> None:
+        if self.prompt_token_ids is not None:
+            self.num_prompt_tokens = len(self.prompt_token_ids)
+        elif self.num_prompt_tokens is None:
+            raise ValueError("a Sequence needs prompt_token_ids or num_prompt_tokens")
         self.kv = KVState(self, salt=cache_salt, block_hashes=list(prompt_block_hashes or []))
         if self.params.prompt_logprobs and not self.prompt_logprobs:
-            self.prompt_logprobs = [None] * (len(self.prompt_token_ids) - 1)
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -82,14 +92,17 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     def token_ids(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Tokens ``[start, end)`` of prompt + output."""
+        """Tokens ``[start, end)`` of prompt + output.
+
+        Raises:
+            ValueError: the prompt was given by its block hashes only.
+        """
+        if self.prompt_token_ids is None:
+            raise ValueError(f"request {self.seq_id} was given block hashes, not token ids: its hashes must cover "
+                             "every block the pool indexes")
         n = self.num_prompt_tokens
         end = self.num_tokens if end is None else end
         if end <= n:

@@ -1,8 +1,14 @@
-"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits."""
+"""Model runner: turns a scheduled batch into tensors, runs the model, returns logits.
+
+:class:`StepRunner` is the seam between ``Engine.begin_step`` and ``Engine.end_step``: anything
+that runs a :class:`ScheduledBatch` and returns a :class:`StepResult` (the model here; a timed
+runner in the simulator, :mod:`kvtier.bench.sim.engine`).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,6 +35,44 @@ class SeqLogits:
     prompt_logits: torch.Tensor | None
 
 
+@dataclass
+class StepResult:
+    """What one step's run gives :meth:`kvtier.serve.engine.Engine.end_step`.
+
+    Attributes:
+        logits: by ``seq_id``, the logits each sequence needs (a model runner); the engine
+            samples from them.
+        tokens: by ``seq_id``, a token the runner chose itself for a sequence that reached its end
+            (a timed runner without a model); used as sampled, without logprobs.
+        seconds: the step's duration when the runner models it (virtual time); None = measured on
+            the engine's clock from ``begin_step`` to ``end_step``.
+    """
+
+    logits: dict[int, SeqLogits] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    seconds: float | None = None
+
+
+class StepRunner(Protocol):
+    """What the engine runs its batches with.
+
+    Attributes:
+        model_config: the model's limits the engine checks requests against
+            (``vocab_size``, ``max_position_embeddings``, ``eos_token_id``).
+        device: where sampling generators live.
+        kv_caches: per layer ``[num_device_pages, page_size, row]`` page pools the pool copies from
+            and to.
+    """
+
+    model_config: object
+    device: torch.device
+    kv_caches: list[torch.Tensor]
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """Run one step (``num_computed_tokens`` of each sequence not yet advanced)."""
+        ...
+
+
 def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) -> list[torch.Tensor]:
     """One zeroed ``[num_device_pages, page_size, kv_cache_dim]`` page pool per layer.
 
@@ -51,6 +95,7 @@ class ModelRunner:
 
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model = model
+        self.model_config = model.config
         self.config = config
         device = model.embed_tokens.device
         self.device = device
@@ -109,7 +154,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[index])
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, SeqLogits]:
+    def run(self, batch: ScheduledBatch) -> StepResult:
         """Run one step; returns the logits each sequence needs, by ``seq_id``."""
         input_ids, positions, attn, owners = self.prepare(batch)
         rows, wanted = [], {}
@@ -131,4 +176,4 @@ class ModelRunner:
                 prompt_positions=[p for _, p in prompt_rows],
                 prompt_logits=logits[idx] if idx else None,
             )
-        return out
+        return StepResult(logits=out)

@@ -25,7 +25,7 @@ from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, Sizing, prepare, warm_up
 from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimEngine, TierLinks
+from kvtier.bench.sim.engine import SimWorker, TierLinks
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.timing import BatchShape, LinearTimer, fit_linear_timer
@@ -218,14 +218,14 @@ def simulate_bench(
     for config in parse_configs(opts.configs):
         cfg, disk_bytes = sim_engine_config(config, base, sizing)
         disk = SimDisk(disk_bytes) if config.disk else None
-        engine = SimEngine(cfg, costs.timer, links, VirtualClock(), disk=disk)
+        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings,
+                           VirtualClock(), disk=disk)
         runs.append(
             simulate(
                 [engine],
                 wl,
                 config.name,
                 concurrency=opts.concurrency,
-                max_context_tokens=model.config.max_position_embeddings,
                 tool_aware=config.tool_aware,
                 ramp_s=opts.ramp_s,
             )

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimEngine, TierLinks
+from kvtier.bench.sim.engine import SimWorker, TierLinks
 from kvtier.bench.sim.hardware import NODES, Node
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import Scenario, Variant, scenario
@@ -219,7 +219,7 @@ def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig
 
 def build_engines(
     scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node
-) -> list[SimEngine]:
+) -> list[SimWorker]:
     """Fresh workers for variant ``v``: each with its own clock, device and host tiers; the tier
     below host memory (when the variant has one) shared or not as ``v`` says."""
     config = _engine_config(scn, v, sizing)
@@ -237,7 +237,8 @@ def build_engines(
             if shared is not None
             else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
         )
-        engines.append(SimEngine(config, timer, links, VirtualClock(), disk=disk))
+        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, VirtualClock(),
+                                 disk=disk))
     if shared is not None:
         for e in engines:
             e.share_store(shared)
@@ -302,7 +303,6 @@ def run_scenario(
                 workload,
                 v.name,
                 concurrency=r.concurrency,
-                max_context_tokens=scn.max_context_tokens,
                 tool_aware=v.cache.tool_aware,
                 ramp_s=r.ramp_s,
                 router=v.router,

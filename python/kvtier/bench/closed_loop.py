@@ -1,0 +1,252 @@
+"""The closed loop of agent sessions (WORKLOAD.md), on an injected clock: one driver for the real
+replay (:func:`kvtier.bench.replay.replay`, wall clock) and the simulator
+(:func:`kvtier.bench.sim.loop.simulate`, virtual clock).
+
+At most ``concurrency`` sessions are active; the first ``concurrency`` start spread over
+``ramp_s`` (session ``i`` at ``i * ramp_s / concurrency``: sessions of a running service are not in
+phase, and starting them together would make the p99 TTFT measure one start-up burst), later
+ones as soon as a slot frees. Turn ``k`` is due ``think_time_s`` after turn ``k - 1`` finished; its
+TTFT counts from that due time, even when the loop was busy and submitted it later. A turn the
+engine refuses (longer than the context, more pages than the device has) is recorded with its
+error and the session goes on with its next turn.
+
+Between a turn that stopped on ``tool_use`` and the next one the session waits on a tool: with
+``tool_aware`` the pool hears of it with an *estimated* wait (the median of the tool waits
+observed so far in this run; before any, WORKLOAD.md's p50 of 9 s times the workload's time
+scale), never the trace's true wait, which a server cannot know; and of its end.
+
+A measurement window (``warmup_s``, ``duration_s``) makes a steady-state run of a long trace:
+turns due at or after ``duration_s`` are not submitted (their sessions stop, no new session
+starts), every submitted turn runs to its end, and only turns due at or after ``warmup_s`` are
+reported. The defaults (0, infinity) report everything.
+
+What runs the turns is a :class:`LoopTarget`: it queues a turn on an engine, and advances the
+engines (a real step; virtual-time steps of several workers) until something finishes or the
+next turn is due.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.bench.workload import Session, Turn, Workload
+from kvtier.cache.policy import ToolWaitEstimate
+from kvtier.serve.engine import Engine
+from kvtier.serve.params import RequestOutput
+
+TOOL_WAIT_P50_S = 9.0  # WORKLOAD.md: think_time after tool_use, p50 over 710 sessions
+
+
+@dataclass
+class ActiveSession:
+    """A session being replayed: its next turn and when it is due (loop seconds).
+
+    Attributes:
+        home: the worker its turns go to (sessions are dealt round-robin; a router may move it).
+        in_flight: its turn is queued or running.
+        state: the target's own state of this session (an encoder, the previous prompt, ...).
+    """
+
+    session: Session
+    home: int = 0
+    next_turn: int = 0
+    due_s: float = 0.0
+    in_flight: bool = False
+    waiting_on_tool: bool = False
+    state: object = None
+
+
+class LoopTarget(Protocol):
+    """What the closed loop runs its turns on."""
+
+    def submit(self, a: ActiveSession, turn: Turn, arrival_time: float) -> None:
+        """Queue ``a``'s next ``turn``, due at ``arrival_time`` (on the loop's clock).
+
+        Raises:
+            ValueError: the engine refuses the turn (recorded as an error).
+        """
+        ...
+
+    def advance(self, until: float | None) -> list[tuple[ActiveSession, RequestOutput]] | None:
+        """Run until some turns finish or the clock reads ``until`` (the next due turn; None:
+        none); returns the finished turns, or None when nothing runs and nothing is due."""
+        ...
+
+    def tool_wait(self, a: ActiveSession, expected_wait_s: float) -> None:
+        """``a`` waits on a tool after its last turn."""
+        ...
+
+    def tool_return(self, a: ActiveSession) -> None:
+        """``a``'s tool returned, or ``a`` ended."""
+        ...
+
+
+class ClosedLoop:
+    """Drives ``workload``'s sessions through ``target`` (module docstring).
+
+    Args:
+        workload: sessions, in order.
+        target: runs the turns.
+        clock: seconds, the clock of the target's engines (request metrics are read against it).
+        concurrency: sessions active at once (>= 1).
+        ramp_s: seconds over which the first ``concurrency`` sessions start.
+        tool_aware: tell the pools about tool waits.
+        warmup_s, duration_s: the measurement window (module docstring).
+        keep_outputs: keep each request's generated tokens and logprobs in its record.
+        num_homes: workers the sessions are dealt over.
+        on_finish: called with each request's record as it finishes.
+
+    Attributes:
+        records: the reported turns' records; warmup_records: those due before ``warmup_s``.
+
+    Raises:
+        ValueError: ``concurrency`` < 1, ``ramp_s`` not finite and >= 0, or not
+            ``0 <= warmup_s < duration_s``.
+    """
+
+    def __init__(self, workload: Workload, target: LoopTarget, clock: Callable[[], float], *, concurrency: int,
+                 ramp_s: float = 0.0, tool_aware: bool = False, warmup_s: float = 0.0,
+                 duration_s: float = math.inf, keep_outputs: bool = False, num_homes: int = 1,
+                 on_finish: Callable[[RequestRecord], None] | None = None):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if not 0 <= ramp_s < math.inf:
+            raise ValueError(f"ramp_s must be a finite number >= 0, got {ramp_s}")
+        if not 0 <= warmup_s < duration_s:
+            raise ValueError(f"need 0 <= warmup_s < duration_s, got warmup_s={warmup_s}, duration_s={duration_s}")
+        self.target, self.clock, self.concurrency, self.ramp_s = target, clock, concurrency, ramp_s
+        self.tool_aware, self.warmup_s, self.duration_s = tool_aware, warmup_s, duration_s
+        self.keep_outputs, self.num_homes, self.on_finish = keep_outputs, num_homes, on_finish
+        self.queue = deque(s for s in workload.sessions if s.turns)
+        self.active: list[ActiveSession] = []
+        self.records: list[RequestRecord] = []
+        self.warmup_records: list[RequestRecord] = []
+        self.tool_wait = ToolWaitEstimate(TOOL_WAIT_P50_S * workload.time_scale)
+        self.t0 = clock()
+        self._due: list = []  # heap of (due_s, order, session) not yet submitted
+        self._order = itertools.count()
+        self._started = 0
+
+    def now(self) -> float:
+        """Loop seconds (since the run started)."""
+        return self.clock() - self.t0
+
+    def run(self) -> float:
+        """Run every session to its end; returns the loop time then (seconds)."""
+        self._fill_slots()
+        while True:
+            now = self.now()
+            while self._due and self._due[0][0] <= now:
+                self._submit(heapq.heappop(self._due)[2], now)
+            finished = self.target.advance(self.t0 + self._due[0][0] if self._due else None)
+            if finished is None:
+                return self.now()
+            for a, out in finished:
+                self._finish(a, self.record(a, out))
+            self._fill_slots()
+
+    def _push(self, a: ActiveSession) -> None:
+        heapq.heappush(self._due, (a.due_s, next(self._order), a))
+
+    def _fill_slots(self) -> None:
+        now = self.now()
+        while self.queue and len(self.active) < self.concurrency and now < self.duration_s:
+            offset = min(self._started, self.concurrency - 1) * self.ramp_s / self.concurrency  # never ahead
+            a = ActiveSession(self.queue.popleft(), home=self._started % self.num_homes, due_s=max(now, offset))
+            self.active.append(a)
+            self._started += 1
+            self._push(a)
+
+    def _submit(self, a: ActiveSession, now: float) -> None:
+        turn = a.session.turns[a.next_turn]
+        if a.due_s >= self.duration_s:  # past the window: the session stops here
+            self.active.remove(a)
+            if self.tool_aware:
+                self.target.tool_return(a)
+            return
+        if a.waiting_on_tool:
+            self.tool_wait.observed.append(turn.think_time_s + max(0.0, now - a.due_s))
+            if self.tool_aware:
+                self.target.tool_return(a)
+        try:
+            self.target.submit(a, turn, self.t0 + a.due_s)
+        except ValueError as e:
+            self._finish(a, RequestRecord(a.session.session_id, a.next_turn, turn.input_tokens, 0, a.due_s, None,
+                                          now, 0, error=str(e)))
+            return
+        a.in_flight = True
+
+    def _finish(self, a: ActiveSession, record: RequestRecord) -> None:
+        (self.records if record.arrival_s >= self.warmup_s else self.warmup_records).append(record)
+        if self.on_finish is not None:
+            self.on_finish(record)
+        turn = a.session.turns[a.next_turn]
+        a.next_turn += 1
+        a.in_flight = False
+        if a.next_turn == len(a.session.turns):
+            self.active.remove(a)
+            if self.tool_aware:
+                self.target.tool_return(a)
+            return
+        nxt = a.session.turns[a.next_turn]
+        a.due_s = (record.finish_s if record.finish_s is not None else self.now()) + nxt.think_time_s
+        a.waiting_on_tool = turn.stop == "tool_use"
+        if self.tool_aware and a.waiting_on_tool and record.error is None:
+            self.target.tool_wait(a, self.tool_wait.value())
+        self._push(a)
+
+    def record(self, a: ActiveSession, out: RequestOutput) -> RequestRecord:
+        """The record of ``a``'s current turn from its engine output (times in loop seconds)."""
+        m, keep = out.metrics, self.keep_outputs
+        rel = lambda t: None if t is None else t - self.t0  # noqa: E731
+        turn = a.session.turns[a.next_turn]
+        return RequestRecord(
+            session_id=a.session.session_id, turn=a.next_turn,
+            input_tokens=turn.input_tokens if out.prompt_token_ids is None else len(out.prompt_token_ids),
+            output_tokens=len(out.token_ids), arrival_s=a.due_s, first_token_s=rel(m.first_token_time),
+            finish_s=rel(m.finish_time), cached_tokens=out.num_cached_tokens,
+            cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error,
+            output_token_ids=list(out.token_ids) if keep else None,
+            logprobs=list(out.logprobs) if keep and out.logprobs is not None else None,
+            admitted_s=rel(m.admitted_time), loaded_s=rel(m.loaded_time))
+
+
+def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> int:
+    """Pages (per layer) the ``concurrency`` largest sessions need at their peak, together.
+
+    A session's peak is its longest turn, prompt plus output, in pages of ``page_size``
+    tokens. This bounds what the device tier would need to keep every active session's
+    context resident between its turns.
+    """
+    peaks = sorted((max(-(-(t.input_tokens + t.output_tokens) // page_size) for t in s.turns)
+                    for s in workload.sessions if s.turns), reverse=True)
+    return sum(peaks[:concurrency])
+
+
+def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, engines: list[Engine],
+               bytes_scale: list[float] | None = None) -> ConfigRun:
+    """The run of ``loop`` over ``engines`` (counters summed; each pool's bytes times its
+    ``bytes_scale``, 1 by default: the simulator's pools count placeholder bytes)."""
+    scales = bytes_scale or [1.0] * len(engines)
+    keys = {"device->host": ("bytes_written", "host"), "host->device": ("bytes_loaded", "host"),
+            "host->disk": ("bytes_written", "disk"), "disk->device": ("bytes_loaded", "disk")}
+    stats = [e.pool.stats for e in engines]
+
+    def total(counts: str) -> dict[str, int]:
+        return {k: sum(getattr(s, counts)[k] for s in stats) for k in getattr(stats[0], counts)}
+
+    return ConfigRun(
+        name=name, records=loop.records, wall_s=max(wall_s, 0.0),
+        recomputed_tokens=sum(e.num_prefill_tokens for e in engines),
+        bytes_moved={k: sum(round(getattr(s, c)[t] * x) for s, x in zip(stats, scales)) for k, (c, t) in keys.items()},
+        copy_errors=sum(s.copy_errors for s in stats), evictions=total("evictions"),
+        stores_refused=total("stores_refused"), preemptions=sum(e.scheduler.num_preemptions for e in engines),
+        device_pages=sum(e.config.pool.num_device_pages for e in engines),
+        working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency))
