@@ -47,10 +47,10 @@ def poisoned_llm(path, seed=0, **engine_args) -> LLM:
     llm = LLM(str(path), dtype="float32", page_size=PAGE_SIZE, num_device_pages=96, **engine_args)
     for cache in llm.engine.runner.kv_caches:
         cache.fill_(float("nan"))
-    bm = llm.engine.pool
-    order = list(bm.free_pages)
+    pages = llm.engine.pool.pages  # the pool's page accounting: shuffle its reuse order
+    order = list(pages.free_pages)
     random.Random(seed).shuffle(order)
-    bm.free_pages = OrderedDict((p, None) for p in order)
+    pages.free_pages = OrderedDict((p, None) for p in order)
     return llm
 
 
