@@ -194,6 +194,13 @@ class KVPool:
     def pages_needed(self, seq: KVState, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.page_size) - len(seq.page_ids))
 
+    @property
+    def keeps_evicted_blocks(self) -> bool:
+        """Whether a device page's full block outlives its eviction in a lower tier (a host tier
+        with prefix caching: copied at once under write-through, at eviction under write-back),
+        so that a preempted sequence's computed blocks load back rather than being recomputed."""
+        return self.config.enable_prefix_caching and self.host is not None
+
     def _take_page(self) -> int:
         page = self.policy.pick_page(self.free_pages, self.page_hash, self.clock())
         del self.free_pages[page]

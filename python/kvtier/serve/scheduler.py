@@ -35,6 +35,12 @@ the difference in cost before it, and a costly one is not passed over by later a
 longer than about its own cost."""
 CHUNK_SHARE = 0.5
 """Share of each step's token budget the chunked prefill gets at least, whatever ranks ahead."""
+CACHED_SHARE = 0.5
+"""A waiting turn with at least this share of its prompt cached may preempt sequences past their
+first token when it is blocked on pages (and the pool keeps evicted blocks below the device)."""
+DISPLACE_MIN_OUTPUT = 8
+"""Sequences past their first token are preempted for such a turn only while they may still
+decode this many tokens (one about to finish frees its pages in a few steps anyway)."""
 
 
 class Scheduler:
@@ -165,12 +171,13 @@ class Scheduler:
         return seq.metrics.arrival_time, seq.seq_id
 
     def _key(self, seq: Sequence) -> tuple:
-        """Rank key: aged requests first, by arrival; then by deadline, arrival plus
-        ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
+        """Rank key: aged requests first, by arrival; then requests still waiting for their first
+        token, then those past it (preempted after it: their TTFT is made), each by deadline,
+        arrival plus ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
         arrival, seq_id = self._arrival(seq)
         if self._urgent(seq):
             return 0, arrival, seq_id
-        return 1, arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
+        return 1 + bool(seq.output_token_ids), arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
 
     def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
         """``seqs`` in cache-aware order (see :meth:`_key`)."""
@@ -228,10 +235,10 @@ class Scheduler:
                 seq.num_passed_over += 1
 
     def _make_room(self) -> None:
-        """Preempt running prefills that rank behind the best-ranked request blocked on pages,
-        when their pages together let it in (vLLM's priority scheduling preempts the same way).
-        Only prefills that are not aged are taken, most expensive first, and each preemption
-        counts as a step passed over, so aging bounds how often one request is preempted."""
+        """Preempt running sequences to let in the best-ranked request blocked on pages, when
+        their pages together let it in (vLLM's priority scheduling preempts the same way); see
+        :meth:`_victims` for which. Each preemption counts as a step passed over, so aging
+        bounds how often one request is preempted."""
         blocked = [s for s in self.waiting if s.seq_id in self._blocked]
         if not blocked:
             return
@@ -242,21 +249,48 @@ class Scheduler:
         need = self.pool.pages_needed(head, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
             return
-        key = self._key(head)
-        victims = sorted((s for s in self.running
-                          if self._remaining(s) > 1 and not self._urgent(s) and self._key(s) > key),
-                         key=self._key, reverse=True)
-        chosen, free = [], self.pool.num_free_pages
-        for v in victims:
-            if free >= need:
-                break
-            chosen.append(v)
-            free += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
-        if free < need:
-            return
-        for v in chosen:
+        chosen = self._victims(head, need - self.pool.num_free_pages)
+        for v in chosen or ():
             self._preempt(v)
             v.num_passed_over += 1
+
+    def _victims(self, head: Sequence, short: int) -> list[Sequence] | None:
+        """Running sequences whose pages (those no other sequence shares) free at least
+        ``short`` for ``head``, or None when all candidates together do not.
+
+        Candidates, in the order they are taken: prefills that rank behind ``head``, most
+        expensive first; then, when ``head`` was never admitted (so each arrival displaces them
+        once at most), has at least ``CACHED_SHARE`` of its prompt cached and the pool keeps
+        evicted blocks in a lower tier (:attr:`KVPool.keeps_evicted_blocks`), sequences past
+        their first token that may still decode ``DISPLACE_MIN_OUTPUT`` tokens or more, the
+        most first: their TTFT is made and their blocks load back when they are re-admitted.
+        A sequence the preemption would age (passed over in ``schedule_max_passes`` steps,
+        counting this one) is never taken: aged, it would rank first and take its pages back
+        at once; so a sequence is preempted for others fewer than ``schedule_max_passes`` times.
+        """
+        key = self._key(head)
+        spared = lambda s: s.num_passed_over + 1 >= self.config.schedule_max_passes  # noqa: E731
+        left = lambda s: s.params.max_tokens - len(s.output_token_ids)  # noqa: E731
+        candidates = sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
+                             and self._key(s) > key), key=self._key, reverse=True)
+        if self._displaces_decodes(head):
+            taken = {s.seq_id for s in candidates}
+            candidates += sorted((s for s in self.running if s.output_token_ids and not spared(s)
+                                  and left(s) >= DISPLACE_MIN_OUTPUT and s.seq_id not in taken),
+                                 key=left, reverse=True)
+        chosen, freed = [], 0
+        for v in candidates:
+            if freed >= short:
+                break
+            chosen.append(v)
+            freed += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
+        return chosen if freed >= short else None
+
+    def _displaces_decodes(self, head: Sequence) -> bool:
+        """Whether ``head`` may preempt sequences past their first token (see :meth:`_victims`)."""
+        if head.admitted or not self.pool.keeps_evicted_blocks:
+            return False
+        return head.num_tokens - self._estimate(head)[0] >= CACHED_SHARE * head.num_tokens
 
     # ---- admission ----------------------------------------------------------------------------
     def _mark(self, seq: Sequence, name: str) -> None:
