@@ -246,3 +246,35 @@ def test_a_decode_is_displaced_by_cached_turns_fewer_than_schedule_max_passes_ti
     assert sched.num_preemptions == {1: 0, 2: 1, 16: 3}[max_passes]
     plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
+
+
+@pytest.mark.parametrize("lower_tier", [True, False])
+def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_load_back(lower_tier, monkeypatch):
+    """The cold prefill arrived long before the cached turn (its deadline is earlier), and its
+    pages leave too few for the turn's loads. With a lower tier keeping evicted blocks the turn
+    preempts it (its computed blocks load back) and gets its first token before the prefill
+    ends; without one it waits for the prefill. Outputs are those of each request alone."""
+    from tests.cache.test_tiers_e2e import always_load
+
+    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+                          host_cache_bytes=64 * 15360))
+    engine = llm.engine
+    if not lower_tier:
+        monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
+    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
+    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
+    cold = engine.add_request(cold_prompt, TWO)
+    for _ in range(6):
+        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
+    rid = engine.add_request(short, TWO)
+    engine.sequence(rid).metrics.arrival_time += 1e6  # arrived long after the cold prefill's deadline
+    first, outs = _first_and_outputs(engine)
+    assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]
+    assert outs[rid].num_cached_tokens == 12 * PS
+    if lower_tier:  # once: it is not re-admitted (taking back the pages) while the turn loads
+        assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
+    else:
+        assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0

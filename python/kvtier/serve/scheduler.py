@@ -58,15 +58,22 @@ class Scheduler:
       what is left of the step's budget waits while another is chunked: a partly computed
       prompt holds pages), beside any number of prefills that end in the step; the chunked one
       gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
-      whatever they leave. A
+      whatever they leave. Requests past their first token (preempted after it) rank after
+      those still waiting for one. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
-      request, running prefills ranked behind it are preempted if their pages let it in.
+      request, running prefills ranked behind it are preempted if their pages let it in, and
+      so, for a new turn mostly cached when the pool keeps evicted blocks in a lower tier, are
+      running sequences past their first token, then other prefills (their blocks load back;
+      see :meth:`_victims`); a preempted sequence is not re-admitted while the request it made
+      room for waits or loads (unless it is aged).
       Aging bounds how long a request can be skipped: a request passed over in
       ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
       got none; a preemption counts as one) ranks ahead of every request that was not, in
-      arrival order, and is not preempted for others; such a request that cannot be placed
-      stops admission behind it until pages are freed.
+      arrival order, and is not preempted for others (nor is one that a preemption would age,
+      so a sequence is preempted for others fewer than ``schedule_max_passes`` times before
+      its first token, and as many after it: the count restarts at the first token); such a
+      request that cannot be placed stops admission behind it until pages are freed.
     * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
       the first that cannot be placed holds the ones behind it.
 
@@ -98,6 +105,10 @@ class Scheduler:
         # Requests that failed admission: the free pages then and the token budget they had.
         self._blocked: dict[int, tuple[int, int]] = {}
         self._estimates: dict[int, tuple[int, float]] = {}  # this step's cost estimates by seq_id
+        self._aging_restarted: set[int] = set()  # running sequences whose aging restarted at their first token
+        # Sequences preempted to make room, by seq_id: the request they made room for. They are
+        # not re-admitted while it waits (or loads), unless they are aged.
+        self._displaced: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -239,6 +250,7 @@ class Scheduler:
         their pages together let it in (vLLM's priority scheduling preempts the same way); see
         :meth:`_victims` for which. Each preemption counts as a step passed over, so aging
         bounds how often one request is preempted."""
+        self._restart_aging()
         blocked = [s for s in self.waiting if s.seq_id in self._blocked]
         if not blocked:
             return
@@ -253,6 +265,17 @@ class Scheduler:
         for v in chosen or ():
             self._preempt(v)
             v.num_passed_over += 1
+            self._displaced[v.seq_id] = head
+
+    def _restart_aging(self) -> None:
+        """A request's first token ends the wait aging bounds (its TTFT): its count of steps
+        passed over starts again from 0, once, so that a request that waited long before it is
+        not spared for the rest of its decode; from then on it is passed over (preemptions
+        included) in at most ``schedule_max_passes`` steps before it is aged again."""
+        for seq in self.running:
+            if seq.output_token_ids and seq.seq_id not in self._aging_restarted:
+                self._aging_restarted.add(seq.seq_id)
+                seq.num_passed_over = 0
 
     def _victims(self, head: Sequence, short: int) -> list[Sequence] | None:
         """Running sequences whose pages (those no other sequence shares) free at least
@@ -261,9 +284,13 @@ class Scheduler:
         Candidates, in the order they are taken: prefills that rank behind ``head``, most
         expensive first; then, when ``head`` was never admitted (so each arrival displaces them
         once at most), has at least ``CACHED_SHARE`` of its prompt cached and the pool keeps
-        evicted blocks in a lower tier (:attr:`KVPool.keeps_evicted_blocks`), sequences past
+        evicted blocks in a lower tier (:attr:`KVPool.keeps_evicted_blocks`), so that whatever
+        is preempted loads its computed blocks back when it is re-admitted: sequences past
         their first token that may still decode ``DISPLACE_MIN_OUTPUT`` tokens or more, the
-        most first: their TTFT is made and their blocks load back when they are re-admitted.
+        most first (their TTFT is made), then the other prefills, last-ranked first (a cached
+        turn does not wait for a long cold prefill to end; it delays that prefill by about its
+        own short service).
+
         A sequence the preemption would age (passed over in ``schedule_max_passes`` steps,
         counting this one) is never taken: aged, it would rank first and take its pages back
         at once; so a sequence is preempted for others fewer than ``schedule_max_passes`` times.
@@ -273,11 +300,14 @@ class Scheduler:
         left = lambda s: s.params.max_tokens - len(s.output_token_ids)  # noqa: E731
         candidates = sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
                              and self._key(s) > key), key=self._key, reverse=True)
-        if self._displaces_decodes(head):
+        if self._displaces_running(head):
             taken = {s.seq_id for s in candidates}
             candidates += sorted((s for s in self.running if s.output_token_ids and not spared(s)
                                   and left(s) >= DISPLACE_MIN_OUTPUT and s.seq_id not in taken),
                                  key=left, reverse=True)
+            taken |= {s.seq_id for s in candidates}
+            candidates += sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
+                                  and s.seq_id not in taken), key=self._key, reverse=True)
         chosen, freed = [], 0
         for v in candidates:
             if freed >= short:
@@ -286,8 +316,9 @@ class Scheduler:
             freed += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
         return chosen if freed >= short else None
 
-    def _displaces_decodes(self, head: Sequence) -> bool:
-        """Whether ``head`` may preempt sequences past their first token (see :meth:`_victims`)."""
+    def _displaces_running(self, head: Sequence) -> bool:
+        """Whether ``head`` may preempt sequences past their first token and prefills that rank
+        ahead of it (see :meth:`_victims`)."""
         if head.admitted or not self.pool.keeps_evicted_blocks:
             return False
         return head.num_tokens - self._estimate(head)[0] >= CACHED_SHARE * head.num_tokens
@@ -333,6 +364,8 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if seq.seq_id in self._displaced and not self._urgent(seq):
+                continue  # preempted to make room: the request it made room for goes first
             if chunking and self._estimate(seq)[0] > budget:
                 continue  # one chunked prefill at a time: it would hold pages while it waits for budget
             n = self._admit(batch, seq, budget)
@@ -409,6 +442,7 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, None)
             self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
             return batch
+        self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
         num_loading = len(self.loading)
@@ -425,6 +459,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._blocked.pop(seq.seq_id, None)
+        self._aging_restarted.discard(seq.seq_id)
         self.pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
@@ -433,4 +468,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+        self._aging_restarted.discard(seq.seq_id)
         self.pool.free(seq)
