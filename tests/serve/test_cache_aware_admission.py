@@ -3,6 +3,7 @@ aging bounds how long a cold request is passed over; a request waiting for pages
 loads does not hold the requests behind it. Each test also runs FCFS, where the situation it
 guards against happens, so the test shows the policy is what makes the difference."""
 
+import dataclasses
 import math
 
 import pytest
@@ -165,4 +166,115 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     if policy == "cache-aware":
         assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
     else:  # it waits for the whole prefill
+        assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0
+
+
+def _first_and_outputs(engine):
+    """Step until idle: ``({request_id: step of its first token}, {request_id: output})``."""
+    first, outs, step = {}, {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id] = out
+            first.setdefault(out.request_id, step)
+        for seq in engine.scheduler.running:
+            if seq.output_token_ids:
+                first.setdefault(seq.seq_id, step)
+        step += 1
+        assert step < 500, "did not finish"
+    return first, outs
+
+
+@pytest.mark.parametrize("case", ["cache-aware", "fcfs", "no-lower-tier"])
+def test_cached_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(case, monkeypatch):
+    """10 device pages: a decode holding 6 leaves too few for a new turn whose 8 blocks are in
+    the host tier. Cache-aware admission preempts the decode (its first token is out, and its
+    blocks are kept below the device, so it resumes by loading them) and the cached turn gets
+    its first token before the decode's last; under FCFS, or when the pool would lose the
+    decode's blocks (no lower tier: resuming would mean recomputing them), it waits. Every
+    output is what the request produces alone."""
+    b = prompt(N, 2)
+    llm = host_cached(b, schedule_policy="fcfs" if case == "fcfs" else "cache-aware")
+    engine = llm.engine
+    if case == "no-lower-tier":
+        monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
+    long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    decode_prompt = prompt(5 * PS, 3)
+    dec = engine.add_request(decode_prompt, long_decode)
+    engine.step()  # it holds 5, then 6 pages while it decodes
+    rid = engine.add_request(b, TWO)
+    first, outs = _first_and_outputs(engine)
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    assert outs[rid].token_ids == plain.generate(prompt_token_ids=[b], sampling_params=TWO)[0].token_ids
+    assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
+    assert outs[rid].num_cached_tokens == 8 * PS and outs[rid].cached_tokens_by_tier["host"] > 0
+    finished = {i: s for s, i in enumerate(sorted(outs, key=lambda i: outs[i].metrics.finish_time))}
+    if case == "cache-aware":
+        assert engine.scheduler.num_preemptions == 1
+        assert finished[rid] < finished[dec] and first[rid] < first[dec] + 11
+    else:
+        assert engine.scheduler.num_preemptions == 0
+        assert outs[rid].metrics.first_token_time > outs[dec].metrics.finish_time
+
+
+@pytest.mark.parametrize("max_passes", [1, 2, 16])
+def test_a_decode_is_displaced_by_cached_turns_fewer_than_schedule_max_passes_times(max_passes):
+    """Bound: each preemption counts as a step passed over, and a sequence is not preempted for
+    others when that would make ``schedule_max_passes`` (then it ranks first). Three cached
+    turns, each arriving while the decode runs and needing its pages, preempt it once each
+    when the bound allows (16), once in all with 2 and never with 1; it still produces all its
+    tokens."""
+    turns = [prompt(N, 20 + i) for i in range(3)]
+    llm = host_cached(*turns)
+    engine, sched = llm.engine, llm.engine.scheduler
+    sched.config = dataclasses.replace(engine.config, schedule_max_passes=max_passes)
+    long_decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    decode_prompt = prompt(5 * PS, 3)
+    dec = engine.add_request(decode_prompt, long_decode)
+    outs, steps = {}, 0
+    for t in turns:
+        while dec not in outs and not any(s.seq_id == dec and s.output_token_ids for s in sched.running):
+            outs.update({o.request_id: o for o in engine.step()})
+            steps += 1
+            assert steps < 500
+        rid = engine.add_request(t, TWO)
+        while rid not in outs:
+            outs.update({o.request_id: o for o in engine.step()})
+            steps += 1
+            assert steps < 500
+        assert outs[rid].num_cached_tokens == 8 * PS
+    outs.update(_first_and_outputs(engine)[1])
+    assert sched.num_preemptions == {1: 0, 2: 1, 16: 3}[max_passes]
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
+
+
+@pytest.mark.parametrize("lower_tier", [True, False])
+def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_load_back(lower_tier, monkeypatch):
+    """The cold prefill arrived long before the cached turn (its deadline is earlier), and its
+    pages leave too few for the turn's loads. With a lower tier keeping evicted blocks the turn
+    preempts it (its computed blocks load back) and gets its first token before the prefill
+    ends; without one it waits for the prefill. Outputs are those of each request alone."""
+    from tests.cache.test_tiers_e2e import always_load
+
+    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+                          host_cache_bytes=64 * 15360))
+    engine = llm.engine
+    if not lower_tier:
+        monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
+    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
+    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
+    cold = engine.add_request(cold_prompt, TWO)
+    for _ in range(6):
+        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
+    rid = engine.add_request(short, TWO)
+    engine.sequence(rid).metrics.arrival_time += 1e6  # arrived long after the cold prefill's deadline
+    first, outs = _first_and_outputs(engine)
+    assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]
+    assert outs[rid].num_cached_tokens == 12 * PS
+    if lower_tier:  # once: it is not re-admitted (taking back the pages) while the turn loads
+        assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
+    else:
         assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0

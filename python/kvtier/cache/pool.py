@@ -149,6 +149,12 @@ class KVPool:
         """Add pages so ``kv`` holds ``num_tokens`` tokens; False (nothing changed) if too few are free."""
         return self.pages.allocate(kv, num_tokens)
 
+    @property
+    def keeps_evicted_blocks(self) -> bool:
+        """Whether a device page's full block outlives its eviction in a lower tier (a host tier
+        with prefix caching), so a preempted request's computed blocks load back, not recomputed."""
+        return self.config.enable_prefix_caching and self.host is not None
+
     def free(self, kv: KVState) -> None:
         """Drop ``kv``'s pages; its last pages become reusable first, its first pages last. A
         request freed while its loads run waits for them first. Its progress is the caller's."""

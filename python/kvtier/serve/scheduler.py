@@ -35,6 +35,12 @@ the difference in cost before it, and a costly one is not passed over by later a
 longer than about its own cost."""
 CHUNK_SHARE = 0.5
 """Share of each step's token budget the chunked prefill gets at least, whatever ranks ahead."""
+CACHED_SHARE = 0.5
+"""A waiting turn with at least this share of its prompt cached may preempt sequences past their
+first token when it is blocked on pages (and the pool keeps evicted blocks below the device)."""
+DISPLACE_MIN_OUTPUT = 8
+"""Sequences past their first token are preempted for such a turn only while they may still
+decode this many tokens (one about to finish frees its pages in a few steps anyway)."""
 
 
 class Scheduler:
@@ -52,15 +58,22 @@ class Scheduler:
       what is left of the step's budget waits while another is chunked: a partly computed
       prompt holds pages), beside any number of prefills that end in the step; the chunked one
       gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
-      whatever they leave. A
+      whatever they leave. Requests past their first token (preempted after it) rank after
+      those still waiting for one. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
-      request, running prefills ranked behind it are preempted if their pages let it in.
+      request, running prefills ranked behind it are preempted if their pages let it in, and
+      so, for a new turn mostly cached when the pool keeps evicted blocks in a lower tier, are
+      running sequences past their first token, then other prefills (their blocks load back;
+      see :meth:`_victims`); a preempted sequence is not re-admitted while the request it made
+      room for waits or loads (unless it is aged).
       Aging bounds how long a request can be skipped: a request passed over in
       ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
       got none; a preemption counts as one) ranks ahead of every request that was not, in
-      arrival order, and is not preempted for others; such a request that cannot be placed
-      stops admission behind it until pages are freed.
+      arrival order, and is not preempted for others (nor is one that a preemption would age,
+      so a sequence is preempted for others fewer than ``schedule_max_passes`` times before
+      its first token, and as many after it: the count restarts at the first token); such a
+      request that cannot be placed stops admission behind it until pages are freed.
     * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
       the first that cannot be placed holds the ones behind it.
 
@@ -92,6 +105,10 @@ class Scheduler:
         # Requests that failed admission: the free pages then and the token budget they had.
         self._blocked: dict[int, tuple[int, int]] = {}
         self._estimates: dict[int, tuple[int, float]] = {}  # this step's cost estimates by seq_id
+        self._aging_restarted: set[int] = set()  # running sequences whose aging restarted at their first token
+        # Sequences preempted to make room, by seq_id: the request they made room for. They are
+        # not re-admitted while it waits (or loads), unless they are aged.
+        self._displaced: dict[int, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -165,12 +182,13 @@ class Scheduler:
         return seq.metrics.arrival_time, seq.seq_id
 
     def _key(self, seq: Sequence) -> tuple:
-        """Rank key: aged requests first, by arrival; then by deadline, arrival plus
-        ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
+        """Rank key: aged requests first, by arrival; then requests still waiting for their first
+        token, then those past it (preempted after it: their TTFT is made), each by deadline,
+        arrival plus ``DEADLINE_STRETCH`` times the estimated cost to serve (seconds)."""
         arrival, seq_id = self._arrival(seq)
         if self._urgent(seq):
             return 0, arrival, seq_id
-        return 1, arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
+        return 1 + bool(seq.output_token_ids), arrival + DEADLINE_STRETCH * self._estimate(seq)[1], seq_id
 
     def _ranked(self, seqs: list[Sequence]) -> list[Sequence]:
         """``seqs`` in cache-aware order (see :meth:`_key`)."""
@@ -228,10 +246,11 @@ class Scheduler:
                 seq.num_passed_over += 1
 
     def _make_room(self) -> None:
-        """Preempt running prefills that rank behind the best-ranked request blocked on pages,
-        when their pages together let it in (vLLM's priority scheduling preempts the same way).
-        Only prefills that are not aged are taken, most expensive first, and each preemption
-        counts as a step passed over, so aging bounds how often one request is preempted."""
+        """Preempt running sequences to let in the best-ranked request blocked on pages, when
+        their pages together let it in (vLLM's priority scheduling preempts the same way); see
+        :meth:`_victims` for which. Each preemption counts as a step passed over, so aging
+        bounds how often one request is preempted."""
+        self._restart_aging()
         blocked = [s for s in self.waiting if s.seq_id in self._blocked]
         if not blocked:
             return
@@ -242,21 +261,67 @@ class Scheduler:
         need = self.pool.pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
             return
-        key = self._key(head)
-        victims = sorted((s for s in self.running
-                          if self._remaining(s) > 1 and not self._urgent(s) and self._key(s) > key),
-                         key=self._key, reverse=True)
-        chosen, free = [], self.pool.num_free_pages
-        for v in victims:
-            if free >= need:
-                break
-            chosen.append(v)
-            free += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
-        if free < need:
-            return
-        for v in chosen:
+        chosen = self._victims(head, need - self.pool.num_free_pages)
+        for v in chosen or ():
             self._preempt(v)
             v.num_passed_over += 1
+            self._displaced[v.seq_id] = head
+
+    def _restart_aging(self) -> None:
+        """A request's first token ends the wait aging bounds (its TTFT): its count of steps
+        passed over starts again from 0, once, so that a request that waited long before it is
+        not spared for the rest of its decode; from then on it is passed over (preemptions
+        included) in at most ``schedule_max_passes`` steps before it is aged again."""
+        for seq in self.running:
+            if seq.output_token_ids and seq.seq_id not in self._aging_restarted:
+                self._aging_restarted.add(seq.seq_id)
+                seq.num_passed_over = 0
+
+    def _victims(self, head: Sequence, short: int) -> list[Sequence] | None:
+        """Running sequences whose pages (those no other sequence shares) free at least
+        ``short`` for ``head``, or None when all candidates together do not.
+
+        Candidates, in the order they are taken: prefills that rank behind ``head``, most
+        expensive first; then, when ``head`` was never admitted (so each arrival displaces them
+        once at most), has at least ``CACHED_SHARE`` of its prompt cached and the pool keeps
+        evicted blocks in a lower tier (:attr:`KVPool.keeps_evicted_blocks`), so that whatever
+        is preempted loads its computed blocks back when it is re-admitted: sequences past
+        their first token that may still decode ``DISPLACE_MIN_OUTPUT`` tokens or more, the
+        most first (their TTFT is made), then the other prefills, last-ranked first (a cached
+        turn does not wait for a long cold prefill to end; it delays that prefill by about its
+        own short service).
+
+        A sequence the preemption would age (passed over in ``schedule_max_passes`` steps,
+        counting this one) is never taken: aged, it would rank first and take its pages back
+        at once; so a sequence is preempted for others fewer than ``schedule_max_passes`` times.
+        """
+        key = self._key(head)
+        spared = lambda s: s.num_passed_over + 1 >= self.config.schedule_max_passes  # noqa: E731
+        left = lambda s: s.params.max_tokens - len(s.output_token_ids)  # noqa: E731
+        candidates = sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
+                             and self._key(s) > key), key=self._key, reverse=True)
+        if self._displaces_running(head):
+            taken = {s.seq_id for s in candidates}
+            candidates += sorted((s for s in self.running if s.output_token_ids and not spared(s)
+                                  and left(s) >= DISPLACE_MIN_OUTPUT and s.seq_id not in taken),
+                                 key=left, reverse=True)
+            taken |= {s.seq_id for s in candidates}
+            candidates += sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
+                                  and s.seq_id not in taken), key=self._key, reverse=True)
+        chosen, freed = [], 0
+        for v in candidates:
+            if freed >= short:
+                break
+            chosen.append(v)
+            freed += sum(self.pool.ref_counts[p] == 1 for p in v.page_ids)
+        return chosen if freed >= short else None
+
+    def _displaces_running(self, head: Sequence) -> bool:
+        """Whether ``head`` may preempt sequences past their first token and prefills that rank
+        ahead of it (see :meth:`_victims`)."""
+        if head.admitted or not self.pool.keeps_evicted_blocks:
+            return False
+        return head.num_tokens - self._estimate(head)[0] >= CACHED_SHARE * head.num_tokens
 
     # ---- admission ----------------------------------------------------------------------------
     def _mark(self, seq: Sequence, name: str) -> None:
@@ -304,6 +369,8 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
+            if seq.seq_id in self._displaced and not self._urgent(seq):
+                continue  # preempted to make room: the request it made room for goes first
             if chunking and self._estimate(seq)[0] > budget:
                 continue  # one chunked prefill at a time: it would hold pages while it waits for budget
             n = self._admit(batch, seq, budget)
@@ -381,6 +448,7 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, None)
             self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
             return batch
+        self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
         num_loading = len(self.loading)
@@ -397,6 +465,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._blocked.pop(seq.seq_id, None)
+        self._aging_restarted.discard(seq.seq_id)
         self.pool.free(seq.kv)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "abort"
@@ -411,4 +480,5 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.running.remove(seq)
+        self._aging_restarted.discard(seq.seq_id)
         self.pool.free(seq.kv)
