@@ -110,17 +110,12 @@ def _copy_job_costs(pool, jobs: int = 512) -> tuple[float, float]:
     host_s = disk_s = 0.0
     if pool.host is not None and pool.host.num_slots:
         slot = pool.host.slot(0)
-        host_s = _seconds_per_job(
-            lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs
-        )
+        host_s = _seconds_per_job(lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs)
     blocks = pool.disk.blocks() if pool.disk is not None else []
     if blocks:
         staging = aligned_empty(pool.block_bytes)
         h = blocks[0][0]
-        disk_s = _seconds_per_job(
-            lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging),
-            jobs // 4,
-        )
+        disk_s = _seconds_per_job(lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging), jobs // 4)
     return host_s, disk_s
 
 
@@ -132,29 +127,17 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         ValueError: ``calibration_seed`` equals ``opts.seed`` (the check would be circular).
     """
     if calibration_seed == opts.seed:
-        raise ValueError(
-            "calibration_seed must differ from the compared workload's seed"
-        )
-    cal = dataclasses.replace(
-        opts, seed=calibration_seed, trace=None, configs="tiered,device-only"
-    )
+        raise ValueError("calibration_seed must differ from the compared workload's seed")
+    cal = dataclasses.replace(opts, seed=calibration_seed, trace=None, configs="tiered,device-only")
     model, model_id, workload, sizing, base, _ = prepare(cal)
     warm_up(model, base)
     log = StepLog()
     tier_costs, host_job_s, disk_job_s = None, 0.0, 0.0
     for config in parse_configs(cal.configs):
-        disk_dir = (
-            tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir)
-            if config.disk
-            else None
-        )
+        disk_dir = tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir) if config.disk else None
         try:
             engine = Engine(
-                model,
-                config.engine_config(
-                    base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes
-                ),
-                model_id,
+                model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes), model_id
             )
             record_steps(engine, log)
             replay(
@@ -173,42 +156,24 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         finally:
             if disk_dir is not None:
                 shutil.rmtree(disk_dir, ignore_errors=True)
-    timer = fit_linear_timer(
-        log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}"
-    )
-    errors = sorted(
-        abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds)
-    )
+    timer = fit_linear_timer(log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}")
+    errors = sorted(abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds))
     host = _link(tier_costs, Tier.HOST, host_job_s)
     disk = _link(tier_costs, Tier.DISK, disk_job_s)
     return CpuCosts(timer, host, disk, len(log.seconds), errors[len(errors) // 2])
 
 
-def sim_engine_config(
-    config: BenchConfig, base: EngineConfig, sizing: Sizing
-) -> tuple[EngineConfig, int]:
+def sim_engine_config(config: BenchConfig, base: EngineConfig, sizing: Sizing) -> tuple[EngineConfig, int]:
     """The bench's engine config with its tiers counted in simulator placeholder blocks
     (``page_size`` bytes each); returns it and the disk tier's capacity in file bytes."""
     ps = sizing.page_size
-    host_slots = (
-        sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes)
-        if config.host
-        else 0
-    )
-    disk_slots = (
-        sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes)
-        if config.disk
-        else 0
-    )
+    host_slots = sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes) if config.host else 0
+    disk_slots = sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes) if config.disk else 0
     disk_bytes = disk_slots * DiskTier.file_bytes(ps)
-    return config.engine_config(
-        base, host_slots * HostTier.row_bytes(ps), None, disk_bytes
-    ), disk_bytes
+    return config.engine_config(base, host_slots * HostTier.row_bytes(ps), None, disk_bytes), disk_bytes
 
 
-def simulate_bench(
-    opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None
-) -> list[SimRun]:
+def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None) -> list[SimRun]:
     """``opts``' bench run re-enacted in virtual time with ``costs`` (same workload, tier sizes,
     closed loop and configurations)."""
     model, _, wl, sizing, base, _ = prepare(opts)
@@ -218,8 +183,9 @@ def simulate_bench(
     for config in parse_configs(opts.configs):
         cfg, disk_bytes = sim_engine_config(config, base, sizing)
         disk = SimDisk(disk_bytes) if config.disk else None
-        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings,
-                           VirtualClock(), disk=disk)
+        engine = SimWorker(
+            cfg, costs.timer, links, model.config, model.config.max_position_embeddings, VirtualClock(), disk=disk
+        )
         runs.append(
             simulate(
                 [engine],

@@ -131,9 +131,7 @@ class Efficiency:
         for name in ("layer_overhead_s", "step_overhead_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(
-                    f"Efficiency.{name} must be a finite number >= 0, got {v!r}"
-                )
+                raise ValueError(f"Efficiency.{name} must be a finite number >= 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -170,18 +168,12 @@ class Node:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(
-                f"Node.num_devices must be an int >= 1, got {self.num_devices!r}"
-            )
+            raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
         if not 0 < self.hbm_fraction <= 1:
-            raise ValueError(
-                f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}"
-            )
+            raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
         for name in ("host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(
-                    f"Node.{name} must be >= 0, got {getattr(self, name)!r}"
-                )
+                raise ValueError(f"Node.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.
@@ -189,10 +181,7 @@ class Node:
         Raises:
             ValueError: the weights and reserve do not fit.
         """
-        per_device = (
-            self.accelerator.hbm_bytes * self.hbm_fraction
-            - weight_bytes / self.num_devices
-        )
+        per_device = self.accelerator.hbm_bytes * self.hbm_fraction - weight_bytes / self.num_devices
         left = per_device - self.activation_reserve_bytes
         if left <= 0:
             raise ValueError(
