@@ -123,15 +123,9 @@ class SimCopyHandle:
             native engine reports its worker time).
     """
 
-    def __init__(
-        self,
-        engine: SimCopyEngine,
-        start_s: float,
-        end_s: float,
-        num_blocks: int,
-        effect: Callable[[], list[int]] | None,
-    ):
-        self._engine, self.start_s, self.end_s, self.num_blocks = (engine, start_s, end_s, num_blocks)
+    def __init__(self, engine: SimCopyEngine, start_s: float, end_s: float, num_blocks: int,
+                 effect: Callable[[], list[int]] | None):
+        self._engine, self.start_s, self.end_s, self.num_blocks = engine, start_s, end_s, num_blocks
         self._effect = effect
         self._result: list[int] | None = None
         self.run_s = 0.0
@@ -170,16 +164,8 @@ class SimCopyEngine:
             ``"disk"``).
     """
 
-    def __init__(
-        self,
-        clock: VirtualClock,
-        block_bytes: float,
-        *,
-        device_to_host: Link,
-        host_to_device: Link,
-        disk: Link,
-        owner: object = None,
-    ):
+    def __init__(self, clock: VirtualClock, block_bytes: float, *, device_to_host: Link, host_to_device: Link,
+                 disk: Link, owner: object = None):
         self.clock, self.owner = clock, owner
         self.block_bytes = float(block_bytes)
         self._links = {"device->host": device_to_host, "host->device": host_to_device, "disk": disk}

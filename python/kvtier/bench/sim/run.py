@@ -40,22 +40,16 @@ from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
 
 @dataclass(frozen=True)
 class SimOptions:
-    """What ``kvtier simulate`` runs: a scenario and overrides of its fields (None = keep).
+    """What ``kvtier simulate`` runs: a scenario (:data:`kvtier.bench.sim.scenarios.SCENARIOS`) and
+    overrides (None = keep) of the :class:`~kvtier.bench.sim.scenarios.Replay` or :class:`Scenario`
+    field of the same name (``truncate_input_tokens`` 0 = off; ``matrix_efficiency`` overrides
+    ``Efficiency.matrix``).
 
     Attributes:
-        scenario: scenario name (:data:`kvtier.bench.sim.scenarios.SCENARIOS`).
         trace: kv-cache-tester or Mooncake trace file or folder; None = the built-in generator.
-        sessions, concurrency, max_turns, time_scale, max_think_s, ramp_s, duration_s, warmup_s,
-            seed, warm_prefix_fraction: replay overrides.
-        truncate_input_tokens: replay override; 0 turns truncation off.
-        kv_dtype_bytes: bytes per cached KV value (2 = bf16, 1 = FP8).
         configs: comma-separated variant names to run (None = all of the scenario's).
-        node: hardware preset override (``mi355x``, ``h200``).
-        matrix_efficiency: override of the assumed matrix efficiency.
-        kernel_csv: ``perf/`` kernel-timing CSVs whose rates replace ``peak x efficiency``.
-        kernel_device: the ``device`` substring of the CSV rows to use.
-        schedule_policy: the engines' admission order (``cache-aware`` or ``fcfs``; None = the
-            scenario's).
+        kernel_csv, kernel_device: ``perf/`` kernel-timing CSVs whose rates replace ``peak x
+            efficiency`` (:meth:`KernelRates.from_csv`), and the ``device`` of the rows to use.
     """
 
     scenario: str

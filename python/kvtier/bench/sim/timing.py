@@ -31,9 +31,8 @@ Matrix rates: FP8 GEMMs (K2's released weights are FP8) at ``fp8_flops * efficie
 attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficiency.memory``.
 :class:`KernelRates` read from ``perf/`` CSVs replace these with the rates the kernels reached.
 
-**Linear** (:class:`LinearTimer`): ``step_s = sum(coefficient_f * feature_f)`` over
-:data:`FEATURES`, fitted by least squares (non-negative) on measured steps; the CPU cost model of
-the agreement check (:mod:`kvtier.bench.sim.calibrate`).
+**Linear** (:class:`LinearTimer`): fitted on measured steps, the CPU cost model of the agreement
+check (:mod:`kvtier.bench.calibrate`).
 """
 
 from __future__ import annotations
@@ -296,25 +295,3 @@ class LinearTimer:
         """Tokens/s of ``chunk_tokens``-token prefill chunks with nothing cached."""
         return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
 
-
-def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str = "") -> LinearTimer:
-    """Least-squares :class:`LinearTimer` with non-negative coefficients.
-
-    Features whose unconstrained coefficient comes out negative are dropped one at a time (the
-    most negative first) and the rest refitted, until all are >= 0 (an active-set NNLS).
-
-    Raises:
-        ValueError: fewer samples than features, or lengths that differ.
-    """
-    if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
-        raise ValueError(f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
-                         f"got {len(shapes)} shapes and {len(seconds)} seconds")
-    x = np.stack([s.features() for s in shapes])
-    y = np.asarray(seconds, dtype=np.float64)
-    active = list(range(len(FEATURES)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if coef.min() >= 0 or len(active) == 1:
-            break
-        del active[int(np.argmin(coef))]
-    return LinearTimer({FEATURES[i]: max(float(c), 0.0) for i, c in zip(active, coef)}, source)
