@@ -95,12 +95,9 @@ class Replay:
         concurrency: sessions active at once.
         max_turns: turns kept per session (None = all).
         token_scale, time_scale, max_think_s: as ``kvtier bench``.
-        truncate_input_tokens: each session ends before its first turn with a longer prompt
-            (None: the model's context only), as kv-cache-tester's replay tool does with
-            ``--max-context`` (:func:`kvtier.bench.workload.load_trace`).
-        warm_prefix_fraction: share of the largest tool + system prompt that every trace
-            session starts with (``--warm-prefix-pct`` there); traces only, the built-in
-            generator always shares its whole tool + system prompt.
+        truncate_input_tokens, warm_prefix_fraction: as :func:`kvtier.bench.workload.load_trace`
+            (:data:`REPLAY_MAX_CONTEXT_TOKENS`, :data:`REPLAY_WARM_PREFIX_FRACTION`); None = the
+            model's context only; the built-in generator always shares its whole tool + system prompt.
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         warmup_s, duration_s: the measurement window, virtual seconds.
         seed: of the built-in workload generator.

@@ -181,6 +181,12 @@ def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_b
     return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
 
 
+def _prefill_tok_s(timer, chunk_tokens: int) -> float:
+    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first estimate
+    for the pool's cost model, which then learns from steps); a method of both timers."""
+    return chunk_tokens / timer.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+
+
 @dataclass
 class RooflineTimer:
     """Step time of a K2-class model on a :class:`Node` (module docstring has the formulas).
@@ -258,10 +264,7 @@ class RooflineTimer:
         t += 2 * s.layers * self.node.allreduce_s(tokens * s.hidden * 2)
         return t + s.layers * eff.layer_overhead_s + eff.step_overhead_s
 
-    def prefill_tok_s(self, chunk_tokens: int) -> float:
-        """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first
-        estimate for the pool's cost model, which then learns from steps)."""
-        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+    prefill_tok_s = _prefill_tok_s
 
 
 @dataclass(frozen=True)
@@ -291,7 +294,5 @@ class LinearTimer:
             return 0.0
         return float(shape.features() @ self._w)
 
-    def prefill_tok_s(self, chunk_tokens: int) -> float:
-        """Tokens/s of ``chunk_tokens``-token prefill chunks with nothing cached."""
-        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+    prefill_tok_s = _prefill_tok_s
 
