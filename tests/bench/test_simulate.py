@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from kvtier.bench.calibrate import fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
@@ -28,7 +29,6 @@ from kvtier.bench.sim.timing import (
     KernelRates,
     LinearTimer,
     RooflineTimer,
-    fit_linear_timer,
     weight_bytes,
 )
 from kvtier.bench.workload import Session, Turn, Workload

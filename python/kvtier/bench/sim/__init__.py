@@ -5,6 +5,6 @@ The real engine step, scheduler and tiered pool and the real replay loop
 fitted model) and every copy from modelled links. Modules: ``hardware`` (accelerators, links,
 nodes), ``timing`` (step time), ``copies`` (virtual clock, copy engine, disk tier), ``engine`` (one
 worker: the engine with a timed runner), ``loop`` (the workers as the closed loop's target),
-``scenarios`` (named experiments), ``run`` (sizing and running), ``calibrate`` (costs measured on
-this machine).
+``scenarios`` (named experiments), ``run`` (sizing and running). Costs measured on this machine
+for the agreement check are in :mod:`kvtier.bench.calibrate`.
 """

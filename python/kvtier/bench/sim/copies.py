@@ -69,9 +69,7 @@ class SimDisk:
     def used_bytes(self) -> int:
         return self._used
 
-    def store(
-        self, block_hash: bytes, meta: BlockMeta, writer: object = None
-    ) -> DiskStatus:
+    def store(self, block_hash: bytes, meta: BlockMeta, writer: object = None) -> DiskStatus:
         """Record a block (as a finished write would); FULL when it does not fit."""
         if block_hash in self._blocks:
             return DiskStatus.OK
@@ -125,20 +123,9 @@ class SimCopyHandle:
             native engine reports its worker time).
     """
 
-    def __init__(
-        self,
-        engine: SimCopyEngine,
-        start_s: float,
-        end_s: float,
-        num_blocks: int,
-        effect: Callable[[], list[int]] | None,
-    ):
-        self._engine, self.start_s, self.end_s, self.num_blocks = (
-            engine,
-            start_s,
-            end_s,
-            num_blocks,
-        )
+    def __init__(self, engine: SimCopyEngine, start_s: float, end_s: float, num_blocks: int,
+                 effect: Callable[[], list[int]] | None):
+        self._engine, self.start_s, self.end_s, self.num_blocks = engine, start_s, end_s, num_blocks
         self._effect = effect
         self._result: list[int] | None = None
         self.run_s = 0.0
@@ -149,18 +136,14 @@ class SimCopyHandle:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Stall the clock until the job ends (or ``timeout_s`` passes); True if it ended."""
         clock = self._engine.clock
-        clock.advance_to(
-            self.end_s if timeout_s is None else min(self.end_s, clock.now + timeout_s)
-        )
+        clock.advance_to(self.end_s if timeout_s is None else min(self.end_s, clock.now + timeout_s))
         return self.done()
 
     def result(self) -> list[int]:
         """Per-block status (0 = ok); stalls until the job ended, then applies its effect once."""
         if self._result is None:
             self.wait()
-            self._result = (
-                self._effect() if self._effect is not None else [0] * self.num_blocks
-            )
+            self._result = self._effect() if self._effect is not None else [0] * self.num_blocks
             self.run_s = self.end_s - self.start_s
         return self._result
 
@@ -181,27 +164,13 @@ class SimCopyEngine:
             ``"disk"``).
     """
 
-    def __init__(
-        self,
-        clock: VirtualClock,
-        block_bytes: float,
-        *,
-        device_to_host: Link,
-        host_to_device: Link,
-        disk: Link,
-        owner: object = None,
-    ):
+    def __init__(self, clock: VirtualClock, block_bytes: float, *, device_to_host: Link, host_to_device: Link,
+                 disk: Link, owner: object = None):
         self.clock, self.owner = clock, owner
         self.block_bytes = float(block_bytes)
-        self._links = {
-            "device->host": device_to_host,
-            "host->device": host_to_device,
-            "disk": disk,
-        }
+        self._links = {"device->host": device_to_host, "host->device": host_to_device, "disk": disk}
         self._free_at = dict.fromkeys(self._links, 0.0)
-        self._ends: list[
-            tuple[float, int, SimCopyHandle]
-        ] = []  # heap of uncollected jobs by end time
+        self._ends: list[tuple[float, int, SimCopyHandle]] = []  # heap of uncollected jobs by end time
         self._order = itertools.count()
         self.bytes_moved = dict.fromkeys(self._links, 0.0)
 
@@ -210,9 +179,7 @@ class SimCopyEngine:
         nbytes = num_blocks * self.block_bytes
         start = max(now, self._free_at[link_name])
         self._free_at[link_name] = start + link.busy_s(nbytes)
-        handle = SimCopyHandle(
-            self, start, start + link.copy_s(nbytes), num_blocks, effect
-        )
+        handle = SimCopyHandle(self, start, start + link.copy_s(nbytes), num_blocks, effect)
         heapq.heappush(self._ends, (handle.end_s, next(self._order), handle))
         self.bytes_moved[link_name] += nbytes
         return handle
@@ -225,25 +192,15 @@ class SimCopyEngine:
         """Host memory to device pages (host -> device link)."""
         return self._submit("host->device", len(pages))
 
-    def disk_write(
-        self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging
-    ) -> SimCopyHandle:
+    def disk_write(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
         """Blocks to the disk tier; they are stored there when the pool collects the job."""
         hashes = list(hashes)
-        return self._submit(
-            "disk",
-            len(hashes),
-            lambda: [int(disk.store(h, meta, self.owner)) for h in hashes],
-        )
+        return self._submit("disk", len(hashes), lambda: [int(disk.store(h, meta, self.owner)) for h in hashes])
 
-    def disk_read(
-        self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging
-    ) -> SimCopyHandle:
+    def disk_read(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
         """Blocks from the disk tier; their presence is checked when the pool collects the job."""
         hashes = list(hashes)
-        return self._submit(
-            "disk", len(hashes), lambda: [int(disk.load(h, meta)) for h in hashes]
-        )
+        return self._submit("disk", len(hashes), lambda: [int(disk.load(h, meta)) for h in hashes])
 
     def next_end_s(self, after: float = float("-inf")) -> float | None:
         """When the earliest job not yet collected ends, among those ending after ``after``
@@ -253,7 +210,4 @@ class SimCopyEngine:
             heapq.heappop(ends)  # collected
         if not ends or ends[0][0] > after:
             return ends[0][0] if ends else None
-        return min(
-            (end for end, _, h in ends if end > after and h._result is None),
-            default=None,
-        )
+        return min((end for end, _, h in ends if end > after and h._result is None), default=None)

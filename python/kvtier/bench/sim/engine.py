@@ -1,13 +1,8 @@
 """One simulated worker: the real :class:`~kvtier.serve.engine.Engine` (scheduler, tiered pool,
-``begin_step``/``end_step``) with the model replaced by a timed runner and every copy by a
-virtual-time job.
-
-:class:`TimedRunner` is the engine's :class:`~kvtier.serve.runner.StepRunner`: a step lasts
-``timer.step_s(BatchShape.of(batch))`` virtual seconds, and a sequence that reaches its end gets
-one placeholder token (requests ignore EOS and finish after ``max_tokens``). The pool gets the
-simulator's clock, copy engine and disk tier through its seams (:mod:`kvtier.bench.sim.copies`).
-The prefill rate the pool's cost model learns comes from these virtual step times, as the
-engine's does from measured ones.
+``begin_step``/``end_step``) with the model replaced by a :class:`TimedRunner` and every copy by
+a virtual-time job (the pool's seams, :mod:`kvtier.bench.sim.copies`). The prefill rate the
+pool's cost model learns comes from the virtual step times, as the engine's does from measured
+ones.
 
 Prompts are lengths plus block hashes (``Engine.add_hashed_request``): hashes are given for
 every full block a request will hold, so neither the scheduler nor the pool needs token ids.
@@ -66,7 +61,9 @@ class TierLinks:
 
 class TimedRunner:
     """A :class:`~kvtier.serve.runner.StepRunner` that models each step's time instead of running
-    a model.
+    a model: a step lasts ``timer.step_s(BatchShape.of(batch))`` virtual seconds, and a sequence
+    that reaches its end gets one placeholder token (requests ignore EOS and finish after
+    ``max_tokens``).
 
     Args:
         timer: anything with ``step_s(BatchShape) -> seconds``.
@@ -159,9 +156,3 @@ class SimWorker:
             return wake, None
         result = self.runner.run(batch)
         return self.clock.now + result.seconds, result
-
-    def pool_bytes_moved(self) -> dict[str, int]:
-        """The pool's byte counters in modelled bytes, keyed as ``ConfigRun.bytes_moved``."""
-        s, k = self.pool.stats, self.bytes_scale
-        return {"device->host": round(s.bytes_written["host"] * k), "host->device": round(s.bytes_loaded["host"] * k),
-                "host->disk": round(s.bytes_written["disk"] * k), "disk->device": round(s.bytes_loaded["disk"] * k)}

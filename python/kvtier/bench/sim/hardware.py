@@ -38,6 +38,13 @@ def _check_positive(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{name} must be a finite number > 0, got {v!r}")
 
 
+def _check_nonnegative(obj: object, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{type(obj).__name__}.{name} must be a finite number >= 0, got {v!r}")
+
+
 @dataclass(frozen=True)
 class Link:
     """One copy path (a direction of PCIe, an NVMe array, a NIC, a CPU copy thread pool).
@@ -61,10 +68,7 @@ class Link:
 
     def __post_init__(self) -> None:
         _check_positive("Link", bandwidth_Bps=self.bandwidth_Bps)
-        for name in ("latency_s", "job_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"Link.{name} must be a finite number >= 0, got {v!r}")
+        _check_nonnegative(self, "latency_s", "job_s")
 
     def busy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes holds the link (other jobs wait that long)."""
@@ -97,13 +101,8 @@ class Accelerator:
     interconnect: Link
 
     def __post_init__(self) -> None:
-        _check_positive(
-            f"Accelerator({self.name})",
-            hbm_bytes=self.hbm_bytes,
-            hbm_Bps=self.hbm_Bps,
-            bf16_flops=self.bf16_flops,
-            fp8_flops=self.fp8_flops,
-        )
+        _check_positive(f"Accelerator({self.name})", hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
+                        bf16_flops=self.bf16_flops, fp8_flops=self.fp8_flops)
 
 
 @dataclass(frozen=True)
@@ -128,12 +127,7 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
-        for name in ("layer_overhead_s", "step_overhead_s"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(
-                    f"Efficiency.{name} must be a finite number >= 0, got {v!r}"
-                )
+        _check_nonnegative(self, "layer_overhead_s", "step_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -170,18 +164,12 @@ class Node:
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(
-                f"Node.num_devices must be an int >= 1, got {self.num_devices!r}"
-            )
+            raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
         if not 0 < self.hbm_fraction <= 1:
-            raise ValueError(
-                f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}"
-            )
+            raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
         for name in ("host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes"):
             if getattr(self, name) < 0:
-                raise ValueError(
-                    f"Node.{name} must be >= 0, got {getattr(self, name)!r}"
-                )
+                raise ValueError(f"Node.{name} must be >= 0, got {getattr(self, name)!r}")
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.
@@ -189,16 +177,11 @@ class Node:
         Raises:
             ValueError: the weights and reserve do not fit.
         """
-        per_device = (
-            self.accelerator.hbm_bytes * self.hbm_fraction
-            - weight_bytes / self.num_devices
-        )
+        per_device = self.accelerator.hbm_bytes * self.hbm_fraction - weight_bytes / self.num_devices
         left = per_device - self.activation_reserve_bytes
         if left <= 0:
-            raise ValueError(
-                f"{weight_bytes / GB:.0f} GB of weights over {self.num_devices} x "
-                f"{self.accelerator.name} leave no HBM for KV"
-            )
+            raise ValueError(f"{weight_bytes / GB:.0f} GB of weights over {self.num_devices} x "
+                             f"{self.accelerator.name} leave no HBM for KV")
         return left
 
     def allreduce_s(self, nbytes: float) -> float:
@@ -210,26 +193,14 @@ class Node:
         return link.latency_s + 2 * (p - 1) / p * nbytes / link.bandwidth_Bps
 
 
-MI355X = Accelerator(
-    "MI355X",
-    hbm_bytes=288 * GB,
-    hbm_Bps=8 * TB,
-    bf16_flops=2.5e15,
-    fp8_flops=5.0e15,
-    interconnect=Link(bandwidth_Bps=7 * 153.6 * GB / 2, latency_s=15e-6),
-)
+MI355X = Accelerator("MI355X", hbm_bytes=288 * GB, hbm_Bps=8 * TB, bf16_flops=2.5e15, fp8_flops=5.0e15,
+                     interconnect=Link(bandwidth_Bps=7 * 153.6 * GB / 2, latency_s=15e-6))
 """AMD Instinct MI355X (sources in the module docstring). All-reduce bus bandwidth: half the
 aggregate of 7 x 153.6 GB/s Infinity Fabric links (each link counted once per direction);
 15 us per collective (RCCL small-message latency on 8 GPUs, an assumption)."""
 
-H200 = Accelerator(
-    "H200",
-    hbm_bytes=141 * GB,
-    hbm_Bps=4.8 * TB,
-    bf16_flops=989e12,
-    fp8_flops=1979e12,
-    interconnect=Link(bandwidth_Bps=450 * GB, latency_s=10e-6),
-)
+H200 = Accelerator("H200", hbm_bytes=141 * GB, hbm_Bps=4.8 * TB, bf16_flops=989e12, fp8_flops=1979e12,
+                   interconnect=Link(bandwidth_Bps=450 * GB, latency_s=10e-6))
 """NVIDIA H200 SXM (sources in the module docstring). All-reduce bus bandwidth: 450 GB/s per
 direction of NVLink 4; 10 us per collective (NCCL small-message latency, an assumption)."""
 
@@ -241,15 +212,8 @@ NIC_400G = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
 def _node(accelerator: Accelerator, num_devices: int) -> Node:
     """``num_devices`` of ``accelerator`` with the assumed links and KV sizes: 1 TiB of host
     DRAM and 4 TB of NVMe."""
-    return Node(
-        accelerator,
-        num_devices,
-        host_link=HOST_LINK,
-        disk_link=NVME_ARRAY,
-        network_link=NIC_400G,
-        host_kv_bytes=1 * TIB,
-        disk_kv_bytes=4 * TB,
-    )
+    return Node(accelerator, num_devices, host_link=HOST_LINK, disk_link=NVME_ARRAY, network_link=NIC_400G,
+                host_kv_bytes=1 * TIB, disk_kv_bytes=4 * TB)
 
 
 def mi355x_node(num_devices: int = 8) -> Node:

@@ -181,13 +181,9 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
             page size.
         workload: sessions, in order; its block size must divide the page size.
         name: the configuration's name.
-        concurrency: sessions active at once (>= 1).
-        tool_aware: tell the pools about tool waits.
-        ramp_s: seconds over which the first ``concurrency`` sessions start.
         router: ``"sticky"`` or ``"least-loaded"`` (module docstring).
-        warmup_s, duration_s: the measurement window in virtual seconds
-            (:mod:`kvtier.bench.closed_loop`).
-        on_finish: called with each request's record as it finishes.
+        concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish: as
+            :class:`~kvtier.bench.closed_loop.ClosedLoop` (times in virtual seconds).
 
     Returns:
         :class:`SimRun`; its ``run.device_pages`` is summed over workers.

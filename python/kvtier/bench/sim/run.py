@@ -40,22 +40,16 @@ from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
 
 @dataclass(frozen=True)
 class SimOptions:
-    """What ``kvtier simulate`` runs: a scenario and overrides of its fields (None = keep).
+    """What ``kvtier simulate`` runs: a scenario (:data:`kvtier.bench.sim.scenarios.SCENARIOS`) and
+    overrides (None = keep) of the :class:`~kvtier.bench.sim.scenarios.Replay` or :class:`Scenario`
+    field of the same name (``truncate_input_tokens`` 0 = off; ``matrix_efficiency`` overrides
+    ``Efficiency.matrix``).
 
     Attributes:
-        scenario: scenario name (:data:`kvtier.bench.sim.scenarios.SCENARIOS`).
         trace: kv-cache-tester or Mooncake trace file or folder; None = the built-in generator.
-        sessions, concurrency, max_turns, time_scale, max_think_s, ramp_s, duration_s, warmup_s,
-            seed, warm_prefix_fraction: replay overrides.
-        truncate_input_tokens: replay override; 0 turns truncation off.
-        kv_dtype_bytes: bytes per cached KV value (2 = bf16, 1 = FP8).
         configs: comma-separated variant names to run (None = all of the scenario's).
-        node: hardware preset override (``mi355x``, ``h200``).
-        matrix_efficiency: override of the assumed matrix efficiency.
-        kernel_csv: ``perf/`` kernel-timing CSVs whose rates replace ``peak x efficiency``.
-        kernel_device: the ``device`` substring of the CSV rows to use.
-        schedule_policy: the engines' admission order (``cache-aware`` or ``fcfs``; None = the
-            scenario's).
+        kernel_csv, kernel_device: ``perf/`` kernel-timing CSVs whose rates replace ``peak x
+            efficiency`` (:meth:`KernelRates.from_csv`), and the ``device`` of the rows to use.
     """
 
     scenario: str
@@ -86,43 +80,22 @@ class SimOptions:
             ValueError: an unknown scenario, configuration or node, or an override out of range.
         """
         scn = scenario(self.scenario)
-        over = {
-            k: getattr(self, k)
-            for k in (
-                "sessions",
-                "concurrency",
-                "max_turns",
-                "time_scale",
-                "max_think_s",
-                "ramp_s",
-                "duration_s",
-                "warmup_s",
-                "seed",
-                "warm_prefix_fraction",
-            )
-            if getattr(self, k) is not None
-        }
+        names = ("sessions", "concurrency", "max_turns", "time_scale", "max_think_s", "ramp_s", "duration_s",
+                 "warmup_s", "seed", "warm_prefix_fraction")
+        over = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.truncate_input_tokens is not None:
             over["truncate_input_tokens"] = self.truncate_input_tokens or None
         if over:
-            scn = dataclasses.replace(
-                scn, replay=dataclasses.replace(scn.replay, **over)
-            )
+            scn = dataclasses.replace(scn, replay=dataclasses.replace(scn.replay, **over))
         if self.kv_dtype_bytes is not None:
             scn = dataclasses.replace(scn, kv_dtype_bytes=self.kv_dtype_bytes)
         if self.node is not None:
             if self.node not in NODES:
-                raise ValueError(
-                    f"--node must be one of {list(NODES)}, got {self.node!r}"
-                )
+                raise ValueError(f"--node must be one of {list(NODES)}, got {self.node!r}")
             scn = dataclasses.replace(scn, node=self.node)
         if self.matrix_efficiency is not None:
-            scn = dataclasses.replace(
-                scn,
-                efficiency=dataclasses.replace(
-                    scn.efficiency, matrix=self.matrix_efficiency
-                ),
-            )
+            efficiency = dataclasses.replace(scn.efficiency, matrix=self.matrix_efficiency)
+            scn = dataclasses.replace(scn, efficiency=efficiency)
         if self.schedule_policy is not None:
             if self.schedule_policy not in SCHEDULE_POLICIES:
                 raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
@@ -159,84 +132,50 @@ class SimSizing:
 def load_workload(scn: Scenario, trace: str | None) -> Workload:
     """The scenario's sessions from ``trace`` (or generated), scaled and filtered as its replay says."""
     r = scn.replay
-    common = {
-        "token_scale": r.token_scale,
-        "time_scale": r.time_scale,
-        "max_think_s": r.max_think_s,
-        "max_turns": r.max_turns,
-        "max_input_tokens": scn.max_context_tokens,
-        "truncate_input_tokens": r.truncate_input_tokens,
-    }
+    common = dict(token_scale=r.token_scale, time_scale=r.time_scale, max_think_s=r.max_think_s,
+                  max_turns=r.max_turns, max_input_tokens=scn.max_context_tokens,
+                  truncate_input_tokens=r.truncate_input_tokens)
     if trace is None:
         return generate_workload(num_sessions=r.sessions, seed=r.seed, **common)
-    return load_trace(
-        trace,
-        max_sessions=r.sessions,
-        warm_prefix_fraction=r.warm_prefix_fraction,
-        **common,
-    )
+    return load_trace(trace, max_sessions=r.sessions, warm_prefix_fraction=r.warm_prefix_fraction, **common)
 
 
-def size_tiers(
-    scn: Scenario, model: KimiK2Config, node: Node, workload: Workload
-) -> SimSizing:
+def size_tiers(scn: Scenario, model: KimiK2Config, node: Node, workload: Workload) -> SimSizing:
     """Per-worker tier sizes for ``workload`` on ``node`` (module docstring)."""
     ps = scn.page_size
     block = ps * model.num_hidden_layers * model.kv_cache_dim * scn.kv_dtype_bytes
     wb = weight_bytes(model, scn.weight_dtype_bytes)
     ws = working_set_pages(workload, ps, scn.replay.concurrency)
-    largest = max(
-        -(-(t.input_tokens + t.output_tokens) // ps)
-        for s in workload.sessions
-        for t in s.turns
-    )
+    largest = max(-(-(t.input_tokens + t.output_tokens) // ps) for s in workload.sessions for t in s.turns)
     if scn.device_fraction is None:
         device = int(node.kv_bytes_per_device(wb) // block)
         host, store = int(node.host_kv_bytes // block), int(node.disk_kv_bytes // block)
     else:  # as kvtier bench: a fraction of the working set, at least the largest turn (+16)
         device = max(math.ceil(scn.device_fraction * ws), largest + 16)
-        distinct = len(
-            {b for s in workload.sessions for t in s.turns for b in t.block_ids}
-        )
+        distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
         host, store = ws, distinct + 16
     return SimSizing(ps, block, wb, device, host, store, ws)
 
 
 def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig:
-    base = EngineConfig(
-        pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
-        max_num_batched_tokens=scn.max_num_batched_tokens,
-        max_num_seqs=max(scn.replay.concurrency, 1),
-        seed=scn.replay.seed,
-        schedule_policy=scn.schedule_policy,
-    )
-    host_bytes = sizing.host_slots * HostTier.row_bytes(
-        sizing.page_size
-    )  # the pool's blocks: page_size bytes
+    base = EngineConfig(pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
+                        max_num_batched_tokens=scn.max_num_batched_tokens, max_num_seqs=max(scn.replay.concurrency, 1),
+                        seed=scn.replay.seed, schedule_policy=scn.schedule_policy)
+    host_bytes = sizing.host_slots * HostTier.row_bytes(sizing.page_size)  # the pool's blocks: page_size bytes
     store_bytes = sizing.store_slots * DiskTier.file_bytes(sizing.page_size)
     return v.cache.engine_config(base, host_bytes, None, store_bytes)
 
 
-def build_engines(
-    scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node
-) -> list[SimWorker]:
+def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node) -> list[SimWorker]:
     """Fresh workers for variant ``v``: each with its own clock, device and host tiers; the tier
     below host memory (when the variant has one) shared or not as ``v`` says."""
     config = _engine_config(scn, v, sizing)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
     links = TierLinks(sizing.block_bytes, node.host_link, node.host_link, store_link)
-    shared = (
-        SimDisk(config.pool.disk_cache_bytes * scn.workers)
-        if v.cache.disk and v.shared_store
-        else None
-    )
+    shared = SimDisk(config.pool.disk_cache_bytes * scn.workers) if v.cache.disk and v.shared_store else None
     engines = []
     for _ in range(scn.workers):
-        disk = (
-            shared
-            if shared is not None
-            else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
-        )
+        disk = shared if shared is not None else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
         engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, VirtualClock(),
                                  disk=disk))
     if shared is not None:
@@ -245,22 +184,12 @@ def build_engines(
     return engines
 
 
-def make_timer(
-    scn: Scenario, model: KimiK2Config, node: Node, rates: KernelRates | None = None
-) -> RooflineTimer:
-    return RooflineTimer(
-        model,
-        node,
-        scn.efficiency,
-        kv_dtype_bytes=scn.kv_dtype_bytes,
-        weight_dtype_bytes=scn.weight_dtype_bytes,
-        rates=rates or KernelRates(),
-    )
+def make_timer(scn: Scenario, model: KimiK2Config, node: Node, rates: KernelRates | None = None) -> RooflineTimer:
+    return RooflineTimer(model, node, scn.efficiency, kv_dtype_bytes=scn.kv_dtype_bytes,
+                         weight_dtype_bytes=scn.weight_dtype_bytes, rates=rates or KernelRates())
 
 
-def run_scenario(
-    opts: SimOptions, on_start=None, on_finish=None, workload: Workload | None = None
-):
+def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Workload | None = None):
     """Run every variant of ``opts``' scenario.
 
     Args:
@@ -281,14 +210,10 @@ def run_scenario(
     model, node = preset(scn.model), NODES[scn.node]()
     workload = load_workload(scn, opts.trace) if workload is None else workload
     if not workload.sessions:
-        raise ValueError(
-            f"the workload has no session within the {scn.max_context_tokens}-token context"
-        )
+        raise ValueError(f"the workload has no session within the {scn.max_context_tokens}-token context")
     rates = None
     if opts.kernel_csv:
-        rates = KernelRates.from_csv(
-            list(opts.kernel_csv), opts.kernel_device or node.accelerator.name
-        )
+        rates = KernelRates.from_csv(list(opts.kernel_csv), opts.kernel_device or node.accelerator.name)
     timer = make_timer(scn, model, node, rates)
     sizing = size_tiers(scn, model, node, workload)
     runs: list[SimRun] = []
@@ -297,27 +222,10 @@ def run_scenario(
             on_start(v.name)
         engines = build_engines(scn, v, sizing, timer, node)
         r = scn.replay
-        runs.append(
-            simulate(
-                engines,
-                workload,
-                v.name,
-                concurrency=r.concurrency,
-                tool_aware=v.cache.tool_aware,
-                ramp_s=r.ramp_s,
-                router=v.router,
-                warmup_s=r.warmup_s,
-                duration_s=r.duration_s,
-                on_finish=on_finish,
-            )
-        )
-    return (
-        scn,
-        workload,
-        sizing,
-        runs,
-        sim_provenance(scn, workload, sizing, runs, timer, opts),
-    )
+        runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware,
+                             ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
+                             on_finish=on_finish))
+    return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))
 
 
 def _json_safe(value):
@@ -331,58 +239,22 @@ def _json_safe(value):
     return value
 
 
-def sim_provenance(
-    scn: Scenario,
-    workload: Workload,
-    sizing: SimSizing,
-    runs: list[SimRun],
-    timer,
-    opts: SimOptions,
-) -> dict:
+def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: list[SimRun], timer,
+                   opts: SimOptions) -> dict:
     """Everything needed to reproduce or judge a simulation (``provenance`` in the JSON; an
     infinite ``duration_s`` is written as null)."""
-    return _json_safe(
-        provenance(
-            kind="simulation",
-            scenario=scn.name,
-            model=scn.model,
-            node=scn.node,
-            workers=scn.workers,
-            baseline=scn.baseline,
-            efficiency=asdict(scn.efficiency),
-            kernel_rates=asdict(timer.rates),
-            prefill_tok_s_16k=timer.prefill_tok_s(16384),
-            workload={
-                "name": workload.name,
-                "source": workload.source,
-                "format": workload.format,
-                "sessions": len(workload.sessions),
-                "requests": workload.num_requests(),
-            },
-            replay=asdict(scn.replay),
-            variants=[
-                {
-                    "name": v.name,
-                    "cache": asdict(v.cache),
-                    "router": v.router,
-                    "shared_store": v.shared_store,
-                }
-                for v in scn.variants
-            ],
-            sizing=asdict(sizing),
-            options=asdict(opts),
-            per_variant={
-                sr.run.name: {
-                    "migrations": sr.migrations,
-                    "warmup_requests": len(sr.warmup_records),
-                    "end_s": sr.end_s,
-                    "busy_s": sr.busy_s,
-                    "ttft_p99_returning_s": returning_ttft_p99(sr),
-                }
-                for sr in runs
-            },
-        )
-    )
+    wl = {"name": workload.name, "source": workload.source, "format": workload.format,
+          "sessions": len(workload.sessions), "requests": workload.num_requests()}
+    variants = [{"name": v.name, "cache": asdict(v.cache), "router": v.router, "shared_store": v.shared_store}
+                for v in scn.variants]
+    per_variant = {sr.run.name: {"migrations": sr.migrations, "warmup_requests": len(sr.warmup_records),
+                                 "end_s": sr.end_s, "busy_s": sr.busy_s,
+                                 "ttft_p99_returning_s": returning_ttft_p99(sr)} for sr in runs}
+    return _json_safe(provenance(kind="simulation", scenario=scn.name, model=scn.model, node=scn.node,
+                                 workers=scn.workers, baseline=scn.baseline, efficiency=asdict(scn.efficiency),
+                                 kernel_rates=asdict(timer.rates), prefill_tok_s_16k=timer.prefill_tok_s(16384),
+                                 workload=wl, replay=asdict(scn.replay), variants=variants, sizing=asdict(sizing),
+                                 options=asdict(opts), per_variant=per_variant))
 
 
 def ttft_p99(records, keep=lambda r: True) -> float | None:

@@ -82,9 +82,7 @@ class Variant:
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
-            raise ValueError(
-                f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}"
-            )
+            raise ValueError(f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}")
 
 
 @dataclass(frozen=True)
@@ -97,12 +95,9 @@ class Replay:
         concurrency: sessions active at once.
         max_turns: turns kept per session (None = all).
         token_scale, time_scale, max_think_s: as ``kvtier bench``.
-        truncate_input_tokens: each session ends before its first turn with a longer prompt
-            (None: the model's context only), as kv-cache-tester's replay tool does with
-            ``--max-context`` (:func:`kvtier.bench.workload.load_trace`).
-        warm_prefix_fraction: share of the largest tool + system prompt that every trace
-            session starts with (``--warm-prefix-pct`` there); traces only, the built-in
-            generator always shares its whole tool + system prompt.
+        truncate_input_tokens, warm_prefix_fraction: as :func:`kvtier.bench.workload.load_trace`
+            (:data:`REPLAY_MAX_CONTEXT_TOKENS`, :data:`REPLAY_WARM_PREFIX_FRACTION`); None = the
+            model's context only; the built-in generator always shares its whole tool + system prompt.
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         warmup_s, duration_s: the measurement window, virtual seconds.
         seed: of the built-in workload generator.
@@ -123,16 +118,12 @@ class Replay:
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.concurrency < 1:
-            raise ValueError(
-                f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}"
-            )
+            raise ValueError(f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}")
         r = self.ramp_s
         if isinstance(r, bool) or not (isinstance(r, (int, float)) and 0 <= r < math.inf):
             raise ValueError(f"ramp_s must be a finite number of seconds >= 0, got {self.ramp_s!r}")
         if not 0 <= self.warmup_s < self.duration_s:
-            raise ValueError(
-                f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}"
-            )
+            raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
         check_replay_options(self.truncate_input_tokens, self.warm_prefix_fraction)
 
 
@@ -184,23 +175,15 @@ class Scenario:
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names) or self.baseline not in names:
-            raise ValueError(
-                f"scenario {self.name!r}: variant names {names} must be unique and include "
-                f"the baseline {self.baseline!r}"
-            )
+            raise ValueError(f"scenario {self.name!r}: variant names {names} must be unique and include "
+                             f"the baseline {self.baseline!r}")
         if self.store not in STORES:
-            raise ValueError(
-                f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}"
-            )
+            raise ValueError(f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}")
         if self.workers < 1:
-            raise ValueError(
-                f"scenario {self.name!r}: workers must be >= 1, got {self.workers}"
-            )
+            raise ValueError(f"scenario {self.name!r}: workers must be >= 1, got {self.workers}")
         b = self.kv_dtype_bytes
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 8:
-            raise ValueError(
-                f"scenario {self.name!r}: kv_dtype_bytes must be in (0, 8], got {b!r}"
-            )
+            raise ValueError(f"scenario {self.name!r}: kv_dtype_bytes must be in (0, 8], got {b!r}")
 
     def select(self, names: list[str]) -> Scenario:
         """This scenario with only the variants ``names`` (in that order).
@@ -210,15 +193,11 @@ class Scenario:
         """
         by_name = {v.name: v for v in self.variants}
         if not names:
-            raise ValueError(
-                f"--configs: no configuration named; expected some of {list(by_name)}"
-            )
+            raise ValueError(f"--configs: no configuration named; expected some of {list(by_name)}")
         unknown = [n for n in names if n not in by_name]
         if unknown:
-            raise ValueError(
-                f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
-                f"expected some of {list(by_name)}"
-            )
+            raise ValueError(f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
+                             f"expected some of {list(by_name)}")
         chosen = tuple(by_name[n] for n in names)
         baseline = self.baseline if self.baseline in names else names[0]
         return dataclasses.replace(self, variants=chosen, baseline=baseline)
@@ -236,12 +215,7 @@ _MI355X_ENGINE = {
     "page_size": 256,
     # SGLang's chunked-prefill size for GPUs with more than ~160 GB of memory.
     "max_num_batched_tokens": 16384,
-    "efficiency": Efficiency(
-        matrix=MI355X_MATRIX_EFFICIENCY,
-        memory=0.8,
-        layer_overhead_s=60e-6,
-        step_overhead_s=2e-3,
-    ),
+    "efficiency": Efficiency(matrix=MI355X_MATRIX_EFFICIENCY, memory=0.8, layer_overhead_s=60e-6, step_overhead_s=2e-3),
     # bf16 KV (68.6 KiB per token): WORKLOAD.md sizes the published run's cache in bf16, and
     # bf16 is what SGLang's and vLLM's default KV dtype ("auto") gives K2.
     "kv_dtype_bytes": 2.0,
@@ -254,19 +228,10 @@ _MI355X_ENGINE = {
 # recorded ones, capped at 600 s, scaled.
 # Sessions stop before their first prompt over 128,000 tokens and share a warm tool + system
 # prefix: kv-cache-tester's replay defaults (the constants above).
-_MI355X_REPLAY = Replay(
-    sessions=256,
-    concurrency=128,
-    max_turns=None,
-    token_scale=1.0,
-    time_scale=THINK_TIME_SCALE,
-    max_think_s=REPLAY_MAX_DELAY_S * THINK_TIME_SCALE,
-    truncate_input_tokens=REPLAY_MAX_CONTEXT_TOKENS,
-    warm_prefix_fraction=REPLAY_WARM_PREFIX_FRACTION,
-    ramp_s=300.0,
-    warmup_s=0.0,
-    duration_s=3600.0,
-)
+_MI355X_REPLAY = Replay(sessions=256, concurrency=128, max_turns=None, token_scale=1.0, time_scale=THINK_TIME_SCALE,
+                        max_think_s=REPLAY_MAX_DELAY_S * THINK_TIME_SCALE,
+                        truncate_input_tokens=REPLAY_MAX_CONTEXT_TOKENS,
+                        warm_prefix_fraction=REPLAY_WARM_PREFIX_FRACTION, ramp_s=300.0, warmup_s=0.0, duration_s=3600.0)
 
 _TIERED_WT = CONFIGS["tiered-write-through"]
 
@@ -275,76 +240,29 @@ _TIERED_WT = CONFIGS["tiered-write-through"]
 # default here). Write-through, so a session's blocks reach the store while it is served.
 _MIGRATION_REPLAY = dataclasses.replace(_MI355X_REPLAY, sessions=512, concurrency=256)
 
-_CALIBRATION = (
-    "think-time scale fitted on the device-only p99 TTFT over the kv-cache-tester traces "
-    "(--trace ../shared/traces/kv-cache-tester); other workloads carry a different load"
-)
+_CALIBRATION = ("think-time scale fitted on the device-only p99 TTFT over the kv-cache-tester traces "
+                "(--trace ../shared/traces/kv-cache-tester); other workloads carry a different load")
 
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in (
-        Scenario(
-            name="kimi-mi355x-128",
-            description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
-            model="kimi-k2",
-            workers=1,
-            store="disk",
-            replay=_MI355X_REPLAY,
-            **_MI355X_ENGINE,
-            variants=_cache_variants(
-                "device-only", "tiered", "tiered-write-through", "tiered-tool-aware"
-            ),
-            baseline="device-only",
-            calibration=_CALIBRATION,
-        ),
-        Scenario(
-            name="migration",
-            description="two 8x MI355X workers, 256 sessions at a time: sticky vs moved to the least-loaded worker, "
-            "cache reachable there or not",
-            model="kimi-k2",
-            workers=2,
-            store="network",
-            replay=_MIGRATION_REPLAY,
-            **_MI355X_ENGINE,
-            variants=(
-                Variant("sticky", _TIERED_WT),
-                Variant("migrate", _TIERED_WT, router="least-loaded"),
-                Variant(
-                    "migrate-reachable",
-                    _TIERED_WT,
-                    router="least-loaded",
-                    shared_store=True,
-                ),
-            ),
-            baseline="sticky",
-            calibration=_CALIBRATION,
-        ),
-        Scenario(
-            name="tiny",
-            description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
-            model="tiny",
-            node="h200",
-            workers=1,
-            store="disk",
-            page_size=1,
-            max_num_batched_tokens=64,
-            efficiency=Efficiency(),
-            max_context_tokens=8192,
-            device_fraction=0.25,
-            replay=Replay(
-                sessions=6,
-                concurrency=3,
-                max_turns=3,
-                token_scale=1 / 64,
-                time_scale=0.01,
-                max_think_s=1.0,
-                ramp_s=1.0,
-            ),
-            variants=_cache_variants("device-only", "tiered"),
-            baseline="device-only",
-        ),
-    )
-}
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario(name="kimi-mi355x-128",
+             description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
+             model="kimi-k2", workers=1, store="disk", replay=_MI355X_REPLAY, **_MI355X_ENGINE,
+             variants=_cache_variants("device-only", "tiered", "tiered-write-through", "tiered-tool-aware"),
+             baseline="device-only", calibration=_CALIBRATION),
+    Scenario(name="migration",
+             description="two 8x MI355X workers, 256 sessions at a time: sticky vs moved to the least-loaded worker, "
+                         "cache reachable there or not",
+             model="kimi-k2", workers=2, store="network", replay=_MIGRATION_REPLAY, **_MI355X_ENGINE,
+             variants=(Variant("sticky", _TIERED_WT), Variant("migrate", _TIERED_WT, router="least-loaded"),
+                       Variant("migrate-reachable", _TIERED_WT, router="least-loaded", shared_store=True)),
+             baseline="sticky", calibration=_CALIBRATION),
+    Scenario(name="tiny", description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
+             model="tiny", node="h200", workers=1, store="disk", page_size=1, max_num_batched_tokens=64,
+             efficiency=Efficiency(), max_context_tokens=8192, device_fraction=0.25,
+             replay=Replay(sessions=6, concurrency=3, max_turns=3, token_scale=1 / 64, time_scale=0.01,
+                           max_think_s=1.0, ramp_s=1.0),
+             variants=_cache_variants("device-only", "tiered"), baseline="device-only"),
+)}
 
 
 def scenario(name: str) -> Scenario:
@@ -354,7 +272,5 @@ def scenario(name: str) -> Scenario:
         ValueError: unknown name, listing the known ones.
     """
     if name not in SCENARIOS:
-        raise ValueError(
-            f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}"
-        )
+        raise ValueError(f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}")
     return SCENARIOS[name]

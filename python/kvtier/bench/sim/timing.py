@@ -31,9 +31,8 @@ Matrix rates: FP8 GEMMs (K2's released weights are FP8) at ``fp8_flops * efficie
 attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficiency.memory``.
 :class:`KernelRates` read from ``perf/`` CSVs replace these with the rates the kernels reached.
 
-**Linear** (:class:`LinearTimer`): ``step_s = sum(coefficient_f * feature_f)`` over
-:data:`FEATURES`, fitted by least squares (non-negative) on measured steps; the CPU cost model of
-the agreement check (:mod:`kvtier.bench.sim.calibrate`).
+**Linear** (:class:`LinearTimer`): fitted on measured steps, the CPU cost model of the agreement
+check (:mod:`kvtier.bench.calibrate`).
 """
 
 from __future__ import annotations
@@ -48,15 +47,7 @@ from kvtier.bench.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.scheduler import ScheduledBatch
 
-FEATURES = (
-    "step",
-    "prefill_tokens",
-    "decodes",
-    "extend_pairs",
-    "decode_context",
-    "sequences",
-    "sampled",
-)
+FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
 """Features of a step (:meth:`BatchShape.features`): 1, prefill tokens, decodes, visible
 query-key pairs of the prefill chunks, sum of decode contexts, sequences in the batch, rows
 sampled."""
@@ -82,17 +73,9 @@ class BatchShape:
     def of(batch: ScheduledBatch) -> BatchShape:
         """Shape of ``batch`` before it runs (its sequences' ``num_computed_tokens`` not yet advanced)."""
         extends = tuple((n, seq.num_computed_tokens) for seq, n in batch.extends)
-        ends = sum(
-            1
-            for seq, n in batch.extends
-            if seq.num_computed_tokens + n >= seq.num_tokens
-        )
-        context = sum(seq.num_computed_tokens for seq in batch.decodes) + len(
-            batch.decodes
-        )
-        return BatchShape(
-            extends, len(batch.decodes), context, len(batch.decodes) + ends
-        )
+        ends = sum(1 for seq, n in batch.extends if seq.num_computed_tokens + n >= seq.num_tokens)
+        context = sum(seq.num_computed_tokens for seq in batch.decodes) + len(batch.decodes)
+        return BatchShape(extends, len(batch.decodes), context, len(batch.decodes) + ends)
 
     @property
     def num_tokens(self) -> int:
@@ -101,17 +84,8 @@ class BatchShape:
     def features(self) -> np.ndarray:
         """[len(FEATURES)] float64 values of :data:`FEATURES`."""
         pairs = sum(n * p + n * (n + 1) / 2 for n, p in self.extends)
-        return np.array(
-            [
-                1.0,
-                sum(n for n, _ in self.extends),
-                self.num_decodes,
-                pairs,
-                self.decode_context,
-                len(self.extends) + self.num_decodes,
-                self.num_sampled,
-            ]
-        )
+        return np.array([1.0, sum(n for n, _ in self.extends), self.num_decodes, pairs, self.decode_context,
+                         len(self.extends) + self.num_decodes, self.num_sampled])
 
 
 @dataclass(frozen=True)
@@ -146,13 +120,9 @@ class KernelRates:
         for path in paths:
             with open(path, newline="") as f:
                 reader = csv.DictReader(f)
-                missing = {"op", "device", "tflop_s", "gb_s"} - set(
-                    reader.fieldnames or ()
-                )
+                missing = {"op", "device", "tflop_s", "gb_s"} - set(reader.fieldnames or ())
                 if missing:
-                    raise ValueError(
-                        f"{path}: kernel-timing CSV lacks column(s) {sorted(missing)}"
-                    )
+                    raise ValueError(f"{path}: kernel-timing CSV lacks column(s) {sorted(missing)}")
                 for row in reader:
                     if device not in row["device"]:
                         continue
@@ -164,18 +134,10 @@ class KernelRates:
                         if math.isfinite(v) and v > best.get((row["op"], col), 0.0):
                             best[(row["op"], col)] = v
         if not best:
-            raise ValueError(
-                f"no row of {[str(p) for p in paths]} has a device matching {device!r}"
-            )
-        get = lambda op, col, unit: (
-            best[(op, col)] * unit if (op, col) in best else None
-        )
-        return KernelRates(
-            gemm_flops=get("fused_moe", "tflop_s", 1e12),
-            attention_flops=get("mla_extend", "tflop_s", 1e12),
-            attention_Bps=get("mla_decode", "gb_s", 1e9),
-            source=f"{', '.join(str(p) for p in paths)} [{device}]",
-        )
+            raise ValueError(f"no row of {[str(p) for p in paths]} has a device matching {device!r}")
+        get = lambda op, col, unit: (best[(op, col)] * unit if (op, col) in best else None)
+        return KernelRates(get("fused_moe", "tflop_s", 1e12), get("mla_extend", "tflop_s", 1e12),
+                           get("mla_decode", "gb_s", 1e9), f"{', '.join(str(p) for p in paths)} [{device}]")
 
 
 @dataclass(frozen=True)
@@ -198,47 +160,31 @@ class _Shapes:
     @staticmethod
     def of(c: KimiK2Config) -> _Shapes:
         h, heads = c.hidden_size, c.num_attention_heads
-        q = (
-            h * heads * c.qk_head_dim
-            if c.q_lora_rank is None
-            else h * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
-        )
+        q = h * heads * c.qk_head_dim
+        if c.q_lora_rank is not None:
+            q = h * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
         kv_b_out = heads * (c.qk_nope_head_dim + c.v_head_dim)
-        attn = (
-            q
-            + h * c.kv_cache_dim
-            + c.kv_lora_rank * kv_b_out
-            + heads * c.v_head_dim * h
-        )
+        attn = q + h * c.kv_cache_dim + c.kv_lora_rank * kv_b_out + heads * c.v_head_dim * h
         moe_layers = c.num_hidden_layers - c.first_k_dense_replace
-        return _Shapes(
-            attn=attn + h * c.n_routed_experts,
-            expert=3 * h * c.moe_intermediate_size,
-            mlp=3 * h * c.intermediate_size,
-            lm_head=c.vocab_size * h,
-            heads=heads,
-            kv_dim=c.kv_cache_dim,
-            kv_lora_rank=c.kv_lora_rank,
-            qk_head_dim=c.qk_head_dim,
-            kv_b_out=kv_b_out,
-            hidden=h,
-            layers=c.num_hidden_layers,
-            moe_layers=moe_layers,
-        )
+        return _Shapes(attn=attn + h * c.n_routed_experts, expert=3 * h * c.moe_intermediate_size,
+                       mlp=3 * h * c.intermediate_size, lm_head=c.vocab_size * h, heads=heads, kv_dim=c.kv_cache_dim,
+                       kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim, kv_b_out=kv_b_out, hidden=h,
+                       layers=c.num_hidden_layers, moe_layers=moe_layers)
 
 
-def weight_bytes(
-    c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0
-) -> float:
+def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0) -> float:
     """Bytes of all weights: linear layers at ``weight_dtype_bytes`` per parameter (K2 ships FP8:
     1), token embedding and ``lm_head`` at ``embed_dtype_bytes`` (BF16 in K2's checkpoint)."""
     s = _Shapes.of(c)
-    linear = (
-        s.layers * s.attn
-        + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
-    )
+    linear = s.layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
     linear += (s.layers - s.moe_layers) * s.mlp
     return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
+
+
+def _prefill_tok_s(timer, chunk_tokens: int) -> float:
+    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first estimate
+    for the pool's cost model, which then learns from steps); a method of both timers."""
+    return chunk_tokens / timer.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
 
 
 @dataclass
@@ -272,18 +218,14 @@ class RooflineTimer:
         self._tp = tp
 
     def _gemm_s(self, flops: float, nbytes: float) -> float:
-        return max(
-            flops / self._tp / self._gemm_flops, nbytes / self._tp / self._mem_Bps
-        )
+        return max(flops / self._tp / self._gemm_flops, nbytes / self._tp / self._mem_Bps)
 
     def _linear_s(self, tokens: int, sampled: int) -> float:
         s, c, wb = self._s, self.model, self.weight_dtype_bytes
         e, k = c.n_routed_experts, c.num_experts_per_tok
         hit = e * (1.0 - (1.0 - k / e) ** tokens) + c.n_shared_experts
         t = s.layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
-        t += s.moe_layers * self._gemm_s(
-            2 * tokens * (k + c.n_shared_experts) * s.expert, hit * s.expert * wb
-        )
+        t += s.moe_layers * self._gemm_s(2 * tokens * (k + c.n_shared_experts) * s.expert, hit * s.expert * wb)
         t += (s.layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
         if sampled:
             t += self._gemm_s(2 * sampled * s.lm_head, s.lm_head * 2)
@@ -294,15 +236,10 @@ class RooflineTimer:
         s, kvb, h = self._s, self.kv_dtype_bytes, self._heads
         pairs = new * cached + new * (new + 1) / 2
         latent_bytes = (cached + new) * s.kv_dim * kvb
-        absorbed = max(
-            2 * h * (s.kv_dim + s.kv_lora_rank) * pairs / self._attn_flops,
-            latent_bytes / self._attn_Bps,
-        )
+        absorbed = max(2 * h * (s.kv_dim + s.kv_lora_rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
         expand_flops = 2 * cached * s.kv_lora_rank * h * (s.kv_b_out / s.heads)
         expanded_bytes = latent_bytes + 2 * cached * h * (s.kv_b_out / s.heads) * 2
-        mha_flops = (
-            2 * h * (s.qk_head_dim + self.model.v_head_dim) * pairs + expand_flops
-        )
+        mha_flops = 2 * h * (s.qk_head_dim + self.model.v_head_dim) * pairs + expand_flops
         mha = max(mha_flops / self._attn_flops, expanded_bytes / self._attn_Bps)
         return min(absorbed, mha)
 
@@ -310,10 +247,7 @@ class RooflineTimer:
         """Seconds of the decodes' attention in one layer."""
         s, h = self._s, self._heads
         flops = 2 * h * context * (s.kv_dim + s.kv_lora_rank)
-        nbytes = (
-            context * s.kv_dim * self.kv_dtype_bytes
-            + num_decodes * h * (s.kv_dim + s.kv_lora_rank) * 2
-        )
+        nbytes = context * s.kv_dim * self.kv_dtype_bytes + num_decodes * h * (s.kv_dim + s.kv_lora_rank) * 2
         return max(flops / self._attn_flops, nbytes / self._attn_Bps)
 
     def step_s(self, shape: BatchShape) -> float:
@@ -330,10 +264,7 @@ class RooflineTimer:
         t += 2 * s.layers * self.node.allreduce_s(tokens * s.hidden * 2)
         return t + s.layers * eff.layer_overhead_s + eff.step_overhead_s
 
-    def prefill_tok_s(self, chunk_tokens: int) -> float:
-        """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first
-        estimate for the pool's cost model, which then learns from steps)."""
-        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+    prefill_tok_s = _prefill_tok_s
 
 
 @dataclass(frozen=True)
@@ -351,21 +282,11 @@ class LinearTimer:
     def __post_init__(self) -> None:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
-            raise ValueError(
-                f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}"
-            )
-        bad = {
-            k: v
-            for k, v in self.coefficients.items()
-            if not (math.isfinite(v) and v >= 0)
-        }
+            raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
+        bad = {k: v for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)}
         if bad:
-            raise ValueError(
-                f"LinearTimer.coefficients must be finite and >= 0, got {bad}"
-            )
-        object.__setattr__(
-            self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES])
-        )
+            raise ValueError(f"LinearTimer.coefficients must be finite and >= 0, got {bad}")
+        object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
 
     def step_s(self, shape: BatchShape) -> float:
         """Seconds of one step of ``shape``; 0 for an empty step."""
@@ -373,35 +294,5 @@ class LinearTimer:
             return 0.0
         return float(shape.features() @ self._w)
 
-    def prefill_tok_s(self, chunk_tokens: int) -> float:
-        """Tokens/s of ``chunk_tokens``-token prefill chunks with nothing cached."""
-        return chunk_tokens / self.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
+    prefill_tok_s = _prefill_tok_s
 
-
-def fit_linear_timer(
-    shapes: list[BatchShape], seconds: list[float], source: str = ""
-) -> LinearTimer:
-    """Least-squares :class:`LinearTimer` with non-negative coefficients.
-
-    Features whose unconstrained coefficient comes out negative are dropped one at a time (the
-    most negative first) and the rest refitted, until all are >= 0 (an active-set NNLS).
-
-    Raises:
-        ValueError: fewer samples than features, or lengths that differ.
-    """
-    if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
-        raise ValueError(
-            f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
-            f"got {len(shapes)} shapes and {len(seconds)} seconds"
-        )
-    x = np.stack([s.features() for s in shapes])
-    y = np.asarray(seconds, dtype=np.float64)
-    active = list(range(len(FEATURES)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if coef.min() >= 0 or len(active) == 1:
-            break
-        del active[int(np.argmin(coef))]
-    return LinearTimer(
-        {FEATURES[i]: max(float(c), 0.0) for i, c in zip(active, coef)}, source
-    )

@@ -7,7 +7,7 @@ costs measured here, predicts what a real ``kvtier bench`` run measures. Its pie
   it ran (the whole step: scheduling, forward pass, sampling, pool bookkeeping);
 - :func:`measure_cpu_costs` replays a *calibration* workload (another seed than the one
   compared) through the real engine, fits a :class:`~kvtier.bench.sim.timing.LinearTimer` to
-  its steps, reads the copy costs the pool probed and learned (host and disk tiers) and times
+  its steps (:func:`fit_linear_timer`), reads the copy costs the pool probed and learned (host and disk tiers) and times
   the copy engine's per-job cost (its thread hand-off, which those leave out);
 - :func:`simulate_bench` replays a bench workload in the simulator with those costs and the
   bench's own tier sizes.
@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, Sizing, prepare, warm_up
@@ -28,7 +29,7 @@ from kvtier.bench.sim.copies import SimDisk, VirtualClock
 from kvtier.bench.sim.engine import SimWorker, TierLinks
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.loop import SimRun, simulate
-from kvtier.bench.sim.timing import BatchShape, LinearTimer, fit_linear_timer
+from kvtier.bench.sim.timing import FEATURES, BatchShape, LinearTimer
 from kvtier.bench.workload import Workload
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
 from kvtier.cache.disk_tier import DiskTier, aligned_empty
@@ -68,6 +69,29 @@ def record_steps(engine: Engine, log: StepLog) -> None:
 
     engine.scheduler.schedule = timed_schedule
     engine.step = timed_step
+
+
+def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str = "") -> LinearTimer:
+    """Least-squares :class:`LinearTimer` with non-negative coefficients.
+
+    Features whose unconstrained coefficient comes out negative are dropped one at a time (the
+    most negative first) and the rest refitted, until all are >= 0 (an active-set NNLS).
+
+    Raises:
+        ValueError: fewer samples than features, or lengths that differ.
+    """
+    if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
+        raise ValueError(f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
+                         f"got {len(shapes)} shapes and {len(seconds)} seconds")
+    x = np.stack([s.features() for s in shapes])
+    y = np.asarray(seconds, dtype=np.float64)
+    active = list(range(len(FEATURES)))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if coef.min() >= 0 or len(active) == 1:
+            break
+        del active[int(np.argmin(coef))]
+    return LinearTimer({FEATURES[i]: max(float(c), 0.0) for i, c in zip(active, coef)}, source)
 
 
 @dataclass(frozen=True)
@@ -110,17 +134,12 @@ def _copy_job_costs(pool, jobs: int = 512) -> tuple[float, float]:
     host_s = disk_s = 0.0
     if pool.host is not None and pool.host.num_slots:
         slot = pool.host.slot(0)
-        host_s = _seconds_per_job(
-            lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs
-        )
+        host_s = _seconds_per_job(lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs)
     blocks = pool.disk.blocks() if pool.disk is not None else []
     if blocks:
         staging = aligned_empty(pool.block_bytes)
         h = blocks[0][0]
-        disk_s = _seconds_per_job(
-            lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging),
-            jobs // 4,
-        )
+        disk_s = _seconds_per_job(lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging), jobs // 4)
     return host_s, disk_s
 
 
@@ -132,39 +151,20 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         ValueError: ``calibration_seed`` equals ``opts.seed`` (the check would be circular).
     """
     if calibration_seed == opts.seed:
-        raise ValueError(
-            "calibration_seed must differ from the compared workload's seed"
-        )
-    cal = dataclasses.replace(
-        opts, seed=calibration_seed, trace=None, configs="tiered,device-only"
-    )
+        raise ValueError("calibration_seed must differ from the compared workload's seed")
+    cal = dataclasses.replace(opts, seed=calibration_seed, trace=None, configs="tiered,device-only")
     model, model_id, workload, sizing, base, _ = prepare(cal)
     warm_up(model, base)
     log = StepLog()
     tier_costs, host_job_s, disk_job_s = None, 0.0, 0.0
     for config in parse_configs(cal.configs):
-        disk_dir = (
-            tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir)
-            if config.disk
-            else None
-        )
+        disk_dir = tempfile.mkdtemp(prefix="kvtier-sim-calibrate-", dir=cal.disk_cache_dir) if config.disk else None
         try:
-            engine = Engine(
-                model,
-                config.engine_config(
-                    base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes
-                ),
-                model_id,
-            )
+            cfg = config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes)
+            engine = Engine(model, cfg, model_id)
             record_steps(engine, log)
-            replay(
-                engine,
-                workload,
-                config.name,
-                concurrency=cal.concurrency,
-                tool_aware=config.tool_aware,
-                ramp_s=cal.ramp_s,
-            )
+            replay(engine, workload, config.name, concurrency=cal.concurrency, tool_aware=config.tool_aware,
+                   ramp_s=cal.ramp_s)
             engine.pool.poll(wait=True)
             if config.host:
                 tier_costs = engine.pool.cost_model
@@ -173,42 +173,24 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
         finally:
             if disk_dir is not None:
                 shutil.rmtree(disk_dir, ignore_errors=True)
-    timer = fit_linear_timer(
-        log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}"
-    )
-    errors = sorted(
-        abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds)
-    )
+    timer = fit_linear_timer(log.shapes, log.seconds, source=f"kvtier bench replay, seed {calibration_seed}")
+    errors = sorted(abs(timer.step_s(s) - t) / t for s, t in zip(log.shapes, log.seconds))
     host = _link(tier_costs, Tier.HOST, host_job_s)
     disk = _link(tier_costs, Tier.DISK, disk_job_s)
     return CpuCosts(timer, host, disk, len(log.seconds), errors[len(errors) // 2])
 
 
-def sim_engine_config(
-    config: BenchConfig, base: EngineConfig, sizing: Sizing
-) -> tuple[EngineConfig, int]:
+def sim_engine_config(config: BenchConfig, base: EngineConfig, sizing: Sizing) -> tuple[EngineConfig, int]:
     """The bench's engine config with its tiers counted in simulator placeholder blocks
     (``page_size`` bytes each); returns it and the disk tier's capacity in file bytes."""
     ps = sizing.page_size
-    host_slots = (
-        sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes)
-        if config.host
-        else 0
-    )
-    disk_slots = (
-        sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes)
-        if config.disk
-        else 0
-    )
+    host_slots = sizing.host_cache_bytes // HostTier.row_bytes(sizing.block_bytes) if config.host else 0
+    disk_slots = sizing.disk_cache_bytes // DiskTier.file_bytes(sizing.block_bytes) if config.disk else 0
     disk_bytes = disk_slots * DiskTier.file_bytes(ps)
-    return config.engine_config(
-        base, host_slots * HostTier.row_bytes(ps), None, disk_bytes
-    ), disk_bytes
+    return config.engine_config(base, host_slots * HostTier.row_bytes(ps), None, disk_bytes), disk_bytes
 
 
-def simulate_bench(
-    opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None
-) -> list[SimRun]:
+def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | None = None) -> list[SimRun]:
     """``opts``' bench run re-enacted in virtual time with ``costs`` (same workload, tier sizes,
     closed loop and configurations)."""
     model, _, wl, sizing, base, _ = prepare(opts)
@@ -220,17 +202,9 @@ def simulate_bench(
         disk = SimDisk(disk_bytes) if config.disk else None
         engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings,
                            VirtualClock(), disk=disk)
-        runs.append(
-            simulate(
-                [engine],
-                wl,
-                config.name,
-                concurrency=opts.concurrency,
-                tool_aware=config.tool_aware,
-                ramp_s=opts.ramp_s,
-            )
-        )
+        runs.append(simulate([engine], wl, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
+                             ramp_s=opts.ramp_s))
     return runs
 
 
-__all__ = ["CpuCosts", "StepLog", "measure_cpu_costs", "record_steps", "simulate_bench"]
+__all__ = ["CpuCosts", "StepLog", "fit_linear_timer", "measure_cpu_costs", "record_steps", "simulate_bench"]
