@@ -5,17 +5,13 @@ transfers on purpose, and a dead URL stands for a decode worker that is gone."""
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from tests.disagg.helpers import free_dead_url
 from tests.disagg.proxy import TransferProxy
-from tests.serve.api.conftest import ROOT, start_server, stop_server
+from tests.serve.api.conftest import start_listening, start_server, stop_server
 
 # Small prefill chunks (4 blocks of 16 tokens), so that a prompt's blocks go out in several batches.
 WORKER_ARGS = ("--dtype", "float32", "--page-size", "16", "--num-device-pages", "512",
@@ -52,15 +48,8 @@ def pd(tmp_path_factory):
 def router(pd, tmp_path_factory):
     """``kvtier router --prefill-workers P --decode-workers D`` (its URL)."""
     log = tmp_path_factory.mktemp("router") / "router.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtier.cli", "router", "--prefill-workers", pd["prefill"].url,
-           "--decode-workers", pd["decode"].url, "--port", "0"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url, deadline = None, time.monotonic() + 60
-    while url is None and time.monotonic() < deadline and proc.poll() is None:
-        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
-        url = m.group(1).decode() if m else time.sleep(0.1)
+    proc, url = start_listening(["router", "--prefill-workers", pd["prefill"].url, "--decode-workers",
+                                 pd["decode"].url, "--port", "0"], log, timeout_s=60)
     try:
         assert url, log.read_text(errors="replace")
         yield url

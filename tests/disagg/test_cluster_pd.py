@@ -6,34 +6,23 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import TOKENIZER_DIR
-from tests.serve.api.conftest import ROOT
-from tests.serve.api.conftest import pid_alive
+from tests.serve.api.conftest import pid_alive, start_listening
 
 
 def test_pd_cluster_serves_and_stops_everything(tmp_path):
     if not (TOKENIZER_DIR / "tiktoken.model").is_file():
         pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
     log = tmp_path / "cluster.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtier.cli", "cluster", "tiny", "--tokenizer", str(TOKENIZER_DIR),
-           "--prefill-workers", "1", "--decode-workers", "1", "--store", "none", "--port", "0",
-           "--num-device-pages", "256"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc, url = start_listening(["cluster", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--prefill-workers", "1",
+                                 "--decode-workers", "1", "--store", "none", "--port", "0", "--num-device-pages", "256"],
+                                log)
     pids = []
     try:
-        url, deadline = None, time.monotonic() + 300
-        while url is None and time.monotonic() < deadline and proc.poll() is None:
-            m = re.search(rb"router: listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
-            url = m.group(1).decode() if m else time.sleep(0.2)
         text = log.read_text(errors="replace")
         assert url, text
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]

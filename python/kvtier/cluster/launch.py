@@ -100,6 +100,20 @@ def start_workers(model: str, args: list[str], n: int, workdir: Path, name: str,
     return procs[first:]
 
 
+def start_store_for_workers(store: str, workdir: Path) -> StoreProcess:
+    """Start the ``store`` server (logs in ``workdir``) and say where it listens."""
+    st = start_store(store, workdir)
+    print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
+    return st
+
+
+def cluster_worker_args(worker_args: list[str], store_url: str | None) -> list[str]:
+    """``kvtier serve`` arguments of a cluster's workers: ``worker_args``, KV events on a free
+    port (the router subscribes to them) and the remote tier at ``store_url`` when one is set."""
+    args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+    return args + ["--remote-cache-url", store_url] if store_url else args
+
+
 def exit_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -124,14 +138,11 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
     st: StoreProcess | None = None
     procs: list[WorkerProcess] = []
     try:
-        args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
         url = check_store_url(store_url) if store_url else None
         if url is None and store != "none":
-            st = start_store(store, workdir)
+            st = start_store_for_workers(store, workdir)
             url = st.url
-            print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
-        if url:
-            args += ["--remote-cache-url", url]
+        args = cluster_worker_args(worker_args, url)
         start_workers(model, args, workers, workdir, "worker", procs)
         router = Router([w.url for w in procs], policy=policy, remote=bool(url))
         events = subscribe_events(router, check_workers(router.urls))

@@ -8,8 +8,9 @@ import signal
 import tempfile
 from pathlib import Path
 
-from kvtier.cluster.launch import WorkerProcess, exit_on_signal, start_workers
-from kvtier.cluster.stores import StoreProcess, start_store
+from kvtier.cluster.launch import (WorkerProcess, cluster_worker_args, exit_on_signal, start_store_for_workers,
+                                   start_workers)
+from kvtier.cluster.stores import StoreProcess
 
 
 def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, store: str, policy: str, host: str,
@@ -32,11 +33,9 @@ def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, sto
     st: StoreProcess | None = None
     procs: list[WorkerProcess] = []
     try:
-        args = list(worker_args) + ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
         if store != "none":
-            st = start_store(store, workdir)
-            args += ["--remote-cache-url", st.url]
-            print(f"kvtier cluster: {store} store {st.url} (pid {st.proc.pid})", flush=True)
+            st = start_store_for_workers(store, workdir)
+        args = cluster_worker_args(worker_args, st.url if st is not None else None)
         decoders = start_workers(model, [*args, "--role", "decode"], decode_workers, workdir, "decode", procs)
         urls = [w.url for w in decoders]
         prefills = start_workers(model, [*args, "--role", "prefill", "--decode-workers", ",".join(urls)],

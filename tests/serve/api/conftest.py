@@ -4,6 +4,7 @@ prints), shared by the tests of this folder and stopped by its PID."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -75,6 +76,20 @@ def start_server(tmp_path: Path, *args: str) -> Server:
     except RuntimeError as e:
         raise RuntimeError(f"kvtier serve did not start: {e}") from None
     return Server(proc, worker.url, log)
+
+
+def start_listening(argv: list[str], log: Path, timeout_s: float = 300) -> tuple[subprocess.Popen, str | None]:
+    """Start ``python -m kvtier.cli ARGV`` (output to ``log``) and wait for its ``listening on URL``
+    line; returns the process (the caller stops it) and the URL, None if it exited or timed out."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=ROOT)
+    url, deadline = None, time.monotonic() + timeout_s
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
+        url = m.group(1).decode() if m else time.sleep(0.1)
+    return proc, url
 
 
 def pid_alive(pid: int) -> bool:

@@ -4,15 +4,12 @@ from cache through the router; SIGTERM stops every process it started."""
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
 
 from tests.conftest import TOKENIZER_DIR
-from tests.serve.api.conftest import ROOT, pid_alive
+from tests.serve.api.conftest import pid_alive, start_listening
 from tests.stores import redis_store  # noqa: F401  (skips when redis-server is missing)
 
 
@@ -20,16 +17,10 @@ def test_cluster_serves_and_stops_everything(tmp_path, redis_store):  # noqa: F8
     if not (TOKENIZER_DIR / "tiktoken.model").is_file():
         pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
     log = tmp_path / "cluster.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtier.cli", "cluster", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--workers", "2",
-           "--store", "redis", "--port", "0", "--host-cache-bytes", str(16 << 20), "--num-device-pages", "256"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc, url = start_listening(["cluster", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--workers", "2", "--store",
+                                 "redis", "--port", "0", "--host-cache-bytes", str(16 << 20), "--num-device-pages",
+                                 "256"], log)
     try:
-        url, deadline = None, time.monotonic() + 300
-        while url is None and time.monotonic() < deadline and proc.poll() is None:
-            m = re.search(rb"router: listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
-            url = m.group(1).decode() if m else time.sleep(0.2)
         text = log.read_text(errors="replace")
         assert url, text
         pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]

@@ -7,10 +7,7 @@ mid-run answers every request correctly and keeps serving; unreachable stores an
 start-up errors naming them."""
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +18,7 @@ import pytest
 from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.cli import main
 from tests.conftest import TOKENIZER_DIR
-from tests.serve.api.conftest import ROOT, start_server, stop_server
+from tests.serve.api.conftest import start_listening, start_server, stop_server
 from tests.stores import redis_store, start_redis  # noqa: F401
 
 LONG = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
@@ -68,15 +65,8 @@ def test_turn_moves_to_a_fresh_worker_and_loads_from_the_remote_tier(workers):
 @pytest.fixture(scope="module")
 def router(workers, tmp_path_factory):
     log = tmp_path_factory.mktemp("router") / "router.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtier.cli", "router", "--workers", ",".join(w.url for w in workers),
-           "--policy", "kv-aware", "--remote", "--port", "0"]
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url, deadline = None, time.monotonic() + 60
-    while url is None and time.monotonic() < deadline and proc.poll() is None:
-        m = re.search(rb"listening on (http://127\.0\.0\.1:\d+)", log.read_bytes())
-        url = m.group(1).decode() if m else time.sleep(0.1)
+    proc, url = start_listening(["router", "--workers", ",".join(w.url for w in workers), "--policy", "kv-aware",
+                                 "--remote", "--port", "0"], log, timeout_s=60)
     assert url, log.read_text(errors="replace")
     yield url
     os.kill(proc.pid, signal.SIGTERM)
