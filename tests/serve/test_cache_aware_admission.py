@@ -138,19 +138,11 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     alone."""
     from tests.cache.test_tiers_e2e import always_load
 
-    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           host_cache_bytes=64 * 15360, schedule_policy=policy))
     engine = llm.engine
     engine.pool.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
-    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
-    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
-    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
-    cold = engine.add_request(cold_prompt, TWO)
-    for _ in range(6):
-        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
-    rid = engine.add_request(short, TWO)
+    short, cold_prompt, alone, cold, rid = _cold_prefill_then_cached_turn(llm)
     first, outs, step = {}, {}, 0
     while engine.has_unfinished():
         for out in engine.step():
@@ -167,6 +159,22 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
         assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
     else:  # it waits for the whole prefill
         assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0
+
+
+def _cold_prefill_then_cached_turn(llm):
+    """On a 38-page pool: a short prompt runs (its blocks reach the host tier), then a 36-page cold
+    prompt prefills for 6 steps (24 pages; its next chunk leaves 10 free), then the short prompt
+    returns. Returns (the short prompt, the cold prompt, outputs of each alone, cold id, short id)."""
+    engine = llm.engine
+    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
+    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
+    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
+    cold = engine.add_request(cold_prompt, TWO)
+    for _ in range(6):
+        engine.step()
+    return short, cold_prompt, alone, cold, engine.add_request(short, TWO)
 
 
 def _first_and_outputs(engine):
@@ -256,20 +264,12 @@ def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_lo
     ends; without one it waits for the prefill. Outputs are those of each request alone."""
     from tests.cache.test_tiers_e2e import always_load
 
-    short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           host_cache_bytes=64 * 15360))
     engine = llm.engine
     if not lower_tier:
         monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
-    alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
-    llm.generate(prompt_token_ids=[short], sampling_params=TWO)
-    engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
-    cold = engine.add_request(cold_prompt, TWO)
-    for _ in range(6):
-        engine.step()  # 384 of its 576 tokens: 24 pages; its next chunk leaves 10 free
-    rid = engine.add_request(short, TWO)
+    short, cold_prompt, alone, cold, rid = _cold_prefill_then_cached_turn(llm)
     engine.sequence(rid).metrics.arrival_time += 1e6  # arrived long after the cold prefill's deadline
     first, outs = _first_and_outputs(engine)
     assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]

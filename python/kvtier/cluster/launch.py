@@ -131,7 +131,6 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
     """
     from kvtier.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.router.policy import Router
-    from kvtier.serve.api.server import serve
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
     print(f"kvtier cluster: logs in {workdir}", flush=True)
@@ -146,13 +145,24 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
         start_workers(model, args, workers, workdir, "worker", procs)
         router = Router([w.url for w in procs], policy=policy, remote=bool(url))
         events = subscribe_events(router, check_workers(router.urls))
-        # uvicorn re-raises the SIGTERM/SIGINT it stopped on once it is done: turn that into
-        # SystemExit so the processes below are stopped.
-        signal.signal(signal.SIGTERM, exit_on_signal)
-        serve(build_router_app(router, events=events), host, port, log_level, name="kvtier cluster: router")
-        return 0
+        return serve_router(build_router_app(router, events=events), host, port, log_level)
     finally:
-        for w in procs:
-            w.stop()
-        if st is not None:
-            st.stop(signal.SIGTERM)
+        stop_all(procs, st)
+
+
+def serve_router(app, host: str, port: int, log_level: str) -> int:
+    """Serve a cluster's router ``app`` until SIGINT/SIGTERM; returns 0. uvicorn re-raises the
+    signal it stopped on once it is done: SIGTERM becomes SystemExit, so the caller's cleanup runs."""
+    from kvtier.serve.api.server import serve
+
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    serve(app, host, port, log_level, name="kvtier cluster: router")
+    return 0
+
+
+def stop_all(procs: list[WorkerProcess], st: StoreProcess | None) -> None:
+    """Stop a cluster's workers (by PID), then its store if it started one."""
+    for w in procs:
+        w.stop()
+    if st is not None:
+        st.stop(signal.SIGTERM)

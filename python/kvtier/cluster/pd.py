@@ -4,12 +4,11 @@ workers that send to them, then the P/D router, as processes on this machine (se
 
 from __future__ import annotations
 
-import signal
 import tempfile
 from pathlib import Path
 
-from kvtier.cluster.launch import (WorkerProcess, cluster_worker_args, exit_on_signal, start_store_for_workers,
-                                   start_workers)
+from kvtier.cluster.launch import (WorkerProcess, cluster_worker_args, serve_router, start_store_for_workers,
+                                   start_workers, stop_all)
 from kvtier.cluster.stores import StoreProcess
 
 
@@ -23,7 +22,6 @@ def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, sto
     from kvtier.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.router.policy import Router
     from kvtier.router_cli import prefill_stage
-    from kvtier.serve.api.server import serve
 
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError(f"--prefill-workers and --decode-workers must both be >= 1, got {prefill_workers} and "
@@ -43,12 +41,6 @@ def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, sto
         router = Router(urls, policy=policy, remote=st is not None)
         events = subscribe_events(router, check_workers(urls))
         stage = prefill_stage([w.url for w in prefills], urls, policy, st is not None)
-        signal.signal(signal.SIGTERM, exit_on_signal)
-        serve(build_router_app(router, events=events, prefill=stage), host, port, log_level,
-              name="kvtier cluster: router")
-        return 0
+        return serve_router(build_router_app(router, events=events, prefill=stage), host, port, log_level)
     finally:
-        for w in procs:
-            w.stop()
-        if st is not None:
-            st.stop(signal.SIGTERM)
+        stop_all(procs, st)
