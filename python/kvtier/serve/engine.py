@@ -52,7 +52,6 @@ class Engine:
         self.config = config
         self.runner = runner if runner is not None else ModelRunner(model, config)
         self.model_config = self.runner.model_config
-        self._backend = model.backend if model is not None else "torch"
         if pool is None:
             salt = compose_salt(model_id, str(model.dtype).encode()) if model is not None else model_id
             pool = KVPool(config.pool_config(salt), self.runner.kv_caches)
@@ -70,6 +69,12 @@ class Engine:
         self._token_table = None
         self._mask_thread: ThreadPoolExecutor | None = None
         self._mask_executor = None  # llguidance.LLExecutor
+
+    def _sample_backend(self) -> str:
+        """The sampling op's backend: the model's current one (``set_backend`` may change it);
+        ``torch`` for a runner without a model (the simulator's)."""
+        model = getattr(self.runner, "model", None)
+        return model.backend if model is not None else "torch"
 
     def attach_tokenizer(self, tokenizer) -> None:
         """Use ``tokenizer`` (a :class:`kvtier.tokenize.KimiTokenizer`) to parse every output into
@@ -391,7 +396,7 @@ class Engine:
         if token_bitmask is not None:
             token_bitmask = token_bitmask.to(logits.device, non_blocking=True)
         token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p), token_bitmask=token_bitmask,
-                               generator=seq.generator or self.generator, backend=self._backend)[0])
+                               generator=seq.generator or self.generator, backend=self._sample_backend())[0])
         if seq.constraint is not None:  # may replace a token that leaves no room to finish the turn
             token = seq.constraint.take(token)
         if params.logprobs:
