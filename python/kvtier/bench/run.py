@@ -267,15 +267,22 @@ def prepare(opts: BenchOptions):
     return model, model_id, workload, sizing, base, tokenizer
 
 
+def _start(opts: BenchOptions):
+    """What every bench run does first: parse ``opts.configs``, set the threads, load the model,
+    workload and sizes (:func:`prepare`) and warm up; returns ``(configs, prepare(opts))``."""
+    configs = parse_configs(opts.configs)
+    torch.set_num_threads(opts.threads)
+    prepared = prepare(opts)
+    warm_up(prepared[0], prepared[4])
+    return configs, prepared
+
+
 def run_all(opts: BenchOptions, on_start=None, on_finish=None) -> tuple[Workload, Sizing, list[ConfigRun], dict]:
     """Run every configuration of ``opts``; returns ``(workload, sizing, runs, provenance)``.
 
     ``on_start(config_name, num_requests)`` and ``on_finish(record)`` report progress.
     """
-    configs = parse_configs(opts.configs)
-    torch.set_num_threads(opts.threads)
-    model, model_id, workload, sizing, base, tokenizer = prepare(opts)
-    warm_up(model, base)
+    configs, (model, model_id, workload, sizing, base, tokenizer) = _start(opts)
     runs = []
     for config in configs:
         if on_start is not None:
@@ -295,10 +302,7 @@ def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_fi
     ``points = [(load, runs)]``. The tiers are sized once, for the workload at ``opts``'s
     think times (lengths do not change with load). ``on_start(name, num_requests)`` gets
     ``name@xLOAD``."""
-    configs = parse_configs(opts.configs)
-    torch.set_num_threads(opts.threads)
-    model, model_id, workload, sizing, base, tokenizer = prepare(opts)
-    warm_up(model, base)
+    configs, (model, model_id, workload, sizing, base, tokenizer) = _start(opts)
     points = []
     for load in loads:
         o = at_load(opts, load)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cluster.launch import wait_worker
+from kvtier.cluster.launch import WorkerProcess, wait_worker
 from tests.conftest import TOKENIZER_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,13 +121,8 @@ def descendants(pid: int | None = None) -> set[int]:
 
 
 def stop_server(server: Server) -> None:
-    if server.proc.poll() is None:
-        os.kill(server.proc.pid, signal.SIGTERM)
-        try:
-            server.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.kill(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(10)
+    """SIGTERM, then SIGKILL after 20 s (by PID), as ``kvtier cluster`` stops its workers."""
+    WorkerProcess(server.url, server.proc, server.log).stop()
 
 
 @pytest.fixture(scope="session")
