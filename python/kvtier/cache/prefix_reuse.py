@@ -60,7 +60,7 @@ class PrefixReuse:
         rows = t.index.match(hashes, t.usable_tiers())
         if remote:
             rows = self._match_remote(hashes, rows)
-        sources = [t.best_source(row) for row in rows]
+        sources = t.best_sources(rows)
         return hashes, rows, sources, t.cost_model.blocks_to_load(sources, t.block_bytes, self.page_size)
 
     def _match_remote(self, hashes: list[bytes], rows):
@@ -86,13 +86,7 @@ class PrefixReuse:
         if not t.config.enable_prefix_caching:
             return 0, 0.0
         _, _, sources, take = self.match(kv, remote=False)
-        load_s, paid = 0.0, set()
-        for tier in sources[:take]:
-            if tier != Tier.DEVICE:
-                load_s += t.cost_model.load_s(tier, t.block_bytes) - (
-                    t.cost_model.load_s(tier, 0) if tier in paid else 0.0)
-                paid.add(tier)
-        return take * self.page_size, load_s
+        return take * self.page_size, t.cost_model.prefix_load_s(sources[:take], t.block_bytes)
 
     # ---- placement ----------------------------------------------------------------------------
     def begin(self, kv: KVState, partial: bool) -> PrefixStart:

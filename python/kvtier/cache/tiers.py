@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kvtier.cache.config import PoolConfig
@@ -26,6 +27,9 @@ from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
+
+
+_TIERS = list(Tier)  # by value
 
 
 class PoolTiers:
@@ -87,6 +91,14 @@ class PoolTiers:
     def best_source(row) -> Tier:
         """The fastest tier of an index row (``PrefixIndex.match``) that holds a copy."""
         return next(t for t in Tier if row[t] >= 0)
+
+    @staticmethod
+    def best_sources(rows: np.ndarray) -> list[Tier]:
+        """:meth:`best_source` of every row of ``rows`` ([n, num_tiers] int64, as
+        ``PrefixIndex.match`` returns), in one array pass."""
+        if len(rows) == 0:
+            return []
+        return [_TIERS[i] for i in np.argmax(rows >= 0, axis=1).tolist()]
 
     def in_tier(self, h: bytes, tier: Tier) -> bool:
         return self.index.match([h], [tier]).shape[0] == 1

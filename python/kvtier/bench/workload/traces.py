@@ -89,7 +89,7 @@ def _get_hash_ids(obj: dict, n_tokens: int, block_size: int, path: Path, loc: st
     if "hash_ids" not in obj:
         raise TraceError(f"{_where(path, loc)}: missing field 'hash_ids'")
     ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(type(h) is int and 0 <= h < _MAX_LOCAL_ID for h in ids):
+    if not isinstance(ids, list) or (ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= _MAX_LOCAL_ID)):
         raise TraceError(f"{_where(path, loc)}: 'hash_ids' must be a list of ints in [0, 2**40)")
     full, ceil = n_tokens // block_size, -(-n_tokens // block_size)
     if len(ids) not in (full, ceil):
