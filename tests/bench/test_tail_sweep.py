@@ -43,12 +43,16 @@ def test_summary_has_percentiles_of_each_part_and_json_can_carry_the_records():
 
 
 def test_slowest_lists_the_highest_ttfts_with_their_parts():
-    run = ConfigRun("x", [rec(i, t, queue=t / 2) for i, t in enumerate([0.2, 3.0, 0.1, 5.0, 1.0])], wall_s=9.0)
+    recs = [rec(i, t, queue=t / 2) for i, t in enumerate([0.2, 3.0, 0.1, 5.0, 1.0])]
+    recs[3].preemptions = 2
+    run = ConfigRun("x", recs, wall_s=9.0)
     top = slowest(run, n=2)
     assert [b["session_id"] for b in top] == ["s3", "s1"]
     assert top[0]["queue_wait_s"] == pytest.approx(2.5) and top[0]["ttft_s"] == pytest.approx(5.0)
+    assert [b["preemptions"] for b in top] == [2, 0]
     lines = tail_lines({"x": {"slowest": top, "cached_vs_cold": cached_vs_cold(run)}})
-    assert "s3 turn 0 at 3.0 s: 5000 = 2500 + 0 + 2500" in lines[1]
+    assert "s3 turn 0 at 3.0 s: 5000 = 2500 + 0 + 2500" in lines[1] and lines[1].endswith("; preempted 2x")
+    assert "preempted" not in lines[2]
 
 
 def test_cached_vs_cold_flags_a_cached_request_slower_than_cold_first_turns_of_its_size():

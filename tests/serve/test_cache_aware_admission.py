@@ -155,6 +155,9 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
         step += 1
     assert outs[rid].token_ids == alone[tuple(short)] and outs[cold].token_ids == alone[tuple(cold_prompt)]
     assert outs[rid].num_cached_tokens == 12 * PS
+    # the preemption is the cold prefill's, before its first token, and counted on it
+    assert outs[cold].metrics.num_preemptions == engine.scheduler.num_preemptions
+    assert outs[rid].metrics.num_preemptions == outs[cold].metrics.preemptions_after_first_token == 0
     if policy == "cache-aware":
         assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
     else:  # it waits for the whole prefill
@@ -216,6 +219,9 @@ def test_cached_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(c
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
     assert outs[rid].num_cached_tokens == 8 * PS and outs[rid].cached_tokens_by_tier["host"] > 0
     finished = {i: s for s, i in enumerate(sorted(outs, key=lambda i: outs[i].metrics.finish_time))}
+    # the decode is preempted after its first token: its TTFT was made, and that count says so
+    assert outs[dec].metrics.preemptions_after_first_token == engine.scheduler.num_preemptions
+    assert outs[dec].metrics.num_preemptions == 0
     if case == "cache-aware":
         assert engine.scheduler.num_preemptions == 1
         assert finished[rid] < finished[dec] and first[rid] < first[dec] + 11

@@ -215,7 +215,7 @@ class ClosedLoop:
             cached_tokens_by_tier=dict(out.cached_tokens_by_tier), error=out.error,
             output_token_ids=list(out.token_ids) if keep else None,
             logprobs=list(out.logprobs) if keep and out.logprobs is not None else None,
-            admitted_s=rel(m.admitted_time), loaded_s=rel(m.loaded_time))
+            admitted_s=rel(m.admitted_time), loaded_s=rel(m.loaded_time), preemptions=m.num_preemptions)
 
 
 def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> int:

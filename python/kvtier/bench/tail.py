@@ -18,9 +18,11 @@ from kvtier.bench.report import PHASES, _finished
 
 
 def _brief(r: RequestRecord) -> dict:
-    """One request: who, when, its TTFT and TTFT parts (s) and its tier mix (tokens)."""
+    """One request: who, when, its TTFT and TTFT parts (s), its tier mix (tokens) and how often
+    it was preempted before its first token."""
     return {"session_id": r.session_id, "turn": r.turn, "arrival_s": r.arrival_s, "input_tokens": r.input_tokens,
-            "ttft_s": r.ttft_s, **{name: getattr(r, name) for name in PHASES}, "tier_mix": r.tier_mix}
+            "ttft_s": r.ttft_s, **{name: getattr(r, name) for name in PHASES}, "tier_mix": r.tier_mix,
+            "preemptions": r.preemptions}
 
 
 def slowest(run: ConfigRun, n: int = 5) -> list[dict]:
@@ -71,7 +73,8 @@ def tail_lines(tail: dict[str, dict]) -> list[str]:
             mix = " ".join(f"{k} {v}" for k, v in b["tier_mix"].items() if v)
             lines.append(f"  {b['session_id']} turn {b['turn']} at {b['arrival_s']:.1f} s: {ms(b['ttft_s'])} = "
                          f"{ms(b['queue_wait_s'])} + {ms(b['load_wait_s'])} + {ms(b['prefill_s'])}; "
-                         f"{b['input_tokens']} tokens ({mix})")
+                         f"{b['input_tokens']} tokens ({mix})"
+                         + (f"; preempted {b['preemptions']}x" if b.get("preemptions") else ""))
         c = t["cached_vs_cold"]
         lines.append(f"  >=90%-cached requests above the p90 TTFT of cold first turns of similar length: "
                      f"{len(c['violations'])} of {c['checked']} checked ({c['no_reference']} without "

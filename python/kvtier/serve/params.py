@@ -93,6 +93,8 @@ class RequestMetrics:
     placed or its loads started) <= ``loaded_time`` (its loaded pages usable; equal to
     ``admitted_time`` when nothing was loaded) <= ``first_token_time`` <= ``finish_time``;
     None until reached. A preempted request keeps its first admission's times.
+    ``num_preemptions`` counts the times it was preempted before its first token
+    (``preemptions_after_first_token`` those after it).
     """
 
     arrival_time: float
@@ -100,6 +102,8 @@ class RequestMetrics:
     finish_time: float | None = None
     admitted_time: float | None = None
     loaded_time: float | None = None
+    num_preemptions: int = 0
+    preemptions_after_first_token: int = 0
 
     @property
     def ttft_s(self) -> float | None:

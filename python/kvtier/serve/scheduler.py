@@ -119,6 +119,10 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.pool.free(seq.kv)
+        if seq.output_token_ids:
+            seq.metrics.preemptions_after_first_token += 1
+        else:
+            seq.metrics.num_preemptions += 1
         self._estimates.pop(seq.seq_id, None)
         seq.num_computed_tokens = 0
         seq.prefix_done = False
