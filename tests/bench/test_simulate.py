@@ -11,9 +11,10 @@ import pytest
 from kvtier.bench.calibrate import fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
-from kvtier.bench.sim.hardware import GB, Efficiency, Link, h200_node, mi355x_node
+from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.bench.sim.engine import SimWorker
+from kvtier.bench.sim import hardware
+from kvtier.bench.sim.hardware import GB, Efficiency, Link
 from kvtier.bench.sim.loop import simulate
 from kvtier.bench.sim.run import (
     SimOptions,
@@ -91,10 +92,8 @@ def _engine(
         disk_cache_bytes=disk.capacity_bytes if disk is not None else 0,
     )
     timer = timer or LinearTimer({"step": STEP_S})
-    links = links or TierLinks(
-        block_bytes=1e6, device_to_host=FAST, host_to_device=FAST, disk=FAST
-    )
-    return SimWorker(cfg, timer, links, preset("tiny"), max_context, VirtualClock(), disk=disk)
+    links = links or TierLinks(block_bytes=1e6, host=FAST, disk=FAST)
+    return SimWorker(cfg, timer, links, preset("tiny"), max_context, disk=disk)
 
 
 # ---------------------------------------------------------------- virtual-time copies and disk
@@ -103,9 +102,7 @@ def _engine(
 def test_copies_queue_on_a_link_and_latency_overlaps():
     clock = VirtualClock()
     link = Link(bandwidth_Bps=1e9, latency_s=0.5)
-    eng = SimCopyEngine(
-        clock, block_bytes=1e9, device_to_host=link, host_to_device=link, disk=link
-    )
+    eng = SimCopyEngine(clock, TierLinks(block_bytes=1e9, host=link, disk=link))
     a = eng.scatter(None, None, [0])  # 1 s of bytes + 0.5 s latency
     b = eng.scatter(None, None, [1, 2])  # queues behind a's bytes: starts at 1 s
     c = eng.gather(None, [3], None)  # the other direction does not queue
@@ -128,13 +125,13 @@ def test_sim_disk_capacity_missing_corrupt_and_sharing():
     disk = SimDisk(2 * 8192)  # two block files of DiskTier.file_bytes(4) = 8192 bytes
     heard = []
     disk.on_store.append(lambda h, writer: heard.append((h, writer)))
-    assert disk.store(b"a" * 16, meta, "w0") == DiskStatus.OK
-    assert disk.store(b"b" * 16, meta, "w1") == DiskStatus.OK
-    assert disk.store(b"c" * 16, meta) == DiskStatus.FULL and disk.used_bytes == 16384
+    assert disk.write(b"a" * 16, meta, writer="w0") == DiskStatus.OK
+    assert disk.write(b"b" * 16, meta, writer="w1") == DiskStatus.OK
+    assert disk.write(b"c" * 16, meta) == DiskStatus.FULL and disk.used_bytes == 16384
     assert heard == [(b"a" * 16, "w0"), (b"b" * 16, "w1")]
-    assert disk.load(b"c" * 16, meta) == DiskStatus.MISSING
+    assert disk.read(b"c" * 16, meta) == DiskStatus.MISSING
     assert (
-        disk.load(b"a" * 16, dataclasses.replace(meta, dtype=2)) == DiskStatus.CORRUPT
+        disk.read(b"a" * 16, dataclasses.replace(meta, dtype=2)) == DiskStatus.CORRUPT
     )
     assert not disk.contains(b"a" * 16) and disk.used_bytes == 8192
     with pytest.raises(ValueError, match="capacity_bytes"):
@@ -145,14 +142,7 @@ def test_disk_jobs_take_effect_when_collected():
     clock = VirtualClock()
     disk = SimDisk(1 << 20)
     meta = BlockMeta(1, PAGE, 1, 4, PAGE)
-    eng = SimCopyEngine(
-        clock,
-        1e6,
-        device_to_host=FAST,
-        host_to_device=FAST,
-        disk=Link(1e6, 0.0),
-        owner="me",
-    )
+    eng = SimCopyEngine(clock, TierLinks(1e6, host=FAST, disk=Link(1e6, 0.0)), owner="me")
     w = eng.disk_write(disk, [b"x" * 16], meta, None)
     assert not disk.contains(b"x" * 16)  # written when the job ends and is collected
     r = eng.disk_read(disk, [b"x" * 16, b"y" * 16], meta, None)
@@ -368,7 +358,7 @@ def _two_workers(shared: bool) -> tuple[list[SimWorker], Workload]:
     variant = Variant(
         "v", CONFIGS["tiered-write-through"], router="least-loaded", shared_store=shared
     )
-    node = h200_node()
+    node = hardware.node("h200")
     wl = _workload(
         [_session(f"s{i}", 1000 * i, [41, 49, 57, 65], out=4) for i in range(4)]
     )
@@ -410,7 +400,7 @@ def test_shared_store_is_indexed_by_every_worker():
 
 
 def test_roofline_terms_scale_as_documented():
-    k2, node = preset("kimi-k2"), mi355x_node()
+    k2, node = preset("kimi-k2"), hardware.node("mi355x")
     eff = Efficiency(matrix=0.5, memory=0.8, layer_overhead_s=0.0, step_overhead_s=0.0)
     t = RooflineTimer(k2, node, eff)
     # decode attention is memory-bound under TP8 (8 heads per device, the whole latent cache
@@ -423,7 +413,7 @@ def test_roofline_terms_scale_as_documented():
     )
     # a long prefill on one device (no all-reduce) is compute-bound: twice the matrix
     # efficiency, about half the time
-    node = mi355x_node(num_devices=1)
+    node = hardware.node("mi355x", num_devices=1)
     t = RooflineTimer(k2, node, eff)
     fast = RooflineTimer(k2, node, dataclasses.replace(eff, matrix=1.0))
     chunk = BatchShape(((16384, 100_000),), 0, 0, 1)
@@ -432,11 +422,11 @@ def test_roofline_terms_scale_as_documented():
     assert 50 * GB < weight_bytes(k2) / 16 < 70 * GB  # ~1.03 TB of FP8 weights
     assert (
         3e6
-        < mi355x_node().kv_bytes_per_device(weight_bytes(k2)) / (k2.kv_cache_dim * 61)
+        < hardware.node("mi355x").kv_bytes_per_device(weight_bytes(k2)) / (k2.kv_cache_dim * 61)
         < 4e6
     )
     with pytest.raises(ValueError, match="no HBM"):
-        h200_node(num_devices=2).kv_bytes_per_device(weight_bytes(k2))
+        hardware.node("h200", num_devices=2).kv_bytes_per_device(weight_bytes(k2))
 
 
 def test_linear_timer_fit_recovers_coefficients():
@@ -485,7 +475,7 @@ def test_kernel_rates_from_perf_csv(tmp_path):
         7e14,
         5.2e12,
     )
-    timer = RooflineTimer(preset("kimi-k2"), mi355x_node(), rates=rates)
+    timer = RooflineTimer(preset("kimi-k2"), hardware.node("mi355x"), rates=rates)
     assert timer.step_s(BatchShape(((4096, 0),), 0, 0, 1)) > 0
     with pytest.raises(ValueError, match="no row"):
         KernelRates.from_csv([csv_path], "B200")
@@ -512,7 +502,7 @@ def test_scenarios_are_consistent_and_size_from_hardware():
         math.inf,
         (Session("a", (Turn(64_000, 10, tuple(range(1000)), 0.0, ""),)),),
     )
-    sizing = size_tiers(scn, preset("kimi-k2"), mi355x_node(), wl)
+    sizing = size_tiers(scn, preset("kimi-k2"), hardware.node("mi355x"), wl)
     assert sizing.block_bytes == 256 * 61 * 576 * 2  # bf16 KV of one 256-token page
     assert (
         6_500 < sizing.device_pages < 7_250

@@ -25,8 +25,8 @@ import numpy as np
 from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, Sizing, prepare, warm_up
-from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
+from kvtier.bench.sim.copies import SimDisk, TierLinks
+from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.timing import FEATURES, BatchShape, LinearTimer
@@ -195,13 +195,12 @@ def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | Non
     closed loop and configurations)."""
     model, _, wl, sizing, base, _ = prepare(opts)
     wl = wl if workload is None else workload
-    links = TierLinks(sizing.block_bytes, costs.host, costs.host, costs.disk)
+    links = TierLinks(sizing.block_bytes, costs.host, costs.disk)
     runs = []
     for config in parse_configs(opts.configs):
         cfg, disk_bytes = sim_engine_config(config, base, sizing)
         disk = SimDisk(disk_bytes) if config.disk else None
-        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings,
-                           VirtualClock(), disk=disk)
+        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings, disk=disk)
         runs.append(simulate([engine], wl, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
                              ramp_s=opts.ramp_s))
     return runs

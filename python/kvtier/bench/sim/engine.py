@@ -11,15 +11,11 @@ every full block a request will hold, so neither the scheduler nor the pool need
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.hardware import Link
+from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
 from kvtier.bench.sim.timing import BatchShape
-from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.pool import KVPool
-from kvtier.cache.prefix_index import Tier
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
@@ -27,36 +23,6 @@ from kvtier.serve.runner import StepResult
 from kvtier.serve.scheduler import ScheduledBatch
 
 PLACEHOLDER_TOKEN = 0
-
-
-@dataclass(frozen=True)
-class TierLinks:
-    """The links a worker's tiers copy over, and the modelled bytes of one block.
-
-    Attributes:
-        block_bytes: bytes one pool block stands for (KV of ``page_size`` tokens, all layers).
-        device_to_host, host_to_device: one device's host link, each direction.
-        disk: the disk tier's link as seen from host memory.
-    """
-
-    block_bytes: float
-    device_to_host: Link
-    host_to_device: Link
-    disk: Link
-
-    def cost_model(self, pool_block_bytes: int, prefill_tok_s: float) -> CostModel:
-        """The pool's starting cost model, in the pool's units.
-
-        The pool measures blocks in its own (placeholder) bytes, so bandwidths are scaled by
-        ``pool_block_bytes / block_bytes``; a disk load goes disk -> host -> device, so its rate is
-        the two links in series. As on a real pool, observed copies and steps then update it.
-        """
-        scale = pool_block_bytes / self.block_bytes
-        h2d, disk = self.host_to_device, self.disk
-        serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / h2d.bandwidth_Bps)
-        return CostModel(tiers={Tier.HOST: TierCost(h2d.latency_s, h2d.bandwidth_Bps * scale),
-                                Tier.DISK: TierCost(disk.latency_s + h2d.latency_s, serial * scale)},
-                         prefill_tok_s=prefill_tok_s)
 
 
 class TimedRunner:
@@ -101,9 +67,8 @@ class SimWorker:
         links: tier links and the modelled block size.
         model_config: the modelled model.
         max_context_tokens: longest prompt the worker accepts (its ``max_position_embeddings``).
-        clock: this worker's clock (a pool that waits on a copy moves it).
+        clock: this worker's clock (a pool that waits on a copy moves it); None = a new one at 0.
         disk: the disk tier (None = none); may be shared with other workers.
-        salt: block-hash salt of this worker's pool (workers that share a store share a salt).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
@@ -112,15 +77,15 @@ class SimWorker:
     """
 
     def __init__(self, config: EngineConfig, timer, links: TierLinks, model_config: KimiK2Config,
-                 max_context_tokens: int, clock: VirtualClock, *, disk: SimDisk | None = None, salt: bytes = b""):
+                 max_context_tokens: int, clock: VirtualClock | None = None, *, disk: SimDisk | None = None):
+        clock = clock or VirtualClock()
         self.config, self.links, self.clock = config, links, clock
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_context_tokens)
         self.runner = TimedRunner(timer, model_config, config)
-        self.copy_engine = SimCopyEngine(clock, links.block_bytes, device_to_host=links.device_to_host,
-                                         host_to_device=links.host_to_device, disk=links.disk, owner=self)
+        self.copy_engine = SimCopyEngine(clock, links, owner=self)
         pool_block_bytes = config.pool.page_size  # the placeholder pages: 1 layer x page_size x 1 byte
         cost = links.cost_model(pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens))
-        pool = KVPool(config.pool_config(salt), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
+        pool = KVPool(config.pool_config(), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)
         self.pool, self.scheduler = pool, self.engine.scheduler

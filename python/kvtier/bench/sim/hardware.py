@@ -32,17 +32,11 @@ TB = 10**12
 TIB = 2**40
 
 
-def _check_positive(owner: str, **values: float) -> None:
+def _check(owner: str, strict: bool, **values: float) -> None:
+    """Each value must be a finite number, > 0 when ``strict`` else >= 0 (a ValueError names it)."""
     for name, v in values.items():
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{owner}.{name} must be a finite number > 0, got {v!r}")
-
-
-def _check_nonnegative(obj: object, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{type(obj).__name__}.{name} must be a finite number >= 0, got {v!r}")
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if strict else v >= 0)):
+            raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} 0, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -67,8 +61,8 @@ class Link:
     job_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive("Link", bandwidth_Bps=self.bandwidth_Bps)
-        _check_nonnegative(self, "latency_s", "job_s")
+        _check("Link", True, bandwidth_Bps=self.bandwidth_Bps)
+        _check("Link", False, latency_s=self.latency_s, job_s=self.job_s)
 
     def busy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes holds the link (other jobs wait that long)."""
@@ -101,7 +95,7 @@ class Accelerator:
     interconnect: Link
 
     def __post_init__(self) -> None:
-        _check_positive(f"Accelerator({self.name})", hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
+        _check(f"Accelerator({self.name})", True, hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
                         bf16_flops=self.bf16_flops, fp8_flops=self.fp8_flops)
 
 
@@ -127,7 +121,7 @@ class Efficiency:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
-        _check_nonnegative(self, "layer_overhead_s", "step_overhead_s")
+        _check("Efficiency", False, layer_overhead_s=self.layer_overhead_s, step_overhead_s=self.step_overhead_s)
 
 
 @dataclass(frozen=True)
@@ -167,9 +161,8 @@ class Node:
             raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
         if not 0 < self.hbm_fraction <= 1:
             raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
-        for name in ("host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Node.{name} must be >= 0, got {getattr(self, name)!r}")
+        _check("Node", False, host_kv_bytes=self.host_kv_bytes, disk_kv_bytes=self.disk_kv_bytes,
+               activation_reserve_bytes=self.activation_reserve_bytes)
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.
@@ -204,26 +197,19 @@ H200 = Accelerator("H200", hbm_bytes=141 * GB, hbm_Bps=4.8 * TB, bf16_flops=989e
 """NVIDIA H200 SXM (sources in the module docstring). All-reduce bus bandwidth: 450 GB/s per
 direction of NVLink 4; 10 us per collective (NCCL small-message latency, an assumption)."""
 
-HOST_LINK = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
-NVME_ARRAY = Link(bandwidth_Bps=24 * GB, latency_s=100e-6)
-NIC_400G = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
+ACCELERATORS = {"mi355x": MI355X, "h200": H200}
 
 
-def _node(accelerator: Accelerator, num_devices: int) -> Node:
-    """``num_devices`` of ``accelerator`` with the assumed links and KV sizes: 1 TiB of host
-    DRAM and 4 TB of NVMe."""
-    return Node(accelerator, num_devices, host_link=HOST_LINK, disk_link=NVME_ARRAY, network_link=NIC_400G,
+def node(name: str, num_devices: int = 8) -> Node:
+    """``num_devices`` GPUs ``name`` (default: one 8-GPU platform, OCP MI355X or HGX H200) with the
+    host, NVMe and NIC links of the module docstring and assumed KV sizes: 1 TiB of host DRAM and
+    4 TB of NVMe.
+
+    Raises:
+        ValueError: an unknown ``name``, listing the known ones.
+    """
+    if name not in ACCELERATORS:
+        raise ValueError(f"--node must be one of {list(ACCELERATORS)}, got {name!r}")
+    return Node(ACCELERATORS[name], num_devices, host_link=Link(50 * GB, latency_s=10e-6),
+                disk_link=Link(24 * GB, latency_s=100e-6), network_link=Link(50 * GB, latency_s=10e-6),
                 host_kv_bytes=1 * TIB, disk_kv_bytes=4 * TB)
-
-
-def mi355x_node(num_devices: int = 8) -> Node:
-    """8x MI355X (one OCP platform), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return _node(MI355X, num_devices)
-
-
-def h200_node(num_devices: int = 8) -> Node:
-    """8x H200 (HGX), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return _node(H200, num_devices)
-
-
-NODES = {"mi355x": mi355x_node, "h200": h200_node}

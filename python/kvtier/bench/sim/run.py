@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from kvtier.bench.replay import working_set_pages
-from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
-from kvtier.bench.sim.hardware import NODES, Node
+from kvtier.bench.sim import hardware
+from kvtier.bench.sim.copies import SimDisk, TierLinks
+from kvtier.bench.sim.engine import SimWorker
+from kvtier.bench.sim.hardware import Node
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import Scenario, Variant, scenario
 from kvtier.bench.sim.timing import KernelRates, RooflineTimer, weight_bytes
@@ -90,8 +91,7 @@ class SimOptions:
         if self.kv_dtype_bytes is not None:
             scn = dataclasses.replace(scn, kv_dtype_bytes=self.kv_dtype_bytes)
         if self.node is not None:
-            if self.node not in NODES:
-                raise ValueError(f"--node must be one of {list(NODES)}, got {self.node!r}")
+            hardware.node(self.node)  # an unknown name fails here
             scn = dataclasses.replace(scn, node=self.node)
         if self.matrix_efficiency is not None:
             efficiency = dataclasses.replace(scn.efficiency, matrix=self.matrix_efficiency)
@@ -171,13 +171,12 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     below host memory (when the variant has one) shared or not as ``v`` says."""
     config = _engine_config(scn, v, sizing)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
-    links = TierLinks(sizing.block_bytes, node.host_link, node.host_link, store_link)
+    links = TierLinks(sizing.block_bytes, node.host_link, store_link)
     shared = SimDisk(config.pool.disk_cache_bytes * scn.workers) if v.cache.disk and v.shared_store else None
     engines = []
     for _ in range(scn.workers):
         disk = shared if shared is not None else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
-        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, VirtualClock(),
-                                 disk=disk))
+        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, disk=disk))
     if shared is not None:
         for e in engines:
             e.share_store(shared)
@@ -207,7 +206,7 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         OSError: a trace or CSV cannot be read.
     """
     scn = opts.resolve()
-    model, node = preset(scn.model), NODES[scn.node]()
+    model, node = preset(scn.model), hardware.node(scn.node)
     workload = load_workload(scn, opts.trace) if workload is None else workload
     if not workload.sessions:
         raise ValueError(f"the workload has no session within the {scn.max_context_tokens}-token context")
