@@ -24,6 +24,7 @@ from kvtier.bench.sim.hardware import Link
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.prefix_index import Tier
+from kvtier.options import check_int
 
 
 class VirtualClock:
@@ -61,9 +62,7 @@ class SimDisk:
     """
 
     def __init__(self, capacity_bytes: int):
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes, self.used_bytes = int(capacity_bytes), 0
+        self.capacity_bytes, self.used_bytes = check_int("capacity_bytes", capacity_bytes, min_value=0), 0
         self._blocks: dict[bytes, BlockMeta] = {}
         self.on_store: list[Callable[[bytes, object], None]] = []
 

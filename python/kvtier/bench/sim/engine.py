@@ -74,6 +74,8 @@ class SimWorker:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
             scheduler.
         runner: its :class:`TimedRunner`; copy_engine: its :class:`SimCopyEngine`.
+        busy, step: a step (or a wait for a copy to end) is in flight; that step (None: a wait).
+        running: the closed loop's session of each request id it runs (:mod:`kvtier.bench.sim.loop`).
     """
 
     def __init__(self, config: EngineConfig, timer, links: TierLinks, model_config: KimiK2Config,
@@ -89,6 +91,8 @@ class SimWorker:
                       disk=disk, clock=clock)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)
         self.pool, self.scheduler = pool, self.engine.scheduler
+        self.busy, self.step = False, None
+        self.running: dict[int, object] = {}
 
     @property
     def bytes_scale(self) -> float:
@@ -98,6 +102,11 @@ class SimWorker:
     def share_store(self, disk: SimDisk) -> None:
         """Index every block other workers store in ``disk`` (this worker's disk tier, shared)."""
         disk.on_store.append(lambda block_hash, writer: writer is not self and self.pool.index_disk_block(block_hash))
+
+    def backlog_tokens(self) -> int:
+        """Prompt tokens queued or being prefilled."""
+        s = self.scheduler
+        return sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in (*s.waiting, *s.loading, *s.running))
 
     def begin(self) -> tuple[float, StepResult | None]:
         """Begin a step at ``clock.now``: ``(end_s, result)`` of the step, or ``(wake_s, None)``

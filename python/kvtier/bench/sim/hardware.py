@@ -27,16 +27,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvtier.options import check_int, check_real
+
 GB = 10**9
 TB = 10**12
 TIB = 2**40
 
 
-def _check(owner: str, strict: bool, **values: float) -> None:
-    """Each value must be a finite number, > 0 when ``strict`` else >= 0 (a ValueError names it)."""
-    for name, v in values.items():
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and (v > 0 if strict else v >= 0)):
-            raise ValueError(f"{owner}.{name} must be a finite number {'>' if strict else '>='} 0, got {v!r}")
+def _check_fields(obj: object, min_open: bool, *names: str, max_value: float = math.inf) -> None:
+    """Each field must be a finite number >= 0 (> 0 when ``min_open``) and <= ``max_value``."""
+    for name in names:
+        check_real(f"{type(obj).__name__}.{name}", getattr(obj, name), min_value=0, min_open=min_open,
+                   max_value=max_value)
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,8 @@ class Link:
     job_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check("Link", True, bandwidth_Bps=self.bandwidth_Bps)
-        _check("Link", False, latency_s=self.latency_s, job_s=self.job_s)
+        _check_fields(self, True, "bandwidth_Bps")
+        _check_fields(self, False, "latency_s", "job_s")
 
     def busy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes holds the link (other jobs wait that long)."""
@@ -95,8 +97,7 @@ class Accelerator:
     interconnect: Link
 
     def __post_init__(self) -> None:
-        _check(f"Accelerator({self.name})", True, hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
-                        bf16_flops=self.bf16_flops, fp8_flops=self.fp8_flops)
+        _check_fields(self, True, "hbm_bytes", "hbm_Bps", "bf16_flops", "fp8_flops")
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,8 @@ class Efficiency:
     step_overhead_s: float = 2e-3
 
     def __post_init__(self) -> None:
-        for name in ("matrix", "memory"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0 < v <= 1):
-                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
-        _check("Efficiency", False, layer_overhead_s=self.layer_overhead_s, step_overhead_s=self.step_overhead_s)
+        _check_fields(self, True, "matrix", "memory", max_value=1)
+        _check_fields(self, False, "layer_overhead_s", "step_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -157,12 +155,9 @@ class Node:
     activation_reserve_bytes: float = 8 * GB
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
-        if not 0 < self.hbm_fraction <= 1:
-            raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
-        _check("Node", False, host_kv_bytes=self.host_kv_bytes, disk_kv_bytes=self.disk_kv_bytes,
-               activation_reserve_bytes=self.activation_reserve_bytes)
+        check_int("Node.num_devices", self.num_devices, min_value=1)
+        _check_fields(self, True, "hbm_fraction", max_value=1)
+        _check_fields(self, False, "host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes")
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.

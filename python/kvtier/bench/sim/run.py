@@ -36,7 +36,7 @@ from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
 from kvtier.provenance import provenance
-from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
+from kvtier.serve.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,6 @@ class SimOptions:
             efficiency = dataclasses.replace(scn.efficiency, matrix=self.matrix_efficiency)
             scn = dataclasses.replace(scn, efficiency=efficiency)
         if self.schedule_policy is not None:
-            if self.schedule_policy not in SCHEDULE_POLICIES:
-                raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
-                                 f"got {self.schedule_policy!r}")
             scn = dataclasses.replace(scn, schedule_policy=self.schedule_policy)
         if self.configs is not None:
             scn = scn.select([n.strip() for n in self.configs.split(",") if n.strip()])

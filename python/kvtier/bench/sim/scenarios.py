@@ -22,6 +22,8 @@ from kvtier.bench.configs import CONFIGS, BenchConfig
 from kvtier.bench.sim.hardware import Efficiency
 from kvtier.bench.sim.loop import ROUTERS
 from kvtier.bench.workload import check_replay_options
+from kvtier.options import check_choice, check_int, check_real
+from kvtier.serve.config import SCHEDULE_POLICIES
 
 MI355X_MATRIX_EFFICIENCY = 0.5
 """Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach: an assumption, not
@@ -81,8 +83,7 @@ class Variant:
     shared_store: bool = False
 
     def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}")
+        check_choice(f"Variant {self.name!r}: router", self.router, ROUTERS)
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,9 @@ class Replay:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sessions < 1 or self.concurrency < 1:
-            raise ValueError(f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}")
-        r = self.ramp_s
-        if isinstance(r, bool) or not (isinstance(r, (int, float)) and 0 <= r < math.inf):
-            raise ValueError(f"ramp_s must be a finite number of seconds >= 0, got {self.ramp_s!r}")
+        check_int("sessions", self.sessions, min_value=1)
+        check_int("concurrency", self.concurrency, min_value=1)
+        check_real("ramp_s", self.ramp_s, min_value=0)
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
         check_replay_options(self.truncate_input_tokens, self.warm_prefix_fraction)
@@ -177,13 +176,11 @@ class Scenario:
         if len(set(names)) != len(names) or self.baseline not in names:
             raise ValueError(f"scenario {self.name!r}: variant names {names} must be unique and include "
                              f"the baseline {self.baseline!r}")
-        if self.store not in STORES:
-            raise ValueError(f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}")
-        if self.workers < 1:
-            raise ValueError(f"scenario {self.name!r}: workers must be >= 1, got {self.workers}")
-        b = self.kv_dtype_bytes
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 8:
-            raise ValueError(f"scenario {self.name!r}: kv_dtype_bytes must be in (0, 8], got {b!r}")
+        check_choice(f"scenario {self.name!r}: store", self.store, STORES)
+        check_int(f"scenario {self.name!r}: workers", self.workers, min_value=1)
+        check_real(f"scenario {self.name!r}: kv_dtype_bytes", self.kv_dtype_bytes, min_value=0, min_open=True,
+                   max_value=8)
+        check_choice(f"scenario {self.name!r}: schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
 
     def select(self, names: list[str]) -> Scenario:
         """This scenario with only the variants ``names`` (in that order).
