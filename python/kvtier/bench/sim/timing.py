@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 from kvtier.bench.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
+from kvtier.options import check_real
 from kvtier.serve.scheduler import ScheduledBatch
 
 FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
@@ -141,43 +142,34 @@ class KernelRates:
 
 
 @dataclass(frozen=True)
-class _Shapes:
-    """Per-layer parameter counts and widths of a K2-class model (elements)."""
+class _Params:
+    """Parameter counts of a K2-class model (elements): one layer's attention (router included),
+    one expert, the dense MLP, ``lm_head``; and how many layers are MoE."""
 
     attn: float
     expert: float
     mlp: float
     lm_head: float
-    heads: int
-    kv_dim: int
-    kv_lora_rank: int
-    qk_head_dim: int
-    kv_b_out: int
-    hidden: int
-    layers: int
     moe_layers: int
 
     @staticmethod
-    def of(c: KimiK2Config) -> _Shapes:
+    def of(c: KimiK2Config) -> _Params:
         h, heads = c.hidden_size, c.num_attention_heads
         q = h * heads * c.qk_head_dim
         if c.q_lora_rank is not None:
             q = h * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
-        kv_b_out = heads * (c.qk_nope_head_dim + c.v_head_dim)
-        attn = q + h * c.kv_cache_dim + c.kv_lora_rank * kv_b_out + heads * c.v_head_dim * h
-        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
-        return _Shapes(attn=attn + h * c.n_routed_experts, expert=3 * h * c.moe_intermediate_size,
-                       mlp=3 * h * c.intermediate_size, lm_head=c.vocab_size * h, heads=heads, kv_dim=c.kv_cache_dim,
-                       kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim, kv_b_out=kv_b_out, hidden=h,
-                       layers=c.num_hidden_layers, moe_layers=moe_layers)
+        kv_b = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        attn = q + h * c.kv_cache_dim + kv_b + heads * c.v_head_dim * h
+        return _Params(attn + h * c.n_routed_experts, 3 * h * c.moe_intermediate_size, 3 * h * c.intermediate_size,
+                       c.vocab_size * h, c.num_hidden_layers - c.first_k_dense_replace)
 
 
 def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0) -> float:
     """Bytes of all weights: linear layers at ``weight_dtype_bytes`` per parameter (K2 ships FP8:
     1), token embedding and ``lm_head`` at ``embed_dtype_bytes`` (BF16 in K2's checkpoint)."""
-    s = _Shapes.of(c)
-    linear = s.layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
-    linear += (s.layers - s.moe_layers) * s.mlp
+    s, layers = _Params.of(c), c.num_hidden_layers
+    linear = layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
+    linear += (layers - s.moe_layers) * s.mlp
     return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
 
 
@@ -209,12 +201,12 @@ class RooflineTimer:
 
     def __post_init__(self) -> None:
         acc, eff, tp = self.node.accelerator, self.efficiency, self.node.num_devices
-        self._s = _Shapes.of(self.model)
+        self._s = _Params.of(self.model)
         self._gemm_flops = self.rates.gemm_flops or acc.fp8_flops * eff.matrix
         self._attn_flops = self.rates.attention_flops or acc.bf16_flops * eff.matrix
         self._mem_Bps = acc.hbm_Bps * eff.memory
         self._attn_Bps = self.rates.attention_Bps or self._mem_Bps
-        self._heads = self._s.heads / tp
+        self._heads = self.model.num_attention_heads / tp
         self._tp = tp
 
     def _gemm_s(self, flops: float, nbytes: float) -> float:
@@ -222,32 +214,33 @@ class RooflineTimer:
 
     def _linear_s(self, tokens: int, sampled: int) -> float:
         s, c, wb = self._s, self.model, self.weight_dtype_bytes
-        e, k = c.n_routed_experts, c.num_experts_per_tok
+        e, k, layers = c.n_routed_experts, c.num_experts_per_tok, c.num_hidden_layers
         hit = e * (1.0 - (1.0 - k / e) ** tokens) + c.n_shared_experts
-        t = s.layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
+        t = layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
         t += s.moe_layers * self._gemm_s(2 * tokens * (k + c.n_shared_experts) * s.expert, hit * s.expert * wb)
-        t += (s.layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
+        t += (layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
         if sampled:
             t += self._gemm_s(2 * sampled * s.lm_head, s.lm_head * 2)
         return t
 
     def _extend_s(self, new: int, cached: int) -> float:
         """Seconds of one prefill chunk's attention in one layer (the cheaper form)."""
-        s, kvb, h = self._s, self.kv_dtype_bytes, self._heads
+        c, kvb, h = self.model, self.kv_dtype_bytes, self._heads
+        kv, rank, vo = c.kv_cache_dim, c.kv_lora_rank, c.qk_nope_head_dim + c.v_head_dim  # vo: kv_b rows per head
         pairs = new * cached + new * (new + 1) / 2
-        latent_bytes = (cached + new) * s.kv_dim * kvb
-        absorbed = max(2 * h * (s.kv_dim + s.kv_lora_rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
-        expand_flops = 2 * cached * s.kv_lora_rank * h * (s.kv_b_out / s.heads)
-        expanded_bytes = latent_bytes + 2 * cached * h * (s.kv_b_out / s.heads) * 2
-        mha_flops = 2 * h * (s.qk_head_dim + self.model.v_head_dim) * pairs + expand_flops
+        latent_bytes = (cached + new) * kv * kvb
+        absorbed = max(2 * h * (kv + rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
+        expand_flops = 2 * cached * rank * h * vo
+        expanded_bytes = latent_bytes + 2 * cached * h * vo * 2
+        mha_flops = 2 * h * (c.qk_head_dim + c.v_head_dim) * pairs + expand_flops
         mha = max(mha_flops / self._attn_flops, expanded_bytes / self._attn_Bps)
         return min(absorbed, mha)
 
     def _decode_s(self, num_decodes: int, context: int) -> float:
         """Seconds of the decodes' attention in one layer."""
-        s, h = self._s, self._heads
-        flops = 2 * h * context * (s.kv_dim + s.kv_lora_rank)
-        nbytes = context * s.kv_dim * self.kv_dtype_bytes + num_decodes * h * (s.kv_dim + s.kv_lora_rank) * 2
+        kv, h = self.model.kv_cache_dim, self._heads
+        flops = 2 * h * context * (kv + self.model.kv_lora_rank)
+        nbytes = context * kv * self.kv_dtype_bytes + num_decodes * h * (kv + self.model.kv_lora_rank) * 2
         return max(flops / self._attn_flops, nbytes / self._attn_Bps)
 
     def step_s(self, shape: BatchShape) -> float:
@@ -255,14 +248,14 @@ class RooflineTimer:
         tokens = shape.num_tokens
         if tokens == 0:
             return 0.0
-        s, eff = self._s, self.efficiency
+        layers, eff = self.model.num_hidden_layers, self.efficiency
         t = self._linear_s(tokens, shape.num_sampled)
         attn = sum(self._extend_s(n, p) for n, p in shape.extends)
         if shape.num_decodes:
             attn += self._decode_s(shape.num_decodes, shape.decode_context)
-        t += s.layers * attn
-        t += 2 * s.layers * self.node.allreduce_s(tokens * s.hidden * 2)
-        return t + s.layers * eff.layer_overhead_s + eff.step_overhead_s
+        t += layers * attn
+        t += 2 * layers * self.node.allreduce_s(tokens * self.model.hidden_size * 2)
+        return t + layers * eff.layer_overhead_s + eff.step_overhead_s
 
     prefill_tok_s = _prefill_tok_s
 
@@ -283,9 +276,8 @@ class LinearTimer:
         unknown = set(self.coefficients) - set(FEATURES)
         if unknown:
             raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
-        bad = {k: v for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)}
-        if bad:
-            raise ValueError(f"LinearTimer.coefficients must be finite and >= 0, got {bad}")
+        for name, v in self.coefficients.items():
+            check_real(f"LinearTimer.coefficients[{name!r}]", v, min_value=0)
         object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
 
     def step_s(self, shape: BatchShape) -> float:
