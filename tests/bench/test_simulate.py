@@ -23,13 +23,14 @@ from kvtier.bench.sim.run import (
     run_scenario,
     size_tiers,
 )
-from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant
+from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant, load_scenarios
 from kvtier.bench.sim.timing import (
     FEATURES,
     BatchShape,
     KernelRates,
     LinearTimer,
     RooflineTimer,
+    prefill_tok_s,
     weight_bytes,
 )
 from kvtier.bench.workload import Session, Turn, Workload
@@ -452,7 +453,7 @@ def test_linear_timer_fit_recovers_coefficients():
         assert fit.coefficients.get(f, 0.0) == pytest.approx(
             truth.get(f, 0.0), abs=1e-9
         )
-    assert fit.prefill_tok_s(64) == pytest.approx(
+    assert prefill_tok_s(fit, 64) == pytest.approx(
         64 / LinearTimer(truth).step_s(BatchShape(((64, 0),), 0, 0, 1))
     )
     with pytest.raises(ValueError, match="unknown feature"):
@@ -517,6 +518,40 @@ def test_scenarios_are_consistent_and_size_from_hardware():
     with pytest.raises(ValueError, match="warmup_s"):
         Replay(sessions=1, concurrency=1, warmup_s=5.0, duration_s=5.0)
     assert isinstance(scn, Scenario)
+
+
+def test_scenario_and_hardware_files_are_checked_field_by_field(tmp_path):
+    kimi = SCENARIOS["kimi-mi355x-128"]
+    # the think-time cap is kv-cache-tester's --max-delay (600 s) before the fitted scale
+    assert kimi.replay.max_think_s == pytest.approx(600 * kimi.replay.time_scale)
+    migration = SCENARIOS["migration"]  # `like` the published scenario, with its own replay size
+    assert migration.efficiency == kimi.efficiency and migration.replay.ramp_s == kimi.replay.ramp_s
+    assert (migration.replay.sessions, migration.workers) == (512, 2)
+    base = 'model = "tiny"\nnode = "h200"\nworkers = 1\nstore = "disk"\npage_size = 1\n'
+    base += 'max_num_batched_tokens = 64\nvariants = ["tiered"]\nbaseline = "tiered"\n'
+    for extra, match in (
+        ('description = "x"\nwhat = 1\nreplay = { sessions = 1, concurrency = 1 }', r"\[s\]: unknown field\(s\) \['what'\]"),
+        ('description = "x"\nreplay = { concurrency = 1 }', r"\[s\] replay: .*'sessions'"),
+        ('description = "x"\nreplay = { sessions = 0, concurrency = 1 }', r"\[s\] replay: sessions must be an int >= 1"),
+        ('description = "x"\nlike = "s"\nreplay = { sessions = 1, concurrency = 1 }', "like must name another"),
+        ('description = "x"\nreplay = { sessions = 1, concurrency = 1 }\nefficiency = { matrix = 1.5 }',
+         r"efficiency: Efficiency.matrix must be a finite number > 0 and <= 1"),
+    ):
+        path = tmp_path / "s.toml"
+        path.write_text("[s]\n" + base + extra + "\n")
+        with pytest.raises(ValueError, match=match):
+            load_scenarios(path)
+    path.write_text('[s]\nreplay = { sessions = 1, concurrency = 1 }\n' + base.replace('["tiered"]', '[{ name = "a", cache = "nope" }]'))
+    with pytest.raises(ValueError, match=r"variants\[0\]: cache must be one of"):
+        load_scenarios(path)
+    hw = tmp_path / "hw.toml"
+    hw.write_text('[accelerator.x]\nname = "X"\nhbm_bytes = 1\nhbm_Bps = 1\nbf16_flops = 1\nfp8_flops = 0\n'
+                  "interconnect = { bandwidth_Bps = 1 }\n")
+    with pytest.raises(ValueError, match=r"hw.toml \[accelerator.x\]: Accelerator.fp8_flops must be a finite number > 0"):
+        hardware._load(hw)
+    hw.write_text("[node]\nhost_link = { bandwidth_Bps = 1, latency = 2 }\n")
+    with pytest.raises(ValueError, match=r"\[node\] host_link: unknown field\(s\) \['latency'\]"):
+        hardware._load(hw)
 
 
 def test_cli_simulate_tiny(tmp_path, capsys):

@@ -27,6 +27,7 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.options import check_int
 
 
+@dataclass(eq=False)
 class VirtualClock:
     """Virtual seconds, callable like ``time.monotonic`` (what ``KVPool(clock=...)`` takes).
 
@@ -34,8 +35,7 @@ class VirtualClock:
         now: the current time in seconds; only moves forward.
     """
 
-    def __init__(self, start_s: float = 0.0):
-        self.now = float(start_s)
+    now: float = 0.0
 
     def __call__(self) -> float:
         return self.now
@@ -160,11 +160,10 @@ class TierLinks:
         ``pool_block_bytes / block_bytes``; a disk load goes disk -> host -> device, so its rate is
         the two links in series. As on a real pool, observed copies and steps then update it.
         """
-        scale = pool_block_bytes / self.block_bytes
-        h2d, disk = self.host, self.disk
-        serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / h2d.bandwidth_Bps)
-        return CostModel(tiers={Tier.HOST: TierCost(h2d.latency_s, h2d.bandwidth_Bps * scale),
-                                Tier.DISK: TierCost(disk.latency_s + h2d.latency_s, serial * scale)},
+        scale, host, disk = pool_block_bytes / self.block_bytes, self.host, self.disk
+        serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / host.bandwidth_Bps)
+        return CostModel(tiers={Tier.HOST: TierCost(host.latency_s, host.bandwidth_Bps * scale),
+                                Tier.DISK: TierCost(disk.latency_s + host.latency_s, serial * scale)},
                          prefill_tok_s=prefill_tok_s)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.bench.sim.timing import BatchShape
+from kvtier.bench.sim.timing import BatchShape, ending, prefill_tok_s
 from kvtier.cache.pool import KVPool
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
@@ -53,8 +53,7 @@ class TimedRunner:
         """The step's modelled seconds, and a placeholder token for each sequence it ends."""
         seconds = self.timer.step_s(BatchShape.of(batch))
         self.busy_s += seconds
-        ends = [s for s, n in batch.extends if s.num_computed_tokens + n == s.num_tokens] + batch.decodes
-        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ends), PLACEHOLDER_TOKEN), seconds=seconds)
+        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds)
 
 
 class SimWorker:
@@ -63,7 +62,7 @@ class SimWorker:
     Args:
         config: the engine's sizes and cache policies (``disk_cache_dir`` is ignored; pass
             ``disk``).
-        timer: anything with ``step_s(BatchShape) -> seconds`` and ``prefill_tok_s(n)``.
+        timer: anything with ``step_s(BatchShape) -> seconds``.
         links: tier links and the modelled block size.
         model_config: the modelled model.
         max_context_tokens: longest prompt the worker accepts (its ``max_position_embeddings``).
@@ -85,8 +84,8 @@ class SimWorker:
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_context_tokens)
         self.runner = TimedRunner(timer, model_config, config)
         self.copy_engine = SimCopyEngine(clock, links, owner=self)
-        pool_block_bytes = config.pool.page_size  # the placeholder pages: 1 layer x page_size x 1 byte
-        cost = links.cost_model(pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens))
+        # the placeholder pages' blocks: 1 layer x page_size x 1 byte
+        cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
         pool = KVPool(config.pool_config(), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)

@@ -54,6 +54,12 @@ query-key pairs of the prefill chunks, sum of decode contexts, sequences in the 
 sampled."""
 
 
+def ending(batch: ScheduledBatch) -> list:
+    """The sequences whose last token ``batch`` computes (the rows that need logits): the prefill
+    chunks that reach their sequence's end, then every decode."""
+    return [s for s, n in batch.extends if s.num_computed_tokens + n >= s.num_tokens] + batch.decodes
+
+
 @dataclass(frozen=True)
 class BatchShape:
     """The sizes of one step that its duration depends on.
@@ -74,9 +80,8 @@ class BatchShape:
     def of(batch: ScheduledBatch) -> BatchShape:
         """Shape of ``batch`` before it runs (its sequences' ``num_computed_tokens`` not yet advanced)."""
         extends = tuple((n, seq.num_computed_tokens) for seq, n in batch.extends)
-        ends = sum(1 for seq, n in batch.extends if seq.num_computed_tokens + n >= seq.num_tokens)
         context = sum(seq.num_computed_tokens for seq in batch.decodes) + len(batch.decodes)
-        return BatchShape(extends, len(batch.decodes), context, len(batch.decodes) + ends)
+        return BatchShape(extends, len(batch.decodes), context, len(ending(batch)))
 
     @property
     def num_tokens(self) -> int:
@@ -173,9 +178,10 @@ def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_b
     return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
 
 
-def _prefill_tok_s(timer, chunk_tokens: int) -> float:
-    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first estimate
-    for the pool's cost model, which then learns from steps); a method of both timers."""
+def prefill_tok_s(timer, chunk_tokens: int) -> float:
+    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached under ``timer``
+    (anything with ``step_s(BatchShape)``): a first estimate for the pool's cost model, which
+    then learns from steps."""
     return chunk_tokens / timer.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
 
 
@@ -257,8 +263,6 @@ class RooflineTimer:
         t += 2 * layers * self.node.allreduce_s(tokens * self.model.hidden_size * 2)
         return t + layers * eff.layer_overhead_s + eff.step_overhead_s
 
-    prefill_tok_s = _prefill_tok_s
-
 
 @dataclass(frozen=True)
 class LinearTimer:
@@ -285,6 +289,3 @@ class LinearTimer:
         if shape.num_tokens == 0:
             return 0.0
         return float(shape.features() @ self._w)
-
-    prefill_tok_s = _prefill_tok_s
-
