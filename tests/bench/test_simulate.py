@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from kvtier.bench.calibrate import fit_linear_timer
+from kvtier.bench.calibrate import FEATURES, LinearTimer, fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
@@ -25,10 +25,8 @@ from kvtier.bench.sim.run import (
 )
 from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant, load_scenarios
 from kvtier.bench.sim.timing import (
-    FEATURES,
     BatchShape,
     KernelRates,
-    LinearTimer,
     RooflineTimer,
     prefill_tok_s,
     weight_bytes,

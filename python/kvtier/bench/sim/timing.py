@@ -1,4 +1,4 @@
-"""How long one engine step takes: a roofline over Kimi K2's operators, or a fitted linear model.
+"""How long one engine step takes: a roofline over Kimi K2's operators.
 
 A step runs one :class:`kvtier.serve.scheduler.ScheduledBatch`: prefill chunks (``n`` new tokens
 after ``p`` cached ones) and decodes (one token after ``c - 1`` cached ones). The simulator
@@ -31,8 +31,9 @@ Matrix rates: FP8 GEMMs (K2's released weights are FP8) at ``fp8_flops * efficie
 attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficiency.memory``.
 :class:`KernelRates` read from ``perf/`` CSVs replace these with the rates the kernels reached.
 
-**Linear** (:class:`LinearTimer`): fitted on measured steps, the CPU cost model of the agreement
-check (:mod:`kvtier.bench.calibrate`).
+Any object with ``step_s(BatchShape) -> seconds`` can time the simulator's steps; the agreement
+check's CPU cost model is a linear one fitted on measured steps
+(:class:`kvtier.bench.calibrate.LinearTimer`).
 """
 
 from __future__ import annotations
@@ -42,17 +43,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from kvtier.bench.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
-from kvtier.options import check_real
 from kvtier.serve.scheduler import ScheduledBatch
-
-FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
-"""Features of a step (:meth:`BatchShape.features`): 1, prefill tokens, decodes, visible
-query-key pairs of the prefill chunks, sum of decode contexts, sequences in the batch, rows
-sampled."""
-
 
 def ending(batch: ScheduledBatch) -> list:
     """The sequences whose last token ``batch`` computes (the rows that need logits): the prefill
@@ -86,12 +79,6 @@ class BatchShape:
     @property
     def num_tokens(self) -> int:
         return sum(n for n, _ in self.extends) + self.num_decodes
-
-    def features(self) -> np.ndarray:
-        """[len(FEATURES)] float64 values of :data:`FEATURES`."""
-        pairs = sum(n * p + n * (n + 1) / 2 for n, p in self.extends)
-        return np.array([1.0, sum(n for n, _ in self.extends), self.num_decodes, pairs, self.decode_context,
-                         len(self.extends) + self.num_decodes, self.num_sampled])
 
 
 @dataclass(frozen=True)
@@ -262,30 +249,3 @@ class RooflineTimer:
         t += layers * attn
         t += 2 * layers * self.node.allreduce_s(tokens * self.model.hidden_size * 2)
         return t + layers * eff.layer_overhead_s + eff.step_overhead_s
-
-
-@dataclass(frozen=True)
-class LinearTimer:
-    """``step_s = sum(coefficients[f] * shape.features()[f])`` over :data:`FEATURES`.
-
-    Attributes:
-        coefficients: seconds per unit of each feature, all >= 0 (missing features count 0).
-        source: where the coefficients were measured.
-    """
-
-    coefficients: dict[str, float]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.coefficients) - set(FEATURES)
-        if unknown:
-            raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
-        for name, v in self.coefficients.items():
-            check_real(f"LinearTimer.coefficients[{name!r}]", v, min_value=0)
-        object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
-
-    def step_s(self, shape: BatchShape) -> float:
-        """Seconds of one step of ``shape``; 0 for an empty step."""
-        if shape.num_tokens == 0:
-            return 0.0
-        return float(shape.features() @ self._w)
