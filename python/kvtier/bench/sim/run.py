@@ -101,7 +101,7 @@ class SimOptions:
         if self.schedule_policy is not None:
             scn = dataclasses.replace(scn, schedule_policy=self.schedule_policy)
         if self.configs is not None:
-            scn = scn.select([n.strip() for n in self.configs.split(",") if n.strip()])
+            scn = scn.select(self.configs)
         return scn
 
 

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.bench.configs import CONFIGS, BenchConfig
+from kvtier.bench.configs import CONFIGS, BenchConfig, parse_configs
 from kvtier.bench.sim.hardware import Efficiency, from_table
 from kvtier.bench.sim.loop import ROUTERS
 from kvtier.bench.workload import check_replay_options
@@ -144,20 +144,14 @@ class Scenario:
                    max_value=8)
         check_choice(f"scenario {self.name!r}: schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
 
-    def select(self, names: list[str]) -> Scenario:
-        """This scenario with only the variants ``names`` (in that order).
+    def select(self, configs: str) -> Scenario:
+        """This scenario with only the variants named in ``configs`` (``"a,b"``, in that order).
 
         Raises:
-            ValueError: an unknown name, naming the valid ones.
+            ValueError: an unknown or repeated name, or none, naming the valid ones.
         """
-        by_name = {v.name: v for v in self.variants}
-        if not names:
-            raise ValueError(f"--configs: no configuration named; expected some of {list(by_name)}")
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise ValueError(f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
-                             f"expected some of {list(by_name)}")
-        chosen = tuple(by_name[n] for n in names)
+        chosen = tuple(parse_configs(configs, {v.name: v for v in self.variants}, f" for scenario {self.name!r}"))
+        names = [v.name for v in chosen]
         baseline = self.baseline if self.baseline in names else names[0]
         return dataclasses.replace(self, variants=chosen, baseline=baseline)
 
