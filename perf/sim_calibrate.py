@@ -3,7 +3,7 @@
 The published figure (WORKLOAD.md): device-only p99 TTFT 17.3 s with 128 concurrent coding
 sessions on 8x MI355X. ``kimi-mi355x-128``'s device-only configuration is simulated over the
 kv-cache-tester traces for each think-time scale ``f`` of ``--grid`` (recorded think times capped
-at ``REPLAY_MAX_DELAY_S`` = 600 s, times ``f``); the scale is then interpolated (linearly in log
+at kv-cache-tester's ``--max-delay`` of 600 s, times ``f``); the scale is then interpolated (linearly in log
 p99 between the two grid points around the target) and simulated once more to confirm. Only the device-only
 configuration is ever run here: the tiered ones are predictions, never fitted.
 
@@ -32,12 +32,11 @@ import time
 
 from kvtier.bench.report import summarize
 from kvtier.bench.sim.run import SimOptions, load_workload, run_scenario, ttft_p99
-from kvtier.bench.sim.scenarios import REPLAY_MAX_DELAY_S
 from kvtier.bench.workload import Workload
 from kvtier.provenance import provenance
 
 SCENARIO = "kimi-mi355x-128"
-THINK_CAP_S = REPLAY_MAX_DELAY_S
+THINK_CAP_S = 600.0  # kv-cache-tester's --max-delay (the think-time cap in kvtier/bench/sim/scenarios.toml)
 
 
 def scale_think_times(workload: Workload, f: float) -> Workload:

@@ -51,15 +51,19 @@ def check_int(name: str, value, *, min_value: int | None = None, max_value: int 
     return value
 
 
-def check_real(name: str, value, *, min_value: float = -math.inf, min_open: bool = False) -> float:
-    """``value`` if it is a finite real number (not a bool) ``>= min_value`` (``>`` when ``min_open``).
+def check_real(name: str, value, *, min_value: float = -math.inf, min_open: bool = False,
+               max_value: float = math.inf) -> float:
+    """``value`` if it is a finite real number (not a bool) ``>= min_value`` (``>`` when ``min_open``)
+    and ``<= max_value``.
 
     Raises:
         ValueError: another type, NaN, infinite or out of range; the message names ``name``.
     """
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < min_value or (min_open and value == min_value):
-        raise ValueError(f"{name} must be a finite number {'>' if min_open else '>='} {min_value}, {_got(value)}")
+    if not ok or value < min_value or (min_open and value == min_value) or value > max_value:
+        upper = f" and <= {max_value}" if max_value < math.inf else ""
+        raise ValueError(f"{name} must be a finite number {'>' if min_open else '>='} {min_value}{upper}, "
+                         f"{_got(value)}")
     return value
 
 

@@ -8,12 +8,13 @@ import json
 import math
 
 import pytest
-from kvtier.bench.calibrate import fit_linear_timer
+from kvtier.bench.calibrate import FEATURES, LinearTimer, fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
-from kvtier.bench.sim.hardware import GB, Efficiency, Link, h200_node, mi355x_node
+from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.bench.sim.engine import SimWorker
+from kvtier.bench.sim import hardware
+from kvtier.bench.sim.hardware import GB, Efficiency, Link
 from kvtier.bench.sim.loop import simulate
 from kvtier.bench.sim.run import (
     SimOptions,
@@ -22,13 +23,12 @@ from kvtier.bench.sim.run import (
     run_scenario,
     size_tiers,
 )
-from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant
+from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant, load_scenarios
 from kvtier.bench.sim.timing import (
-    FEATURES,
     BatchShape,
     KernelRates,
-    LinearTimer,
     RooflineTimer,
+    prefill_tok_s,
     weight_bytes,
 )
 from kvtier.bench.workload import Session, Turn, Workload
@@ -91,10 +91,8 @@ def _engine(
         disk_cache_bytes=disk.capacity_bytes if disk is not None else 0,
     )
     timer = timer or LinearTimer({"step": STEP_S})
-    links = links or TierLinks(
-        block_bytes=1e6, device_to_host=FAST, host_to_device=FAST, disk=FAST
-    )
-    return SimWorker(cfg, timer, links, preset("tiny"), max_context, VirtualClock(), disk=disk)
+    links = links or TierLinks(block_bytes=1e6, host=FAST, disk=FAST)
+    return SimWorker(cfg, timer, links, preset("tiny"), max_context, disk=disk)
 
 
 # ---------------------------------------------------------------- virtual-time copies and disk
@@ -103,9 +101,7 @@ def _engine(
 def test_copies_queue_on_a_link_and_latency_overlaps():
     clock = VirtualClock()
     link = Link(bandwidth_Bps=1e9, latency_s=0.5)
-    eng = SimCopyEngine(
-        clock, block_bytes=1e9, device_to_host=link, host_to_device=link, disk=link
-    )
+    eng = SimCopyEngine(clock, TierLinks(block_bytes=1e9, host=link, disk=link))
     a = eng.scatter(None, None, [0])  # 1 s of bytes + 0.5 s latency
     b = eng.scatter(None, None, [1, 2])  # queues behind a's bytes: starts at 1 s
     c = eng.gather(None, [3], None)  # the other direction does not queue
@@ -128,13 +124,13 @@ def test_sim_disk_capacity_missing_corrupt_and_sharing():
     disk = SimDisk(2 * 8192)  # two block files of DiskTier.file_bytes(4) = 8192 bytes
     heard = []
     disk.on_store.append(lambda h, writer: heard.append((h, writer)))
-    assert disk.store(b"a" * 16, meta, "w0") == DiskStatus.OK
-    assert disk.store(b"b" * 16, meta, "w1") == DiskStatus.OK
-    assert disk.store(b"c" * 16, meta) == DiskStatus.FULL and disk.used_bytes == 16384
+    assert disk.write(b"a" * 16, meta, writer="w0") == DiskStatus.OK
+    assert disk.write(b"b" * 16, meta, writer="w1") == DiskStatus.OK
+    assert disk.write(b"c" * 16, meta) == DiskStatus.FULL and disk.used_bytes == 16384
     assert heard == [(b"a" * 16, "w0"), (b"b" * 16, "w1")]
-    assert disk.load(b"c" * 16, meta) == DiskStatus.MISSING
+    assert disk.read(b"c" * 16, meta) == DiskStatus.MISSING
     assert (
-        disk.load(b"a" * 16, dataclasses.replace(meta, dtype=2)) == DiskStatus.CORRUPT
+        disk.read(b"a" * 16, dataclasses.replace(meta, dtype=2)) == DiskStatus.CORRUPT
     )
     assert not disk.contains(b"a" * 16) and disk.used_bytes == 8192
     with pytest.raises(ValueError, match="capacity_bytes"):
@@ -145,14 +141,7 @@ def test_disk_jobs_take_effect_when_collected():
     clock = VirtualClock()
     disk = SimDisk(1 << 20)
     meta = BlockMeta(1, PAGE, 1, 4, PAGE)
-    eng = SimCopyEngine(
-        clock,
-        1e6,
-        device_to_host=FAST,
-        host_to_device=FAST,
-        disk=Link(1e6, 0.0),
-        owner="me",
-    )
+    eng = SimCopyEngine(clock, TierLinks(1e6, host=FAST, disk=Link(1e6, 0.0)), owner="me")
     w = eng.disk_write(disk, [b"x" * 16], meta, None)
     assert not disk.contains(b"x" * 16)  # written when the job ends and is collected
     r = eng.disk_read(disk, [b"x" * 16, b"y" * 16], meta, None)
@@ -368,7 +357,7 @@ def _two_workers(shared: bool) -> tuple[list[SimWorker], Workload]:
     variant = Variant(
         "v", CONFIGS["tiered-write-through"], router="least-loaded", shared_store=shared
     )
-    node = h200_node()
+    node = hardware.node("h200")
     wl = _workload(
         [_session(f"s{i}", 1000 * i, [41, 49, 57, 65], out=4) for i in range(4)]
     )
@@ -410,7 +399,7 @@ def test_shared_store_is_indexed_by_every_worker():
 
 
 def test_roofline_terms_scale_as_documented():
-    k2, node = preset("kimi-k2"), mi355x_node()
+    k2, node = preset("kimi-k2"), hardware.node("mi355x")
     eff = Efficiency(matrix=0.5, memory=0.8, layer_overhead_s=0.0, step_overhead_s=0.0)
     t = RooflineTimer(k2, node, eff)
     # decode attention is memory-bound under TP8 (8 heads per device, the whole latent cache
@@ -423,7 +412,7 @@ def test_roofline_terms_scale_as_documented():
     )
     # a long prefill on one device (no all-reduce) is compute-bound: twice the matrix
     # efficiency, about half the time
-    node = mi355x_node(num_devices=1)
+    node = hardware.node("mi355x", num_devices=1)
     t = RooflineTimer(k2, node, eff)
     fast = RooflineTimer(k2, node, dataclasses.replace(eff, matrix=1.0))
     chunk = BatchShape(((16384, 100_000),), 0, 0, 1)
@@ -432,11 +421,11 @@ def test_roofline_terms_scale_as_documented():
     assert 50 * GB < weight_bytes(k2) / 16 < 70 * GB  # ~1.03 TB of FP8 weights
     assert (
         3e6
-        < mi355x_node().kv_bytes_per_device(weight_bytes(k2)) / (k2.kv_cache_dim * 61)
+        < hardware.node("mi355x").kv_bytes_per_device(weight_bytes(k2)) / (k2.kv_cache_dim * 61)
         < 4e6
     )
     with pytest.raises(ValueError, match="no HBM"):
-        h200_node(num_devices=2).kv_bytes_per_device(weight_bytes(k2))
+        hardware.node("h200", num_devices=2).kv_bytes_per_device(weight_bytes(k2))
 
 
 def test_linear_timer_fit_recovers_coefficients():
@@ -462,7 +451,7 @@ def test_linear_timer_fit_recovers_coefficients():
         assert fit.coefficients.get(f, 0.0) == pytest.approx(
             truth.get(f, 0.0), abs=1e-9
         )
-    assert fit.prefill_tok_s(64) == pytest.approx(
+    assert prefill_tok_s(fit, 64) == pytest.approx(
         64 / LinearTimer(truth).step_s(BatchShape(((64, 0),), 0, 0, 1))
     )
     with pytest.raises(ValueError, match="unknown feature"):
@@ -485,7 +474,7 @@ def test_kernel_rates_from_perf_csv(tmp_path):
         7e14,
         5.2e12,
     )
-    timer = RooflineTimer(preset("kimi-k2"), mi355x_node(), rates=rates)
+    timer = RooflineTimer(preset("kimi-k2"), hardware.node("mi355x"), rates=rates)
     assert timer.step_s(BatchShape(((4096, 0),), 0, 0, 1)) > 0
     with pytest.raises(ValueError, match="no row"):
         KernelRates.from_csv([csv_path], "B200")
@@ -512,14 +501,14 @@ def test_scenarios_are_consistent_and_size_from_hardware():
         math.inf,
         (Session("a", (Turn(64_000, 10, tuple(range(1000)), 0.0, ""),)),),
     )
-    sizing = size_tiers(scn, preset("kimi-k2"), mi355x_node(), wl)
+    sizing = size_tiers(scn, preset("kimi-k2"), hardware.node("mi355x"), wl)
     assert sizing.block_bytes == 256 * 61 * 576 * 2  # bf16 KV of one 256-token page
     assert (
         6_500 < sizing.device_pages < 7_250
     )  # ~1.74M tokens of HBM left after FP8 weights
     assert sizing.host_slots == int(2**40 // sizing.block_bytes)
     with pytest.raises(ValueError, match="unknown configuration"):
-        scn.select(["bogus"])
+        scn.select("bogus")
     with pytest.raises(ValueError, match="router"):
         Variant("x", CONFIGS["tiered"], router="random")
     with pytest.raises(ValueError, match="baseline"):
@@ -527,6 +516,40 @@ def test_scenarios_are_consistent_and_size_from_hardware():
     with pytest.raises(ValueError, match="warmup_s"):
         Replay(sessions=1, concurrency=1, warmup_s=5.0, duration_s=5.0)
     assert isinstance(scn, Scenario)
+
+
+def test_scenario_and_hardware_files_are_checked_field_by_field(tmp_path):
+    kimi = SCENARIOS["kimi-mi355x-128"]
+    # the think-time cap is kv-cache-tester's --max-delay (600 s) before the fitted scale
+    assert kimi.replay.max_think_s == pytest.approx(600 * kimi.replay.time_scale)
+    migration = SCENARIOS["migration"]  # `like` the published scenario, with its own replay size
+    assert migration.efficiency == kimi.efficiency and migration.replay.ramp_s == kimi.replay.ramp_s
+    assert (migration.replay.sessions, migration.workers) == (512, 2)
+    base = 'model = "tiny"\nnode = "h200"\nworkers = 1\nstore = "disk"\npage_size = 1\n'
+    base += 'max_num_batched_tokens = 64\nvariants = ["tiered"]\nbaseline = "tiered"\n'
+    for extra, match in (
+        ('description = "x"\nwhat = 1\nreplay = { sessions = 1, concurrency = 1 }', r"\[s\]: unknown field\(s\) \['what'\]"),
+        ('description = "x"\nreplay = { concurrency = 1 }', r"\[s\] replay: .*'sessions'"),
+        ('description = "x"\nreplay = { sessions = 0, concurrency = 1 }', r"\[s\] replay: sessions must be an int >= 1"),
+        ('description = "x"\nlike = "s"\nreplay = { sessions = 1, concurrency = 1 }', "like must name another"),
+        ('description = "x"\nreplay = { sessions = 1, concurrency = 1 }\nefficiency = { matrix = 1.5 }',
+         r"efficiency: Efficiency.matrix must be a finite number > 0 and <= 1"),
+    ):
+        path = tmp_path / "s.toml"
+        path.write_text("[s]\n" + base + extra + "\n")
+        with pytest.raises(ValueError, match=match):
+            load_scenarios(path)
+    path.write_text('[s]\nreplay = { sessions = 1, concurrency = 1 }\n' + base.replace('["tiered"]', '[{ name = "a", cache = "nope" }]'))
+    with pytest.raises(ValueError, match=r"variants\[0\]: cache must be one of"):
+        load_scenarios(path)
+    hw = tmp_path / "hw.toml"
+    hw.write_text('[accelerator.x]\nname = "X"\nhbm_bytes = 1\nhbm_Bps = 1\nbf16_flops = 1\nfp8_flops = 0\n'
+                  "interconnect = { bandwidth_Bps = 1 }\n")
+    with pytest.raises(ValueError, match=r"hw.toml \[accelerator.x\]: Accelerator.fp8_flops must be a finite number > 0"):
+        hardware._load(hw)
+    hw.write_text("[node]\nhost_link = { bandwidth_Bps = 1, latency = 2 }\n")
+    with pytest.raises(ValueError, match=r"\[node\] host_link: unknown field\(s\) \['latency'\]"):
+        hardware._load(hw)
 
 
 def test_cli_simulate_tiny(tmp_path, capsys):
@@ -573,7 +596,7 @@ def test_cli_simulate_errors(capsys):
     )
     assert "unknown configuration(s) ['bogus']" in capsys.readouterr().err
     assert main(["simulate", "--scenario", "tiny", "--configs", " , ", "--plot", ""]) == 2
-    assert "--configs: no configuration named" in capsys.readouterr().err
+    assert "--configs is empty" in capsys.readouterr().err
     assert main(["simulate", "--scenario", "tiny", "--node", "tpu", "--plot", ""]) == 2
     assert "--node" in capsys.readouterr().err
     assert (
@@ -612,7 +635,7 @@ def test_replay_tool_options_override_the_scenario(capsys):
 def test_ramp_override_spreads_the_first_sessions_starts(capsys):
     assert SimOptions("kimi-mi355x-128").resolve().replay.ramp_s == 300.0
     for bad in (-1.0, float("inf"), float("nan"), True):
-        with pytest.raises(ValueError, match="ramp_s must be a finite number of seconds >= 0"):
+        with pytest.raises(ValueError, match="ramp_s must be a finite number >= 0"):
             SimOptions("tiny", ramp_s=bad).resolve()
     starts = {}
     for ramp in (0.0, 20.0):
@@ -622,11 +645,11 @@ def test_ramp_override_spreads_the_first_sessions_starts(capsys):
     assert starts[0.0] == [0.0] * len(starts[0.0]) and len(starts[0.0]) > 1
     assert 0.0 == starts[20.0][0] < starts[20.0][-1] < 20.0
     assert main(["simulate", "--scenario", "tiny", "--ramp-s", "-2", "--plot", ""]) == 2
-    assert "ramp_s must be a finite number of seconds >= 0, got -2.0" in capsys.readouterr().err
+    assert "ramp_s must be a finite number >= 0, got -2.0 (float)" in capsys.readouterr().err
 
 
 def test_schedule_policy_reaches_the_simulated_engines():
     scn = SimOptions("tiny", schedule_policy="cache-aware").resolve()
     assert scn.schedule_policy == "cache-aware" and SimOptions("tiny").resolve().schedule_policy == "fcfs"
-    with pytest.raises(ValueError, match="--schedule-policy must be one of cache-aware, fcfs, got 'lifo'"):
+    with pytest.raises(ValueError, match="schedule_policy must be one of"):
         SimOptions("tiny", schedule_policy="lifo").resolve()

@@ -36,7 +36,7 @@ def test_room_counts_a_finished_uncollected_write_once(stored_pending):
     budget, disk = _budget(6)
     pending = [bytes([i]) * 16 for i in range(5)]
     for h in pending[:stored_pending]:  # these writes ended in the tier; the pool has not collected them
-        assert disk.store(h, META) == DiskStatus.OK
+        assert disk.write(h, META) == DiskStatus.OK
     # 5 pending writes + 1 new block = 6 files, whichever of them the tier holds already
     assert budget.room(pending)
     assert budget.stats.evictions["disk"] == 0
@@ -46,7 +46,7 @@ def test_room_evicts_only_for_files_that_do_not_fit():
     budget, disk = _budget(3)
     for i in range(3):
         h = bytes([i]) * 16
-        disk.store(h, META)
+        disk.write(h, META)
         budget.add(h)
     assert budget.room([]) and budget.stats.evictions["disk"] == 1  # one out for one in
     pending = [b"p" * 16, b"q" * 16]
@@ -215,7 +215,7 @@ def test_a_given_tier_full_of_foreign_blocks_is_reported_and_refusals_counted(tm
     disk = SimDisk(3 * DiskTier.file_bytes(64))
     other = BlockMeta(2, 4, 8, 2, 64)  # the same sizes in another dtype: never ours
     for i in range(3):
-        disk.store(bytes([i]) * 16, other)
+        disk.write(bytes([i]) * 16, other)
     with pytest.warns(RuntimeWarning, match="can store no block"):
         pool = _pool_over(disk)
     assert pool.stats.disk_capacity_blocks == 0
@@ -229,9 +229,9 @@ def test_a_full_filesystem_keeps_the_blocks_it_has(tmp_path):
     pool = _pool_over(disk, host_blocks=16, pages=16)
     _store_blocks(pool, 3, 1)
     assert len(disk.blocks()) == 3
-    real_store = disk.store
+    real_store = disk.write
     # the filesystem (not the budget: it has room for 8) takes no fourth file
-    disk.store = lambda *a, **k: DiskStatus.FULL if len(disk.blocks()) >= 3 else real_store(*a, **k)
+    disk.write = lambda *a, **k: DiskStatus.FULL if len(disk.blocks()) >= 3 else real_store(*a, **k)
     _store_blocks(pool, 1, 2)
     _store_blocks(pool, 1, 3)
     # The first refused write lowers the limit to what is stored; the next replaces the oldest

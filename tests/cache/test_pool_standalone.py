@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle, SimDisk, VirtualClock
+from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle, SimDisk, TierLinks, VirtualClock
 from kvtier.bench.sim.hardware import Link
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost
@@ -28,7 +28,7 @@ def test_the_pool_and_its_tests_need_no_serving_layer():
 
 def test_native_and_simulated_parts_satisfy_the_seams(tmp_path):
     link = Link(latency_s=1e-6, bandwidth_Bps=1e9)
-    sim = SimCopyEngine(VirtualClock(), 64.0, device_to_host=link, host_to_device=link, disk=link)
+    sim = SimCopyEngine(VirtualClock(), TierLinks(64.0, host=link, disk=link))
     native = NativeCopyEngine(1)
     assert isinstance(sim, CopyEngine) and isinstance(native, CopyEngine)
     assert isinstance(SimDisk(1 << 20), DiskStore) and isinstance(DiskTier(tmp_path, 1 << 20), DiskStore)

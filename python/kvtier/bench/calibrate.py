@@ -6,9 +6,10 @@ costs measured here, predicts what a real ``kvtier bench`` run measures. Its pie
 - :func:`record_steps` times every ``Engine.step`` of a real engine and the shape of the batch
   it ran (the whole step: scheduling, forward pass, sampling, pool bookkeeping);
 - :func:`measure_cpu_costs` replays a *calibration* workload (another seed than the one
-  compared) through the real engine, fits a :class:`~kvtier.bench.sim.timing.LinearTimer` to
-  its steps (:func:`fit_linear_timer`), reads the copy costs the pool probed and learned (host and disk tiers) and times
-  the copy engine's per-job cost (its thread hand-off, which those leave out);
+  compared) through the real engine, fits a :class:`LinearTimer` (the step-time model the
+  simulator then uses) to its steps (:func:`fit_linear_timer`), reads the copy costs the pool
+  probed and learned (host and disk tiers) and times the copy engine's per-job cost (its thread
+  hand-off, which those leave out);
 - :func:`simulate_bench` replays a bench workload in the simulator with those costs and the
   bench's own tier sizes.
 """
@@ -25,17 +26,58 @@ import numpy as np
 from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, Sizing, prepare, warm_up
-from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
+from kvtier.bench.sim.copies import SimDisk, TierLinks
+from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.loop import SimRun, simulate
-from kvtier.bench.sim.timing import FEATURES, BatchShape, LinearTimer
+from kvtier.bench.sim.timing import BatchShape
 from kvtier.bench.workload import Workload
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
 from kvtier.cache.disk_tier import DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
+from kvtier.options import check_real
 from kvtier.serve import Engine, EngineConfig
+
+
+FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
+"""Features of a step (:func:`features`): 1, prefill tokens, decodes, visible query-key pairs of
+the prefill chunks, sum of decode contexts, sequences in the batch, rows sampled."""
+
+
+def features(shape: BatchShape) -> np.ndarray:
+    """[len(FEATURES)] float64 values of :data:`FEATURES` for one step of ``shape``."""
+    pairs = sum(n * p + n * (n + 1) / 2 for n, p in shape.extends)
+    return np.array([1.0, sum(n for n, _ in shape.extends), shape.num_decodes, pairs, shape.decode_context,
+                     len(shape.extends) + shape.num_decodes, shape.num_sampled])
+
+
+@dataclass(frozen=True)
+class LinearTimer:
+    """A step-time model for the simulator: ``step_s = sum(coefficients[f] * features(shape)[f])``
+    over :data:`FEATURES`, fitted on measured steps (:func:`fit_linear_timer`).
+
+    Attributes:
+        coefficients: seconds per unit of each feature, all >= 0 (missing features count 0).
+        source: where the coefficients were measured.
+    """
+
+    coefficients: dict[str, float]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.coefficients) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
+        for name, v in self.coefficients.items():
+            check_real(f"LinearTimer.coefficients[{name!r}]", v, min_value=0)
+        object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
+
+    def step_s(self, shape: BatchShape) -> float:
+        """Seconds of one step of ``shape``; 0 for an empty step."""
+        if shape.num_tokens == 0:
+            return 0.0
+        return float(features(shape) @ self._w)
 
 
 @dataclass
@@ -83,7 +125,7 @@ def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str
     if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
         raise ValueError(f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
                          f"got {len(shapes)} shapes and {len(seconds)} seconds")
-    x = np.stack([s.features() for s in shapes])
+    x = np.stack([features(s) for s in shapes])
     y = np.asarray(seconds, dtype=np.float64)
     active = list(range(len(FEATURES)))
     while True:
@@ -195,16 +237,16 @@ def simulate_bench(opts: BenchOptions, costs: CpuCosts, workload: Workload | Non
     closed loop and configurations)."""
     model, _, wl, sizing, base, _ = prepare(opts)
     wl = wl if workload is None else workload
-    links = TierLinks(sizing.block_bytes, costs.host, costs.host, costs.disk)
+    links = TierLinks(sizing.block_bytes, costs.host, costs.disk)
     runs = []
     for config in parse_configs(opts.configs):
         cfg, disk_bytes = sim_engine_config(config, base, sizing)
         disk = SimDisk(disk_bytes) if config.disk else None
-        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings,
-                           VirtualClock(), disk=disk)
+        engine = SimWorker(cfg, costs.timer, links, model.config, model.config.max_position_embeddings, disk=disk)
         runs.append(simulate([engine], wl, config.name, concurrency=opts.concurrency, tool_aware=config.tool_aware,
                              ramp_s=opts.ramp_s))
     return runs
 
 
-__all__ = ["CpuCosts", "StepLog", "fit_linear_timer", "measure_cpu_costs", "record_steps", "simulate_bench"]
+__all__ = ["FEATURES", "CpuCosts", "LinearTimer", "StepLog", "features", "fit_linear_timer", "measure_cpu_costs",
+           "record_steps", "simulate_bench"]

@@ -61,18 +61,19 @@ CONFIGS = {c.name: c for c in (
 )}
 
 
-def parse_configs(text: str) -> list[BenchConfig]:
-    """``"device-only,tiered"`` -> configurations, in order.
+def parse_configs(text: str, by_name: dict = CONFIGS, where: str = "") -> list:
+    """``"device-only,tiered"`` -> the values of ``by_name`` (:data:`CONFIGS`) so named, in order.
 
     Raises:
-        ValueError: an unknown or repeated name, or an empty list; names the valid ones.
+        ValueError: an unknown or repeated name, or an empty list; names the valid ones (and
+            ``where`` they were looked up, e.g. ``" for scenario 'tiny'"``).
     """
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
-        raise ValueError(f"--configs is empty; expected a comma-separated subset of {list(CONFIGS)}")
-    unknown = [n for n in names if n not in CONFIGS]
+        raise ValueError(f"--configs is empty; expected a comma-separated subset of {list(by_name)}")
+    unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise ValueError(f"--configs: unknown configuration(s) {unknown}; expected some of {list(CONFIGS)}")
+        raise ValueError(f"--configs: unknown configuration(s) {unknown}{where}; expected some of {list(by_name)}")
     if len(set(names)) != len(names):
         raise ValueError(f"--configs names a configuration twice: {names}")
-    return [CONFIGS[n] for n in names]
+    return [by_name[n] for n in names]

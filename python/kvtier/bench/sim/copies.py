@@ -18,11 +18,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.bench.sim.hardware import Link
+from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+from kvtier.cache.prefix_index import Tier
+from kvtier.options import check_int
 
 
+@dataclass(eq=False)
 class VirtualClock:
     """Virtual seconds, callable like ``time.monotonic`` (what ``KVPool(clock=...)`` takes).
 
@@ -30,8 +35,7 @@ class VirtualClock:
         now: the current time in seconds; only moves forward.
     """
 
-    def __init__(self, start_s: float = 0.0):
-        self.now = float(start_s)
+    now: float = 0.0
 
     def __call__(self) -> float:
         return self.now
@@ -51,40 +55,33 @@ class SimDisk:
 
     Args:
         capacity_bytes: budget in file bytes.
+
+    Attributes:
+        capacity_bytes, used_bytes: the budget and the file bytes held now (the fields of
+            :class:`kvtier.cache.seams.DiskStore`).
     """
 
     def __init__(self, capacity_bytes: int):
-        if capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self._capacity = int(capacity_bytes)
+        self.capacity_bytes, self.used_bytes = check_int("capacity_bytes", capacity_bytes, min_value=0), 0
         self._blocks: dict[bytes, BlockMeta] = {}
-        self._used = 0
         self.on_store: list[Callable[[bytes, object], None]] = []
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def store(self, block_hash: bytes, meta: BlockMeta, writer: object = None) -> DiskStatus:
-        """Record a block (as a finished write would); FULL when it does not fit."""
+    def write(self, block_hash: bytes, meta: BlockMeta, payload=None, writer: object = None) -> DiskStatus:
+        """Record a block (as a finished write would; ``payload`` is ignored); FULL when it does not fit."""
         if block_hash in self._blocks:
             return DiskStatus.OK
         size = DiskTier.file_bytes(meta.payload_bytes)
-        if self._used + size > self._capacity:
+        if self.used_bytes + size > self.capacity_bytes:
             return DiskStatus.FULL
         self._blocks[block_hash] = meta
-        self._used += size
+        self.used_bytes += size
         for listener in self.on_store:
             listener(block_hash, writer)
         return DiskStatus.OK
 
-    def load(self, block_hash: bytes, meta: BlockMeta) -> DiskStatus:
-        """OK when the block is held with this layout; MISSING when absent; CORRUPT (and dropped)
-        when its layout differs, as the real tier's header check would find."""
+    def read(self, block_hash: bytes, meta: BlockMeta, out=None) -> DiskStatus:
+        """OK when the block is held with this layout (``out`` is left alone); MISSING when absent;
+        CORRUPT (and dropped) when its layout differs, as the real tier's header check would find."""
         have = self._blocks.get(block_hash)
         if have is None:
             return DiskStatus.MISSING
@@ -93,18 +90,11 @@ class SimDisk:
             return DiskStatus.CORRUPT
         return DiskStatus.OK
 
-    # The DiskTier methods the pool calls directly.
-    def write(self, block_hash: bytes, meta: BlockMeta, payload) -> DiskStatus:
-        return self.store(block_hash, meta)
-
-    def read(self, block_hash: bytes, meta: BlockMeta, out) -> DiskStatus:
-        return self.load(block_hash, meta)
-
     def remove(self, block_hash: bytes) -> bool:
         meta = self._blocks.pop(block_hash, None)
         if meta is None:
             return False
-        self._used -= DiskTier.file_bytes(meta.payload_bytes)
+        self.used_bytes -= DiskTier.file_bytes(meta.payload_bytes)
         return True
 
     def contains(self, block_hash: bytes) -> bool:
@@ -148,27 +138,52 @@ class SimCopyHandle:
         return self._result
 
 
+@dataclass(frozen=True)
+class TierLinks:
+    """The links a worker's tiers copy over, and the modelled bytes of one block.
+
+    Attributes:
+        block_bytes: bytes one pool block stands for (KV of ``page_size`` tokens, all layers; the
+            pool's own blocks are far smaller placeholders).
+        host: one device's host link, each direction (the two directions queue separately).
+        disk: the disk tier's link as seen from host memory (reads and writes share it).
+    """
+
+    block_bytes: float
+    host: Link
+    disk: Link
+
+    def cost_model(self, pool_block_bytes: int, prefill_tok_s: float) -> CostModel:
+        """The pool's starting cost model, in the pool's units.
+
+        The pool measures blocks in its own (placeholder) bytes, so bandwidths are scaled by
+        ``pool_block_bytes / block_bytes``; a disk load goes disk -> host -> device, so its rate is
+        the two links in series. As on a real pool, observed copies and steps then update it.
+        """
+        scale, host, disk = pool_block_bytes / self.block_bytes, self.host, self.disk
+        serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / host.bandwidth_Bps)
+        return CostModel(tiers={Tier.HOST: TierCost(host.latency_s, host.bandwidth_Bps * scale),
+                                Tier.DISK: TierCost(disk.latency_s + host.latency_s, serial * scale)},
+                         prefill_tok_s=prefill_tok_s)
+
+
 class SimCopyEngine:
     """The copy engine's interface, timed on modelled links instead of copying.
 
     Args:
         clock: the pool's clock.
-        block_bytes: bytes one block stands for (the modelled model's KV of one page over all
-            layers; the pool's own blocks are far smaller placeholders).
-        device_to_host, host_to_device: the two directions of one device's host link.
-        disk: the disk tier's link (reads and writes share it).
-        owner: passed to :meth:`SimDisk.store` as the writer of the blocks this engine stores.
+        links: the links and the bytes one block stands for.
+        owner: passed to :meth:`SimDisk.write` as the writer of the blocks this engine stores.
 
     Attributes:
         bytes_moved: modelled bytes per link name (``"device->host"``, ``"host->device"``,
             ``"disk"``).
     """
 
-    def __init__(self, clock: VirtualClock, block_bytes: float, *, device_to_host: Link, host_to_device: Link,
-                 disk: Link, owner: object = None):
+    def __init__(self, clock: VirtualClock, links: TierLinks, owner: object = None):
         self.clock, self.owner = clock, owner
-        self.block_bytes = float(block_bytes)
-        self._links = {"device->host": device_to_host, "host->device": host_to_device, "disk": disk}
+        self.block_bytes = float(links.block_bytes)
+        self._links = {"device->host": links.host, "host->device": links.host, "disk": links.disk}
         self._free_at = dict.fromkeys(self._links, 0.0)
         self._ends: list[tuple[float, int, SimCopyHandle]] = []  # heap of uncollected jobs by end time
         self._order = itertools.count()
@@ -195,12 +210,12 @@ class SimCopyEngine:
     def disk_write(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
         """Blocks to the disk tier; they are stored there when the pool collects the job."""
         hashes = list(hashes)
-        return self._submit("disk", len(hashes), lambda: [int(disk.store(h, meta, self.owner)) for h in hashes])
+        return self._submit("disk", len(hashes), lambda: [int(disk.write(h, meta, writer=self.owner)) for h in hashes])
 
     def disk_read(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
         """Blocks from the disk tier; their presence is checked when the pool collects the job."""
         hashes = list(hashes)
-        return self._submit("disk", len(hashes), lambda: [int(disk.load(h, meta)) for h in hashes])
+        return self._submit("disk", len(hashes), lambda: [int(disk.read(h, meta)) for h in hashes])
 
     def next_end_s(self, after: float = float("-inf")) -> float | None:
         """When the earliest job not yet collected ends, among those ending after ``after``

@@ -11,15 +11,11 @@ every full block a request will hold, so neither the scheduler nor the pool need
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, VirtualClock
-from kvtier.bench.sim.hardware import Link
-from kvtier.bench.sim.timing import BatchShape
-from kvtier.cache.cost_model import CostModel, TierCost
+from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.bench.sim.timing import BatchShape, ending, prefill_tok_s
 from kvtier.cache.pool import KVPool
-from kvtier.cache.prefix_index import Tier
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
@@ -27,36 +23,6 @@ from kvtier.serve.runner import StepResult
 from kvtier.serve.scheduler import ScheduledBatch
 
 PLACEHOLDER_TOKEN = 0
-
-
-@dataclass(frozen=True)
-class TierLinks:
-    """The links a worker's tiers copy over, and the modelled bytes of one block.
-
-    Attributes:
-        block_bytes: bytes one pool block stands for (KV of ``page_size`` tokens, all layers).
-        device_to_host, host_to_device: one device's host link, each direction.
-        disk: the disk tier's link as seen from host memory.
-    """
-
-    block_bytes: float
-    device_to_host: Link
-    host_to_device: Link
-    disk: Link
-
-    def cost_model(self, pool_block_bytes: int, prefill_tok_s: float) -> CostModel:
-        """The pool's starting cost model, in the pool's units.
-
-        The pool measures blocks in its own (placeholder) bytes, so bandwidths are scaled by
-        ``pool_block_bytes / block_bytes``; a disk load goes disk -> host -> device, so its rate is
-        the two links in series. As on a real pool, observed copies and steps then update it.
-        """
-        scale = pool_block_bytes / self.block_bytes
-        h2d, disk = self.host_to_device, self.disk
-        serial = 1.0 / (1.0 / disk.bandwidth_Bps + 1.0 / h2d.bandwidth_Bps)
-        return CostModel(tiers={Tier.HOST: TierCost(h2d.latency_s, h2d.bandwidth_Bps * scale),
-                                Tier.DISK: TierCost(disk.latency_s + h2d.latency_s, serial * scale)},
-                         prefill_tok_s=prefill_tok_s)
 
 
 class TimedRunner:
@@ -87,8 +53,7 @@ class TimedRunner:
         """The step's modelled seconds, and a placeholder token for each sequence it ends."""
         seconds = self.timer.step_s(BatchShape.of(batch))
         self.busy_s += seconds
-        ends = [s for s, n in batch.extends if s.num_computed_tokens + n == s.num_tokens] + batch.decodes
-        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ends), PLACEHOLDER_TOKEN), seconds=seconds)
+        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds)
 
 
 class SimWorker:
@@ -97,33 +62,36 @@ class SimWorker:
     Args:
         config: the engine's sizes and cache policies (``disk_cache_dir`` is ignored; pass
             ``disk``).
-        timer: anything with ``step_s(BatchShape) -> seconds`` and ``prefill_tok_s(n)``.
+        timer: anything with ``step_s(BatchShape) -> seconds``.
         links: tier links and the modelled block size.
         model_config: the modelled model.
         max_context_tokens: longest prompt the worker accepts (its ``max_position_embeddings``).
-        clock: this worker's clock (a pool that waits on a copy moves it).
+        clock: this worker's clock (a pool that waits on a copy moves it); None = a new one at 0.
         disk: the disk tier (None = none); may be shared with other workers.
-        salt: block-hash salt of this worker's pool (workers that share a store share a salt).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
             scheduler.
         runner: its :class:`TimedRunner`; copy_engine: its :class:`SimCopyEngine`.
+        busy, step: a step (or a wait for a copy to end) is in flight; that step (None: a wait).
+        running: the closed loop's session of each request id it runs (:mod:`kvtier.bench.sim.loop`).
     """
 
     def __init__(self, config: EngineConfig, timer, links: TierLinks, model_config: KimiK2Config,
-                 max_context_tokens: int, clock: VirtualClock, *, disk: SimDisk | None = None, salt: bytes = b""):
+                 max_context_tokens: int, clock: VirtualClock | None = None, *, disk: SimDisk | None = None):
+        clock = clock or VirtualClock()
         self.config, self.links, self.clock = config, links, clock
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_context_tokens)
         self.runner = TimedRunner(timer, model_config, config)
-        self.copy_engine = SimCopyEngine(clock, links.block_bytes, device_to_host=links.device_to_host,
-                                         host_to_device=links.host_to_device, disk=links.disk, owner=self)
-        pool_block_bytes = config.pool.page_size  # the placeholder pages: 1 layer x page_size x 1 byte
-        cost = links.cost_model(pool_block_bytes, timer.prefill_tok_s(config.max_num_batched_tokens))
-        pool = KVPool(config.pool_config(salt), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
+        self.copy_engine = SimCopyEngine(clock, links, owner=self)
+        # the placeholder pages' blocks: 1 layer x page_size x 1 byte
+        cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
+        pool = KVPool(config.pool_config(), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)
         self.pool, self.scheduler = pool, self.engine.scheduler
+        self.busy, self.step = False, None
+        self.running: dict[int, object] = {}
 
     @property
     def bytes_scale(self) -> float:
@@ -133,6 +101,11 @@ class SimWorker:
     def share_store(self, disk: SimDisk) -> None:
         """Index every block other workers store in ``disk`` (this worker's disk tier, shared)."""
         disk.on_store.append(lambda block_hash, writer: writer is not self and self.pool.index_disk_block(block_hash))
+
+    def backlog_tokens(self) -> int:
+        """Prompt tokens queued or being prefilled."""
+        s = self.scheduler
+        return sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in (*s.waiting, *s.loading, *s.running))
 
     def begin(self) -> tuple[float, StepResult | None]:
         """Begin a step at ``clock.now``: ``(end_s, result)`` of the step, or ``(wake_s, None)``

@@ -1,22 +1,8 @@
 """Hardware the simulator models: accelerators, copy links and one serving node.
 
 Units: bytes, bytes per second (``_Bps``), floating-point operations per second (``_flops``),
-seconds (``_s``). Peak figures are the vendors' dense (no sparsity) matrix rates.
-
-Sources of the presets:
-
-- **MI355X** (AMD Instinct, CDNA 4): 288 GB HBM3E at 8 TB/s; dense matrix peaks 2.5 PFLOP/s
-  BF16 and 5.0 PFLOP/s FP8 (AMD product page and CDNA 4 white paper; the ISSCC 2026 paper gives
-  256 CUs x 8,192 FP8 FLOP/clock x 2.4 GHz = 5.03 PFLOP/s). Infinity Fabric: 7 links of
-  153.6 GB/s per GPU in an 8-GPU platform.
-- **H200** (NVIDIA, Hopper): 141 GB HBM3e at 4.8 TB/s; dense 989 TFLOP/s BF16 and 1,979 TFLOP/s
-  FP8 (NVIDIA H200 datasheet, sparsity excluded); NVLink 900 GB/s per GPU.
-- **Host link**: PCIe Gen5 x16 per GPU, 64 GB/s per direction raw; WORKLOAD.md's ~50 GB/s is
-  what a copy reaches, and is used here.
-- **NVMe**: four Gen4/Gen5 drives striped, ~6 GB/s each: 24 GB/s per node, ~100 us per I/O
-  (vendor sheets of data-centre NVMe drives; an assumption, not a measurement).
-- **Network**: one 400 Gb/s NIC per GPU (the MI355X and H200 reference platforms), 50 GB/s
-  per GPU, ~10 us per RDMA transfer (an assumption).
+seconds (``_s``). The presets and their sources are data in ``hardware.toml`` (beside this
+module): MI355X and H200 accelerators; PCIe, NVMe and NIC links; host and NVMe KV sizes.
 
 Collective model: a ring all-reduce of ``n`` bytes over ``p`` devices costs
 ``latency_s + 2 * (p - 1) / p * n / bandwidth_Bps`` (Patarasuk & Yuan, 2009).
@@ -24,25 +10,24 @@ Collective model: a ring all-reduce of ``n`` bytes over ``p`` devices costs
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import tomllib
+import typing
 from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.options import check_int, check_real
 
 GB = 10**9
-TB = 10**12
-TIB = 2**40
+HARDWARE_FILE = Path(__file__).with_name("hardware.toml")
 
 
-def _check_positive(owner: str, **values: float) -> None:
-    for name, v in values.items():
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{owner}.{name} must be a finite number > 0, got {v!r}")
-
-
-def _check_nonnegative(obj: object, *names: str) -> None:
+def _check_fields(obj: object, min_open: bool, *names: str, max_value: float = math.inf) -> None:
+    """Each field must be a finite number >= 0 (> 0 when ``min_open``) and <= ``max_value``."""
     for name in names:
-        v = getattr(obj, name)
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{type(obj).__name__}.{name} must be a finite number >= 0, got {v!r}")
+        check_real(f"{type(obj).__name__}.{name}", getattr(obj, name), min_value=0, min_open=min_open,
+                   max_value=max_value)
 
 
 @dataclass(frozen=True)
@@ -67,8 +52,8 @@ class Link:
     job_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_positive("Link", bandwidth_Bps=self.bandwidth_Bps)
-        _check_nonnegative(self, "latency_s", "job_s")
+        _check_fields(self, True, "bandwidth_Bps")
+        _check_fields(self, False, "latency_s", "job_s")
 
     def busy_s(self, nbytes: float) -> float:
         """Seconds one job of ``nbytes`` bytes holds the link (other jobs wait that long)."""
@@ -101,8 +86,7 @@ class Accelerator:
     interconnect: Link
 
     def __post_init__(self) -> None:
-        _check_positive(f"Accelerator({self.name})", hbm_bytes=self.hbm_bytes, hbm_Bps=self.hbm_Bps,
-                        bf16_flops=self.bf16_flops, fp8_flops=self.fp8_flops)
+        _check_fields(self, True, "hbm_bytes", "hbm_Bps", "bf16_flops", "fp8_flops")
 
 
 @dataclass(frozen=True)
@@ -123,11 +107,8 @@ class Efficiency:
     step_overhead_s: float = 2e-3
 
     def __post_init__(self) -> None:
-        for name in ("matrix", "memory"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and 0 < v <= 1):
-                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {v!r}")
-        _check_nonnegative(self, "layer_overhead_s", "step_overhead_s")
+        _check_fields(self, True, "matrix", "memory", max_value=1)
+        _check_fields(self, False, "layer_overhead_s", "step_overhead_s")
 
 
 @dataclass(frozen=True)
@@ -163,13 +144,9 @@ class Node:
     activation_reserve_bytes: float = 8 * GB
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_devices, int) or self.num_devices < 1:
-            raise ValueError(f"Node.num_devices must be an int >= 1, got {self.num_devices!r}")
-        if not 0 < self.hbm_fraction <= 1:
-            raise ValueError(f"Node.hbm_fraction must be in (0, 1], got {self.hbm_fraction!r}")
-        for name in ("host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"Node.{name} must be >= 0, got {getattr(self, name)!r}")
+        check_int("Node.num_devices", self.num_devices, min_value=1)
+        _check_fields(self, True, "hbm_fraction", max_value=1)
+        _check_fields(self, False, "host_kv_bytes", "disk_kv_bytes", "activation_reserve_bytes")
 
     def kv_bytes_per_device(self, weight_bytes: float) -> float:
         """HBM left for KV on one device once ``weight_bytes`` (all devices together) are loaded.
@@ -193,37 +170,48 @@ class Node:
         return link.latency_s + 2 * (p - 1) / p * nbytes / link.bandwidth_Bps
 
 
-MI355X = Accelerator("MI355X", hbm_bytes=288 * GB, hbm_Bps=8 * TB, bf16_flops=2.5e15, fp8_flops=5.0e15,
-                     interconnect=Link(bandwidth_Bps=7 * 153.6 * GB / 2, latency_s=15e-6))
-"""AMD Instinct MI355X (sources in the module docstring). All-reduce bus bandwidth: half the
-aggregate of 7 x 153.6 GB/s Infinity Fabric links (each link counted once per direction);
-15 us per collective (RCCL small-message latency on 8 GPUs, an assumption)."""
+def from_table(cls, table: dict, where: str):
+    """``cls(**table)`` for a dataclass ``cls``: its keys checked against the fields, and the value
+    of a field whose type is a dataclass built from its own table the same way.
 
-H200 = Accelerator("H200", hbm_bytes=141 * GB, hbm_Bps=4.8 * TB, bf16_flops=989e12, fp8_flops=1979e12,
-                   interconnect=Link(bandwidth_Bps=450 * GB, latency_s=10e-6))
-"""NVIDIA H200 SXM (sources in the module docstring). All-reduce bus bandwidth: 450 GB/s per
-direction of NVLink 4; 10 us per collective (NCCL small-message latency, an assumption)."""
-
-HOST_LINK = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
-NVME_ARRAY = Link(bandwidth_Bps=24 * GB, latency_s=100e-6)
-NIC_400G = Link(bandwidth_Bps=50 * GB, latency_s=10e-6)
-
-
-def _node(accelerator: Accelerator, num_devices: int) -> Node:
-    """``num_devices`` of ``accelerator`` with the assumed links and KV sizes: 1 TiB of host
-    DRAM and 4 TB of NVMe."""
-    return Node(accelerator, num_devices, host_link=HOST_LINK, disk_link=NVME_ARRAY, network_link=NIC_400G,
-                host_kv_bytes=1 * TIB, disk_kv_bytes=4 * TB)
-
-
-def mi355x_node(num_devices: int = 8) -> Node:
-    """8x MI355X (one OCP platform), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return _node(MI355X, num_devices)
+    Raises:
+        ValueError: not a table, an unknown or missing field, or a value ``cls`` refuses; the
+            message starts with ``where``.
+    """
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table, got {table!r}")
+    hints, names = typing.get_type_hints(cls), [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(table) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; expected some of {names}")
+    table = {k: from_table(hints[k], v, f"{where} {k}") if dataclasses.is_dataclass(hints[k])
+             and not isinstance(v, hints[k]) else v for k, v in table.items()}
+    try:
+        return cls(**table)
+    except (TypeError, ValueError) as e:  # TypeError: a field missing
+        raise ValueError(f"{where}: {e}") from None
 
 
-def h200_node(num_devices: int = 8) -> Node:
-    """8x H200 (HGX), 1 TiB of host DRAM and 4 TB of NVMe for KV (assumed sizes)."""
-    return _node(H200, num_devices)
+def _load(path: Path) -> tuple[dict[str, Accelerator], dict]:
+    """The accelerators of ``path`` by name, and its [node] table with its links built."""
+    data = tomllib.loads(path.read_text())
+    node_table = {k: from_table(Link, v, f"{path.name} [node] {k}") if k.endswith("_link") else v
+                  for k, v in data.get("node", {}).items()}
+    return {name: from_table(Accelerator, t, f"{path.name} [accelerator.{name}]")
+            for name, t in data.get("accelerator", {}).items()}, node_table
 
 
-NODES = {"mi355x": mi355x_node, "h200": h200_node}
+ACCELERATORS, _NODE = _load(HARDWARE_FILE)
+
+
+def node(name: str, num_devices: int = 8) -> Node:
+    """``num_devices`` GPUs ``name`` (default: one 8-GPU platform, OCP MI355X or HGX H200) with the
+    links and KV tier sizes of ``hardware.toml``'s [node].
+
+    Raises:
+        ValueError: an unknown ``name``, listing the known ones.
+    """
+    if name not in ACCELERATORS:
+        raise ValueError(f"--node must be one of {list(ACCELERATORS)}, got {name!r}")
+    return from_table(Node, {**_NODE, "accelerator": ACCELERATORS[name], "num_devices": num_devices},
+                      f"{HARDWARE_FILE.name} [node] with {num_devices} x {name}")

@@ -32,7 +32,6 @@ from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.workload import Turn, Workload
 from kvtier.cache.block_hash import block_hashes
 from kvtier.serve.params import RequestOutput, SamplingParams
-from kvtier.serve.runner import StepResult
 
 ROUTERS = ("sticky", "least-loaded")
 _FRESH_ID_BASE = 2**31  # ids of blocks that hold generated tokens: never a workload block id
@@ -77,24 +76,11 @@ class _Hasher:
         return p.hashes + block_hashes(fresh, m, p.hashes[-1] if p.hashes else None, self.salt)
 
 
-@dataclass
-class _Worker:
-    sim: SimWorker
-    step: StepResult | None = None  # the step in flight
-    waking: bool = False
-    running: dict[int, ActiveSession] = field(default_factory=dict)
-
-    def backlog_tokens(self) -> int:
-        """Prompt tokens queued or being prefilled."""
-        s = self.sim.scheduler
-        return sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in (*s.waiting, *s.loading, *s.running))
-
-
 class _SimTarget:
     """The workers as the closed loop's target (virtual clock ``now``)."""
 
     def __init__(self, workers: list[SimWorker], workload: Workload, router: str):
-        self.workers = [_Worker(w) for w in workers]
+        self.workers = workers
         self.router, self.now, self.migrations = router, 0.0, 0
         first = workers[0]
         self.hasher = _Hasher(workload.block_size, first.config.pool.page_size, first.pool.config.salt)
@@ -108,8 +94,7 @@ class _SimTarget:
         self.migrations += w != a.home and a.next_turn > 0
         a.home = w
         params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True)
-        rid = self.workers[w].sim.engine.add_hashed_request(turn.input_tokens, hashes, params,
-                                                            arrival_time=arrival_time)
+        rid = self.workers[w].engine.add_hashed_request(turn.input_tokens, hashes, params, arrival_time=arrival_time)
         self.workers[w].running[rid] = a
 
     def _route(self, a: ActiveSession, hashes: list[bytes], n_in: int) -> int:
@@ -117,7 +102,7 @@ class _SimTarget:
             return a.home
         best, best_s = a.home, math.inf
         for i in sorted(range(len(self.workers)), key=lambda i: i != a.home):  # the home worker wins ties
-            pool = self.workers[i].sim.pool
+            pool = self.workers[i].pool
             cached = len(pool.index.match(hashes[: n_in // pool.page_size])) * pool.page_size
             t = (self.workers[i].backlog_tokens() + n_in - cached) / pool.cost_model.prefill_tok_s
             if t < best_s:
@@ -126,10 +111,10 @@ class _SimTarget:
 
     def advance(self, until: float | None) -> list[tuple[ActiveSession, RequestOutput]] | None:
         for w in self.workers:  # every idle worker with work begins its next step now
-            if w.step is None and not w.waking and w.sim.engine.has_unfinished():
-                w.sim.clock.advance_to(self.now)
-                t, w.step = w.sim.begin()
-                w.waking = w.step is None
+            if not w.busy and w.engine.has_unfinished():
+                w.clock.advance_to(self.now)
+                t, w.step = w.begin()
+                w.busy = True
                 heapq.heappush(self.events, (t, next(self._order), w))
         if not self.events and until is None:
             return None
@@ -137,17 +122,17 @@ class _SimTarget:
         finished = []
         while self.events and self.events[0][0] == self.now:
             w = heapq.heappop(self.events)[2]
-            w.sim.clock.advance_to(self.now)
-            step, w.step, w.waking = w.step, None, False
+            w.clock.advance_to(self.now)
+            step, w.step, w.busy = w.step, None, False
             if step is not None:
-                finished += [(w.running.pop(out.request_id), out) for out in w.sim.engine.end_step(step)]
+                finished += [(w.running.pop(out.request_id), out) for out in w.engine.end_step(step)]
         return finished
 
     def tool_wait(self, a: ActiveSession, expected_wait_s: float) -> None:
-        self.workers[a.home].sim.pool.tool_wait_blocks(a.session.session_id, a.state.hashes, expected_wait_s)
+        self.workers[a.home].pool.tool_wait_blocks(a.session.session_id, a.state.hashes, expected_wait_s)
 
     def tool_return(self, a: ActiveSession) -> None:
-        self.workers[a.home].sim.pool.tool_return(a.session.session_id)
+        self.workers[a.home].pool.tool_return(a.session.session_id)
 
 
 @dataclass

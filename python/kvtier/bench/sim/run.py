@@ -23,19 +23,20 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from kvtier.bench.replay import working_set_pages
-from kvtier.bench.sim.copies import SimDisk, VirtualClock
-from kvtier.bench.sim.engine import SimWorker, TierLinks
-from kvtier.bench.sim.hardware import NODES, Node
+from kvtier.bench.sim import hardware
+from kvtier.bench.sim.copies import SimDisk, TierLinks
+from kvtier.bench.sim.engine import SimWorker
+from kvtier.bench.sim.hardware import Node
 from kvtier.bench.sim.loop import SimRun, simulate
-from kvtier.bench.sim.scenarios import Scenario, Variant, scenario
-from kvtier.bench.sim.timing import KernelRates, RooflineTimer, weight_bytes
+from kvtier.bench.sim.scenarios import SCENARIOS, Scenario, Variant
+from kvtier.bench.sim.timing import KernelRates, RooflineTimer, prefill_tok_s, weight_bytes
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
 from kvtier.provenance import provenance
-from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
+from kvtier.serve.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ class SimOptions:
         Raises:
             ValueError: an unknown scenario, configuration or node, or an override out of range.
         """
-        scn = scenario(self.scenario)
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"--scenario: unknown scenario {self.scenario!r}; expected one of {list(SCENARIOS)}")
+        scn = SCENARIOS[self.scenario]
         names = ("sessions", "concurrency", "max_turns", "time_scale", "max_think_s", "ramp_s", "duration_s",
                  "warmup_s", "seed", "warm_prefix_fraction")
         over = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
@@ -90,19 +93,15 @@ class SimOptions:
         if self.kv_dtype_bytes is not None:
             scn = dataclasses.replace(scn, kv_dtype_bytes=self.kv_dtype_bytes)
         if self.node is not None:
-            if self.node not in NODES:
-                raise ValueError(f"--node must be one of {list(NODES)}, got {self.node!r}")
+            hardware.node(self.node)  # an unknown name fails here
             scn = dataclasses.replace(scn, node=self.node)
         if self.matrix_efficiency is not None:
             efficiency = dataclasses.replace(scn.efficiency, matrix=self.matrix_efficiency)
             scn = dataclasses.replace(scn, efficiency=efficiency)
         if self.schedule_policy is not None:
-            if self.schedule_policy not in SCHEDULE_POLICIES:
-                raise ValueError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
-                                 f"got {self.schedule_policy!r}")
             scn = dataclasses.replace(scn, schedule_policy=self.schedule_policy)
         if self.configs is not None:
-            scn = scn.select([n.strip() for n in self.configs.split(",") if n.strip()])
+            scn = scn.select(self.configs)
         return scn
 
 
@@ -143,7 +142,7 @@ def load_workload(scn: Scenario, trace: str | None) -> Workload:
 def size_tiers(scn: Scenario, model: KimiK2Config, node: Node, workload: Workload) -> SimSizing:
     """Per-worker tier sizes for ``workload`` on ``node`` (module docstring)."""
     ps = scn.page_size
-    block = ps * model.num_hidden_layers * model.kv_cache_dim * scn.kv_dtype_bytes
+    block = ps * model.kv_cache_bytes_per_token(scn.kv_dtype_bytes)
     wb = weight_bytes(model, scn.weight_dtype_bytes)
     ws = working_set_pages(workload, ps, scn.replay.concurrency)
     largest = max(-(-(t.input_tokens + t.output_tokens) // ps) for s in workload.sessions for t in s.turns)
@@ -171,13 +170,12 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     below host memory (when the variant has one) shared or not as ``v`` says."""
     config = _engine_config(scn, v, sizing)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
-    links = TierLinks(sizing.block_bytes, node.host_link, node.host_link, store_link)
+    links = TierLinks(sizing.block_bytes, node.host_link, store_link)
     shared = SimDisk(config.pool.disk_cache_bytes * scn.workers) if v.cache.disk and v.shared_store else None
     engines = []
     for _ in range(scn.workers):
         disk = shared if shared is not None else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
-        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, VirtualClock(),
-                                 disk=disk))
+        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, disk=disk))
     if shared is not None:
         for e in engines:
             e.share_store(shared)
@@ -207,21 +205,19 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         OSError: a trace or CSV cannot be read.
     """
     scn = opts.resolve()
-    model, node = preset(scn.model), NODES[scn.node]()
+    model, node = preset(scn.model), hardware.node(scn.node)
     workload = load_workload(scn, opts.trace) if workload is None else workload
     if not workload.sessions:
         raise ValueError(f"the workload has no session within the {scn.max_context_tokens}-token context")
-    rates = None
-    if opts.kernel_csv:
-        rates = KernelRates.from_csv(list(opts.kernel_csv), opts.kernel_device or node.accelerator.name)
+    device = opts.kernel_device or node.accelerator.name
+    rates = KernelRates.from_csv(list(opts.kernel_csv), device) if opts.kernel_csv else None
     timer = make_timer(scn, model, node, rates)
     sizing = size_tiers(scn, model, node, workload)
     runs: list[SimRun] = []
     for v in scn.variants:
         if on_start is not None:
             on_start(v.name)
-        engines = build_engines(scn, v, sizing, timer, node)
-        r = scn.replay
+        engines, r = build_engines(scn, v, sizing, timer, node), scn.replay
         runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
                              on_finish=on_finish))
@@ -249,10 +245,11 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
                 for v in scn.variants]
     per_variant = {sr.run.name: {"migrations": sr.migrations, "warmup_requests": len(sr.warmup_records),
                                  "end_s": sr.end_s, "busy_s": sr.busy_s,
-                                 "ttft_p99_returning_s": returning_ttft_p99(sr)} for sr in runs}
+                                 "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0)}
+                   for sr in runs}  # returning turns: after a session's first (those a cache can serve)
     return _json_safe(provenance(kind="simulation", scenario=scn.name, model=scn.model, node=scn.node,
                                  workers=scn.workers, baseline=scn.baseline, efficiency=asdict(scn.efficiency),
-                                 kernel_rates=asdict(timer.rates), prefill_tok_s_16k=timer.prefill_tok_s(16384),
+                                 kernel_rates=asdict(timer.rates), prefill_tok_s_16k=prefill_tok_s(timer, 16384),
                                  workload=wl, replay=asdict(scn.replay), variants=variants, sizing=asdict(sizing),
                                  options=asdict(opts), per_variant=per_variant))
 
@@ -262,9 +259,3 @@ def ttft_p99(records, keep=lambda r: True) -> float | None:
     ``keep`` selects, errors and turns without a first token left out; None without any."""
     ttft = [r.ttft_s for r in records if r.error is None and r.ttft_s is not None and keep(r)]
     return float(np.percentile(ttft, 99)) if ttft else None
-
-
-def returning_ttft_p99(sr: SimRun) -> float | None:
-    """p99 TTFT (seconds) of the reported turns after a session's first (the ones a cache can
-    serve); None without any."""
-    return ttft_p99(sr.run.records, lambda r: r.turn > 0)

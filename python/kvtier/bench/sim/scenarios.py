@@ -1,65 +1,27 @@
 """Named simulation scenarios: the model, the hardware, the workload and the configurations
-compared.
+compared, defined as data in ``scenarios.toml`` (beside this module; every assumption there has
+its reason beside it, and the one fitted value is the think-time scale of ``kimi-mi355x-128``).
 
-``kimi-mi355x-128`` reproduces the published measurement (WORKLOAD.md): Kimi K2 shapes on one
-node of 8x MI355X with tensor parallelism 8, 128 concurrent coding sessions, each cache
-configuration in turn. ``migration`` puts two such workers behind a router and compares sticky
-sessions with sessions that move to the least-loaded worker, their cache either reachable there
-(a store shared by both workers) or not (each worker's store is its own). ``tiny`` is a
-seconds-long smoke run at CPU scale.
-
-Every assumption is a field or constant here, with its reason beside it; the one fitted value
-is :data:`THINK_TIME_SCALE`.
+``kimi-mi355x-128`` reproduces the published measurement (WORKLOAD.md); ``migration`` puts two
+such workers behind a router; ``tiny`` is a seconds-long smoke run at CPU scale.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvtier.bench.configs import CONFIGS, BenchConfig
-from kvtier.bench.sim.hardware import Efficiency
+from kvtier.bench.configs import CONFIGS, BenchConfig, parse_configs
+from kvtier.bench.sim.hardware import Efficiency, from_table
 from kvtier.bench.sim.loop import ROUTERS
 from kvtier.bench.workload import check_replay_options
+from kvtier.options import check_choice, check_int, check_real
+from kvtier.serve.config import SCHEDULE_POLICIES
 
-MI355X_MATRIX_EFFICIENCY = 0.5
-"""Fraction of the MI355X matrix peaks that K2's GEMMs and attention reach: an assumption, not
-fitted and not measured on an MI355X. At 0.5 the roofline prefills ~89K tokens/s in
-16K-token chunks with nothing cached on 8x MI355X (~50K on 8x H200) and re-prefills a
-150K-token context in ~4.9 s; ``--matrix-efficiency`` or ``--kernel-csv`` replace it."""
-
-THINK_TIME_SCALE = 6.4
-"""The one fitted parameter: recorded think times (capped at :data:`REPLAY_MAX_DELAY_S`, as
-kv-cache-tester's replay tool caps them) are replayed this many times longer. Fitted on the
-device-only p99 TTFT of ``kimi-mi355x-128`` over the kv-cache-tester traces against the
-published 17.3 s (``perf/sim_calibrate.py``; scan in ``perf/results/sim_calibration.json``). At
-the recorded pace (1.0) the simulated node is overloaded (device-only p99 141 s, and 101 s even
-at 100% matrix efficiency: ``kvtier simulate --scenario kimi-mi355x-128 --trace
-../shared/traces/kv-cache-tester --configs device-only --time-scale 1 --max-think-s 600
-[--matrix-efficiency 1]``), so the published run's offered load must have been lower than these
-traces at 128 sessions; this factor stands for that difference."""
-
-K2_CONTEXT_TOKENS = 262_144
-"""Longest prompt accepted: the 256K context of Kimi K2-Instruct-0905 and later K2 releases."""
-
-REPLAY_MAX_DELAY_S = 600.0
-"""kv-cache-tester's ``trace_replay_tester.py --max-delay`` default since its commit 73201b7
-(2026-04-04; its docs still say 60): a recorded think time is capped at this many seconds
-before the time scale multiplies it."""
-
-REPLAY_MAX_CONTEXT_TOKENS = 128_000
-"""kv-cache-tester's ``trace_replay_tester.py --max-context`` default: traces whose first
-request is longer are left out and a session stops before its first longer request."""
-
-REPLAY_WARM_PREFIX_FRACTION = 0.5
-"""kv-cache-tester's ``--warm-prefix-pct`` default: half of the largest tool + system prompt
-(0.5 x 23,081 = 11,540 tokens over the kept traces in ``shared/traces``; its 180 whole 64-token
-blocks, 11,520 tokens, are shared) is one prefix that every session starts with, as Claude
-Code's tool definitions and system prompt repeat across sessions (WORKLOAD.md). Beyond it the
-trace's own sharing is kept (sibling sub-agents share their prompt), where the tool fills each
-first prompt with fresh text."""
-
+SCENARIO_FILE = Path(__file__).with_name("scenarios.toml")
 STORES = ("disk", "network")
 
 
@@ -81,8 +43,7 @@ class Variant:
     shared_store: bool = False
 
     def __post_init__(self) -> None:
-        if self.router not in ROUTERS:
-            raise ValueError(f"Variant {self.name!r}: router must be one of {ROUTERS}, got {self.router!r}")
+        check_choice(f"Variant {self.name!r}: router", self.router, ROUTERS)
 
 
 @dataclass(frozen=True)
@@ -95,9 +56,9 @@ class Replay:
         concurrency: sessions active at once.
         max_turns: turns kept per session (None = all).
         token_scale, time_scale, max_think_s: as ``kvtier bench``.
-        truncate_input_tokens, warm_prefix_fraction: as :func:`kvtier.bench.workload.load_trace`
-            (:data:`REPLAY_MAX_CONTEXT_TOKENS`, :data:`REPLAY_WARM_PREFIX_FRACTION`); None = the
-            model's context only; the built-in generator always shares its whole tool + system prompt.
+        truncate_input_tokens, warm_prefix_fraction: as :func:`kvtier.bench.workload.load_trace`;
+            None = the model's context only; the built-in generator always shares its whole tool +
+            system prompt.
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         warmup_s, duration_s: the measurement window, virtual seconds.
         seed: of the built-in workload generator.
@@ -117,11 +78,9 @@ class Replay:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.sessions < 1 or self.concurrency < 1:
-            raise ValueError(f"sessions and concurrency must be >= 1, got {self.sessions} and {self.concurrency}")
-        r = self.ramp_s
-        if isinstance(r, bool) or not (isinstance(r, (int, float)) and 0 <= r < math.inf):
-            raise ValueError(f"ramp_s must be a finite number of seconds >= 0, got {self.ramp_s!r}")
+        check_int("sessions", self.sessions, min_value=1)
+        check_int("concurrency", self.concurrency, min_value=1)
+        check_real("ramp_s", self.ramp_s, min_value=0)
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
         check_replay_options(self.truncate_input_tokens, self.warm_prefix_fraction)
@@ -165,7 +124,7 @@ class Scenario:
     replay: Replay
     variants: tuple[Variant, ...]
     baseline: str
-    max_context_tokens: int = K2_CONTEXT_TOKENS
+    max_context_tokens: int = 262_144  # Kimi K2's context
     device_fraction: float | None = None
     kv_dtype_bytes: float = 1.0
     weight_dtype_bytes: float = 1.0
@@ -177,100 +136,63 @@ class Scenario:
         if len(set(names)) != len(names) or self.baseline not in names:
             raise ValueError(f"scenario {self.name!r}: variant names {names} must be unique and include "
                              f"the baseline {self.baseline!r}")
-        if self.store not in STORES:
-            raise ValueError(f"scenario {self.name!r}: store must be one of {STORES}, got {self.store!r}")
-        if self.workers < 1:
-            raise ValueError(f"scenario {self.name!r}: workers must be >= 1, got {self.workers}")
-        b = self.kv_dtype_bytes
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 < b <= 8:
-            raise ValueError(f"scenario {self.name!r}: kv_dtype_bytes must be in (0, 8], got {b!r}")
+        check_choice(f"scenario {self.name!r}: store", self.store, STORES)
+        for name in ("page_size", "max_num_batched_tokens", "max_context_tokens"):
+            check_int(f"scenario {self.name!r}: {name}", getattr(self, name), min_value=1)
+        check_int(f"scenario {self.name!r}: workers", self.workers, min_value=1)
+        check_real(f"scenario {self.name!r}: kv_dtype_bytes", self.kv_dtype_bytes, min_value=0, min_open=True,
+                   max_value=8)
+        check_choice(f"scenario {self.name!r}: schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
 
-    def select(self, names: list[str]) -> Scenario:
-        """This scenario with only the variants ``names`` (in that order).
+    def select(self, configs: str) -> Scenario:
+        """This scenario with only the variants named in ``configs`` (``"a,b"``, in that order).
 
         Raises:
-            ValueError: an unknown name, naming the valid ones.
+            ValueError: an unknown or repeated name, or none, naming the valid ones.
         """
-        by_name = {v.name: v for v in self.variants}
-        if not names:
-            raise ValueError(f"--configs: no configuration named; expected some of {list(by_name)}")
-        unknown = [n for n in names if n not in by_name]
-        if unknown:
-            raise ValueError(f"--configs: unknown configuration(s) {unknown} for scenario {self.name!r}; "
-                             f"expected some of {list(by_name)}")
-        chosen = tuple(by_name[n] for n in names)
+        chosen = tuple(parse_configs(configs, {v.name: v for v in self.variants}, f" for scenario {self.name!r}"))
+        names = [v.name for v in chosen]
         baseline = self.baseline if self.baseline in names else names[0]
         return dataclasses.replace(self, variants=chosen, baseline=baseline)
 
 
-def _cache_variants(*names: str) -> tuple[Variant, ...]:
-    return tuple(Variant(n, CONFIGS[n]) for n in names)
+def _variant(v: str | dict, where: str) -> Variant:
+    table = {"name": v, "cache": v} if isinstance(v, str) else dict(v)
+    if table.get("cache") not in CONFIGS:
+        raise ValueError(f"{where}: cache must be one of {list(CONFIGS)}, got {table.get('cache')!r}")
+    return from_table(Variant, {**table, "cache": CONFIGS[table["cache"]]}, where)
 
 
-# Engine settings of the MI355X scenarios (assumptions, each with its reason):
-_MI355X_ENGINE = {
-    "node": "mi355x",
-    # 256-token pages (4 trace blocks): prefix hits are rounded down to 256 tokens (< 0.3% of a
-    # 100K-token context); 64-token pages take four times as long to simulate.
-    "page_size": 256,
-    # SGLang's chunked-prefill size for GPUs with more than ~160 GB of memory.
-    "max_num_batched_tokens": 16384,
-    "efficiency": Efficiency(matrix=MI355X_MATRIX_EFFICIENCY, memory=0.8, layer_overhead_s=60e-6, step_overhead_s=2e-3),
-    # bf16 KV (68.6 KiB per token): WORKLOAD.md sizes the published run's cache in bf16, and
-    # bf16 is what SGLang's and vLLM's default KV dtype ("auto") gives K2.
-    "kv_dtype_bytes": 2.0,
-}
-
-# The published replay: 128 sessions at once, ramped in over 5 minutes (a running service's
-# sessions are not in phase; an assumption: the published start schedule is not known, and the
-# tiered p99 rests on it, see ``perf/sim_calibrate.py --ramp-grid``); turns submitted for one
-# hour, all reported (first turns included, as a replay experiment measures them). Think times:
-# recorded ones, capped at 600 s, scaled.
-# Sessions stop before their first prompt over 128,000 tokens and share a warm tool + system
-# prefix: kv-cache-tester's replay defaults (the constants above).
-_MI355X_REPLAY = Replay(sessions=256, concurrency=128, max_turns=None, token_scale=1.0, time_scale=THINK_TIME_SCALE,
-                        max_think_s=REPLAY_MAX_DELAY_S * THINK_TIME_SCALE,
-                        truncate_input_tokens=REPLAY_MAX_CONTEXT_TOKENS,
-                        warm_prefix_fraction=REPLAY_WARM_PREFIX_FRACTION, ramp_s=300.0, warmup_s=0.0, duration_s=3600.0)
-
-_TIERED_WT = CONFIGS["tiered-write-through"]
-
-# Two workers, each with the single node's load: 256 sessions at once (the kv-cache-tester
-# folder has fewer sessions than that within the context, so the built-in generator is the
-# default here). Write-through, so a session's blocks reach the store while it is served.
-_MIGRATION_REPLAY = dataclasses.replace(_MI355X_REPLAY, sessions=512, concurrency=256)
-
-_CALIBRATION = ("think-time scale fitted on the device-only p99 TTFT over the kv-cache-tester traces "
-                "(--trace ../shared/traces/kv-cache-tester); other workloads carry a different load")
-
-SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
-    Scenario(name="kimi-mi355x-128",
-             description="K2 on 8x MI355X (TP8), 128 concurrent coding sessions, each cache configuration",
-             model="kimi-k2", workers=1, store="disk", replay=_MI355X_REPLAY, **_MI355X_ENGINE,
-             variants=_cache_variants("device-only", "tiered", "tiered-write-through", "tiered-tool-aware"),
-             baseline="device-only", calibration=_CALIBRATION),
-    Scenario(name="migration",
-             description="two 8x MI355X workers, 256 sessions at a time: sticky vs moved to the least-loaded worker, "
-                         "cache reachable there or not",
-             model="kimi-k2", workers=2, store="network", replay=_MIGRATION_REPLAY, **_MI355X_ENGINE,
-             variants=(Variant("sticky", _TIERED_WT), Variant("migrate", _TIERED_WT, router="least-loaded"),
-                       Variant("migrate-reachable", _TIERED_WT, router="least-loaded", shared_store=True)),
-             baseline="sticky", calibration=_CALIBRATION),
-    Scenario(name="tiny", description="CPU-scale smoke run: tiny model, 6 built-in sessions, device-only vs tiered",
-             model="tiny", node="h200", workers=1, store="disk", page_size=1, max_num_batched_tokens=64,
-             efficiency=Efficiency(), max_context_tokens=8192, device_fraction=0.25,
-             replay=Replay(sessions=6, concurrency=3, max_turns=3, token_scale=1 / 64, time_scale=0.01,
-                           max_think_s=1.0, ramp_s=1.0),
-             variants=_cache_variants("device-only", "tiered"), baseline="device-only"),
-)}
+def _table(tables: dict, name: str, where: str) -> dict:
+    """Scenario ``name``'s table with the one it is ``like`` under it (its own fields win)."""
+    t = dict(tables[name])
+    like = t.pop("like", None)
+    if like is None:
+        return t
+    base = tables.get(like)
+    if not isinstance(base, dict) or "like" in base or like == name:
+        raise ValueError(f"{where}: like must name another scenario of the file, without a like of its own; "
+                         f"got {like!r}")
+    for key in ("efficiency", "replay"):
+        t[key] = {**base.get(key, {}), **t.get(key, {})}
+    return {**base, **t}
 
 
-def scenario(name: str) -> Scenario:
-    """The scenario called ``name``.
+def load_scenarios(path: str | Path = SCENARIO_FILE) -> dict[str, Scenario]:
+    """The scenarios a TOML file defines (the format is in ``scenarios.toml``'s header).
 
     Raises:
-        ValueError: unknown name, listing the known ones.
+        ValueError: a field unknown, missing or out of range; names the scenario and the field.
+        OSError: the file cannot be read; tomllib.TOMLDecodeError: it is not TOML.
     """
-    if name not in SCENARIOS:
-        raise ValueError(f"--scenario: unknown scenario {name!r}; expected one of {list(SCENARIOS)}")
-    return SCENARIOS[name]
+    path = Path(path)
+    tables, scenarios = tomllib.loads(path.read_text()), {}
+    for name in tables:
+        where = f"{path.name} [{name}]"
+        t = _table(tables, name, where)
+        t["variants"] = tuple(_variant(v, f"{where} variants[{i}]") for i, v in enumerate(t.get("variants", ())))
+        scenarios[name] = from_table(Scenario, {"name": name, "efficiency": {}, **t}, where)
+    return scenarios
+
+
+SCENARIOS: dict[str, Scenario] = load_scenarios()

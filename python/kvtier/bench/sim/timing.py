@@ -1,4 +1,4 @@
-"""How long one engine step takes: a roofline over Kimi K2's operators, or a fitted linear model.
+"""How long one engine step takes: a roofline over Kimi K2's operators.
 
 A step runs one :class:`kvtier.serve.scheduler.ScheduledBatch`: prefill chunks (``n`` new tokens
 after ``p`` cached ones) and decodes (one token after ``c - 1`` cached ones). The simulator
@@ -31,8 +31,9 @@ Matrix rates: FP8 GEMMs (K2's released weights are FP8) at ``fp8_flops * efficie
 attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficiency.memory``.
 :class:`KernelRates` read from ``perf/`` CSVs replace these with the rates the kernels reached.
 
-**Linear** (:class:`LinearTimer`): fitted on measured steps, the CPU cost model of the agreement
-check (:mod:`kvtier.bench.calibrate`).
+Any object with ``step_s(BatchShape) -> seconds`` can time the simulator's steps; the agreement
+check's CPU cost model is a linear one fitted on measured steps
+(:class:`kvtier.bench.calibrate.LinearTimer`).
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 from kvtier.bench.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.scheduler import ScheduledBatch
 
-FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
-"""Features of a step (:meth:`BatchShape.features`): 1, prefill tokens, decodes, visible
-query-key pairs of the prefill chunks, sum of decode contexts, sequences in the batch, rows
-sampled."""
+def ending(batch: ScheduledBatch) -> list:
+    """The sequences whose last token ``batch`` computes (the rows that need logits): the prefill
+    chunks that reach their sequence's end, then every decode."""
+    return [s for s, n in batch.extends if s.num_computed_tokens + n >= s.num_tokens] + batch.decodes
 
 
 @dataclass(frozen=True)
@@ -73,19 +73,12 @@ class BatchShape:
     def of(batch: ScheduledBatch) -> BatchShape:
         """Shape of ``batch`` before it runs (its sequences' ``num_computed_tokens`` not yet advanced)."""
         extends = tuple((n, seq.num_computed_tokens) for seq, n in batch.extends)
-        ends = sum(1 for seq, n in batch.extends if seq.num_computed_tokens + n >= seq.num_tokens)
         context = sum(seq.num_computed_tokens for seq in batch.decodes) + len(batch.decodes)
-        return BatchShape(extends, len(batch.decodes), context, len(batch.decodes) + ends)
+        return BatchShape(extends, len(batch.decodes), context, len(ending(batch)))
 
     @property
     def num_tokens(self) -> int:
         return sum(n for n, _ in self.extends) + self.num_decodes
-
-    def features(self) -> np.ndarray:
-        """[len(FEATURES)] float64 values of :data:`FEATURES`."""
-        pairs = sum(n * p + n * (n + 1) / 2 for n, p in self.extends)
-        return np.array([1.0, sum(n for n, _ in self.extends), self.num_decodes, pairs, self.decode_context,
-                         len(self.extends) + self.num_decodes, self.num_sampled])
 
 
 @dataclass(frozen=True)
@@ -141,49 +134,41 @@ class KernelRates:
 
 
 @dataclass(frozen=True)
-class _Shapes:
-    """Per-layer parameter counts and widths of a K2-class model (elements)."""
+class _Params:
+    """Parameter counts of a K2-class model (elements): one layer's attention (router included),
+    one expert, the dense MLP, ``lm_head``; and how many layers are MoE."""
 
     attn: float
     expert: float
     mlp: float
     lm_head: float
-    heads: int
-    kv_dim: int
-    kv_lora_rank: int
-    qk_head_dim: int
-    kv_b_out: int
-    hidden: int
-    layers: int
     moe_layers: int
 
     @staticmethod
-    def of(c: KimiK2Config) -> _Shapes:
+    def of(c: KimiK2Config) -> _Params:
         h, heads = c.hidden_size, c.num_attention_heads
         q = h * heads * c.qk_head_dim
         if c.q_lora_rank is not None:
             q = h * c.q_lora_rank + c.q_lora_rank * heads * c.qk_head_dim
-        kv_b_out = heads * (c.qk_nope_head_dim + c.v_head_dim)
-        attn = q + h * c.kv_cache_dim + c.kv_lora_rank * kv_b_out + heads * c.v_head_dim * h
-        moe_layers = c.num_hidden_layers - c.first_k_dense_replace
-        return _Shapes(attn=attn + h * c.n_routed_experts, expert=3 * h * c.moe_intermediate_size,
-                       mlp=3 * h * c.intermediate_size, lm_head=c.vocab_size * h, heads=heads, kv_dim=c.kv_cache_dim,
-                       kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_head_dim, kv_b_out=kv_b_out, hidden=h,
-                       layers=c.num_hidden_layers, moe_layers=moe_layers)
+        kv_b = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+        attn = q + h * c.kv_cache_dim + kv_b + heads * c.v_head_dim * h
+        return _Params(attn + h * c.n_routed_experts, 3 * h * c.moe_intermediate_size, 3 * h * c.intermediate_size,
+                       c.vocab_size * h, c.num_hidden_layers - c.first_k_dense_replace)
 
 
 def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0) -> float:
     """Bytes of all weights: linear layers at ``weight_dtype_bytes`` per parameter (K2 ships FP8:
     1), token embedding and ``lm_head`` at ``embed_dtype_bytes`` (BF16 in K2's checkpoint)."""
-    s = _Shapes.of(c)
-    linear = s.layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
-    linear += (s.layers - s.moe_layers) * s.mlp
+    s, layers = _Params.of(c), c.num_hidden_layers
+    linear = layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
+    linear += (layers - s.moe_layers) * s.mlp
     return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
 
 
-def _prefill_tok_s(timer, chunk_tokens: int) -> float:
-    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached (a first estimate
-    for the pool's cost model, which then learns from steps); a method of both timers."""
+def prefill_tok_s(timer, chunk_tokens: int) -> float:
+    """Tokens/s of prefilling ``chunk_tokens``-token chunks with nothing cached under ``timer``
+    (anything with ``step_s(BatchShape)``): a first estimate for the pool's cost model, which
+    then learns from steps."""
     return chunk_tokens / timer.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
 
 
@@ -209,12 +194,12 @@ class RooflineTimer:
 
     def __post_init__(self) -> None:
         acc, eff, tp = self.node.accelerator, self.efficiency, self.node.num_devices
-        self._s = _Shapes.of(self.model)
+        self._s = _Params.of(self.model)
         self._gemm_flops = self.rates.gemm_flops or acc.fp8_flops * eff.matrix
         self._attn_flops = self.rates.attention_flops or acc.bf16_flops * eff.matrix
         self._mem_Bps = acc.hbm_Bps * eff.memory
         self._attn_Bps = self.rates.attention_Bps or self._mem_Bps
-        self._heads = self._s.heads / tp
+        self._heads = self.model.num_attention_heads / tp
         self._tp = tp
 
     def _gemm_s(self, flops: float, nbytes: float) -> float:
@@ -222,32 +207,33 @@ class RooflineTimer:
 
     def _linear_s(self, tokens: int, sampled: int) -> float:
         s, c, wb = self._s, self.model, self.weight_dtype_bytes
-        e, k = c.n_routed_experts, c.num_experts_per_tok
+        e, k, layers = c.n_routed_experts, c.num_experts_per_tok, c.num_hidden_layers
         hit = e * (1.0 - (1.0 - k / e) ** tokens) + c.n_shared_experts
-        t = s.layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
+        t = layers * self._gemm_s(2 * tokens * s.attn, s.attn * wb)
         t += s.moe_layers * self._gemm_s(2 * tokens * (k + c.n_shared_experts) * s.expert, hit * s.expert * wb)
-        t += (s.layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
+        t += (layers - s.moe_layers) * self._gemm_s(2 * tokens * s.mlp, s.mlp * wb)
         if sampled:
             t += self._gemm_s(2 * sampled * s.lm_head, s.lm_head * 2)
         return t
 
     def _extend_s(self, new: int, cached: int) -> float:
         """Seconds of one prefill chunk's attention in one layer (the cheaper form)."""
-        s, kvb, h = self._s, self.kv_dtype_bytes, self._heads
+        c, kvb, h = self.model, self.kv_dtype_bytes, self._heads
+        kv, rank, vo = c.kv_cache_dim, c.kv_lora_rank, c.qk_nope_head_dim + c.v_head_dim  # vo: kv_b rows per head
         pairs = new * cached + new * (new + 1) / 2
-        latent_bytes = (cached + new) * s.kv_dim * kvb
-        absorbed = max(2 * h * (s.kv_dim + s.kv_lora_rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
-        expand_flops = 2 * cached * s.kv_lora_rank * h * (s.kv_b_out / s.heads)
-        expanded_bytes = latent_bytes + 2 * cached * h * (s.kv_b_out / s.heads) * 2
-        mha_flops = 2 * h * (s.qk_head_dim + self.model.v_head_dim) * pairs + expand_flops
+        latent_bytes = (cached + new) * kv * kvb
+        absorbed = max(2 * h * (kv + rank) * pairs / self._attn_flops, latent_bytes / self._attn_Bps)
+        expand_flops = 2 * cached * rank * h * vo
+        expanded_bytes = latent_bytes + 2 * cached * h * vo * 2
+        mha_flops = 2 * h * (c.qk_head_dim + c.v_head_dim) * pairs + expand_flops
         mha = max(mha_flops / self._attn_flops, expanded_bytes / self._attn_Bps)
         return min(absorbed, mha)
 
     def _decode_s(self, num_decodes: int, context: int) -> float:
         """Seconds of the decodes' attention in one layer."""
-        s, h = self._s, self._heads
-        flops = 2 * h * context * (s.kv_dim + s.kv_lora_rank)
-        nbytes = context * s.kv_dim * self.kv_dtype_bytes + num_decodes * h * (s.kv_dim + s.kv_lora_rank) * 2
+        kv, h = self.model.kv_cache_dim, self._heads
+        flops = 2 * h * context * (kv + self.model.kv_lora_rank)
+        nbytes = context * kv * self.kv_dtype_bytes + num_decodes * h * (kv + self.model.kv_lora_rank) * 2
         return max(flops / self._attn_flops, nbytes / self._attn_Bps)
 
     def step_s(self, shape: BatchShape) -> float:
@@ -255,44 +241,11 @@ class RooflineTimer:
         tokens = shape.num_tokens
         if tokens == 0:
             return 0.0
-        s, eff = self._s, self.efficiency
+        layers, eff = self.model.num_hidden_layers, self.efficiency
         t = self._linear_s(tokens, shape.num_sampled)
         attn = sum(self._extend_s(n, p) for n, p in shape.extends)
         if shape.num_decodes:
             attn += self._decode_s(shape.num_decodes, shape.decode_context)
-        t += s.layers * attn
-        t += 2 * s.layers * self.node.allreduce_s(tokens * s.hidden * 2)
-        return t + s.layers * eff.layer_overhead_s + eff.step_overhead_s
-
-    prefill_tok_s = _prefill_tok_s
-
-
-@dataclass(frozen=True)
-class LinearTimer:
-    """``step_s = sum(coefficients[f] * shape.features()[f])`` over :data:`FEATURES`.
-
-    Attributes:
-        coefficients: seconds per unit of each feature, all >= 0 (missing features count 0).
-        source: where the coefficients were measured.
-    """
-
-    coefficients: dict[str, float]
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.coefficients) - set(FEATURES)
-        if unknown:
-            raise ValueError(f"LinearTimer.coefficients: unknown feature(s) {sorted(unknown)}; expected {FEATURES}")
-        bad = {k: v for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)}
-        if bad:
-            raise ValueError(f"LinearTimer.coefficients must be finite and >= 0, got {bad}")
-        object.__setattr__(self, "_w", np.array([self.coefficients.get(f, 0.0) for f in FEATURES]))
-
-    def step_s(self, shape: BatchShape) -> float:
-        """Seconds of one step of ``shape``; 0 for an empty step."""
-        if shape.num_tokens == 0:
-            return 0.0
-        return float(shape.features() @ self._w)
-
-    prefill_tok_s = _prefill_tok_s
-
+        t += layers * attn
+        t += 2 * layers * self.node.allreduce_s(tokens * self.model.hidden_size * 2)
+        return t + layers * eff.layer_overhead_s + eff.step_overhead_s
