@@ -44,7 +44,7 @@ def test_summary_has_percentiles_of_each_part_and_json_can_carry_the_records():
 
 def test_slowest_lists_the_highest_ttfts_with_their_parts():
     recs = [rec(i, t, queue=t / 2) for i, t in enumerate([0.2, 3.0, 0.1, 5.0, 1.0])]
-    recs[3].preemptions = 2
+    recs[3].preemptions, recs[1].preemptions = 2, 0
     run = ConfigRun("x", recs, wall_s=9.0)
     top = slowest(run, n=2)
     assert [b["session_id"] for b in top] == ["s3", "s1"]

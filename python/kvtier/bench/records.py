@@ -30,7 +30,8 @@ class RequestRecord:
             loads started); None: never, or not recorded.
         loaded_s: when its loaded pages were usable (``admitted_s`` when nothing was loaded).
         preemptions: times it was preempted before its first token (each one sends it back to
-            wait; its computed blocks are reloaded or recomputed when it is admitted again).
+            wait; its computed blocks are reloaded or recomputed when it is admitted again);
+            None: not observed, as over HTTP (``kvtier bench --endpoint``).
 
     TTFT splits into ``queue_wait_s`` (arrival -> admission), ``load_wait_s`` (admission ->
     loaded pages usable) and ``prefill_s`` (-> first token: its prefill chunks, and the steps
@@ -51,7 +52,7 @@ class RequestRecord:
     logprobs: list[float] | None = None
     admitted_s: float | None = None
     loaded_s: float | None = None
-    preemptions: int = 0
+    preemptions: int | None = None
 
     @property
     def queue_wait_s(self) -> float | None:

@@ -22,8 +22,9 @@ def _bench(tmp_path, server, *extra) -> dict:
 
 
 def test_bench_endpoint_replays_the_builtin_workload(server, tmp_path):
-    data = _bench(tmp_path, server)
+    data = _bench(tmp_path, server, "--json-records")
     (run,) = data["configs"].values()
+    assert {r["preemptions"] for r in run["records"]} == {None}  # per request too
     assert run["requests"] == data["provenance"]["workload"]["requests"] and run["errors"] == 0
     assert run["ttft_s"]["p50"] > 0 and run["output_tokens"] > 0
     assert data["provenance"]["endpoint"] == server.url
