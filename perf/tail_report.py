@@ -36,21 +36,25 @@ def runs_from_json(doc: dict) -> list[ConfigRun]:
     return runs
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", help="a kvtier bench --json file written with --json-records")
-    ap.add_argument("--slowest", type=int, default=5, help="slowest requests listed per configuration")
-    args = ap.parse_args()
-    with open(args.json) as f:
-        doc = json.load(f)
+def report(doc: dict, slowest: int = 5) -> None:
+    """Print the tail of a ``--json-records`` document (see the module docstring)."""
     for name, s in doc["configs"].items():
         t = s["ttft_s"]
         print(f"{name}: TTFT p50 {t['p50']:.2f} s, p90 {t['p90']:.2f} s, p99 {t['p99']:.2f} s; "
               f"{s['throughput_tok_s']:.0f} tok/s; {s['preemptions']} preemptions")
     for name, c in doc.get("comparison", {}).items():
         print(f"{name} vs device-only: p99 TTFT {c['ttft_p99_ratio']:.2f}x lower, throughput {c['throughput_ratio']:.2f}x")
-    for line in tail_lines(tail_json(runs_from_json(doc), n=args.slowest)):
+    for line in tail_lines(tail_json(runs_from_json(doc), n=slowest)):
         print(line)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", help="a kvtier bench --json file written with --json-records")
+    ap.add_argument("--slowest", type=int, default=5, help="slowest requests listed per configuration")
+    args = ap.parse_args()
+    with open(args.json) as f:
+        report(json.load(f), args.slowest)
 
 
 if __name__ == "__main__":
