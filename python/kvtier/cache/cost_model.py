@@ -79,7 +79,8 @@ class CostModel:
 
     def prefix_load_s(self, sources: list[Tier], block_bytes: int) -> float:
         """Seconds to load the blocks of one prefix from ``sources`` (one tier per block;
-        DEVICE blocks cost nothing): each tier's latency once, its bandwidth per block."""
+        DEVICE blocks cost nothing), ``block_bytes`` bytes each: each tier's latency once, its
+        bandwidth per block; 0.0 for no blocks."""
         return float(self._block_load_s(sources, block_bytes).sum()) if len(sources) else 0.0
 
     def _block_load_s(self, sources: list[Tier], block_bytes: int) -> np.ndarray:

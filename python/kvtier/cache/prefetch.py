@@ -40,8 +40,7 @@ class Prefetcher:
         t = self.tiers
         for hashes in t.policy.due_prefetches(t.clock()):
             rows = t.index.match(hashes, t.usable_tiers())
-            for h, row in zip(hashes, rows):
-                source = t.best_source(row)
+            for h, row, source in zip(hashes, rows, t.best_sources(rows)):
                 if source == Tier.DEVICE or self.pages.num_free <= self.pages.num_pages // 4:
                     continue  # prefetch never eats the last quarter of the pool
                 if t.index.lock([h], source):  # before taking a page, as for a prefix's loads

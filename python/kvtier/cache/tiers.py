@@ -88,14 +88,10 @@ class PoolTiers:
         return tiers
 
     @staticmethod
-    def best_source(row) -> Tier:
-        """The fastest tier of an index row (``PrefixIndex.match``) that holds a copy."""
-        return next(t for t in Tier if row[t] >= 0)
-
-    @staticmethod
     def best_sources(rows: np.ndarray) -> list[Tier]:
-        """:meth:`best_source` of every row of ``rows`` ([n, num_tiers] int64, as
-        ``PrefixIndex.match`` returns), in one array pass."""
+        """The fastest tier holding a copy, for each row of ``rows`` ([n, num_tiers] int64 slots,
+        -1 = no copy, as ``PrefixIndex.match`` returns; every row holds a copy somewhere), in
+        one array pass. Returns n tiers."""
         if len(rows) == 0:
             return []
         return [_TIERS[i] for i in np.argmax(rows >= 0, axis=1).tolist()]
