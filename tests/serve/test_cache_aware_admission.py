@@ -9,6 +9,7 @@ import math
 import pytest
 
 from kvtier import LLM, SamplingParams
+from kvtier.serve.scheduler import DECODE_AGE_FACTOR
 from tests.cache.test_tiers_e2e import prompt
 from tests.serve.test_admission import N, ONE, PS, host_cached
 
@@ -230,13 +231,42 @@ def test_cached_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(c
         assert outs[rid].metrics.first_token_time > outs[dec].metrics.finish_time
 
 
+@pytest.mark.parametrize("case", ["cache-aware", "fcfs", "no-lower-tier"])
+def test_new_cold_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(case, monkeypatch):
+    """Nothing of the new turn is cached: its first token still goes before another request's
+    next tokens (that request's TTFT is made, and its blocks come back from the host tier), so
+    a decode holding the pages it needs is preempted; under FCFS, or when the pool would lose
+    the decode's blocks, the turn waits for the decode to end. Outputs are unchanged."""
+    llm = host_cached(schedule_policy="fcfs" if case == "fcfs" else "cache-aware")
+    engine = llm.engine
+    if case == "no-lower-tier":
+        monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
+    long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    decode_prompt, cold_prompt = prompt(5 * PS, 3), prompt(N, 77)
+    dec = engine.add_request(decode_prompt, long_decode)
+    engine.step()  # it holds 5, then 6 pages while it decodes: the cold turn's 9 do not fit
+    rid = engine.add_request(cold_prompt, TWO)
+    first, outs = _first_and_outputs(engine)
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    assert outs[rid].token_ids == plain.generate(prompt_token_ids=[cold_prompt], sampling_params=TWO)[0].token_ids
+    assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
+    assert outs[rid].num_cached_tokens == 0
+    if case == "cache-aware":
+        assert outs[dec].metrics.preemptions_after_first_token == engine.scheduler.num_preemptions == 1
+        assert outs[rid].metrics.first_token_time < outs[dec].metrics.finish_time
+    else:
+        assert engine.scheduler.num_preemptions == 0
+        assert outs[rid].metrics.first_token_time > outs[dec].metrics.finish_time
+
+
 @pytest.mark.parametrize("max_passes", [1, 2, 16])
-def test_a_decode_is_displaced_by_cached_turns_fewer_than_schedule_max_passes_times(max_passes):
+def test_a_decode_is_displaced_by_new_turns_fewer_than_its_aging_bound(max_passes):
     """Bound: each preemption counts as a step passed over, and a sequence is not preempted for
-    others when that would make ``schedule_max_passes`` (then it ranks first). Three cached
-    turns, each arriving while the decode runs and needing its pages, preempt it once each
-    when the bound allows (16), once in all with 2 and never with 1; it still produces all its
-    tokens."""
+    others when that would age it; past its first token that is at
+    ``DECODE_AGE_FACTOR * schedule_max_passes`` steps (then it ranks first). Three cached turns,
+    each arriving while the decode runs and needing its pages, preempt it once each when the
+    bound allows (2 and 16); with 1 the bound stops the third (the steps it waits while a turn
+    is served count too). It still produces all its tokens."""
     turns = [prompt(N, 20 + i) for i in range(3)]
     llm = host_cached(*turns)
     engine, sched = llm.engine, llm.engine.scheduler
@@ -257,7 +287,12 @@ def test_a_decode_is_displaced_by_cached_turns_fewer_than_schedule_max_passes_ti
             assert steps < 500
         assert outs[rid].num_cached_tokens == 8 * PS
     outs.update(_first_and_outputs(engine)[1])
-    assert sched.num_preemptions == {1: 0, 2: 1, 16: 3}[max_passes]
+    assert 0 < sched.num_preemptions < DECODE_AGE_FACTOR * max_passes
+    assert outs[dec].metrics.preemptions_after_first_token == sched.num_preemptions
+    if max_passes > 1:
+        assert sched.num_preemptions == len(turns)
+    else:
+        assert sched.num_preemptions < len(turns)
     plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
 

@@ -35,12 +35,10 @@ the difference in cost before it, and a costly one is not passed over by later a
 longer than about its own cost."""
 CHUNK_SHARE = 0.5
 """Share of each step's token budget the chunked prefill gets at least, whatever ranks ahead."""
-CACHED_SHARE = 0.5
-"""A waiting turn with at least this share of its prompt cached may preempt sequences past their
-first token when it is blocked on pages (and the pool keeps evicted blocks below the device)."""
-DISPLACE_MIN_OUTPUT = 8
-"""Sequences past their first token are preempted for such a turn only while they may still
-decode this many tokens (one about to finish frees its pages in a few steps anyway)."""
+DECODE_AGE_FACTOR = 4
+"""A sequence past its first token (its TTFT is made) is aged after this many times
+``schedule_max_passes`` steps passed over, preemptions included: when the pool keeps evicted
+blocks below the device, requests waiting for their first token may preempt it that often."""
 
 
 class Scheduler:
@@ -63,17 +61,21 @@ class Scheduler:
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
       request, running prefills ranked behind it are preempted if their pages let it in, and
-      so, for a new turn mostly cached when the pool keeps evicted blocks in a lower tier, are
-      running sequences past their first token, then other prefills (their blocks load back;
-      see :meth:`_victims`); a preempted sequence is not re-admitted while the request it made
-      room for waits or loads (unless it is aged).
+      so, for a new turn when the pool keeps evicted blocks in a lower tier, are running
+      sequences past their first token, then other prefills (their blocks load back; see
+      :meth:`_victims`); a preempted sequence is not re-admitted while the request it made
+      room for waits or loads (unless it is aged). Admission tries aged requests first, then
+      those whose prefix is placed (their loads ended: they hold its pages), then the rest in
+      rank order; one whose placed prefix leaves too few free pages for its first chunk runs
+      the chunk the free pages hold instead of giving its pages back.
       Aging bounds how long a request can be skipped: a request passed over in
       ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
       got none; a preemption counts as one) ranks ahead of every request that was not, in
       arrival order, and is not preempted for others (nor is one that a preemption would age,
       so a sequence is preempted for others fewer than ``schedule_max_passes`` times before
-      its first token, and as many after it: the count restarts at the first token); such a
-      request that cannot be placed stops admission behind it until pages are freed.
+      its first token, and fewer than ``DECODE_AGE_FACTOR`` times as many after it: the count
+      restarts at the first token); such a request that cannot be placed stops admission
+      behind it until pages are freed.
     * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
       the first that cannot be placed holds the ones behind it.
 
@@ -179,7 +181,11 @@ class Scheduler:
         return got
 
     def _urgent(self, seq: Sequence) -> bool:
-        return self.config.schedule_policy != "fcfs" and seq.num_passed_over >= self.config.schedule_max_passes
+        return self.config.schedule_policy != "fcfs" and seq.num_passed_over >= self._age_limit(seq)
+
+    def _age_limit(self, seq: Sequence) -> int:
+        """Steps passed over after which ``seq`` is aged (see :data:`DECODE_AGE_FACTOR`)."""
+        return self.config.schedule_max_passes * (DECODE_AGE_FACTOR if seq.output_token_ids else 1)
 
     @staticmethod
     def _arrival(seq: Sequence) -> tuple[float, int]:
@@ -275,7 +281,8 @@ class Scheduler:
         """A request's first token ends the wait aging bounds (its TTFT): its count of steps
         passed over starts again from 0, once, so that a request that waited long before it is
         not spared for the rest of its decode; from then on it is passed over (preemptions
-        included) in at most ``schedule_max_passes`` steps before it is aged again."""
+        included) in at most ``DECODE_AGE_FACTOR * schedule_max_passes`` steps before it is aged
+        again."""
         for seq in self.running:
             if seq.output_token_ids and seq.seq_id not in self._aging_restarted:
                 self._aging_restarted.add(seq.seq_id)
@@ -287,27 +294,28 @@ class Scheduler:
 
         Candidates, in the order they are taken: prefills that rank behind ``head``, most
         expensive first; then, when ``head`` was never admitted (so each arrival displaces them
-        once at most), has at least ``CACHED_SHARE`` of its prompt cached and the pool keeps
-        evicted blocks in a lower tier (:attr:`KVPool.keeps_evicted_blocks`), so that whatever
-        is preempted loads its computed blocks back when it is re-admitted: sequences past
-        their first token that may still decode ``DISPLACE_MIN_OUTPUT`` tokens or more, the
-        most first (their TTFT is made), then the other prefills, last-ranked first (a cached
-        turn does not wait for a long cold prefill to end; it delays that prefill by about its
-        own short service).
+        once at most) and the pool keeps evicted blocks in a lower tier
+        (:attr:`KVPool.keeps_evicted_blocks`), so that whatever is preempted loads its computed
+        blocks back when it is re-admitted: sequences past their first token, those with the
+        most tokens left to decode first (their TTFT is made: a request waiting for its first
+        token goes before another's next token, as the tail of TTFT is what agents wait on),
+        then the other prefills, last-ranked first (a cached turn does not wait for a long cold
+        prefill to end; it delays that prefill by about its own short service).
 
-        A sequence the preemption would age (passed over in ``schedule_max_passes`` steps,
-        counting this one) is never taken: aged, it would rank first and take its pages back
-        at once; so a sequence is preempted for others fewer than ``schedule_max_passes`` times.
+        A sequence the preemption would age (passed over in ``_age_limit`` steps, counting this
+        one) is never taken: aged, it would rank first and take its pages back at once; so a
+        sequence is preempted for others fewer than ``schedule_max_passes`` times before its
+        first token, and fewer than ``DECODE_AGE_FACTOR`` times that after it.
         """
         key = self._key(head)
-        spared = lambda s: s.num_passed_over + 1 >= self.config.schedule_max_passes  # noqa: E731
+        spared = lambda s: s.num_passed_over + 1 >= self._age_limit(s)  # noqa: E731
         left = lambda s: s.params.max_tokens - len(s.output_token_ids)  # noqa: E731
         candidates = sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
                              and self._key(s) > key), key=self._key, reverse=True)
         if self._displaces_running(head):
             taken = {s.seq_id for s in candidates}
             candidates += sorted((s for s in self.running if s.output_token_ids and not spared(s)
-                                  and left(s) >= DISPLACE_MIN_OUTPUT and s.seq_id not in taken),
+                                  and s.seq_id not in taken),
                                  key=left, reverse=True)
             taken |= {s.seq_id for s in candidates}
             candidates += sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
@@ -323,9 +331,7 @@ class Scheduler:
     def _displaces_running(self, head: Sequence) -> bool:
         """Whether ``head`` may preempt sequences past their first token and prefills that rank
         ahead of it (see :meth:`_victims`)."""
-        if head.admitted or not self.pool.keeps_evicted_blocks:
-            return False
-        return head.num_tokens - self._estimate(head)[0] >= CACHED_SHARE * head.num_tokens
+        return not head.admitted and self.pool.keeps_evicted_blocks
 
     # ---- admission ----------------------------------------------------------------------------
     def _mark(self, seq: Sequence, name: str) -> None:
@@ -413,7 +419,15 @@ class Scheduler:
             seq.prefix_done = True
         self._cap_reuse(seq)
         n = min(self._remaining(seq), budget)
-        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
+        ok = self.pool.allocate(seq.kv, seq.num_computed_tokens + n)
+        if not ok and seq.page_ids and self.config.schedule_policy != "fcfs":
+            # Its placed prefix holds pages: run the chunk the free pages hold rather than give
+            # them back (and load or match the prefix again later).
+            fit = (len(seq.page_ids) + self.pool.num_free_pages) * self.pool.config.page_size - seq.num_computed_tokens
+            if fit >= 1:
+                n = min(n, fit)
+                ok = self.pool.allocate(seq.kv, seq.num_computed_tokens + n)
+        if not ok:
             # No room yet: no waiting sequence keeps pages (their reused blocks stay cached,
             # loaded ones are now device copies), so waiting can never deadlock the pool.
             for w in self.waiting:
@@ -456,7 +470,9 @@ class Scheduler:
         self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
         num_loading = len(self.loading)
-        budget = self._admit_waiting(batch, budget, self._ranked(list(self.waiting)), hold_line=False)
+        # Aged requests, then those whose prefix is placed (they hold its pages), then the rest.
+        order = sorted(self._ranked(list(self.waiting)), key=lambda s: not (self._urgent(s) or s.prefix_done))
+        budget = self._admit_waiting(batch, budget, order, hold_line=False)
         self._top_up(batch, budget)
         self._age(batch, self.loading[num_loading:])
         return batch
