@@ -1,5 +1,6 @@
-"""Loads of single blocks into device pages: from host memory directly, from the disk or the remote
-tier through a staging buffer, and the accounting when each stage ends.
+"""Loads of blocks into device pages: from host memory directly (the host blocks of one prefix in
+one copy job), from the disk or the remote tier through a staging buffer, and the accounting when
+each block's stage ends.
 
 A load's source copy is locked in the index before its page is taken (see
 :meth:`kvtier.cache.prefix_reuse.PrefixReuse.begin`) and unlocked when the copy that reads it
@@ -36,6 +37,28 @@ class BlockLoad:
     copy_s: float = 0.0  # seconds its copy jobs ran (worker time), for the cost model
 
 
+class _Part:
+    """Block ``i`` of a copy job shared by several block loads (a :class:`CopyJob` for one block:
+    its status, and its share of the job's worker time)."""
+
+    def __init__(self, job: CopyJob, i: int, n: int):
+        self.job, self.i, self.n = job, i, n
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.job.wait(timeout_s)
+
+    def result(self) -> list[int]:
+        statuses = self.job.result()
+        return [statuses[self.i]] if self.i < len(statuses) else [-1]
+
+    @property
+    def run_s(self) -> float:
+        return self.job.run_s / self.n
+
+
 class Loads:
     """Starts block loads and moves them on as their copies end."""
 
@@ -55,6 +78,27 @@ class Loads:
         else:
             self._staged_read(b, source)
         return b
+
+    def start_all(self, hashes: list[bytes], rows, sources: list, take: int) -> list[BlockLoad]:
+        """:meth:`start` for the first ``take`` blocks of a prefix, its host blocks in one copy
+        job: their pages are taken first (a take may write an evicted block down the tiers, never
+        one of these: the caller locked them), then the blocks are read from their host slots."""
+        loads = [None] * take
+        host = [i for i in range(take) if sources[i] == Tier.HOST]
+        if len(host) < 2:
+            return [self.start(hashes[i], rows[i], sources[i]) for i in range(take)]
+        for i in range(take):
+            if sources[i] != Tier.HOST:
+                loads[i] = self.start(hashes[i], rows[i], sources[i])
+            else:
+                loads[i] = BlockLoad(hashes[i], self.pages.take(), Tier.HOST, stage=Tier.HOST)
+        t = self.tiers
+        slots = torch.tensor([int(rows[i][Tier.HOST]) for i in host], dtype=torch.long)
+        staging = t.host.storage.index_select(0, slots)
+        job = t.copy_engine.scatter(staging, t.kv_caches, [loads[i].page for i in host])
+        for k, i in enumerate(host):
+            loads[i].handle = _Part(job, k, len(host))
+        return loads
 
     def _host_to_device(self, b: BlockLoad, slot: int) -> None:
         t = self.tiers

@@ -103,7 +103,7 @@ class PrefixReuse:
                 self.pages.ref(int(rows[i][Tier.DEVICE]))
         take = self._fit_to_free_pages(rows, sources, take)
         take = self._lock_sources(hashes, rows, sources, take)
-        loads = [self.loads.start(hashes[i], rows[i], sources[i]) for i in range(take)]
+        loads = self.loads.start_all(hashes, rows, sources, take)
         kv.page_ids = [b.page for b in loads]
         if any(b.ok is None for b in loads):
             kv.loads = loads

@@ -27,7 +27,7 @@ class Write:
     target: Tier               # HOST (from a device page), DISK or REMOTE (from a host slot)
     handle: CopyJob
     page: int = -1
-    slot: int = -1
+    slot: int = -1             # host slot read (-1: a private copy of it, see Writes._slot_to_disk)
 
 
 class Writes:
@@ -69,7 +69,7 @@ class Writes:
                 return slot
         for h, victim in t.index.eviction_candidates(Tier.HOST, 1):
             if self.write_back and t.disk is not None and not t.in_tier(h, Tier.DISK):
-                self._slot_to_disk(h, victim, wait=True)
+                self._slot_to_disk(h, victim, evicting=True)
             res, slot = t.index.remove(h, Tier.HOST)
             if res == RemoveResult.REMOVED:
                 t.stats.evictions["host"] += 1
@@ -91,17 +91,24 @@ class Writes:
             self.pages.ref(page)
             self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
 
-    def _slot_to_disk(self, h: bytes, slot: int, wait: bool) -> None:
+    def _slot_to_disk(self, h: bytes, slot: int, evicting: bool = False) -> None:
+        """Start writing the host copy of ``h`` in ``slot`` to disk. The copy stays locked
+        until the write ended; with ``evicting`` (the slot is about to hold another block) the
+        write reads a private copy of the block instead, so the serving loop never waits for
+        the disk (until that write ends, a lookup finds the block in no tier: a miss)."""
         t = self.tiers
         if t.disk is None or t.in_tier(h, Tier.DISK):
             return
         if not t.disk_budget.room(w.hash for w in self.pending if w.target == Tier.DISK):
             t.stats.stores_refused["disk"] += 1
             return
-        if not t.index.lock([h], Tier.HOST):
+        if evicting:
+            src, slot = t.host.slot(slot).clone(), -1
+        elif t.index.lock([h], Tier.HOST):
+            src = t.host.slot(slot)
+        else:
             return
-        w = Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)), slot=slot)
-        self._finish_one(w) if wait else self.pending.append(w)
+        self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, src), slot=slot))
 
     def _slot_to_remote(self, h: bytes, slot: int) -> None:
         """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
@@ -122,7 +129,7 @@ class Writes:
             if ok and t.index.insert(w.hash, Tier.HOST, w.slot):
                 t.stats.bytes_written["host"] += t.block_bytes
                 if not self.write_back:
-                    self._slot_to_disk(w.hash, w.slot, wait=False)
+                    self._slot_to_disk(w.hash, w.slot)
                 self._slot_to_remote(w.hash, w.slot)
             else:
                 t.host.release(w.slot)
@@ -131,7 +138,8 @@ class Writes:
                 t.stats.bytes_written["remote"] += t.block_bytes
             return  # a failed remote write is counted in remote.stats, not as a copy error
         else:
-            t.index.unlock([w.hash], Tier.HOST)
+            if w.slot >= 0:
+                t.index.unlock([w.hash], Tier.HOST)
             if ok and t.disk_budget.add(w.hash):
                 t.stats.bytes_written["disk"] += t.block_bytes
             elif not ok and status[:1] == [DiskStatus.FULL]:

@@ -69,20 +69,20 @@ class CopyHandle:
     time without queueing or the wait to be noticed): what the cost model learns bandwidth from.
     """
 
-    def __init__(self, engine: CopyEngine, handle: int, num_blocks: int):
-        self._engine, self.handle, self.num_blocks = engine, handle, num_blocks
+    def __init__(self, native, keepalive: dict[int, tuple], handle: int, num_blocks: int):
+        self._native, self._keepalive, self.handle, self.num_blocks = native, keepalive, handle, num_blocks
         self._result: list[int] | None = None
         self.run_s = 0.0
 
     def done(self) -> bool:
         """True once the job ended (successfully or not); never blocks."""
-        return self._result is not None or self._engine._native.poll(self.handle) != _C.JobState.PENDING
+        return self._result is not None or self._native.poll(self.handle) != _C.JobState.PENDING
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the job ends or ``timeout_s`` passes; True if it ended."""
         if self._result is not None:
             return True
-        state = self._engine._native.wait(self.handle, -1.0 if timeout_s is None else timeout_s)
+        state = self._native.wait(self.handle, -1.0 if timeout_s is None else timeout_s)
         return state != _C.JobState.PENDING
 
     def result(self) -> list[int]:
@@ -93,8 +93,8 @@ class CopyHandle:
         """
         if self._result is None:
             self.wait()
-            state, statuses, error, self.run_s = self._engine._native.collect(self.handle)
-            self._engine._keepalive.pop(self.handle, None)
+            state, statuses, error, self.run_s = self._native.collect(self.handle)
+            self._keepalive.pop(self.handle, None)
             if state == _C.JobState.FAILED:
                 self._result = []
                 raise CopyError(error)
@@ -103,16 +103,33 @@ class CopyHandle:
 
 
 class CopyEngine:
-    """Worker threads for batched block copies behind a bounded queue.
+    """Worker threads for batched block copies behind bounded queues.
+
+    Memory copies (gather/scatter) and disk jobs run on separate native engines, each with
+    ``num_threads`` workers and its own queue, so a copy the serving loop waits for (an evicted
+    page's write-back, a load) never queues behind disk writes that sync to storage.
 
     Args:
-        num_threads: worker threads (>= 1).
-        max_queued: jobs waiting at most; ``submit`` blocks (GIL released) beyond that.
+        num_threads: worker threads of each engine (>= 1).
+        max_queued: jobs waiting at most per engine; ``submit`` blocks (GIL released) beyond that.
     """
 
     def __init__(self, num_threads: int = 2, max_queued: int = 64):
         self._native = _C.CopyEngine(num_threads, max_queued)
+        self._native_disk = _C.CopyEngine(num_threads, max_queued)
         self._keepalive: dict[int, tuple] = {}
+        self._keepalive_disk: dict[int, tuple] = {}
+        self._views: dict[int, tuple[Sequence[torch.Tensor], tuple[int, int, int], PagePoolView]] = {}
+
+    def _view(self, pools: Sequence[torch.Tensor]) -> PagePoolView:
+        """``PagePoolView.of(pools)``, checked once per pool list: an engine's page pools are
+        the same tensors on every copy, and checking every layer per one-block job cost more
+        than the copy. A list whose length or first and last tensors changed is checked again."""
+        key = (len(pools), pools[0].data_ptr(), pools[-1].data_ptr())
+        got = self._views.get(id(pools))
+        if got is None or got[0] is not pools or got[1] != key:
+            got = self._views[id(pools)] = (pools, key, PagePoolView.of(pools))
+        return got[2]
 
     def _check_staging(self, view: PagePoolView, pages: np.ndarray, staging: torch.Tensor) -> None:
         if staging.device.type != "cpu" or not staging.is_contiguous():
@@ -136,12 +153,12 @@ class CopyEngine:
         return self._pages(self._native.submit_scatter, pools, pages, staging)
 
     def _pages(self, submit, pools, pages, staging) -> CopyHandle:
-        view, pg = PagePoolView.of(pools), np.asarray(pages, dtype=np.int64)
+        view, pg = self._view(pools), np.asarray(pages, dtype=np.int64)
         self._check_staging(view, pg, staging)
         h = submit(list(view.layer_ptrs), view.page_stride_bytes, view.page_bytes, view.num_pages, pg,
                    staging.data_ptr())
         self._keepalive[h] = (tuple(pools), staging)
-        return CopyHandle(self, h, len(pg))
+        return CopyHandle(self._native, self._keepalive, h, len(pg))
 
     def disk_write(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor) -> CopyHandle:
         """Write blocks ``staging[i * payload_bytes:]`` under ``hashes[i]`` to ``disk``, asynchronously.
@@ -158,10 +175,11 @@ class CopyEngine:
         need = len(hashes) * meta.payload_bytes
         if staging.device.type != "cpu" or not staging.is_contiguous() or staging.numel() * staging.element_size() < need:
             raise ValueError(f"staging must be a contiguous CPU tensor of at least {need} bytes")
-        h = self._native.submit_disk(disk.native, list(hashes), astuple(meta), staging.data_ptr(), write)
-        self._keepalive[h] = (disk, staging)
-        return CopyHandle(self, h, len(hashes))
+        h = self._native_disk.submit_disk(disk.native, list(hashes), astuple(meta), staging.data_ptr(), write)
+        self._keepalive_disk[h] = (disk, staging)
+        return CopyHandle(self._native_disk, self._keepalive_disk, h, len(hashes))
 
     @property
     def queued(self) -> int:
-        return self._native.queued()
+        """Jobs waiting in both queues."""
+        return self._native.queued() + self._native_disk.queued()
