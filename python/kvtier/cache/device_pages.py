@@ -19,8 +19,8 @@ class DevicePages:
 
     Args:
         tiers: the pool's shared parts (index, policy, stats, clock).
-        on_evict: called as ``on_evict(block_hash, page)`` before a cached page is reused (the
-            write-back copies it down then).
+        on_evict: called as ``on_evict([(block_hash, page), ...])`` before cached pages are
+            reused (the write-back copies them down then).
 
     Attributes:
         num_pages: pages in each layer's pool.
@@ -48,17 +48,27 @@ class DevicePages:
 
     def take(self) -> int:
         """A free page, referenced once; a cached block it held is evicted (after ``on_evict``)."""
+        return self.take_many(1)[0]
+
+    def take_many(self, n: int) -> list[int]:
+        """``n`` free pages, each referenced once; the cached blocks they held are evicted, after
+        one ``on_evict`` call for all of them (under write-back: one copy job, one wait)."""
         t = self.tiers
-        page = t.policy.pick_page(self.free_pages, self.page_hash, t.clock())
-        del self.free_pages[page]
-        old = self.page_hash[page]
-        if old is not None:
-            self.on_evict(old, page)
-            t.index.remove(old, Tier.DEVICE)
-            self.page_hash[page] = None
-            t.stats.evictions["device"] += 1
-        self.ref_counts[page] = 1
-        return page
+        pages, evicted = [], []
+        for _ in range(n):
+            page = t.policy.pick_page(self.free_pages, self.page_hash, t.clock())
+            del self.free_pages[page]
+            self.ref_counts[page] = 1
+            pages.append(page)
+            if self.page_hash[page] is not None:
+                evicted.append((self.page_hash[page], page))
+        if evicted:
+            self.on_evict(evicted)
+            for old, page in evicted:
+                t.index.remove(old, Tier.DEVICE)
+                self.page_hash[page] = None
+            t.stats.evictions["device"] += len(evicted)
+        return pages
 
     def ref(self, page: int) -> None:
         if self.ref_counts[page] == 0:
@@ -84,7 +94,7 @@ class DevicePages:
         need = self.pages_needed(kv, num_tokens)
         if need > len(self.free_pages):
             return False
-        kv.page_ids += [self.take() for _ in range(need)]
+        kv.page_ids += self.take_many(need)
         return True
 
     def release(self, kv: KVState) -> None:

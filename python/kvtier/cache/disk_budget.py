@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import warnings
-from collections.abc import Iterable
+from collections.abc import Collection
 from pathlib import Path
 
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
@@ -137,16 +137,16 @@ class DiskBudget:
             return f"its filesystem has {free} bytes free"
         return f"of its budget of {self.limit_bytes} bytes, {foreign} are taken by blocks this pool cannot evict"
 
-    def room(self, pending: Iterable[bytes]) -> bool:
+    def room(self, pending: Collection[bytes]) -> bool:
         """Evict least recently used blocks of this pool until one more file fits beside the
-        ``pending`` writes (hashes of disk writes not collected yet); False if it cannot."""
-        pending = list(pending)
+        ``pending`` writes (hashes of disk writes not collected yet, each once); False if it
+        cannot. O(1) for a private tier, O(len(pending)) for a shared one."""
         while self._committed(pending) + self.file_bytes > self.limit_bytes:
             if not self.evict(1):
                 return False
         return True
 
-    def _committed(self, pending: list[bytes]) -> int:
+    def _committed(self, pending: Collection[bytes]) -> int:
         """Bytes the tier holds or will hold once ``pending`` writes end, each file counted once.
 
         In a private tier every file is an indexed block of this pool or a pending write: the

@@ -18,7 +18,7 @@ from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.disk_tier import DiskStatus, aligned_empty
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteStatus
-from kvtier.cache.seams import CopyJob
+from kvtier.cache.seams import CopyJob, JobPart
 from kvtier.cache.tiers import PoolTiers
 from kvtier.transfer import CopyError
 
@@ -35,28 +35,6 @@ class BlockLoad:
     staging: torch.Tensor | None = None  # where a disk read lands before going to the device page
     ok: bool | None = None
     copy_s: float = 0.0  # seconds its copy jobs ran (worker time), for the cost model
-
-
-class _Part:
-    """Block ``i`` of a copy job shared by several block loads (a :class:`CopyJob` for one block:
-    its status, and its share of the job's worker time)."""
-
-    def __init__(self, job: CopyJob, i: int, n: int):
-        self.job, self.i, self.n = job, i, n
-
-    def done(self) -> bool:
-        return self.job.done()
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return self.job.wait(timeout_s)
-
-    def result(self) -> list[int]:
-        statuses = self.job.result()
-        return [statuses[self.i]] if self.i < len(statuses) else [-1]
-
-    @property
-    def run_s(self) -> float:
-        return self.job.run_s / self.n
 
 
 class Loads:
@@ -90,14 +68,14 @@ class Loads:
         for i in range(take):
             if sources[i] != Tier.HOST:
                 loads[i] = self.start(hashes[i], rows[i], sources[i])
-            else:
-                loads[i] = BlockLoad(hashes[i], self.pages.take(), Tier.HOST, stage=Tier.HOST)
+        for i, page in zip(host, self.pages.take_many(len(host))):
+            loads[i] = BlockLoad(hashes[i], page, Tier.HOST, stage=Tier.HOST)
         t = self.tiers
         slots = torch.tensor([int(rows[i][Tier.HOST]) for i in host], dtype=torch.long)
         staging = t.host.storage.index_select(0, slots)
         job = t.copy_engine.scatter(staging, t.kv_caches, [loads[i].page for i in host])
         for k, i in enumerate(host):
-            loads[i].handle = _Part(job, k, len(host))
+            loads[i].handle = JobPart(job, k, len(host))
         return loads
 
     def _host_to_device(self, b: BlockLoad, slot: int) -> None:

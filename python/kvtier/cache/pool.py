@@ -105,7 +105,7 @@ class KVPool:
                  copy_engine: CopyEngine | None = None, disk: DiskStore | None = None, clock: Clock | None = None,
                  remote: RemoteTier | None = None):
         self.tiers = PoolTiers(config, kv_caches, cost_model, copy_engine, disk, clock, remote)
-        self.pages = DevicePages(self.tiers, on_evict=lambda h, page: self.writes.evicting(h, page))
+        self.pages = DevicePages(self.tiers, on_evict=lambda blocks: self.writes.evicting(blocks))
         self.writes = Writes(self.tiers, self.pages)
         self.loads = Loads(self.tiers, self.pages)
         self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes)

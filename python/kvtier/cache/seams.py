@@ -113,6 +113,29 @@ class CopyEngine(Protocol):
         ...
 
 
+class JobPart:
+    """Block ``i`` of a copy job shared by ``n`` blocks, as a :class:`CopyJob` of its own: its
+    status (-1 when the job failed as a whole without per-block statuses) and its share of the
+    job's worker time (what the cost model learns a block's bandwidth from)."""
+
+    def __init__(self, job: CopyJob, i: int, n: int):
+        self.job, self.i, self.n = job, i, n
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.job.wait(timeout_s)
+
+    def result(self) -> list[int]:
+        statuses = self.job.result()
+        return [statuses[self.i]] if self.i < len(statuses) else [-1]
+
+    @property
+    def run_s(self) -> float:
+        return self.job.run_s / self.n
+
+
 class Clock(Protocol):
     """Seconds, monotonic (``time.monotonic`` is one): what eviction TTLs and prefetch times use."""
 

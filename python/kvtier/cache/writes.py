@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.disk_tier import DiskStatus
 from kvtier.cache.prefix_index import RemoveResult, Tier
-from kvtier.cache.seams import CopyJob
+from kvtier.cache.seams import CopyJob, JobPart
 from kvtier.cache.tiers import PoolTiers
 from kvtier.transfer import CopyError
 
@@ -37,21 +39,48 @@ class Writes:
         self.tiers = tiers
         self.pages = pages
         self.pending: list[Write] = []
+        self._disk_pending: dict[bytes, int] = {}  # disk writes in ``pending``: how many of each hash
 
     @property
     def write_back(self) -> bool:
         return self.tiers.config.write_policy == "write-back"
 
-    def evicting(self, h: bytes, page: int) -> None:
-        """A cached device page is being reused: under write-back copy its block to host first
-        (and wait: nothing else can touch the page meanwhile)."""
-        if self.write_back:
-            self.page_to_host(h, page, wait=True)
+    def evicting(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Cached device pages are being reused: under write-back copy their blocks (``(hash,
+        page)`` pairs) to host first, in one job, and wait (nothing else can touch the pages
+        meanwhile)."""
+        t = self.tiers
+        if not self.write_back or t.host is None:
+            return
+        todo = []
+        for h, page in blocks:
+            if t.in_tier(h, Tier.HOST):
+                continue
+            slot = self._host_slot()
+            if slot < 0:
+                t.stats.stores_refused["host"] += 1
+                continue
+            todo.append((h, page, slot))
+        if not todo:
+            return
+        if len(todo) == 1:
+            h, page, slot = todo[0]
+            self._finish_one(Write(h, Tier.HOST, t.copy_engine.gather(t.kv_caches, [page], t.host.slot(slot)), slot=slot))
+            return
+        staging = torch.empty((len(todo), t.block_bytes), dtype=torch.uint8, pin_memory=t.host.storage.is_pinned())
+        job = t.copy_engine.gather(t.kv_caches, [page for _, page, _ in todo], staging)
+        try:
+            if all(s == 0 for s in job.result()):
+                t.host.storage[torch.tensor([slot for *_, slot in todo])] = staging
+        except CopyError:
+            pass  # each block's part reports the failure
+        for k, (h, _, slot) in enumerate(todo):
+            self._finish_one(Write(h, Tier.HOST, JobPart(job, k, len(todo)), slot=slot))
 
     def computed(self, h: bytes, page: int) -> None:
         """Block ``h`` was just computed into ``page`` and indexed: start its write-through copy."""
         if not self.write_back:
-            self.page_to_host(h, page, wait=False)
+            self.page_to_host(h, page)
 
     def _host_slot(self) -> int:
         """A free host slot, evicting the least recently used unreferenced copy if needed; -1 if none.
@@ -76,7 +105,9 @@ class Writes:
                 return slot
         return -1
 
-    def page_to_host(self, h: bytes, page: int, wait: bool) -> None:
+    def page_to_host(self, h: bytes, page: int) -> None:
+        """Start copying block ``h`` from ``page`` to a host slot; the page stays referenced
+        until the copy ended."""
         t = self.tiers
         if t.host is None or t.in_tier(h, Tier.HOST):
             return
@@ -85,11 +116,8 @@ class Writes:
             t.stats.stores_refused["host"] += 1
             return
         handle = t.copy_engine.gather(t.kv_caches, [page], t.host.slot(slot))
-        if wait:  # write-back during eviction: the page is being taken, nothing else can touch it
-            self._finish_one(Write(h, Tier.HOST, handle, slot=slot))
-        else:  # the page stays referenced until the copy ended
-            self.pages.ref(page)
-            self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
+        self.pages.ref(page)
+        self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
 
     def _slot_to_disk(self, h: bytes, slot: int, evicting: bool = False) -> None:
         """Start writing the host copy of ``h`` in ``slot`` to disk. The copy stays locked
@@ -99,7 +127,7 @@ class Writes:
         t = self.tiers
         if t.disk is None or t.in_tier(h, Tier.DISK):
             return
-        if not t.disk_budget.room(w.hash for w in self.pending if w.target == Tier.DISK):
+        if not t.disk_budget.room(self._disk_pending.keys()):
             t.stats.stores_refused["disk"] += 1
             return
         if evicting:
@@ -109,6 +137,7 @@ class Writes:
         else:
             return
         self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, src), slot=slot))
+        self._disk_pending[h] = self._disk_pending.get(h, 0) + 1
 
     def _slot_to_remote(self, h: bytes, slot: int) -> None:
         """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
@@ -138,6 +167,10 @@ class Writes:
                 t.stats.bytes_written["remote"] += t.block_bytes
             return  # a failed remote write is counted in remote.stats, not as a copy error
         else:
+            if self._disk_pending[w.hash] == 1:
+                del self._disk_pending[w.hash]
+            else:
+                self._disk_pending[w.hash] -= 1
             if w.slot >= 0:
                 t.index.unlock([w.hash], Tier.HOST)
             if ok and t.disk_budget.add(w.hash):
