@@ -7,6 +7,7 @@ threads for CPU tensors; the tensors a job touches are kept alive until it is co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
@@ -14,6 +15,12 @@ import numpy as np
 import torch
 
 from kvtier import _C
+
+
+@functools.lru_cache(maxsize=64)
+def _meta_tuple(meta) -> tuple:
+    """``astuple(meta)`` of a (frozen, hashable) ``BlockMeta``, once per layout, not per job."""
+    return astuple(meta)
 
 
 class CopyError(RuntimeError):
@@ -175,7 +182,7 @@ class CopyEngine:
         need = len(hashes) * meta.payload_bytes
         if staging.device.type != "cpu" or not staging.is_contiguous() or staging.numel() * staging.element_size() < need:
             raise ValueError(f"staging must be a contiguous CPU tensor of at least {need} bytes")
-        h = self._native_disk.submit_disk(disk.native, list(hashes), astuple(meta), staging.data_ptr(), write)
+        h = self._native_disk.submit_disk(disk.native, list(hashes), _meta_tuple(meta), staging.data_ptr(), write)
         self._keepalive_disk[h] = (disk, staging)
         return CopyHandle(self._native_disk, self._keepalive_disk, h, len(hashes))
 
