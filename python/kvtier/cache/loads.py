@@ -72,7 +72,8 @@ class Loads:
             loads[i] = BlockLoad(hashes[i], page, Tier.HOST, stage=Tier.HOST)
         t = self.tiers
         slots = torch.tensor([int(rows[i][Tier.HOST]) for i in host], dtype=torch.long)
-        staging = t.host.storage.index_select(0, slots)
+        staging = torch.empty((len(host), t.block_bytes), dtype=torch.uint8, pin_memory=t.host.storage.is_pinned())
+        torch.index_select(t.host.storage, 0, slots, out=staging)  # pinned like the host tier: an async copy to a GPU
         job = t.copy_engine.scatter(staging, t.kv_caches, [loads[i].page for i in host])
         for k, i in enumerate(host):
             loads[i].handle = JobPart(job, k, len(host))
