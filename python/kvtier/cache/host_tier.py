@@ -77,3 +77,19 @@ class HostTier:
     def slot(self, slot: int) -> torch.Tensor:
         """[block_bytes] uint8 view of one slot."""
         return self.storage[slot]
+
+    def staging(self, num_blocks: int) -> torch.Tensor:
+        """A [num_blocks, block_bytes] uint8 buffer for one copy job of several blocks, pinned
+        when this tier is (so a copy to or from a GPU stays asynchronous)."""
+        return torch.empty((num_blocks, self.block_bytes), dtype=torch.uint8, pin_memory=self.storage.is_pinned())
+
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """The blocks in ``slots``, gathered into a :meth:`staging` buffer ([len(slots),
+        block_bytes] uint8)."""
+        out = self.staging(len(slots))
+        torch.index_select(self.storage, 0, torch.tensor(slots, dtype=torch.long), out=out)
+        return out
+
+    def write(self, slots: list[int], blocks: torch.Tensor) -> None:
+        """Copy ``blocks`` ([len(slots), block_bytes] uint8) into ``slots``."""
+        self.storage[torch.tensor(slots, dtype=torch.long)] = blocks

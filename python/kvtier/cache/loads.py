@@ -57,23 +57,20 @@ class Loads:
             self._staged_read(b, source)
         return b
 
-    def start_all(self, hashes: list[bytes], rows, sources: list, take: int) -> list[BlockLoad]:
-        """:meth:`start` for the first ``take`` blocks of a prefix, its host blocks in one copy
-        job: their pages are taken first (a take may write an evicted block down the tiers, never
-        one of these: the caller locked them), then the blocks are read from their host slots."""
-        loads = [None] * take
+    def start_all(self, hashes: list[bytes], rows, sources: list[Tier], take: int) -> list[BlockLoad]:
+        """:meth:`start` for the first ``take`` blocks of a prefix (``hashes``, their index
+        ``rows`` [n, num_tiers] int64 and fastest ``sources``), its host blocks in one copy job:
+        their pages are taken first (a take may write an evicted block down the tiers, never one
+        of these: the caller locked them), then the blocks are read from their host slots."""
+        loads = [self.start(hashes[i], rows[i], sources[i]) if sources[i] != Tier.HOST else None
+                 for i in range(take)]
         host = [i for i in range(take) if sources[i] == Tier.HOST]
-        if len(host) < 2:
-            return [self.start(hashes[i], rows[i], sources[i]) for i in range(take)]
-        for i in range(take):
-            if sources[i] != Tier.HOST:
-                loads[i] = self.start(hashes[i], rows[i], sources[i])
+        if not host:
+            return loads
         for i, page in zip(host, self.pages.take_many(len(host))):
             loads[i] = BlockLoad(hashes[i], page, Tier.HOST, stage=Tier.HOST)
         t = self.tiers
-        slots = torch.tensor([int(rows[i][Tier.HOST]) for i in host], dtype=torch.long)
-        staging = torch.empty((len(host), t.block_bytes), dtype=torch.uint8, pin_memory=t.host.storage.is_pinned())
-        torch.index_select(t.host.storage, 0, slots, out=staging)  # pinned like the host tier: an async copy to a GPU
+        staging = t.host.read([int(rows[i][Tier.HOST]) for i in host])
         job = t.copy_engine.scatter(staging, t.kv_caches, [loads[i].page for i in host])
         for k, i in enumerate(host):
             loads[i].handle = JobPart(job, k, len(host))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.disk_tier import DiskStatus
 from kvtier.cache.prefix_index import RemoveResult, Tier
@@ -63,15 +61,11 @@ class Writes:
             todo.append((h, page, slot))
         if not todo:
             return
-        if len(todo) == 1:
-            h, page, slot = todo[0]
-            self._finish_one(Write(h, Tier.HOST, t.copy_engine.gather(t.kv_caches, [page], t.host.slot(slot)), slot=slot))
-            return
-        staging = torch.empty((len(todo), t.block_bytes), dtype=torch.uint8, pin_memory=t.host.storage.is_pinned())
+        staging = t.host.staging(len(todo))
         job = t.copy_engine.gather(t.kv_caches, [page for _, page, _ in todo], staging)
         try:
             if all(s == 0 for s in job.result()):
-                t.host.storage[torch.tensor([slot for *_, slot in todo])] = staging
+                t.host.write([slot for *_, slot in todo], staging)
         except CopyError:
             pass  # each block's part reports the failure
         for k, (h, _, slot) in enumerate(todo):
