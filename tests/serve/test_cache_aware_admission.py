@@ -78,10 +78,13 @@ def test_cached_requests_report_their_hits_and_a_breakdown_that_sums_to_ttft():
 def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_bound(max_passes):
     """Bound: a request is passed over (a later arrival gets prefill tokens, it gets none) in at
     most ``schedule_max_passes`` steps; it then ranks first, is admitted once the prefill being
-    chunked, if any, ends (one more step here), and as the chunked prefill gets at least half of
-    every step's budget. Here (no decodes) its first token comes within
-    ``max_passes + 2 + ceil(L / (budget / 2))`` steps of its arrival, however fast the stream
-    comes (the deadline rank may admit it sooner; the bound does not depend on timing)."""
+    chunked, if any, ends (one more step here). Then, as the chunked prefill, it gets at least
+    half of every step's token budget unless the step's attention budget ``P`` (query-key pairs,
+    charged to it first) cuts its chunk, and a cut chunk takes at least ``P - L`` pairs of the
+    ``L (L + 1) / 2`` its prompt has. Here (no decodes) its first token comes within
+    ``max_passes + 2 + ceil(L / (budget / 2)) + ceil(L (L + 1) / 2 / (P - L))`` steps of its
+    arrival, however fast the stream comes (the deadline rank may admit it sooner; the bound
+    does not depend on timing)."""
     engine = engine_for("cache-aware", schedule_max_passes=max_passes)
     base = prompt(4 * PS, 7)
     engine.add_request(base + [1], ONE)
@@ -97,7 +100,10 @@ def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_b
                 engine.add_request(base + prompt(48, 1000 + next(counter)), ONE)
 
     first = run_steps(engine, on_step=feed)
-    assert first[cold] <= max_passes + 2 + math.ceil(length / (BUDGET // 2)), first[cold]
+    pairs = engine.config.step_pairs_budget()
+    assert pairs > length
+    bound = max_passes + 2 + math.ceil(length / (BUDGET // 2)) + math.ceil(length * (length + 1) / 2 / (pairs - length))
+    assert first[cold] <= bound, (first[cold], bound)
     assert max(first.values()) >= stream_steps  # the stream really outlasted the bound
 
 
@@ -140,7 +146,7 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     from tests.cache.test_tiers_e2e import always_load
 
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
-                          host_cache_bytes=64 * 15360, schedule_policy=policy))
+                          max_num_batched_pairs=NO_PAIR_CAP, host_cache_bytes=64 * 15360, schedule_policy=policy))
     engine = llm.engine
     engine.pool.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
     short, cold_prompt, alone, cold, rid = _cold_prefill_then_cached_turn(llm)
@@ -165,8 +171,14 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
         assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0
 
 
+NO_PAIR_CAP = 10**9
+"""A step attention budget no chunk here reaches: the scenarios below are laid out in whole
+token-budget chunks."""
+
+
 def _cold_prefill_then_cached_turn(llm):
-    """On a 38-page pool: a short prompt runs (its blocks reach the host tier), then a 36-page cold
+    """On a 38-page pool (no attention cap: whole ``BUDGET`` chunks): a short prompt runs (its
+    blocks reach the host tier), then a 36-page cold
     prompt prefills for 6 steps (24 pages; its next chunk leaves 10 free), then the short prompt
     returns. Returns (the short prompt, the cold prompt, outputs of each alone, cold id, short id)."""
     engine = llm.engine
@@ -263,11 +275,11 @@ def test_new_cold_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back
 def test_a_decode_is_displaced_by_new_turns_fewer_than_its_aging_bound(max_passes):
     """Bound: each preemption counts as a step passed over, and a sequence is not preempted for
     others when that would age it; past its first token that is at
-    ``DECODE_AGE_FACTOR * schedule_max_passes`` steps (then it ranks first). Three cached turns,
+    ``DECODE_AGE_FACTOR * schedule_max_passes`` steps (then it ranks first). Four cached turns,
     each arriving while the decode runs and needing its pages, preempt it once each when the
-    bound allows (2 and 16); with 1 the bound stops the third (the steps it waits while a turn
-    is served count too). It still produces all its tokens."""
-    turns = [prompt(N, 20 + i) for i in range(3)]
+    bound allows (2 and 16); with 1 the bound stops the fourth. It still produces
+    all its tokens."""
+    turns = [prompt(N, 20 + i) for i in range(DECODE_AGE_FACTOR)]
     llm = host_cached(*turns)
     engine, sched = llm.engine, llm.engine.scheduler
     sched.config = dataclasses.replace(engine.config, schedule_max_passes=max_passes)
@@ -306,7 +318,7 @@ def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_lo
     from tests.cache.test_tiers_e2e import always_load
 
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
-                          host_cache_bytes=64 * 15360))
+                          max_num_batched_pairs=NO_PAIR_CAP, host_cache_bytes=64 * 15360))
     engine = llm.engine
     if not lower_tier:
         monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))

@@ -193,6 +193,10 @@ class KVPool:
         (``KVState.num_prefix_tokens``), by tier in ``kv.prefix_tokens_by_tier``."""
         return self.reuse.finish(kv)
 
+    def wait_prefix(self, kv: KVState) -> int:
+        """Block until ``kv``'s loads ended; the tokens of its prefix now in its pages."""
+        return self.reuse.finish(kv, wait=True)
+
     def estimate_prefix(self, kv: KVState) -> tuple[int, float]:
         """What :meth:`begin_prefix` would reuse for page-less ``kv`` now, taking nothing.
 

@@ -143,10 +143,12 @@ class PrefixReuse:
                 return i
         return take
 
-    def finish(self, kv: KVState) -> int | None:
+    def finish(self, kv: KVState, wait: bool = False) -> int | None:
         """None while ``kv``'s loads run; else the tokens of its prefix now in its pages."""
         if kv.loads is None:
             return kv.num_prefix_tokens
+        if wait:
+            self.loads.wait_all(kv.loads)
         if not self.loads.advance_all(kv.loads):
             return None
         loads, kv.loads = kv.loads, None

@@ -23,6 +23,14 @@ class EngineConfig:
             model's identity and compute dtype into ``pool.salt`` (:meth:`pool_config`), so
             engines with different salts never share cached blocks.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_num_batched_pairs: under ``cache-aware``, attention budget of one step: the
+            query-key pairs of its prefill chunks (a chunk of ``n`` tokens after ``c`` cached or
+            computed ones has ``n * c + n * (n + 1) / 2``); None (default): those of a
+            ``max_num_batched_tokens`` chunk of a fresh prompt, so a chunk deep in a long
+            context is cut to about the time of a first chunk. The budget cuts the chunks of
+            running prefills; a request's first chunk, at admission, is counted against it but
+            not cut (a cached turn's new tokens run in the step that admits it). A step's first
+            running chunk gets at least one token whatever the budget.
         max_num_seqs: sequences running or loading at once.
         seed: seed of the engine's sampling generator.
         cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
@@ -51,6 +59,7 @@ class EngineConfig:
 
     pool: PoolConfig = field(default_factory=PoolConfig)
     max_num_batched_tokens: int = 2048
+    max_num_batched_pairs: int | None = None
     max_num_seqs: int = 64
     seed: int = 0
     cuda_graph: bool = False
@@ -64,8 +73,17 @@ class EngineConfig:
             raise ValueError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "schedule_max_passes"):
             check_int(name, getattr(self, name), min_value=1)
+        if self.max_num_batched_pairs is not None:
+            check_int("max_num_batched_pairs", self.max_num_batched_pairs, min_value=1)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
+
+    def step_pairs_budget(self) -> int:
+        """``max_num_batched_pairs``, or when None the query-key pairs of a
+        ``max_num_batched_tokens`` chunk of a fresh prompt, ``B * (B + 1) // 2``."""
+        if self.max_num_batched_pairs is not None:
+            return self.max_num_batched_pairs
+        return self.max_num_batched_tokens * (self.max_num_batched_tokens + 1) // 2
 
     @staticmethod
     def of(**fields) -> EngineConfig:

@@ -3,6 +3,7 @@ preemption and cache-aware admission."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,12 @@ DECODE_AGE_FACTOR = 4
 """A sequence past its first token (its TTFT is made) is aged after this many times
 ``schedule_max_passes`` steps passed over, preemptions included: when the pool keeps evicted
 blocks below the device, requests waiting for their first token may preempt it that often."""
+INLINE_LOAD_SHARE = 0.1
+"""Cache-aware: prefix loads the cost model puts under this share of a full step's estimated
+time (``recompute_s(max_num_batched_tokens)``), all of them together in one step, are waited
+for at admission, so the request runs in the step it was admitted in rather than the next (a
+step on a long context can take a second on a CPU; a host load of a short prompt takes
+milliseconds)."""
 
 
 class Scheduler:
@@ -67,7 +74,15 @@ class Scheduler:
       room for waits or loads (unless it is aged). Admission tries aged requests first, then
       those whose prefix is placed (their loads ended: they hold its pages), then the rest in
       rank order; one whose placed prefix leaves too few free pages for its first chunk runs
-      the chunk the free pages hold instead of giving its pages back.
+      the chunk the free pages hold instead of giving its pages back. A prefix load estimated
+      under :data:`INLINE_LOAD_SHARE` of a step is waited for at admission (the request runs in
+      that step). Step bounds: the chunks of running prefills are cut so that the step's
+      attention work, the query-key pairs of its prefill chunks, stays within
+      ``EngineConfig.max_num_batched_pairs`` (a request's first chunk is counted, not cut); a
+      running prefill short of pages runs the chunk the free pages hold, and when none is free
+      preempts the worst-ranked of itself and the sequences after it, prefills that end within a
+      step last (:meth:`_running_victim`); a prefill that ends within a step is never preempted
+      to let another request in.
       Aging bounds how long a request can be skipped: a request passed over in
       ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
       got none; a preemption counts as one) ranks ahead of every request that was not, in
@@ -111,6 +126,9 @@ class Scheduler:
         # Sequences preempted to make room, by seq_id: the request they made room for. They are
         # not re-admitted while it waits (or loads), unless they are aged.
         self._displaced: dict[int, Sequence] = {}
+        self._pairs_budget: int | None = None  # this step's attention budget (None: none)
+        self._pairs_left: int | None = None
+        self._inline_left = 0.0  # this step's share left for inline loads
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -137,10 +155,45 @@ class Scheduler:
             batch.decodes.append(seq)
         else:
             batch.extends.append((seq, n))
+            self._charge(seq, n)
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:
         return seq.num_tokens - seq.num_computed_tokens
+
+    def _ends_soon(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is a prefill whose prompt can end within one step's token budget."""
+        return 1 < self._remaining(seq) <= self.config.max_num_batched_tokens
+
+    def _fit_pages(self, seq: Sequence) -> int:
+        """Tokens ``seq`` can run with the pages it holds and the free ones."""
+        return (len(seq.page_ids) + self.pool.num_free_pages) * self.pool.config.page_size - seq.num_computed_tokens
+
+    @staticmethod
+    def _pairs(context: int, n: int) -> int:
+        """Query-key pairs of a causal chunk of ``n`` tokens after ``context`` tokens:
+        ``n * context + n * (n + 1) / 2`` (each token attends to the context and to itself and
+        the chunk's tokens before it)."""
+        return n * context + n * (n + 1) // 2
+
+    def _pair_cap(self, seq: Sequence, n: int, have: int = 0) -> int:
+        """``n`` prefill tokens of ``seq`` (``have`` of them already placed this step) cut so
+        the step's attention work stays within ``max_num_batched_pairs``: the largest ``m`` with
+        ``_pairs(context, m) <= pairs left``, from the quadratic formula; a step's first chunk
+        gets at least one token."""
+        if self._pairs_left is None:
+            return n
+        c = seq.num_computed_tokens + have
+        b = 2 * c + 1
+        m = int((math.isqrt(b * b + 8 * max(self._pairs_left, 0)) - b) // 2)
+        if m < 1 and self._pairs_left == self._pairs_budget:
+            m = 1
+        return max(0, min(n, m))
+
+    def _charge(self, seq: Sequence, n: int, have: int = 0) -> None:
+        """Count a placed prefill chunk's attention work against the step's budget."""
+        if self._pairs_left is not None:
+            self._pairs_left -= self._pairs(seq.num_computed_tokens + have, n)
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, plan: dict[int, int] | None) -> int:
         """Place running sequences in admission order; ``plan`` (None: no cap) caps each prefill
@@ -158,8 +211,19 @@ class Scheduler:
                 n = min(n, plan.get(seq.seq_id, 0))
                 if n == 0:
                     continue
+            if self._remaining(seq) > 1:
+                n = self._pair_cap(seq, n)
+                if n == 0:
+                    continue
             while not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                if plan is None:
+                    victim = self.running[-1]  # fcfs: the last admitted
+                else:
+                    fit = self._fit_pages(seq)
+                    if n > 1 and 1 <= fit < n:  # a prefill runs the chunk the pages hold
+                        n = fit
+                        continue
+                    victim = self._running_victim(seq)
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -168,16 +232,25 @@ class Scheduler:
                 budget -= n
         return budget
 
+    def _running_victim(self, seq: Sequence) -> Sequence:
+        """Cache-aware: whom ``seq``, a running sequence short of pages for its chunk (or
+        token), preempts: of itself and the running sequences not yet placed this step, the
+        worst-ranked (:meth:`_key`), prefills whose prompt can end in this step last (the most
+        recently admitted, as fcfs takes, is often a cached turn a step from its first token)."""
+        later = self.running[self.running.index(seq):]
+        return max(later, key=lambda s: (not self._ends_soon(s), self._key(s)))
+
     # ---- cache-aware ranking ------------------------------------------------------------------
-    def _estimate(self, seq: Sequence) -> tuple[int, float]:
-        """``(tokens to prefill, estimated seconds to serve its prompt)``, memoised per step."""
+    def _estimate(self, seq: Sequence) -> tuple[int, float, float]:
+        """``(tokens to prefill, estimated seconds to serve its prompt, of which its loads)``,
+        memoised per step."""
         got = self._estimates.get(seq.seq_id)
         if got is None:
             reused, load_s = 0, 0.0
             if seq.status is SequenceStatus.WAITING and not seq.prefix_done and not seq.page_ids:
                 reused, load_s = self.pool.estimate_prefix(seq.kv)
             tokens = max(1, self._remaining(seq) - reused)
-            got = self._estimates[seq.seq_id] = (tokens, load_s + self.pool.cost_model.recompute_s(tokens))
+            got = self._estimates[seq.seq_id] = (tokens, load_s + self.pool.cost_model.recompute_s(tokens), load_s)
         return got
 
     def _urgent(self, seq: Sequence) -> bool:
@@ -234,9 +307,10 @@ class Scheduler:
                 break
             i = placed.get(seq.seq_id)
             have = 0 if i is None else batch.extends[i][1]
-            extra = min(self._remaining(seq) - have, budget)
+            extra = self._pair_cap(seq, min(self._remaining(seq) - have, budget), have)
             if extra <= 0 or not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
                 continue
+            self._charge(seq, extra, have)
             if i is None:
                 self._place(batch, seq, extra)
             else:
@@ -308,7 +382,7 @@ class Scheduler:
         first token, and fewer than ``DECODE_AGE_FACTOR`` times that after it.
         """
         key = self._key(head)
-        spared = lambda s: s.num_passed_over + 1 >= self._age_limit(s)  # noqa: E731
+        spared = lambda s: s.num_passed_over + 1 >= self._age_limit(s) or self._ends_soon(s)  # noqa: E731
         left = lambda s: s.params.max_tokens - len(s.output_token_ids)  # noqa: E731
         candidates = sorted((s for s in self.running if self._remaining(s) > 1 and not spared(s)
                              and self._key(s) > key), key=self._key, reverse=True)
@@ -409,6 +483,10 @@ class Scheduler:
             if start is PrefixStart.NO_ROOM:
                 self._block(seq, 0)  # its loads need the pages whatever the budget
                 return None
+            if start is PrefixStart.LOADING and self.config.schedule_policy != "fcfs" and self._load_inline(seq):
+                self._mark(seq, "admitted_time")
+                self.pool.wait_prefix(seq.kv)
+                start = PrefixStart.READY
             if start is PrefixStart.LOADING:
                 self._mark(seq, "admitted_time")
                 self.waiting.remove(seq)
@@ -423,7 +501,7 @@ class Scheduler:
         if not ok and seq.page_ids and self.config.schedule_policy != "fcfs":
             # Its placed prefix holds pages: run the chunk the free pages hold rather than give
             # them back (and load or match the prefix again later).
-            fit = (len(seq.page_ids) + self.pool.num_free_pages) * self.pool.config.page_size - seq.num_computed_tokens
+            fit = self._fit_pages(seq)
             if fit >= 1:
                 n = min(n, fit)
                 ok = self.pool.allocate(seq.kv, seq.num_computed_tokens + n)
@@ -446,6 +524,16 @@ class Scheduler:
         self._place(batch, seq, n)
         return n
 
+    def _load_inline(self, seq: Sequence) -> bool:
+        """Whether to wait for ``seq``'s prefix loads now (see :data:`INLINE_LOAD_SHARE`); takes
+        their estimated time from this step's share."""
+        load_s = self._estimate(seq)[2]
+        step_s = self.pool.cost_model.recompute_s(self.config.max_num_batched_tokens)
+        if load_s > self._inline_left * step_s:
+            return False
+        self._inline_left -= load_s / step_s
+        return True
+
     def _block(self, seq: Sequence, budget: int) -> None:
         self._blocked[seq.seq_id] = (self.pool.num_free_pages, budget)
 
@@ -462,10 +550,13 @@ class Scheduler:
         self._estimates = {}
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        self._pairs_budget = self._pairs_left = None
+        self._inline_left = INLINE_LOAD_SHARE
         if self.config.schedule_policy == "fcfs":
             budget = self._schedule_running(batch, budget, None)
             self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
             return batch
+        self._pairs_budget = self._pairs_left = self.config.step_pairs_budget()
         self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
