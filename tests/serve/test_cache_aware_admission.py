@@ -331,3 +331,34 @@ def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_lo
         assert first[rid] < first[cold] and engine.scheduler.num_preemptions == 1
     else:
         assert first[rid] >= first[cold] and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_a_shorter_prompt_chunks_beside_a_long_cold_one_but_never_a_third(policy):
+    """A 512-token cold prompt is being chunked when a 192-token and then a 160-token one arrive
+    (64-token budget: neither fits in a step). Cache-aware ranks both ahead of the long one; the
+    cheaper starts chunking beside it at once, the other waits until that one ends (two chunked
+    prefills at most), then chunks beside the long one in turn: first tokens come shortest
+    first. FCFS serves them in arrival order. Outputs equal each request run alone."""
+    engine = engine_for(policy)
+    engine.pool.cost_model.alpha = 0.0  # 1,000 tokens/s whatever steps take: costs set the rank
+    prompts = [prompt(512, 41), prompt(192, 42), prompt(160, 43)]
+    long_id = engine.add_request(prompts[0], ONE, arrival_time=0.0)
+    engine.step()
+    engine.step()
+    mid_id = engine.add_request(prompts[1], ONE, arrival_time=0.01)
+    short_id = engine.add_request(prompts[2], ONE, arrival_time=0.02)
+    chunking, outs = [], {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+        chunking.append({s.seq_id for s in engine.scheduler.running if s.num_computed_tokens < s.num_tokens - 1})
+    assert max(len(c) for c in chunking) <= 2
+    first = {i: outs[i].metrics.first_token_time for i in outs}
+    if policy == "cache-aware":
+        assert {long_id, short_id} in chunking and {long_id, mid_id} in chunking
+        assert first[short_id] < first[mid_id] < first[long_id]
+    else:
+        assert first[long_id] < first[mid_id] < first[short_id]
+    plain = LLM("tiny", page_size=PS, num_device_pages=256, enable_prefix_caching=False)
+    for i, p in zip((long_id, mid_id, short_id), prompts):
+        assert outs[i].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=ONE)[0].token_ids

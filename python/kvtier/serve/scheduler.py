@@ -61,7 +61,9 @@ class Scheduler:
       is not passed over for much longer than its own cost. As in SGLang's mixed chunked
       prefill, one prefill at a time runs in chunks (a request whose prompt does not fit in
       what is left of the step's budget waits while another is chunked: a partly computed
-      prompt holds pages), beside any number of prefills that end in the step; the chunked one
+      prompt holds pages; one that ranks ahead of the chunked one starts chunking beside it,
+      so a shorter prompt does not wait for a long cold one to end, but never a third), beside
+      any number of prefills that end in the step; the chunked one
       gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
       whatever they leave. Requests past their first token (preempted after it) rank after
       those still waiting for one. A
@@ -176,16 +178,17 @@ class Scheduler:
         the chunk's tokens before it)."""
         return n * context + n * (n + 1) // 2
 
-    def _pair_cap(self, seq: Sequence, n: int, have: int = 0) -> int:
+    def _pair_cap(self, seq: Sequence, n: int, have: int = 0, share: float = 1.0) -> int:
         """``n`` prefill tokens of ``seq`` (``have`` of them already placed this step) cut so
-        the step's attention work stays within ``max_num_batched_pairs``: the largest ``m`` with
-        ``_pairs(context, m) <= pairs left``, from the quadratic formula; a step's first chunk
-        gets at least one token."""
+        the step's attention work stays within ``max_num_batched_pairs``, of which this chunk
+        takes at most ``share``: the largest ``m`` with ``_pairs(context, m) <= pairs left``,
+        from the quadratic formula; a step's first chunk gets at least one token."""
         if self._pairs_left is None:
             return n
         c = seq.num_computed_tokens + have
         b = 2 * c + 1
-        m = int((math.isqrt(b * b + 8 * max(self._pairs_left, 0)) - b) // 2)
+        left = min(self._pairs_left, int(share * self._pairs_budget))
+        m = int((math.isqrt(b * b + 8 * max(left, 0)) - b) // 2)
         if m < 1 and self._pairs_left == self._pairs_budget:
             m = 1
         return max(0, min(n, m))
@@ -197,7 +200,10 @@ class Scheduler:
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, plan: dict[int, int] | None) -> int:
         """Place running sequences in admission order; ``plan`` (None: no cap) caps each prefill
-        chunk (a sequence with more than one token to run) by its seq_id, 0 when absent."""
+        chunk (a sequence with more than one token to run) by its seq_id, 0 when absent. When it
+        plans more than one prefill, each takes at most ``CHUNK_SHARE`` of the step's attention
+        budget here (what is left goes to them cheapest first in :meth:`_top_up`)."""
+        share = CHUNK_SHARE if plan is not None and sum(v > 0 for v in plan.values()) > 1 else 1.0
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -212,7 +218,7 @@ class Scheduler:
                 if n == 0:
                     continue
             if self._remaining(seq) > 1:
-                n = self._pair_cap(seq, n)
+                n = self._pair_cap(seq, n, share=share)
                 if n == 0:
                     continue
             while not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
@@ -449,13 +455,13 @@ class Scheduler:
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, order: list[Sequence], hold_line: bool) -> int:
         """Admit ``order``'s waiting requests while budget and sequence slots last; one that cannot
         be placed stops the rest when ``hold_line`` (or it is aged), else it is skipped."""
-        chunking = not hold_line and self._chunking(batch)
+        chunked = [] if hold_line else self._chunked(batch)
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
             if seq.seq_id in self._displaced and not self._urgent(seq):
                 continue  # preempted to make room: the request it made room for goes first
-            if chunking and self._estimate(seq)[0] > budget:
+            if chunked and self._estimate(seq)[0] > budget and not self._overtakes(seq, chunked):
                 continue  # one chunked prefill at a time: it would hold pages while it waits for budget
             n = self._admit(batch, seq, budget)
             if n is None:
@@ -463,14 +469,21 @@ class Scheduler:
                     break
                 continue
             budget -= n
-            chunking = chunking or (not hold_line and 0 < n < self._remaining(seq) - 1)
+            if not hold_line and 0 < n and seq.num_computed_tokens + n < seq.num_tokens - 1:
+                chunked.append(seq)
         return budget
 
-    def _chunking(self, batch: ScheduledBatch) -> bool:
-        """Whether a running sequence will still have prompt tokens to run after this step."""
+    def _overtakes(self, seq: Sequence, chunked: list[Sequence]) -> bool:
+        """Whether waiting ``seq``, whose prompt does not fit in the step's budget left, starts
+        chunking beside the one prefill being chunked: when it ranks ahead of it (a shorter
+        prompt, or a cached one, would otherwise wait for a long cold prompt to end)."""
+        return len(chunked) == 1 and self._key(seq) < self._key(chunked[0])
+
+    def _chunked(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Running sequences that will still have prompt tokens to run after this step."""
         placed = {s.seq_id: n for s, n in batch.extends}
         placed.update((s.seq_id, 1) for s in batch.decodes)
-        return any(s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1 for s in self.running)
+        return [s for s in self.running if s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1]
 
     def _admit(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
         """Start ``seq``'s loads (0) or place its first chunk (its tokens); None: it cannot be
