@@ -114,7 +114,7 @@ class LLM:
             num_device_pages, enable_prefix_caching, host_cache_bytes, disk_cache_dir,
             disk_cache_bytes, cache_policy, write_policy, salt, copy_threads, remote_cache_url,
             remote_timeout_s) and of :class:`kvtier.serve.EngineConfig` (max_num_batched_tokens,
-            max_num_seqs, cuda_graph, schedule_policy, schedule_max_passes), flat
+            max_num_batched_pairs, max_num_seqs, cuda_graph, schedule_policy, schedule_max_passes), flat
             (:meth:`kvtier.serve.EngineConfig.of`).
             Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
             compute dtype and ``salt`` (bytes, the tenant's); on disk each salt and block layout has its own
