@@ -19,8 +19,7 @@ from tests.serve.test_admission import N, ONE, PS, host_cached
 BUDGET = 64
 
 
-def _pairs(context: int, n: int) -> int:
-    return n * context + n * (n + 1) // 2
+_pairs = Scheduler._pairs  # query-key pairs of a chunk of n tokens after `context`
 
 
 def _record_steps(engine) -> list[list[tuple[int, int, int]]]:

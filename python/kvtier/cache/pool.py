@@ -194,7 +194,14 @@ class KVPool:
         return self.reuse.finish(kv)
 
     def wait_prefix(self, kv: KVState) -> int:
-        """Block until ``kv``'s loads ended; the tokens of its prefix now in its pages."""
+        """Block (GIL released while copies run) until ``kv``'s prefix loads ended, then place
+        them as :meth:`finish_prefix` does.
+
+        Returns:
+            the tokens of its cached prefix now in its pages (``KVState.num_prefix_tokens``); a
+            block whose load failed and the blocks after it are not counted (they are
+            recomputed). Returns at once for a request with no loads running.
+        """
         return self.reuse.finish(kv, wait=True)
 
     def estimate_prefix(self, kv: KVState) -> tuple[int, float]:
