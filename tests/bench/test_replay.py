@@ -101,7 +101,7 @@ def _all_tier_workloads() -> list[Workload]:
 
 # Tier sizes that give hits from every tier under each admission order: cache-aware admission
 # serves the sessions whose prefixes are in device pages first, so it needs a smaller device tier.
-@pytest.mark.parametrize(("schedule_policy", "device_pages", "host_blocks"), [("cache-aware", 28, 12), ("fcfs", 40, 24)])
+@pytest.mark.parametrize(("schedule_policy", "device_pages", "host_blocks"), [("cache-aware", 28, 8), ("fcfs", 40, 24)])
 def test_cache_never_changes_results(model, tmp_path, schedule_policy, device_pages, host_blocks):
     """Greedy fp32 outputs with hits from device, host and disk equal those of no caching,
     whatever the order requests are admitted in."""

@@ -10,8 +10,8 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 from kvtier.serve.scheduler import DECODE_AGE_FACTOR
-from tests.cache.test_tiers_e2e import prompt
-from tests.serve.test_admission import N, ONE, PS, host_cached
+from tests.cache.test_tiers_e2e import always_load, prompt
+from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
 
 BUDGET = 64  # max_num_batched_tokens of these engines
 TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -362,3 +362,54 @@ def test_a_shorter_prompt_chunks_beside_a_long_cold_one_but_never_a_third(policy
     plain = LLM("tiny", page_size=PS, num_device_pages=256, enable_prefix_caching=False)
     for i, p in zip((long_id, mid_id, short_id), prompts):
         assert outs[i].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=ONE)[0].token_ids
+
+
+@pytest.mark.parametrize("overtakes", [False, True])
+def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(overtakes):
+    """A decode runs while a 256-token cold prompt is chunked (64-token budget); a 160-token
+    cold turn that arrived after it failed admission on pages (2 free, its first chunk needs 4).
+    When it ranks behind the chunked prompt it will wait for that one to end whatever pages
+    are freed, so making room for it preempts nobody (the decode would only wait for it while
+    it waits). When it ranks ahead (a slower token rate makes the chunked prompt's 193 tokens
+    left cost more than its 160), it will start chunking beside it, and running sequences are
+    preempted for it (their blocks load back from the host tier)."""
+    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
+                          max_num_batched_tokens=BUDGET, max_num_batched_pairs=10**9))
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    cm = engine.pool.cost_model
+    cm.alpha, cm.prefill_tok_s = 0.0, 1.0 if overtakes else 1000.0
+    long_decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    decode = engine.add_request(prompt(4 * PS, 61), long_decode, arrival_time=0.0)
+    engine.step()
+    chunked = engine.add_request(prompt(16 * PS, 62), TWO, arrival_time=0.1)
+    engine.step()
+    new = engine.add_request(prompt(10 * PS, 63), TWO, arrival_time=0.2)
+    new_seq = engine.sequence(new)
+    assert engine.sequence(chunked).num_computed_tokens == BUDGET - 1 and engine.sequence(decode).output_token_ids
+    occupy(engine.pool, engine.pool.num_free_pages - 2)
+    scheduler._blocked[new_seq.seq_id] = (engine.pool.num_free_pages, 0)  # it failed admission on pages
+    assert scheduler._waits_for_chunk(new_seq) is not overtakes
+    scheduler._make_room()
+    assert (scheduler.num_preemptions > 0) is overtakes
+    if not overtakes:
+        assert {s.seq_id for s in scheduler.running} == {decode, chunked}
+
+
+def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_back_in():
+    """As a new turn does (above), a request that was admitted and preempted before its first
+    token (its TTFT still runs) preempts a decode holding the pages it needs, whose blocks load
+    back from the host tier, instead of waiting for the decode to end. Outputs are unchanged."""
+    llm = host_cached()
+    engine = llm.engine
+    long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    decode_prompt, cold_prompt = prompt(5 * PS, 3), prompt(N, 78)
+    dec = engine.add_request(decode_prompt, long_decode)
+    engine.step()  # it holds 5, then 6 pages while it decodes: the other request's 9 do not fit
+    rid = engine.add_request(cold_prompt, TWO)
+    engine.sequence(rid).admitted = True  # as a request preempted before its first token is
+    first, outs = _first_and_outputs(engine)
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    assert outs[rid].token_ids == plain.generate(prompt_token_ids=[cold_prompt], sampling_params=TWO)[0].token_ids
+    assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
+    assert outs[dec].metrics.preemptions_after_first_token == engine.scheduler.num_preemptions == 1
+    assert outs[rid].metrics.first_token_time < outs[dec].metrics.finish_time

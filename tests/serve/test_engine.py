@@ -240,3 +240,14 @@ def test_begin_run_end_is_step_and_a_fake_clock_times_the_metrics():
     assert all(float(t).is_integer() for t in (m.admitted_time, m.first_token_time, m.finish_time))
     with pytest.raises(RuntimeError, match="begin_step first"):
         engine.end_step(StepResult())
+
+
+def test_stepping_an_idle_engine_does_nothing(llm):
+    """With no request, a step returns no output and schedules nothing (no error: the engine is
+    idle, not short of pages); the engine then serves as before."""
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.step() == [] and engine.begin_step() is None
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=two)
+    assert len(out[0].token_ids) == 2 and engine.step() == []

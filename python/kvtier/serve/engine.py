@@ -266,7 +266,7 @@ class Engine:
         """
         failed = [self._output(self._sequences.pop(s.seq_id)) for s in self._failed]
         self._failed = []
-        if failed and not self.scheduler.has_unfinished():
+        if not self.scheduler.has_unfinished():  # idle: nothing to run
             return failed
         batch = self.begin_step()
         if not batch:
@@ -277,12 +277,14 @@ class Engine:
     def begin_step(self) -> ScheduledBatch | None:
         """Schedule one step (collecting ended loads, admitting, starting loads) and start the
         tool-grammar masks of the sequences it samples; returns the batch to run, or None when
-        nothing can run until prefix loads end.
+        nothing can run until prefix loads end or there is no request.
 
         Raises:
-            RuntimeError: nothing can be scheduled and nothing is loading (the page pool is too
-                small for the waiting requests).
+            RuntimeError: requests wait, nothing can be scheduled and nothing is loading (the page
+                pool is too small for the waiting requests).
         """
+        if not self.scheduler.has_unfinished():
+            return None
         batch = self.scheduler.schedule()
         if not batch and not self.scheduler.loading:  # pages may be held by background copies: retry once
             self.pool.poll(wait=True)

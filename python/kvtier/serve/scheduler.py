@@ -69,11 +69,14 @@ class Scheduler:
       those still waiting for one. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
-      request, running prefills ranked behind it are preempted if their pages let it in, and
-      so, for a new turn when the pool keeps evicted blocks in a lower tier, are running
+      request (and not one that would wait behind the chunked prefill anyway), running
+      prefills ranked behind it are preempted if their pages let it in, and
+      so, for a request still waiting for its first token (or aged) when the pool keeps
+      evicted blocks in a lower tier, are running
       sequences past their first token, then other prefills (their blocks load back; see
       :meth:`_victims`); a preempted sequence is not re-admitted while the request it made
-      room for waits or loads (unless it is aged). Admission tries aged requests first, then
+      room for waits or loads (unless it is aged, or that request now waits behind the chunked
+      prefill). Admission tries aged requests first, then
       those whose prefix is placed (their loads ended: they hold its pages), then the rest in
       rank order; one whose placed prefix leaves too few free pages for its first chunk runs
       the chunk the free pages hold instead of giving its pages back. A prefix load estimated
@@ -341,7 +344,7 @@ class Scheduler:
         :meth:`_victims` for which. Each preemption counts as a step passed over, so aging
         bounds how often one request is preempted."""
         self._restart_aging()
-        blocked = [s for s in self.waiting if s.seq_id in self._blocked]
+        blocked = [s for s in self.waiting if s.seq_id in self._blocked and not self._waits_for_chunk(s)]
         if not blocked:
             return
         head = self._ranked(blocked)[0]
@@ -356,6 +359,15 @@ class Scheduler:
             self._preempt(v)
             v.num_passed_over += 1
             self._displaced[v.seq_id] = head
+
+    def _waits_for_chunk(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq`` would wait this step behind the one chunked prefill whatever
+        pages were freed (see :meth:`_admit_waiting`): its prompt does not fit in a step, a
+        running prefill will still be chunked after the step, and ``seq`` does not overtake it.
+        Preempting for it would free pages nobody uses while the preempted wait for it."""
+        budget = self.config.max_num_batched_tokens
+        chunked = [s for s in self.running if self._remaining(s) > budget]
+        return bool(chunked) and self._estimate(seq)[0] > budget and not self._overtakes(seq, chunked)
 
     def _restart_aging(self) -> None:
         """A request's first token ends the wait aging bounds (its TTFT): its count of steps
@@ -373,8 +385,10 @@ class Scheduler:
         ``short`` for ``head``, or None when all candidates together do not.
 
         Candidates, in the order they are taken: prefills that rank behind ``head``, most
-        expensive first; then, when ``head`` was never admitted (so each arrival displaces them
-        once at most) and the pool keeps evicted blocks in a lower tier
+        expensive first; then, when ``head`` waits for its first token or is aged (a request
+        preempted before its first token, or aged, is not left behind decodes that may run for
+        seconds; an aged one that cannot be placed holds admission) and the pool keeps evicted
+        blocks in a lower tier
         (:attr:`KVPool.keeps_evicted_blocks`), so that whatever is preempted loads its computed
         blocks back when it is re-admitted: sequences past their first token, those with the
         most tokens left to decode first (their TTFT is made: a request waiting for its first
@@ -410,8 +424,9 @@ class Scheduler:
 
     def _displaces_running(self, head: Sequence) -> bool:
         """Whether ``head`` may preempt sequences past their first token and prefills that rank
-        ahead of it (see :meth:`_victims`)."""
-        return not head.admitted and self.pool.keeps_evicted_blocks
+        ahead of it (see :meth:`_victims`): it waits for its first token, or is aged, and the
+        preempted load their blocks back."""
+        return (not head.output_token_ids or self._urgent(head)) and self.pool.keeps_evicted_blocks
 
     # ---- admission ----------------------------------------------------------------------------
     def _mark(self, seq: Sequence, name: str) -> None:
@@ -459,7 +474,8 @@ class Scheduler:
         for seq in order:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            if seq.seq_id in self._displaced and not self._urgent(seq):
+            head = self._displaced.get(seq.seq_id)
+            if head is not None and not self._urgent(seq) and not self._waits_for_chunk(head):
                 continue  # preempted to make room: the request it made room for goes first
             if chunked and self._estimate(seq)[0] > budget and not self._overtakes(seq, chunked):
                 continue  # one chunked prefill at a time: it would hold pages while it waits for budget
