@@ -413,3 +413,30 @@ def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_bac
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
     assert outs[dec].metrics.preemptions_after_first_token == engine.scheduler.num_preemptions == 1
     assert outs[rid].metrics.first_token_time < outs[dec].metrics.finish_time
+
+
+def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in():
+    """A request preempted after its first token that has aged ranks first; when its blocks do
+    not fit beside a running decode, it preempts the decode (whose blocks load back) rather than
+    hold admission for everyone until the decode ends. Outputs are each request's alone."""
+    llm = host_cached()
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    aged_prompt, decode_prompt = prompt(N, 81), prompt(5 * PS, 82)
+    aged = engine.add_request(aged_prompt, long_decode)
+    engine.step()
+    aged_seq = engine.sequence(aged)
+    assert aged_seq.output_token_ids and aged_seq in scheduler.running
+    scheduler._preempt(aged_seq)  # as a new turn displacing it would
+    engine.pool.poll(wait=True)  # its blocks reach the host tier
+    dec = engine.add_request(decode_prompt, long_decode)
+    engine.step()  # the decode holds 6 of the 10 pages: the aged request's 9 do not fit
+    assert engine.sequence(dec).output_token_ids and aged_seq.status.name == "WAITING"
+    aged_seq.num_passed_over = scheduler._age_limit(aged_seq)
+    assert scheduler._urgent(aged_seq)
+    first, outs = _first_and_outputs(engine)
+    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    for rid, p in ((aged, aged_prompt), (dec, decode_prompt)):
+        assert outs[rid].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=long_decode)[0].token_ids
+    assert outs[dec].metrics.preemptions_after_first_token == 1
+    assert outs[aged].metrics.finish_time < outs[dec].metrics.finish_time
