@@ -371,8 +371,8 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(overtak
     When it ranks behind the chunked prompt it will wait for that one to end whatever pages
     are freed, so making room for it preempts nobody (the decode would only wait for it while
     it waits). When it ranks ahead (a slower token rate makes the chunked prompt's 193 tokens
-    left cost more than its 160), it will start chunking beside it, and running sequences are
-    preempted for it (their blocks load back from the host tier)."""
+    left cost more than its 160), running sequences are preempted for it (here the chunked
+    prompt and the decode; their blocks load back from the host tier)."""
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
                           max_num_batched_tokens=BUDGET, max_num_batched_pairs=10**9))
     engine, scheduler = llm.engine, llm.engine.scheduler
