@@ -89,17 +89,19 @@ def test_ray_cluster_names_an_unreachable_store_and_a_worker_that_cannot_start(l
         start_ray_cluster("tiny", workers=1, policy="sticky", store_url="redis://127.0.0.1:1", worker_args=[])
     with pytest.raises(StartupError, match="worker-0 on node 127.0.0.1.*no-such-model"):
         start_ray_cluster("no-such-model", workers=1, policy="sticky", store="none", worker_args=[])
-    assert not descendants() - local_ray - _ray_processes()  # the failed start left no kvtier process
+    assert not _kvtier_processes(descendants() - local_ray)  # the failed start left no kvtier process
 
 
-def _ray_processes() -> set[int]:
+def _kvtier_processes(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that run kvtier's CLI (Ray's own helpers come and go; one that ended
+    since ``pids`` was read is not left behind)."""
     out = set()
-    for p in descendants():
+    for p in pids:
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 cmd = f.read()
         except OSError:
             continue
-        if b"kvtier.cli" not in cmd:
+        if b"kvtier.cli" in cmd:
             out.add(p)
     return out
