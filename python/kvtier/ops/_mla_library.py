@@ -1,11 +1,12 @@
 """The paged MLA ops as ``torch.library`` ops, one kernel per device type.
 
 ``torch.ops.kvtier.mla_decode``, ``mla_extend`` and ``concat_and_cache_mla`` exist as soon as
-``kvtier`` is imported. Their schemas carry no backend: the CPU kernel is the torch reference,
-the CUDA kernel (CUDA and ROCm builds of torch) runs :func:`kvtier.ops.dispatch.device_backend`'s
+``kvtier`` is imported. Their schemas carry no backend: the CPU kernel is the torch backend's
+blocked kernel (:mod:`kvtier.ops._cpu_mla`; the fp32 reference where torch lacks its attention
+kernel), the CUDA kernel (CUDA and ROCm builds of torch) runs :func:`kvtier.ops.dispatch.device_backend`'s
 choice (Triton, else the HIP kernels where built, else the reference). Each op has a fake
 implementation, so ``torch.compile`` traces it as one opaque node, and the Triton and HIP kernels
-read no device value on the host, so a CUDA/HIP graph can capture them (the CPU references read the
+read no device value on the host, so a CUDA/HIP graph can capture them (the CPU kernels read the
 lengths; ``concat_and_cache_mla`` reads nothing on either). They check nothing about values: callers pass
 what :mod:`kvtier.ops.attention` checks (its plans check once per step).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from kvtier import reference
+from kvtier.ops import _cpu_mla
 from kvtier.ops.dispatch import device_backend
 
 
@@ -46,6 +48,9 @@ def decode_impl(backend: str, q, kv_cache, block_table, seq_lens, sm_scale, kv_l
 
         return _native.mla_decode(_native.gpu_kernels(), q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank,
                                   kv_scale, out, num_splits=splits)
+    if q.device.type == "cpu":
+        return _cpu_mla.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, out=out,
+                                   kv_scale=kv_scale)[1]
     return reference.mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, out=out,
                                 kv_scale=kv_scale)[1]
 
@@ -58,6 +63,9 @@ def extend_impl(backend: str, q, kv_cache, block_table, cu_seqlens_q, seq_lens, 
 
         return _triton_mla.mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank,
                                       kv_scale, out, max_new_tokens)
+    if q.device.type == "cpu":
+        return _cpu_mla.mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank,
+                                   out=out, kv_scale=kv_scale)[1]
     return reference.mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, out=out,
                                 kv_scale=kv_scale)[1]
 

@@ -1,0 +1,107 @@
+"""Paged MLA extend on the CPU, blocked: the ``torch`` backend's CPU kernel.
+
+Same contract and signature as :func:`kvtier.reference.mla_extend` (its fp32 reference, which the
+tests compare it to), computed without the reference's ``[n_q, H, L]`` score tensor: each
+sequence's new tokens attend to
+
+* its cached prefix (keys ``[0, L - n_q)``, all visible to every query), and
+* its new tokens (keys ``[L - n_q, L)``, a square causal block),
+
+each through PyTorch's blocked CPU attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``,
+which skips the masked blocks of a causal square and returns the log-sum-exp), and the two partial
+results are merged by their log-sum-exps: ``lse = logaddexp(lse_1, lse_2)``,
+``out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)`` (the merge of FlashAttention-2's
+online softmax, Dao 2023, §3.1; FlashInfer's ``merge_state``). The latent row is both key and
+value (the value is its first ``kv_lora_rank`` columns: the kernel needs equal key and value
+widths, so it computes the rope columns of the output too and they are dropped).
+
+All arithmetic is fp32 (inputs are upcast, and dequantised by ``kv_scale``, as the reference does);
+the results differ from the reference by fp32 rounding only (a different summation order).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtier import reference
+from kvtier.reference.mla import _attend as _dense_attend
+from kvtier.reference.mla import _gather_kv
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+MIN_PAIRS = 4096
+"""Sequences with fewer query-key pairs than this take the reference's dense path (one small
+matmul costs less than two kernel calls and a merge)."""
+
+
+def available() -> bool:
+    """Whether this torch build has the blocked CPU attention kernel (else the reference runs)."""
+    return _FLASH is not None
+
+
+def _flash(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, n_q, D], kv [L, D] fp32 (one latent head shared by all heads) -> (out [1, H, n_q, D],
+    lse [1, H, n_q])."""
+    k = kv.expand(1, q.shape[1], kv.shape[0], kv.shape[1])
+    out, lse = _FLASH(q, k, k, 0.0, causal, scale=sm_scale)[:2]
+    return out, lse
+
+
+def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n_q, H, D] fp32, the last ``n_q`` of ``kv`` [L, D] fp32; causal. Returns (out [n_q, H,
+    kv_lora_rank], lse [n_q, H])."""
+    n_q = q.shape[0]
+    prefix = kv.shape[0] - n_q
+    qh = q.transpose(0, 1).unsqueeze(0)
+    out, lse = _flash(qh, kv[prefix:], sm_scale, causal=True)
+    if prefix:
+        out_p, lse_p = _flash(qh, kv[:prefix], sm_scale, causal=False)
+        merged = torch.logaddexp(lse_p, lse)
+        out = out_p * torch.exp(lse_p - merged).unsqueeze(-1) + out * torch.exp(lse - merged).unsqueeze(-1)
+        lse = merged
+    return out[0, :, :, :kv_lora_rank].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None,
+               kv_scale=None):
+    """Ragged causal MLA over a paged cache, on the CPU; see :func:`kvtier.ops.mla_extend`.
+
+    Args: as :func:`kvtier.reference.mla_extend` (q [total_q, H, D]; kv_cache [num_pages, page_size, D];
+    block_table [batch, max_pages] int32; cu_seqlens_q [batch + 1] int32; seq_lens [batch] int32).
+
+    Returns:
+        ``(out [total_q, H, kv_lora_rank] in q.dtype (or written into ``out``), lse [total_q, H]
+        fp32)``; a sequence with no new token contributes nothing, one with no key gives out 0 and
+        lse ``+inf``.
+    """
+    if _FLASH is None:
+        return reference.mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank,
+                                    out=out, kv_scale=kv_scale)
+    total_q, num_heads, _ = q.shape
+    res = torch.empty(total_q, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        n_q = end - start
+        if n_q == 0:
+            continue
+        if seq_len == 0:
+            res[start:end], lse[start:end] = 0.0, math.inf
+            continue
+        kv = _gather_kv(kv_cache, block_table[b], seq_len, kv_scale)
+        qb = q[start:end].float()
+        if n_q * seq_len < MIN_PAIRS:
+            res[start:end], lse[start:end] = _dense_attend(qb, kv, sm_scale, kv_lora_rank, seq_len - n_q)
+        else:
+            res[start:end], lse[start:end] = _attend(qb, kv, sm_scale, kv_lora_rank)
+    out = res.to(q.dtype) if out is None else out.copy_(res)
+    return out, lse
+
+
+def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None, kv_scale=None):
+    """One query per sequence over its ``seq_lens[b]`` cached tokens (see :func:`kvtier.ops.mla_decode`)."""
+    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out, kv_scale=kv_scale)

@@ -1,0 +1,106 @@
+"""The CPU kernel of the paged MLA ops (:mod:`kvtier.ops._cpu_mla`) against the fp32 reference
+(:func:`kvtier.reference.mla_extend`, same signature) and the float64 oracle of ``test_mla``.
+
+``test_mla`` covers the ops' contract at small sizes, where this kernel takes the reference's
+dense path; here the sequences are long enough for the blocked path (prefix and causal block
+merged by their log-sum-exps) and cross the CPU attention kernel's block sizes (32-512 rows).
+Inputs are adversarial as in ``test_mla``: shuffled pages, NaN in every slot no sequence owns,
+a strided cache view and strided queries.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import reference
+from kvtier.ops import _cpu_mla
+from tests.ops._compare import assert_close
+from tests.ops.test_mla import _dense_attention, _make_q, _paged_pool, _rounded
+
+# (seq_len, new tokens): a prompt past one key block; a chunk on a long prefix; a chunk of one
+# query block on a prefix ending mid-page; one query on a long context (decode); a short one that
+# takes the dense path; no new tokens; an empty sequence.
+SEQS = [(700, 700), (1100, 300), (513, 129), (260, 1), (40, 40), (64, 0), (0, 0)]
+
+# dtype, out atol, out rtol, out max cos diff, lse atol (fp32 accumulation over <= 1,100 keys;
+# bf16's final cast of out, half an ulp).
+DTYPES = [
+    pytest.param(torch.float32, 5e-5, 5e-5, 1e-9, 2e-4, id="fp32"),
+    pytest.param(torch.bfloat16, 1e-2, 1.6e-2, 2e-5, 2e-4, id="bf16"),
+]
+
+
+def _case(dtype, page_size, seed, kv_lora_rank=64, rope_dim=16, num_heads=5):
+    gen = torch.Generator().manual_seed(seed)
+    width = kv_lora_rank + rope_dim
+    seqs = [_rounded((n, width), dtype, gen) for n, _ in SEQS]
+    kv_cache, block_table = _paged_pool(seqs, page_size, dtype, gen, strided=True)
+    cu = [0]
+    for _, n_q in SEQS:
+        cu.append(cu[-1] + n_q)
+    q = _make_q((cu[-1], num_heads, width), dtype, gen, strided=True)
+    return seqs, q, kv_cache, block_table, torch.tensor(cu, dtype=torch.int32), \
+        torch.tensor([n for n, _ in SEQS], dtype=torch.int32)
+
+
+def test_the_blocked_kernel_is_the_one_tested():
+    assert _cpu_mla.available(), "this torch lacks aten::_scaled_dot_product_flash_attention_for_cpu"
+
+
+@pytest.mark.parametrize("dtype, out_atol, out_rtol, out_cos, lse_atol", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_extend_matches_the_dense_oracle_and_the_reference(dtype, out_atol, out_rtol, out_cos, lse_atol, page_size):
+    sm_scale, rank = 0.13, 64
+    seqs, q, kv_cache, block_table, cu, seq_lens = _case(dtype, page_size, 300 + page_size)
+
+    out, lse = _cpu_mla.mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, rank)
+    ref_out, ref_lse = reference.mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, rank)
+
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == ref_out.shape
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all()), "NaN/inf leaked into extend"
+    want_out = torch.empty(out.shape, dtype=torch.float64)
+    want_lse = torch.empty(lse.shape, dtype=torch.float64)
+    bounds = cu.tolist()
+    for b, seq in enumerate(seqs):
+        s, e = bounds[b], bounds[b + 1]
+        want_out[s:e], want_lse[s:e] = _dense_attention(q[s:e], seq, e - s, sm_scale, rank)
+    assert_close(out, want_out, atol=out_atol, rtol=out_rtol, max_cos_diff=out_cos, name="out vs oracle")
+    assert_close(lse, want_lse, atol=lse_atol, rtol=1e-5, name="lse vs oracle")
+    assert_close(out, ref_out, atol=out_atol, rtol=out_rtol, name="out vs reference")
+    assert_close(lse, ref_lse, atol=lse_atol, rtol=1e-5, name="lse vs reference")
+
+
+def test_decode_matches_the_reference_with_empty_sequences_and_an_fp8_cache():
+    gen = torch.Generator().manual_seed(9)
+    rank, rope, heads, kv_scale = 64, 16, 4, 0.25
+    lens = [900, 0, 4100, 1, 0]
+    seqs = [_rounded((n, rank + rope), torch.float32, gen) / kv_scale for n in lens]
+    kv_cache, block_table = _paged_pool([s.to(torch.float8_e4m3fn).float() for s in seqs], 16,
+                                        torch.float32, gen, strided=False)
+    kv_cache = kv_cache.to(torch.float8_e4m3fn)  # NaN pages stay NaN in e4m3fn
+    q = _rounded((len(lens), heads, rank + rope), torch.bfloat16, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out = torch.full((len(lens), heads, rank), 7.0, dtype=torch.bfloat16)
+
+    got, lse = _cpu_mla.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, rank, out=out, kv_scale=kv_scale)
+    ref_out, ref_lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, rank, kv_scale=kv_scale)
+
+    assert got is out
+    empty = seq_lens == 0
+    assert bool((out[empty] == 0).all()) and bool(torch.isposinf(lse[empty]).all())
+    assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2, name="out")
+    assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, name="lse")
+
+
+def test_the_ops_use_it_on_the_cpu(monkeypatch):
+    """``torch.ops.kvtier.mla_extend`` on a CPU tensor runs this kernel (the fp32 reference is not
+    the CPU path any more)."""
+    from kvtier import ops
+
+    calls = []
+    real = _cpu_mla.mla_extend
+    monkeypatch.setattr(_cpu_mla, "mla_extend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    seqs, q, kv_cache, block_table, cu, seq_lens = _case(torch.float32, 16, 5)
+    out, _ = ops.mla_extend(q, kv_cache, block_table, cu, seq_lens, 0.13, 64)
+    assert calls and bool(torch.isfinite(out).all())
