@@ -301,6 +301,14 @@ def test_loads_collected_after_a_stall_that_cannot_be_placed_are_retried():
     assert engine.pool.stats.hit_tokens["host"] > 0
 
 
+def test_beginning_a_step_on_an_idle_worker_says_it_has_no_request():
+    """An idle engine's ``begin_step`` returns None, as it does while loads are in flight; the
+    worker must not read that as a load that will never end."""
+    engine = _engine()
+    with pytest.raises(RuntimeError, match="no request"):
+        engine.begin()
+
+
 def test_tool_waits_reach_the_pool_policy():
     wl = _workload([_session("a", 0, [9, 15, 22], think_s=0.5)])
     engine = _engine(host_blocks=16, policy="tool-aware")

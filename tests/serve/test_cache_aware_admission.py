@@ -364,15 +364,18 @@ def test_a_shorter_prompt_chunks_beside_a_long_cold_one_but_never_a_third(policy
         assert outs[i].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=ONE)[0].token_ids
 
 
-@pytest.mark.parametrize("overtakes", [False, True])
-def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(overtakes):
-    """A decode runs while a 256-token cold prompt is chunked (64-token budget); a 160-token
-    cold turn that arrived after it failed admission on pages (2 free, its first chunk needs 4).
-    When it ranks behind the chunked prompt it will wait for that one to end whatever pages
-    are freed, so making room for it preempts nobody (the decode would only wait for it while
-    it waits). When it ranks ahead (a slower token rate makes the chunked prompt's 193 tokens
-    left cost more than its 160), running sequences are preempted for it (here the chunked
-    prompt and the decode; their blocks load back from the host tier)."""
+@pytest.mark.parametrize("tokens, overtakes", [(10 * PS, False), (3 * PS, False), (10 * PS, True)],
+                         ids=["longer-than-a-step", "longer-than-the-step-leaves", "overtakes"])
+def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens, overtakes):
+    """A decode runs while a 256-token cold prompt is chunked (64-token budget); a cold turn
+    that arrived after it failed admission on pages (2 free, its first chunk needs 3-4). When
+    it ranks behind the chunked prompt it will wait for that one to end whatever pages are
+    freed, so making room for it preempts nobody (the decode would only wait for it while it
+    waits): a 160-token turn does not fit in a step; a 48-token one does not fit in what the
+    step leaves admission (64 less the decode's token and the chunked prompt's 32). When it
+    ranks ahead (a slower token rate makes the chunked prompt's 193 tokens left cost more than
+    its 160), running sequences are preempted for it (here the chunked prompt and the decode;
+    their blocks load back from the host tier)."""
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
                           max_num_batched_tokens=BUDGET, max_num_batched_pairs=10**9))
     engine, scheduler = llm.engine, llm.engine.scheduler
@@ -383,11 +386,12 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(overtak
     engine.step()
     chunked = engine.add_request(prompt(16 * PS, 62), TWO, arrival_time=0.1)
     engine.step()
-    new = engine.add_request(prompt(10 * PS, 63), TWO, arrival_time=0.2)
+    new = engine.add_request(prompt(tokens, 63), TWO, arrival_time=0.2 if overtakes else 5.0)
     new_seq = engine.sequence(new)
     assert engine.sequence(chunked).num_computed_tokens == BUDGET - 1 and engine.sequence(decode).output_token_ids
     occupy(engine.pool, engine.pool.num_free_pages - 2)
     scheduler._blocked[new_seq.seq_id] = (engine.pool.num_free_pages, 0)  # it failed admission on pages
+    assert (scheduler._key(new_seq) < scheduler._key(engine.sequence(chunked))) is overtakes
     assert scheduler._waits_for_chunk(new_seq) is not overtakes
     scheduler._make_room()
     assert (scheduler.num_preemptions > 0) is overtakes

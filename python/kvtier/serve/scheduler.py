@@ -91,11 +91,13 @@ class Scheduler:
       Aging bounds how long a request can be skipped: a request passed over in
       ``schedule_max_passes`` steps (a step in which a later arrival got prefill tokens and it
       got none; a preemption counts as one) ranks ahead of every request that was not, in
-      arrival order, and is not preempted for others (nor is one that a preemption would age,
-      so a sequence is preempted for others fewer than ``schedule_max_passes`` times before
-      its first token, and fewer than ``DECODE_AGE_FACTOR`` times as many after it: the count
-      restarts at the first token); such a request that cannot be placed stops admission
-      behind it until pages are freed.
+      arrival order, and is not preempted to let others in (nor is one that a preemption would
+      age, so a sequence is preempted to let others in fewer than ``schedule_max_passes`` times
+      before its first token, and fewer than ``DECODE_AGE_FACTOR`` times as many after it: the
+      count restarts at the first token); such a request that cannot be placed stops admission
+      behind it until pages are freed. The bound does not cover :meth:`_running_victim`: a
+      running prefill with no free page for its chunk preempts the worst-ranked of itself and
+      the sequences after it, aged or not.
     * ``fcfs``: unfinished prefills in admission order, then waiting requests in arrival order;
       the first that cannot be placed holds the ones behind it.
 
@@ -295,7 +297,7 @@ class Scheduler:
         if not prefills or left <= 0:
             return {}
         oldest = prefills[0]
-        reserve = min(self._remaining(oldest), max(1, int(self.config.max_num_batched_tokens * CHUNK_SHARE)), left)
+        reserve = min(self._remaining(oldest), self._chunk_reserve(), left)
         plan = {oldest.seq_id: reserve}
         left -= reserve
         for seq in self._ranked(prefills[1:] + list(self.waiting)):
@@ -362,12 +364,28 @@ class Scheduler:
 
     def _waits_for_chunk(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` would wait this step behind the one chunked prefill whatever
-        pages were freed (see :meth:`_admit_waiting`): its prompt does not fit in a step, a
-        running prefill will still be chunked after the step, and ``seq`` does not overtake it.
-        Preempting for it would free pages nobody uses while the preempted wait for it."""
+        pages were freed (see :meth:`_admit_waiting`): a running prefill will still have prompt
+        tokens left when admission runs, ``seq`` does not overtake it, and ``seq``'s prompt does
+        not fit in the most budget admission can have, the step's less the decodes and the chunk
+        :meth:`_plan` reserves for the oldest prefill (cut by the attention budget as
+        :meth:`_schedule_running` may cut it, with ``CHUNK_SHARE`` of it: the smallest chunk,
+        so the most budget left). Preempting for it would free pages nobody uses while the
+        preempted wait for it."""
         budget = self.config.max_num_batched_tokens
-        chunked = [s for s in self.running if self._remaining(s) > budget]
-        return bool(chunked) and self._estimate(seq)[0] > budget and not self._overtakes(seq, chunked)
+        prefills = [s for s in self.running if self._remaining(s) > 1]
+        if not prefills:
+            return False
+        oldest, reserve = prefills[0], self._chunk_reserve()
+        chunked = [s for s in prefills if self._remaining(s) > (reserve if s is oldest else budget)]
+        if not chunked:
+            return False
+        left = budget - (len(self.running) - len(prefills)) - self._pair_cap(oldest, reserve, share=CHUNK_SHARE)
+        return self._estimate(seq)[0] > left and not self._overtakes(seq, chunked)
+
+    def _chunk_reserve(self) -> int:
+        """Prefill tokens the oldest running prefill is planned at least, when it has that many
+        left (see :meth:`_plan`)."""
+        return max(1, int(self.config.max_num_batched_tokens * CHUNK_SHARE))
 
     def _restart_aging(self) -> None:
         """A request's first token ends the wait aging bounds (its TTFT): its count of steps

@@ -114,8 +114,11 @@ class SimWorker:
         collected by scheduling again (at most twice), as the real engine's next step would.
 
         Raises:
-            RuntimeError: nothing can be scheduled and nothing is loading (from ``begin_step``).
+            RuntimeError: nothing can be scheduled and nothing is loading (from ``begin_step``), or
+                there is no request (an idle worker has no step to begin).
         """
+        if not self.engine.has_unfinished():
+            raise RuntimeError("begin: this worker has no request (nothing waits, loads or runs)")
         batch = self.engine.begin_step()
         for _ in range(2):
             ended = self.copy_engine.next_end_s()
