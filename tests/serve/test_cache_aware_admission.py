@@ -74,8 +74,9 @@ def test_cached_requests_report_their_hits_and_a_breakdown_that_sums_to_ttft():
         assert o.metrics.admitted_time is not None and o.metrics.loaded_time is not None
 
 
+@pytest.mark.parametrize("pairs", [None, BUDGET * (BUDGET + 1) // 2], ids=["no-attention-budget", "fresh-chunk-pairs"])
 @pytest.mark.parametrize("max_passes", [1, 4, 16])
-def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_bound(max_passes):
+def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_bound(max_passes, pairs):
     """Bound: a request is passed over (a later arrival gets prefill tokens, it gets none) in at
     most ``schedule_max_passes`` steps; it then ranks first, is admitted once the prefill being
     chunked, if any, ends (one more step here). Then, as the chunked prefill, it gets at least
@@ -83,9 +84,9 @@ def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_b
     charged to it first) cuts its chunk, and a cut chunk takes at least ``P - L`` pairs of the
     ``L (L + 1) / 2`` its prompt has. Here (no decodes) its first token comes within
     ``max_passes + 2 + ceil(L / (budget / 2)) + ceil(L (L + 1) / 2 / (P - L))`` steps of its
-    arrival, however fast the stream comes (the deadline rank may admit it sooner; the bound
-    does not depend on timing)."""
-    engine = engine_for("cache-aware", schedule_max_passes=max_passes)
+    arrival (the last term only with an attention budget), however fast the stream comes (the
+    deadline rank may admit it sooner; the bound does not depend on timing)."""
+    engine = engine_for("cache-aware", schedule_max_passes=max_passes, max_num_batched_pairs=pairs)
     base = prompt(4 * PS, 7)
     engine.add_request(base + [1], ONE)
     run_steps(engine)  # the shared 4 blocks are device-cached
@@ -100,9 +101,10 @@ def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_b
                 engine.add_request(base + prompt(48, 1000 + next(counter)), ONE)
 
     first = run_steps(engine, on_step=feed)
-    pairs = engine.config.step_pairs_budget()
-    assert pairs > length
-    bound = max_passes + 2 + math.ceil(length / (BUDGET // 2)) + math.ceil(length * (length + 1) / 2 / (pairs - length))
+    bound = max_passes + 2 + math.ceil(length / (BUDGET // 2))
+    if pairs is not None:
+        assert pairs > length
+        bound += math.ceil(length * (length + 1) / 2 / (pairs - length))
     assert first[cold] <= bound, (first[cold], bound)
     assert max(first.values()) >= stream_steps  # the stream really outlasted the bound
 

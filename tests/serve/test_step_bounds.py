@@ -36,9 +36,19 @@ def _record_steps(engine) -> list[list[tuple[int, int, int]]]:
     return steps
 
 
-def test_max_num_batched_pairs_defaults_to_a_fresh_full_chunk_and_is_checked():
-    assert EngineConfig(max_num_batched_tokens=64).step_pairs_budget() == 64 * 65 // 2
-    assert EngineConfig(max_num_batched_tokens=64, max_num_batched_pairs=100).step_pairs_budget() == 100
+FRESH_CHUNK_PAIRS = BUDGET * (BUDGET + 1) // 2  # the attention work of a first chunk of a fresh prompt
+
+
+def test_max_num_batched_pairs_defaults_to_no_attention_budget_and_is_checked():
+    """By default only the token budget bounds a step (as in vLLM and SGLang): a lone 512-token
+    prompt runs in 64-token chunks however deep its context."""
+    assert EngineConfig(max_num_batched_tokens=64).max_num_batched_pairs is None
+    llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET)
+    steps = _record_steps(llm.engine)
+    llm.engine.add_request(prompt(512, 5), ONE)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [n for step in steps for _, _, n in step] == [BUDGET] * (512 // BUDGET)
     for bad in (0, -1, 1.5, "8"):
         with pytest.raises(ValueError, match="max_num_batched_pairs"):
             EngineConfig(max_num_batched_pairs=bad)
@@ -46,12 +56,13 @@ def test_max_num_batched_pairs_defaults_to_a_fresh_full_chunk_and_is_checked():
 
 @pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
 def test_chunks_deep_in_a_long_prompt_are_cut_to_the_step_attention_budget(policy):
-    """A 512-token cold prompt beside a decode, 64-token budget: under cache-aware each step's
-    prefill chunks see at most ``B (B + 1) / 2`` query-key pairs (the first chunk of a fresh
-    prompt), so chunks shrink as the context grows, and the prompt still ends within
+    """A 512-token cold prompt beside a decode, 64-token budget, an attention budget of
+    ``B (B + 1) / 2`` query-key pairs (the first chunk of a fresh prompt): under cache-aware each
+    step's prefill chunks see at most that many, so chunks shrink as the context grows, and the prompt still ends within
     ``ceil(L / B) + ceil(L (L + 1) / 2 / (P - L))`` steps (a cut chunk takes at least
     ``P - L`` pairs); FCFS runs whole 64-token chunks. Outputs equal a run without caching."""
-    llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy)
+    llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy,
+              max_num_batched_pairs=FRESH_CHUNK_PAIRS)
     engine = llm.engine
     steps = _record_steps(engine)
     length = 512
@@ -60,7 +71,7 @@ def test_chunks_deep_in_a_long_prompt_are_cut_to_the_step_attention_budget(polic
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step()})
-    budget = engine.config.step_pairs_budget()
+    budget = FRESH_CHUNK_PAIRS
     chunks = [n for step in steps for _, _, n in step]
     assert sum(chunks) == length
     if policy == "cache-aware":

@@ -4,7 +4,8 @@ Two facts decide whether ``op`` can run on ``backend``:
 
 1. the op *implements* it: a per-op registry, filled by the op modules at import
    (``register_backend("fused_moe", "triton")``); every op implements ``torch`` (the fp32
-   reference in :mod:`kvtier.reference`);
+   reference in :mod:`kvtier.reference`; on CPU tensors, paged MLA runs the blocked
+   :mod:`kvtier.ops._cpu_mla`, tested against it);
 2. the backend is *available* for the device in this installation: ``triton`` needs the
    ``triton`` package and a CUDA/HIP device, or ``TRITON_INTERPRET=1`` for CPU tensors (the
    interpreter, for tests at small shapes); ``hip`` needs the ``kvtier._hip`` extension (built

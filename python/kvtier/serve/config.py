@@ -25,12 +25,14 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_num_batched_pairs: under ``cache-aware``, attention budget of one step: the
             query-key pairs of its prefill chunks (a chunk of ``n`` tokens after ``c`` cached or
-            computed ones has ``n * c + n * (n + 1) / 2``); None (default): those of a
-            ``max_num_batched_tokens`` chunk of a fresh prompt, so a chunk deep in a long
-            context is cut to about the time of a first chunk. The budget cuts the chunks of
-            running prefills; a request's first chunk, at admission, is counted against it but
-            not cut (a cached turn's new tokens run in the step that admits it). A step's first
-            running chunk gets at least one token whatever the budget.
+            computed ones has ``n * c + n * (n + 1) / 2``); None (default): no attention
+            budget, steps are bounded by ``max_num_batched_tokens`` alone, as in vLLM's and
+            SGLang's chunked prefill. A budget (``B * (B + 1) // 2`` for a ``B``-token step
+            budget is the pairs of a first chunk of a fresh prompt) cuts a chunk deep in a long
+            context to about the time of a first chunk. It cuts the chunks of running prefills;
+            a request's first chunk, at admission, is counted against it but not cut (a cached
+            turn's new tokens run in the step that admits it). A step's first running chunk gets
+            at least one token whatever the budget.
         max_num_seqs: sequences running or loading at once.
         seed: seed of the engine's sampling generator.
         cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
@@ -77,13 +79,6 @@ class EngineConfig:
             check_int("max_num_batched_pairs", self.max_num_batched_pairs, min_value=1)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
         check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
-
-    def step_pairs_budget(self) -> int:
-        """``max_num_batched_pairs``, or when None the query-key pairs of a
-        ``max_num_batched_tokens`` chunk of a fresh prompt, ``B * (B + 1) // 2``."""
-        if self.max_num_batched_pairs is not None:
-            return self.max_num_batched_pairs
-        return self.max_num_batched_tokens * (self.max_num_batched_tokens + 1) // 2
 
     @staticmethod
     def of(**fields) -> EngineConfig:

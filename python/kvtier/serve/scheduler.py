@@ -44,7 +44,7 @@ INLINE_LOAD_SHARE = 0.1
 """Cache-aware: prefix loads the cost model puts under this share of a full step's estimated
 time (``recompute_s(max_num_batched_tokens)``), all of them together in one step, are waited
 for at admission, so the request runs in the step it was admitted in rather than the next (a
-step on a long context can take a second on a CPU; a host load of a short prompt takes
+step on a long context takes a few hundred milliseconds on a CPU; a host load of a short prompt takes
 milliseconds)."""
 
 
@@ -81,9 +81,10 @@ class Scheduler:
       rank order; one whose placed prefix leaves too few free pages for its first chunk runs
       the chunk the free pages hold instead of giving its pages back. A prefix load estimated
       under :data:`INLINE_LOAD_SHARE` of a step is waited for at admission (the request runs in
-      that step). Step bounds: the chunks of running prefills are cut so that the step's
-      attention work, the query-key pairs of its prefill chunks, stays within
-      ``EngineConfig.max_num_batched_pairs`` (a request's first chunk is counted, not cut); a
+      that step). Step bounds: when ``EngineConfig.max_num_batched_pairs`` is set (default:
+      not), the chunks of running prefills are cut so that the step's attention work, the
+      query-key pairs of its prefill chunks, stays within it (a request's first chunk is
+      counted, not cut); a
       running prefill short of pages runs the chunk the free pages hold, and when none is free
       preempts the worst-ranked of itself and the sequences after it, prefills that end within a
       step last (:meth:`_running_victim`); a prefill that ends within a step is never preempted
@@ -603,7 +604,7 @@ class Scheduler:
             budget = self._schedule_running(batch, budget, None)
             self._admit_waiting(batch, budget, list(self.waiting), hold_line=True)
             return batch
-        self._pairs_budget = self._pairs_left = self.config.step_pairs_budget()
+        self._pairs_budget = self._pairs_left = self.config.max_num_batched_pairs
         self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         self._make_room()
         budget = self._schedule_running(batch, budget, self._plan(budget))
