@@ -57,6 +57,31 @@ def test_prefix_comes_back_from_disk(shared, tmp_path):
     assert llm.engine.pool.stats.copy_errors == 0
 
 
+def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, tmp_path):
+    """Under write-back, device pages taken at once evict their blocks to a full host tier, whose
+    evicted copies go to disk: all the copies one eviction spills are written in one disk job
+    (with 1-token blocks an eviction spills hundreds; a job each filled the disk queue and made
+    the serving loop wait on it). Every spilled block is then on disk, and outputs are
+    unchanged."""
+    from kvtier.cache.prefix_index import Tier
+
+    first, second, want = shared
+    block = 15360 // PS  # bytes of a 1-token block of the tiny preset
+    llm = disk_llm(tmp_path, write_policy="write-back", page_size=1, num_device_pages=17 * PS,
+                   host_cache_bytes=64 * block)
+    pool = llm.engine.pool
+    engine = pool.tiers.copy_engine
+    jobs = []
+    real = engine.disk_write
+    engine.disk_write = lambda disk, hashes, meta, staging: jobs.append(list(hashes)) or real(disk, hashes, meta, staging)
+    warm(llm, first)
+    assert len(jobs) == 1 and len(jobs[0]) == 64, [len(j) for j in jobs]  # the full host tier, spilled at once
+    assert all(pool.tiers.in_tier(h, Tier.DISK) for h in jobs[0])
+    assert pool.stats.bytes_written["disk"] == 64 * block and pool.stats.copy_errors == 0
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
+    assert_matches(out, want, min_hit=1)
+
+
 def block_files(llm, prompt_tokens, blocks):
     pool = llm.engine.pool
     from kvtier.cache import block_hashes

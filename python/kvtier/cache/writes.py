@@ -38,6 +38,7 @@ class Writes:
         self.pages = pages
         self.pending: list[Write] = []
         self._disk_pending: dict[bytes, int] = {}  # disk writes in ``pending``: how many of each hash
+        self._spills: list[tuple[bytes, int]] | None = None  # host copies to write to disk in one job
 
     @property
     def write_back(self) -> bool:
@@ -51,14 +52,18 @@ class Writes:
         if not self.write_back or t.host is None:
             return
         todo = []
-        for h, page in blocks:
-            if t.in_tier(h, Tier.HOST):
-                continue
-            slot = self._host_slot()
-            if slot < 0:
-                t.stats.stores_refused["host"] += 1
-                continue
-            todo.append((h, page, slot))
+        self._spills = []  # the host copies evicted for them go to disk in one job
+        try:
+            for h, page in blocks:
+                if t.in_tier(h, Tier.HOST):
+                    continue
+                slot = self._host_slot()
+                if slot < 0:
+                    t.stats.stores_refused["host"] += 1
+                    continue
+                todo.append((h, page, slot))
+        finally:
+            self._flush_spills()  # before the slots are overwritten below
         if not todo:
             return
         staging = t.host.staging(len(todo))
@@ -124,14 +129,36 @@ class Writes:
         if not t.disk_budget.room(self._disk_pending.keys()):
             t.stats.stores_refused["disk"] += 1
             return
-        if evicting:
-            src, slot = t.host.slot(slot).clone(), -1
-        elif t.index.lock([h], Tier.HOST):
-            src = t.host.slot(slot)
-        else:
-            return
-        self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, src), slot=slot))
         self._disk_pending[h] = self._disk_pending.get(h, 0) + 1
+        if evicting:
+            spills = self._spills if self._spills is not None else []
+            spills.append((h, slot))
+            if self._spills is None:
+                self._flush_spills(spills)
+            return
+        if not t.index.lock([h], Tier.HOST):
+            self._disk_pending[h] -= 1
+            if not self._disk_pending[h]:
+                del self._disk_pending[h]
+            return
+        self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)),
+                                  slot=slot))
+
+    def _flush_spills(self, spills: list[tuple[bytes, int]] | None = None) -> None:
+        """Start one disk write of the evicted host copies collected (``spills``, else those
+        :meth:`evicting` collected), reading private copies of their slots now (the slots are
+        about to hold other blocks): one job for all of them, so that evicting many blocks (1-token
+        blocks evict thousands at once) neither queues a job per block nor waits on a full disk
+        queue."""
+        if spills is None:
+            spills, self._spills = self._spills or [], None
+        if not spills:
+            return
+        t = self.tiers
+        hashes = [h for h, _ in spills]
+        job = t.copy_engine.disk_write(t.disk, hashes, t.meta, t.host.read([slot for _, slot in spills]))
+        for k, h in enumerate(hashes):
+            self.pending.append(Write(h, Tier.DISK, JobPart(job, k, len(hashes))))
 
     def _slot_to_remote(self, h: bytes, slot: int) -> None:
         """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
