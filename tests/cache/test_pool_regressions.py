@@ -38,6 +38,27 @@ def test_unprobed_tier_gets_a_default_cost():
     assert Tier.DISK in model.tiers
 
 
+def test_the_blocks_of_one_copy_job_move_the_bandwidth_estimate_as_one_observation():
+    """A job of ``n`` blocks folded block by block (each ``1 / n`` of it) leaves the estimate
+    where one observation of the whole job leaves it, whatever ``n``: it does not replace the
+    estimate with the job's rate (as ``n`` whole observations did)."""
+    import pytest
+    from kvtier.cache.cost_model import TierCost
+
+    def after(observations):
+        model = CostModel(tiers={Tier.HOST: TierCost(latency_s=1e-4, bandwidth_Bps=1e9)})
+        for nbytes, seconds, share in observations:
+            model.observe_copy(Tier.HOST, nbytes, seconds, share)
+        return model.tiers[Tier.HOST].bandwidth_Bps
+
+    job_bytes, job_s = 1000 * 960, 0.1  # a slow job: ~9.6 MB/s after its latency
+    whole = after([(job_bytes, job_s, 1.0)])
+    assert whole == pytest.approx(1e9 + 0.2 * (job_bytes / (job_s - 1e-4) - 1e9))
+    for n in (1, 10, 1000):
+        assert after([(job_bytes // n, job_s / n, 1.0 / n)] * n) == pytest.approx(whole, rel=1e-6)
+    assert whole > 5e8  # one slow job moves the estimate by alpha, not to the job's 9.6 MB/s
+
+
 def test_default_probe_measures_bytes_per_second():
     llm = LLM("tiny", page_size=PS, num_device_pages=8, host_cache_bytes=4 * BLOCK)
     assert llm.engine.pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 1e7  # bytes, not copies, per second

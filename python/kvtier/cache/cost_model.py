@@ -97,14 +97,22 @@ class CostModel:
             per_block[int(np.argmax(at))] += cost.latency_s
         return per_block
 
-    def observe_copy(self, tier: Tier, nbytes: int, seconds: float) -> None:
+    def observe_copy(self, tier: Tier, nbytes: int, seconds: float, share: float = 1.0) -> None:
         """Fold one observed load (``nbytes`` in ``seconds`` of copy time, as the copy engine
-        measured it on its worker: no queueing) into the tier's bandwidth."""
+        measured it on its worker: no queueing) into the tier's bandwidth.
+
+        ``share`` (in ``(0, 1]``): the load's part of the copy job it ran in, ``1 / n`` for one of
+        ``n`` blocks copied together, whose ``seconds`` are the job's over ``n``: the job pays the
+        tier's latency once, and its ``n`` blocks together move the estimate as one observation
+        of the job (EWMA weight ``1 - (1 - alpha) ** share`` each). Folded as ``n`` whole
+        observations, one job of a thousand 1-token blocks replaced the estimate with its own
+        rate, and one slow job could make loading look slower than recomputing from then on.
+        """
         if seconds <= 0 or nbytes <= 0 or tier == Tier.DEVICE:
             return
         cost = self.tiers.setdefault(tier, TierCost(UNPROBED_TIER.latency_s, UNPROBED_TIER.bandwidth_Bps))
-        rate = nbytes / max(seconds - cost.latency_s, seconds * 0.1)
-        cost.bandwidth_Bps += self.alpha * (rate - cost.bandwidth_Bps)
+        rate = nbytes / max(seconds - share * cost.latency_s, seconds * 0.1)
+        cost.bandwidth_Bps += (1.0 - (1.0 - self.alpha) ** share) * (rate - cost.bandwidth_Bps)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Fold one observed prefill step into ``prefill_tok_s``."""

@@ -35,6 +35,7 @@ class BlockLoad:
     staging: torch.Tensor | None = None  # where a disk read lands before going to the device page
     ok: bool | None = None
     copy_s: float = 0.0  # seconds its copy jobs ran (worker time), for the cost model
+    share: float = 1.0   # its part of the copy job it ran in (1 / blocks copied together)
 
 
 class Loads:
@@ -68,7 +69,7 @@ class Loads:
         if not host:
             return loads
         for i, page in zip(host, self.pages.take_many(len(host))):
-            loads[i] = BlockLoad(hashes[i], page, Tier.HOST, stage=Tier.HOST)
+            loads[i] = BlockLoad(hashes[i], page, Tier.HOST, stage=Tier.HOST, share=1.0 / len(host))
         t = self.tiers
         staging = t.host.read([int(rows[i][Tier.HOST]) for i in host])
         job = t.copy_engine.scatter(staging, t.kv_caches, [loads[i].page for i in host])
@@ -115,7 +116,7 @@ class Loads:
         else:
             if stage == Tier.HOST:
                 t.stats.bytes_loaded["host"] += t.block_bytes
-            t.cost_model.observe_copy(b.source, t.block_bytes, b.copy_s)
+            t.cost_model.observe_copy(b.source, t.block_bytes, b.copy_s, b.share)
             b.ok, b.staging = True, None
 
     def advance(self, b: BlockLoad, wait: bool) -> bool:
