@@ -82,6 +82,26 @@ def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, t
     assert_matches(out, want, min_hit=1)
 
 
+def test_a_spill_that_cannot_start_leaves_the_disk_budget_as_it_was(shared, tmp_path):
+    """When the disk job of an eviction's spills cannot be started (here: its staging buffer
+    cannot be had), the error reaches the caller and the spilled blocks stop counting as disk
+    writes in flight, so the disk budget does not shrink for good."""
+    first, _, _ = shared
+    block = 15360 // PS
+    llm = disk_llm(tmp_path, write_policy="write-back", page_size=1, num_device_pages=17 * PS,
+                   host_cache_bytes=64 * block)
+    writes = llm.engine.pool.writes
+    host = llm.engine.pool.tiers.host
+
+    def no_memory(slots):
+        raise MemoryError("no staging buffer")
+
+    host.read = no_memory
+    with pytest.raises(MemoryError):
+        warm(llm, first)
+    assert writes._disk_pending == {}
+
+
 def block_files(llm, prompt_tokens, blocks):
     pool = llm.engine.pool
     from kvtier.cache import block_hashes

@@ -156,7 +156,14 @@ class Writes:
             return
         t = self.tiers
         hashes = [h for h, _ in spills]
-        job = t.copy_engine.disk_write(t.disk, hashes, t.meta, t.host.read([slot for _, slot in spills]))
+        try:
+            job = t.copy_engine.disk_write(t.disk, hashes, t.meta, t.host.read([slot for _, slot in spills]))
+        except BaseException:
+            for h in hashes:  # no write will end for them: they no longer count against the budget
+                self._disk_pending[h] -= 1
+                if not self._disk_pending[h]:
+                    del self._disk_pending[h]
+            raise
         for k, h in enumerate(hashes):
             self.pending.append(Write(h, Tier.DISK, JobPart(job, k, len(hashes))))
 
