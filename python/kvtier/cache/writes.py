@@ -129,20 +129,23 @@ class Writes:
         if not t.disk_budget.room(self._disk_pending.keys()):
             t.stats.stores_refused["disk"] += 1
             return
-        self._disk_pending[h] = self._disk_pending.get(h, 0) + 1
         if evicting:
+            self._disk_pending[h] = self._disk_pending.get(h, 0) + 1  # counts against the budget until flushed
             spills = self._spills if self._spills is not None else []
             spills.append((h, slot))
             if self._spills is None:
                 self._flush_spills(spills)
-            return
-        if not t.index.lock([h], Tier.HOST):
+        elif t.index.lock([h], Tier.HOST):
+            self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)),
+                                      slot=slot))
+            self._disk_pending[h] = self._disk_pending.get(h, 0) + 1
+
+    def _disk_write_ended(self, h: bytes) -> None:
+        """One disk write of ``h`` counted in ``_disk_pending`` ended (or will never start)."""
+        if self._disk_pending[h] == 1:
+            del self._disk_pending[h]
+        else:
             self._disk_pending[h] -= 1
-            if not self._disk_pending[h]:
-                del self._disk_pending[h]
-            return
-        self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)),
-                                  slot=slot))
 
     def _flush_spills(self, spills: list[tuple[bytes, int]] | None = None) -> None:
         """Start one disk write of the evicted host copies collected (``spills``, else those
@@ -160,9 +163,7 @@ class Writes:
             job = t.copy_engine.disk_write(t.disk, hashes, t.meta, t.host.read([slot for _, slot in spills]))
         except BaseException:
             for h in hashes:  # no write will end for them: they no longer count against the budget
-                self._disk_pending[h] -= 1
-                if not self._disk_pending[h]:
-                    del self._disk_pending[h]
+                self._disk_write_ended(h)
             raise
         for k, h in enumerate(hashes):
             self.pending.append(Write(h, Tier.DISK, JobPart(job, k, len(hashes))))
@@ -195,10 +196,7 @@ class Writes:
                 t.stats.bytes_written["remote"] += t.block_bytes
             return  # a failed remote write is counted in remote.stats, not as a copy error
         else:
-            if self._disk_pending[w.hash] == 1:
-                del self._disk_pending[w.hash]
-            else:
-                self._disk_pending[w.hash] -= 1
+            self._disk_write_ended(w.hash)
             if w.slot >= 0:
                 t.index.unlock([w.hash], Tier.HOST)
             if ok and t.disk_budget.add(w.hash):

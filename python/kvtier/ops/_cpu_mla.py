@@ -102,6 +102,8 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
 
 
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None, kv_scale=None):
-    """One query per sequence over its ``seq_lens[b]`` cached tokens (see :func:`kvtier.ops.mla_decode`)."""
+    """One query per sequence over its ``seq_lens[b]`` cached tokens (see :func:`kvtier.ops.mla_decode`):
+    q [batch, H, D], seq_lens [batch] int32; returns ``(out [batch, H, kv_lora_rank] in q.dtype,
+    lse [batch, H] fp32)``, out 0 and lse ``+inf`` for an empty sequence."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out, kv_scale=kv_scale)
