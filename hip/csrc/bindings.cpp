@@ -99,6 +99,44 @@ void bind_prefix_index(py::module_& m) {
         }
         return py::make_tuple(static_cast<int>(res), slot);
       }, py::arg("hash"), py::arg("tier"))
+      .def("insert_many", [](PrefixIndex& s, const py::sequence& hashes, int tier,
+                             py::array_t<std::int64_t, py::array::c_style | py::array::forcecast> slots) {
+        auto keys = to_hashes(hashes);
+        if (slots.ndim() != 1 || static_cast<std::size_t>(slots.shape(0)) != keys.size())
+          throw py::value_error("slots must be 1-D with one slot per hash (" + std::to_string(keys.size()) + ")");
+        py::array_t<bool> out(static_cast<py::ssize_t>(keys.size()));
+        bool* inserted = out.mutable_data();
+        const std::int64_t* sl = slots.data();
+        {
+          py::gil_scoped_release r;
+          s.insert_many(keys.data(), sl, keys.size(), tier, inserted);
+        }
+        return out;
+      }, py::arg("hashes"), py::arg("tier"), py::arg("slots"))
+      .def("remove_many", [](PrefixIndex& s, const py::sequence& hashes, int tier) {
+        auto keys = to_hashes(hashes);
+        std::vector<kvtier::RemoveResult> res(keys.size());
+        py::array_t<std::int64_t> slots(static_cast<py::ssize_t>(keys.size()));
+        std::int64_t* sl = slots.mutable_data();
+        {
+          py::gil_scoped_release r;
+          s.remove_many(keys.data(), keys.size(), tier, res.data(), sl);
+        }
+        py::array_t<std::int8_t> results(static_cast<py::ssize_t>(keys.size()));
+        auto w = results.mutable_unchecked<1>();
+        for (std::size_t i = 0; i < keys.size(); ++i) w(i) = static_cast<std::int8_t>(res[i]);
+        return py::make_tuple(results, slots);
+      }, py::arg("hashes"), py::arg("tier"))
+      .def("held_in", [](const PrefixIndex& s, const py::sequence& hashes, int tier) {
+        auto keys = to_hashes(hashes);
+        py::array_t<bool> out(static_cast<py::ssize_t>(keys.size()));
+        bool* held = out.mutable_data();
+        {
+          py::gil_scoped_release r;
+          s.held_in(keys.data(), keys.size(), tier, held);
+        }
+        return out;
+      }, py::arg("hashes"), py::arg("tier"))
       .def("match", [](const PrefixIndex& s, const py::sequence& hashes, std::uint32_t tier_mask) {
         auto keys = to_hashes(hashes);
         std::vector<kvtier::Slots> slots(keys.size());
@@ -113,11 +151,11 @@ void bind_prefix_index(py::module_& m) {
           for (int t = 0; t < kvtier::kNumTiers; ++t) w(i, t) = slots[i][t];
         return out;
       }, py::arg("hashes"), py::arg("tier_mask") = 0xFu)
-      .def("touch", [](PrefixIndex& s, const py::sequence& hashes) {
+      .def("touch", [](PrefixIndex& s, const py::sequence& hashes, std::uint32_t tier_mask) {
         auto keys = to_hashes(hashes);
         py::gil_scoped_release r;
-        s.touch(keys.data(), keys.size());
-      }, py::arg("hashes"))
+        s.touch(keys.data(), keys.size(), tier_mask);
+      }, py::arg("hashes"), py::arg("tier_mask") = 0xFu)
       .def("lock", [](PrefixIndex& s, const py::sequence& hashes, int tier) {
         auto keys = to_hashes(hashes);
         py::gil_scoped_release r;

@@ -23,10 +23,26 @@ void PrefixIndex::push_event(EventKind kind, int tier, const BlockHash& hash, st
   events_.push_back(Event{kind, tier, hash, slot});
 }
 
+void PrefixIndex::check_slot(std::int64_t slot) {
+  if (slot < 0) throw std::invalid_argument("slot must be >= 0, got " + std::to_string(slot));
+}
+
 bool PrefixIndex::insert(const BlockHash& hash, int tier, std::int64_t slot) {
   check_tier(tier);
-  if (slot < 0) throw std::invalid_argument("slot must be >= 0, got " + std::to_string(slot));
+  check_slot(slot);
   std::lock_guard<std::mutex> g(mu_);
+  return insert_locked(hash, tier, slot);
+}
+
+void PrefixIndex::insert_many(const BlockHash* hashes, const std::int64_t* slots, std::size_t n, int tier,
+                              bool* inserted) {
+  check_tier(tier);
+  for (std::size_t i = 0; i < n; ++i) check_slot(slots[i]);
+  std::lock_guard<std::mutex> g(mu_);
+  for (std::size_t i = 0; i < n; ++i) inserted[i] = insert_locked(hashes[i], tier, slots[i]);
+}
+
+bool PrefixIndex::insert_locked(const BlockHash& hash, int tier, std::int64_t slot) {
   auto [it, fresh] = map_.try_emplace(hash);
   Entry& e = it->second;
   if (fresh) e.slots.fill(-1);
@@ -40,6 +56,20 @@ bool PrefixIndex::insert(const BlockHash& hash, int tier, std::int64_t slot) {
 RemoveResult PrefixIndex::remove(const BlockHash& hash, int tier, std::int64_t* removed_slot) {
   check_tier(tier);
   std::lock_guard<std::mutex> g(mu_);
+  return remove_locked(hash, tier, removed_slot);
+}
+
+void PrefixIndex::remove_many(const BlockHash* hashes, std::size_t n, int tier, RemoveResult* results,
+                              std::int64_t* removed_slots) {
+  check_tier(tier);
+  std::lock_guard<std::mutex> g(mu_);
+  for (std::size_t i = 0; i < n; ++i) {
+    removed_slots[i] = -1;
+    results[i] = remove_locked(hashes[i], tier, &removed_slots[i]);
+  }
+}
+
+RemoveResult PrefixIndex::remove_locked(const BlockHash& hash, int tier, std::int64_t* removed_slot) {
   auto it = map_.find(hash);
   if (it == map_.end() || it->second.slots[tier] < 0) return RemoveResult::kAbsent;
   Entry& e = it->second;
@@ -53,6 +83,15 @@ RemoveResult PrefixIndex::remove(const BlockHash& hash, int tier, std::int64_t* 
   push_event(EventKind::kRemoved, tier, hash, slot);
   if (removed_slot) *removed_slot = slot;
   return RemoveResult::kRemoved;
+}
+
+void PrefixIndex::held_in(const BlockHash* hashes, std::size_t n, int tier, bool* held) const {
+  check_tier(tier);
+  std::lock_guard<std::mutex> g(mu_);
+  for (std::size_t i = 0; i < n; ++i) {
+    auto it = map_.find(hashes[i]);
+    held[i] = it != map_.end() && it->second.slots[tier] >= 0;
+  }
 }
 
 std::size_t PrefixIndex::match(const BlockHash* hashes, std::size_t n, std::uint32_t tier_mask,
@@ -70,13 +109,14 @@ std::size_t PrefixIndex::match(const BlockHash* hashes, std::size_t n, std::uint
   return m;
 }
 
-void PrefixIndex::touch(const BlockHash* hashes, std::size_t n) {
+void PrefixIndex::touch(const BlockHash* hashes, std::size_t n, std::uint32_t tier_mask) {
   std::lock_guard<std::mutex> g(mu_);
   for (std::size_t i = 0; i < n; ++i) {
     auto it = map_.find(hashes[i]);
     if (it == map_.end()) continue;
     for (int t = 0; t < kNumTiers; ++t) {
-      if (it->second.slots[t] >= 0) lru_[t].splice(lru_[t].end(), lru_[t], it->second.lru_pos[t]);
+      if ((tier_mask >> t) & 1u && it->second.slots[t] >= 0)
+        lru_[t].splice(lru_[t].end(), lru_[t], it->second.lru_pos[t]);
     }
   }
 }

@@ -59,13 +59,26 @@ class PrefixIndex {
   // is referenced and nothing changes.
   RemoveResult remove(const BlockHash& hash, int tier, std::int64_t* removed_slot = nullptr);
 
+  // insert() for each of hashes[0..n) at slots[i], under one lock; inserted[i] says which
+  // were recorded (false: that tier already had a copy).
+  void insert_many(const BlockHash* hashes, const std::int64_t* slots, std::size_t n, int tier, bool* inserted);
+
+  // remove() for each of hashes[0..n), under one lock: results[i] and removed_slots[i] (-1
+  // unless removed).
+  void remove_many(const BlockHash* hashes, std::size_t n, int tier, RemoveResult* results,
+                   std::int64_t* removed_slots);
+
+  // held[i]: whether block hashes[i] has a copy in `tier` (any block, not only a prefix run).
+  void held_in(const BlockHash* hashes, std::size_t n, int tier, bool* held) const;
+
   // Longest run hashes[0..m) of blocks having a copy in at least one tier of `tier_mask`
   // (bit t = tier t). Writes the slots of each matched block to out_slots (may be nullptr)
   // and returns m.
   std::size_t match(const BlockHash* hashes, std::size_t n, std::uint32_t tier_mask, Slots* out_slots) const;
 
-  // Marks blocks as most recently used in every tier holding them; absent ones are skipped.
-  void touch(const BlockHash* hashes, std::size_t n);
+  // Marks blocks as most recently used in every tier of `tier_mask` holding them (bit t = tier
+  // t); absent ones are skipped.
+  void touch(const BlockHash* hashes, std::size_t n, std::uint32_t tier_mask = 0xFu);
 
   // Adds one reference to the copy in `tier` of each block hashes[0..n). All-or-nothing:
   // returns false and changes nothing if any block has no copy in that tier.
@@ -99,6 +112,9 @@ class PrefixIndex {
   using Map = std::unordered_map<BlockHash, Entry, BlockHashHasher>;
 
   static void check_tier(int tier);
+  static void check_slot(std::int64_t slot);
+  bool insert_locked(const BlockHash& hash, int tier, std::int64_t slot);        // under mu_
+  RemoveResult remove_locked(const BlockHash& hash, int tier, std::int64_t* removed_slot);  // under mu_
   bool copies_in(const BlockHash* hashes, std::size_t n, int tier, std::vector<Entry*>* out);
   void push_event(EventKind kind, int tier, const BlockHash& hash, std::int64_t slot);
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <mutex>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,6 +48,8 @@ void test_semantics() {
   CHECK(idx.insert(h[3], kvtier::kDevice, 13));
   auto c = idx.eviction_candidates(kvtier::kDevice, 10);
   CHECK(c.size() == 2 && c[0].first == h[0] && c[1].first == h[3]);
+  idx.touch(h.data(), 1, 1u << kvtier::kHost);  // no host copy: the device order stays
+  CHECK(idx.eviction_candidates(kvtier::kDevice, 1)[0].first == h[0]);
   idx.touch(h.data(), 1);
   c = idx.eviction_candidates(kvtier::kDevice, 1);
   CHECK(c.size() == 1 && c[0].first == h[3] && c[0].second == 13);
@@ -60,6 +63,41 @@ void test_semantics() {
   CHECK(ev.size() == 5 && ev.back().kind == kvtier::EventKind::kRemoved && ev.back().slot == 10);
   for (int i = 0; i < 20; ++i) idx.insert(chain(1000 + i * 100, 1)[0], kvtier::kHost, i);
   CHECK(idx.drain_events(100).size() == 8 && idx.dropped_events() == 12);
+  CHECK(idx.check_invariants().empty());
+}
+
+// The batch forms do what their one-block forms do, block by block, under one lock.
+void test_batches() {
+  PrefixIndex idx(64);
+  auto h = chain(300, 4);
+  const std::int64_t slots[4] = {5, 6, 7, 8};
+  bool inserted[4];
+  CHECK(idx.insert(h[1], kvtier::kHost, 1));
+  idx.insert_many(h.data(), slots, 4, kvtier::kHost, inserted);
+  CHECK(inserted[0] && !inserted[1] && inserted[2] && inserted[3]);  // h[1] kept its slot 1
+  bool held[4];
+  CHECK(idx.insert(h[2], kvtier::kDisk, 0));
+  idx.held_in(h.data(), 4, kvtier::kDisk, held);
+  CHECK(!held[0] && !held[1] && held[2] && !held[3]);
+  CHECK(idx.lock(&h[3], 1, kvtier::kHost));
+  RemoveResult res[4];
+  std::int64_t removed[4];
+  idx.remove_many(h.data(), 4, kvtier::kHost, res, removed);
+  CHECK(res[0] == RemoveResult::kRemoved && removed[0] == 5);
+  CHECK(res[1] == RemoveResult::kRemoved && removed[1] == 1);
+  CHECK(res[2] == RemoveResult::kRemoved && removed[2] == 7);
+  CHECK(res[3] == RemoveResult::kLocked && removed[3] == -1);
+  idx.remove_many(h.data(), 1, kvtier::kHost, res, removed);
+  CHECK(res[0] == RemoveResult::kAbsent && removed[0] == -1);
+  CHECK(idx.num_copies(kvtier::kHost) == 1 && idx.num_blocks() == 2);  // h[2] on disk, h[3] on host
+  const std::int64_t bad[2] = {9, -1};
+  bool threw = false;
+  try {
+    idx.insert_many(h.data(), bad, 2, kvtier::kDevice, inserted);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw && idx.num_copies(kvtier::kDevice) == 0);  // a bad slot: nothing inserted
   CHECK(idx.check_invariants().empty());
 }
 
@@ -149,6 +187,7 @@ void test_concurrent_stress() {
 }  // namespace
 
 int main() {
+  test_batches();
   test_semantics();
   test_concurrent_stress();
   std::printf("prefix_index: ok\n");

@@ -57,4 +57,6 @@ def test_best_sources_is_the_fastest_tier_holding_each_row():
     rows = np.where(rng.random((500, 4)) < 0.4, rng.integers(0, 100, (500, 4)), -1)
     rows[rows.max(axis=1) < 0, 3] = 7  # a matched row has a copy somewhere
     assert PoolTiers.best_sources(rows) == [next(t for t in Tier if r[t] >= 0) for r in rows]
+    assert PoolTiers.fastest_tiers(rows).tolist() == PoolTiers.best_sources(rows)
     assert PoolTiers.best_sources(np.empty((0, 4), dtype=np.int64)) == []
+    assert PoolTiers.fastest_tiers(np.empty((0, 4), dtype=np.int64)).tolist() == []

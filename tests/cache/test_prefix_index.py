@@ -58,11 +58,44 @@ def test_lru_order_follows_touch_and_events_are_bounded():
     assert idx.match(hs[:1]).tolist() == [[0, -1, -1, -1]]
 
 
+def test_batch_calls_match_their_one_block_forms():
+    idx = PrefixIndex()
+    hs = chain(5)
+    idx.insert(hs[1], Tier.HOST, 1)
+    assert idx.insert_many(hs[:4], Tier.HOST, [10, 11, 12, 13]).tolist() == [True, False, True, True]
+    assert idx.match(hs[:4], tiers=[Tier.HOST])[:, Tier.HOST].tolist() == [10, 1, 12, 13]
+    idx.insert(hs[3], Tier.DISK, 0)
+    assert idx.held(hs, Tier.DISK).tolist() == [False, False, False, True, False]
+    assert idx.held(hs, Tier.HOST).tolist() == [True, True, True, True, False]
+    assert idx.lock(hs[2:3], Tier.HOST)
+    results, slots = idx.remove_many(hs, Tier.HOST)
+    assert [RemoveResult(r) for r in results.tolist()] == [
+        RemoveResult.REMOVED, RemoveResult.REMOVED, RemoveResult.LOCKED, RemoveResult.REMOVED, RemoveResult.ABSENT]
+    assert slots.tolist() == [10, 1, -1, 13, -1]
+    assert idx.num_copies(Tier.HOST) == 1 and idx.num_blocks() == 2
+    idx.check_invariants()
+    assert idx.insert_many([], Tier.DEVICE, []).tolist() == []
+
+
+def test_touch_can_keep_to_some_tiers():
+    idx = PrefixIndex()
+    hs = chain(3)
+    for i, h in enumerate(hs):
+        idx.insert(h, Tier.DEVICE, i)
+        idx.insert(h, Tier.HOST, i)
+    idx.touch(hs[:1], [Tier.HOST])
+    assert [s for _, s in idx.eviction_candidates(Tier.HOST, 3)] == [1, 2, 0]
+    assert [s for _, s in idx.eviction_candidates(Tier.DEVICE, 3)] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda idx: idx.insert(b"short", Tier.HOST, 0), "must be bytes of length 16"),
     (lambda idx: idx.insert(bytes(16), 7, 0), "tier must be in"),
     (lambda idx: idx.insert(bytes(16), Tier.HOST, -2), "slot must be >= 0"),
     (lambda idx: idx.match([bytes(16), "x"]), r"hashes\[1\]"),
+    (lambda idx: idx.insert_many([bytes(16), bytes(range(16))], Tier.HOST, [0, -1]), "slot must be >= 0"),
+    (lambda idx: idx.insert_many([bytes(16)], Tier.HOST, [0, 1]), "one slot per hash"),
+    (lambda idx: idx.held([bytes(16), b"x"], Tier.HOST), r"hashes\[1\]"),
 ])
 def test_bad_arguments_are_named(call, match):
     idx = PrefixIndex()

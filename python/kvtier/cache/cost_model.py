@@ -9,7 +9,7 @@ updates are exponentially weighted moving averages (weight ``alpha`` on the new 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,12 +61,12 @@ class CostModel:
     def recompute_s(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tok_s
 
-    def blocks_to_load(self, sources: list[Tier], block_bytes: int, page_size: int) -> int:
+    def blocks_to_load(self, sources: Sequence[Tier] | np.ndarray, block_bytes: int, page_size: int) -> int:
         """How many leading blocks of a matched run to take.
 
-        ``sources[i]`` is the fastest tier holding block i. The loads of one prefix are
-        submitted together and overlap, so a tier's latency is paid once per prefix and its
-        bandwidth per block. Returns the prefix length with the largest saving
+        ``sources[i]`` is the fastest tier holding block i (a :class:`Tier`, or its value in an
+        int array). The loads of one prefix are submitted together and overlap, so a tier's
+        latency is paid once per prefix and its bandwidth per block. Returns the prefix length with the largest saving
         ``recompute_s(k * page_size) - load time`` (the shortest such length on a tie); 0 when
         nothing saves time. One array pass: prompts reach 10^5 one-token blocks.
         """
@@ -77,18 +77,18 @@ class CostModel:
         k = int(np.argmax(saving))
         return k + 1 if saving[k] > 0 else 0
 
-    def prefix_load_s(self, sources: list[Tier], block_bytes: int) -> float:
+    def prefix_load_s(self, sources: Sequence[Tier] | np.ndarray, block_bytes: int) -> float:
         """Seconds to load the blocks of one prefix from ``sources`` (one tier per block;
         DEVICE blocks cost nothing), ``block_bytes`` bytes each: each tier's latency once, its
         bandwidth per block; 0.0 for no blocks."""
         return float(self._block_load_s(sources, block_bytes).sum()) if len(sources) else 0.0
 
-    def _block_load_s(self, sources: list[Tier], block_bytes: int) -> np.ndarray:
+    def _block_load_s(self, sources: Sequence[Tier] | np.ndarray, block_bytes: int) -> np.ndarray:
         """Per block of ``sources``, the seconds it adds to its prefix's load: its bytes over its
         tier's bandwidth, plus the tier's latency at the tier's first block."""
         src = np.asarray(sources, dtype=np.int64)
         per_block = np.zeros(len(src))
-        for tier in np.unique(src).tolist():
+        for tier in np.flatnonzero(np.bincount(src, minlength=1)).tolist():
             if tier == Tier.DEVICE:
                 continue
             cost = self.tiers.get(Tier(tier), UNPROBED_TIER)

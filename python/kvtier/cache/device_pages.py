@@ -64,8 +64,8 @@ class DevicePages:
                 evicted.append((self.page_hash[page], page))
         if evicted:
             self.on_evict(evicted)
-            for old, page in evicted:
-                t.index.remove(old, Tier.DEVICE)
+            t.index.remove_many([old for old, _ in evicted], Tier.DEVICE)
+            for _, page in evicted:
                 self.page_hash[page] = None
             t.stats.evictions["device"] += len(evicted)
         return pages
@@ -86,8 +86,15 @@ class DevicePages:
 
     def register(self, page: int, h: bytes) -> None:
         """Index ``page`` as the device copy of block ``h`` (unless the block has one already)."""
-        if self.tiers.index.insert(h, Tier.DEVICE, page):
-            self.page_hash[page] = h
+        self.register_many([page], [h])
+
+    def register_many(self, pages: list[int], hashes: list[bytes]) -> None:
+        """:meth:`register` each of ``pages`` as the copy of its block of ``hashes``, in one index call."""
+        if not pages:
+            return
+        for page, h, inserted in zip(pages, hashes, self.tiers.index.insert_many(hashes, Tier.DEVICE, pages).tolist()):
+            if inserted:
+                self.page_hash[page] = h
 
     def allocate(self, kv: KVState, num_tokens: int) -> bool:
         """Add pages so ``kv`` holds ``num_tokens`` tokens; False (nothing changed) if too few are free."""

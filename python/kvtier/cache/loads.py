@@ -134,9 +134,41 @@ class Loads:
 
     def advance_all(self, loads: list[BlockLoad]) -> bool:
         """Move every pending load of ``loads`` on without waiting; True once all ended."""
+        self._end_host_jobs(loads, wait=False)
         return all([self.advance(b, wait=False) for b in loads if b.ok is None])
 
     def wait_all(self, loads: list[BlockLoad]) -> None:
         """Block until every load of ``loads`` ended."""
+        self._end_host_jobs(loads, wait=True)
         while not all(self.advance(b, wait=True) for b in loads):
             pass
+
+    def _end_host_jobs(self, loads: list[BlockLoad], wait: bool) -> None:
+        """End the host loads of each copy job among ``loads`` (:meth:`start_all` copies a
+        prefix's host blocks in one) that ended (with ``wait``: once it ended) and succeeded
+        for every block, together: one index call unlocks their host copies and the cost model
+        learns the job once (the same estimate as block by block: see
+        ``CostModel.observe_copy``). A job with a failed block is left to :meth:`advance`."""
+        jobs: dict[int, list[BlockLoad]] = {}
+        for b in loads:
+            if b.ok is None and b.stage == Tier.HOST and isinstance(b.handle, JobPart):
+                jobs.setdefault(id(b.handle.job), []).append(b)
+        t = self.tiers
+        for parts in jobs.values():
+            job = parts[0].handle.job
+            if not wait and not job.done():
+                continue
+            try:
+                statuses = job.result()
+            except CopyError:
+                continue
+            if not all(b.handle.i < len(statuses) and statuses[b.handle.i] == 0 for b in parts):
+                continue
+            unlocked = t.index.unlock([b.hash for b in parts], Tier.HOST)
+            assert unlocked, "a load's source copy was not locked while it was read"
+            share = sum(b.share for b in parts)
+            t.stats.bytes_loaded["host"] += len(parts) * t.block_bytes
+            t.cost_model.observe_copy(Tier.HOST, len(parts) * t.block_bytes, job.run_s * share, share)
+            for b in parts:
+                b.copy_s += b.handle.run_s
+                b.handle, b.stage, b.ok = None, None, True

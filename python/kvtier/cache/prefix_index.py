@@ -78,6 +78,32 @@ class PrefixIndex:
         res, slot = self._native.remove(block_hash, int(tier))
         return RemoveResult(res), slot
 
+    def insert_many(self, hashes: Sequence[bytes], tier: Tier, slots: Sequence[int] | np.ndarray) -> np.ndarray:
+        """:meth:`insert` of each block at its slot, in one call.
+
+        Returns:
+            [len(hashes)] bool array: which were recorded (False: the tier had a copy already).
+
+        Raises:
+            ValueError: as :meth:`insert` (nothing is inserted then), or ``slots`` not 1-D with
+                one slot per hash.
+        """
+        return self._native.insert_many(hashes, int(tier), slots)
+
+    def remove_many(self, hashes: Sequence[bytes], tier: Tier) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`remove` of each block's copy in ``tier``, in one call.
+
+        Returns:
+            ``(results, slots)``: [n] int8 :class:`RemoveResult` values and [n] int64 slots
+            removed (-1 where nothing was).
+        """
+        return self._native.remove_many(hashes, int(tier))
+
+    def held(self, hashes: Sequence[bytes], tier: Tier) -> np.ndarray:
+        """[len(hashes)] bool array: whether each block has a copy in ``tier`` (each block on
+        its own, unlike :meth:`match`, which stops at the first missing one)."""
+        return self._native.held_in(hashes, int(tier))
+
     def match(self, hashes: Sequence[bytes], tiers: Sequence[Tier] | None = None) -> np.ndarray:
         """Slots of the longest prefix of ``hashes`` held in any of ``tiers`` (default: all).
 
@@ -87,9 +113,10 @@ class PrefixIndex:
         mask = ALL_TIERS if tiers is None else sum(1 << int(t) for t in tiers)
         return self._native.match(hashes, mask)
 
-    def touch(self, hashes: Sequence[bytes]) -> None:
-        """Make these blocks the most recently used in every tier holding them."""
-        self._native.touch(hashes)
+    def touch(self, hashes: Sequence[bytes], tiers: Sequence[Tier] | None = None) -> None:
+        """Make these blocks the most recently used in every tier of ``tiers`` (default: all)
+        holding them."""
+        self._native.touch(hashes, ALL_TIERS if tiers is None else sum(1 << int(t) for t in tiers))
 
     def lock(self, hashes: Sequence[bytes], tier: Tier) -> bool:
         """Reference each block's copy in ``tier``; all-or-nothing (False if one has no copy there)."""

@@ -17,6 +17,7 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.writes import Writes
 
+_TIER_NAMES = {tier: tier.name.lower() for tier in Tier}  # as PoolStats.hit_tokens names them
 _REMOTE_LOOKUP_BLOCKS = 256  # blocks past the local match asked of the remote store at most
 
 
@@ -60,7 +61,7 @@ class PrefixReuse:
         rows = t.index.match(hashes, t.usable_tiers())
         if remote:
             rows = self._match_remote(hashes, rows)
-        sources = t.best_sources(rows)
+        sources = t.fastest_tiers(rows)
         return hashes, rows, sources, t.cost_model.blocks_to_load(sources, t.block_bytes, self.page_size)
 
     def _match_remote(self, hashes: list[bytes], rows):
@@ -95,7 +96,8 @@ class PrefixReuse:
         kv.num_prefix_tokens = 0
         if not self.tiers.config.enable_prefix_caching:
             return PrefixStart.READY
-        hashes, rows, sources, take = self.match(kv)
+        hashes, rows, _, take = self.match(kv)
+        sources = self.tiers.best_sources(rows[:take])
         if not partial and self._load_pages(rows, sources, take) > self.pages.num_free:
             return PrefixStart.NO_ROOM
         for i in range(take):  # reference resident pages first: loads must not evict them
@@ -170,19 +172,22 @@ class PrefixReuse:
             keep += 1
         self._keep_loaded(kv, loads, keep)
         stats = self.tiers.stats
-        kv.prefix_tokens_by_tier = dict.fromkeys(stats.hit_tokens, 0)
+        by_tier = kv.prefix_tokens_by_tier = dict.fromkeys(stats.hit_tokens, 0)
+        hit_tiers, loaded = kv.hit_tiers, []
         for b in loads[:keep]:
             # A block this request loaded from a lower tier in an earlier lookup (it was sent
             # back to wait after its loads ended) is now a device copy: keep crediting the tier
             # it came from, and count its hit once. A block loaded from a lower tier now (e.g.
             # again after a preemption) is a hit of that tier, whatever an earlier lookup found.
-            tier = kv.hit_tiers.get(b.hash)
-            if tier is None or b.source != Tier.DEVICE:
-                tier = kv.hit_tiers[b.hash] = b.source.name.lower()
-                stats.hit_tokens[tier] += self.page_size
-            kv.prefix_tokens_by_tier[tier] += self.page_size
             if b.source != Tier.DEVICE:
-                self.pages.register(b.page, b.hash)
+                loaded.append(b)
+                tier = hit_tiers[b.hash] = _TIER_NAMES[b.source]
+                stats.hit_tokens[tier] += self.page_size
+            elif (tier := hit_tiers.get(b.hash)) is None:
+                tier = hit_tiers[b.hash] = "device"
+                stats.hit_tokens[tier] += self.page_size
+            by_tier[tier] += self.page_size
+        self.pages.register_many([b.page for b in loaded], [b.hash for b in loaded])
         self.tiers.index.touch([b.hash for b in loads[:keep]])
         kv.num_prefix_tokens = keep * self.page_size
         kv.num_registered_blocks = keep
@@ -212,8 +217,8 @@ class PrefixReuse:
         if full <= kv.num_registered_blocks:
             return
         self.hash_blocks(kv, full)
-        for b in range(kv.num_registered_blocks, full):
-            h, page = kv.block_hashes[b], kv.page_ids[b]
-            self.pages.register(page, h)
-            self.writes.computed(h, page)
+        new = range(kv.num_registered_blocks, full)
+        self.pages.register_many([kv.page_ids[b] for b in new], [kv.block_hashes[b] for b in new])
+        for b in new:
+            self.writes.computed(kv.block_hashes[b], kv.page_ids[b])
         kv.num_registered_blocks = full

@@ -88,13 +88,16 @@ class PoolTiers:
         return tiers
 
     @staticmethod
+    def fastest_tiers(rows: np.ndarray) -> np.ndarray:
+        """[n] int64: the fastest tier (a :class:`Tier` value) holding a copy, for each row of
+        ``rows`` ([n, num_tiers] int64 slots, -1 = no copy, as ``PrefixIndex.match`` returns;
+        every row holds a copy somewhere), in one array pass."""
+        return np.argmax(rows >= 0, axis=1) if len(rows) else np.zeros(0, dtype=np.int64)
+
+    @staticmethod
     def best_sources(rows: np.ndarray) -> list[Tier]:
-        """The fastest tier holding a copy, for each row of ``rows`` ([n, num_tiers] int64 slots,
-        -1 = no copy, as ``PrefixIndex.match`` returns; every row holds a copy somewhere), in
-        one array pass. Returns n tiers."""
-        if len(rows) == 0:
-            return []
-        return [_TIERS[i] for i in np.argmax(rows >= 0, axis=1).tolist()]
+        """:meth:`fastest_tiers` as a list of n :class:`Tier`."""
+        return [_TIERS[i] for i in PoolTiers.fastest_tiers(rows).tolist()]
 
     def in_tier(self, h: bytes, tier: Tier) -> bool:
         return self.index.match([h], [tier]).shape[0] == 1

@@ -51,30 +51,35 @@ class Writes:
         t = self.tiers
         if not self.write_back or t.host is None:
             return
-        todo = []
+        held = t.index.held([h for h, _ in blocks], Tier.HOST).tolist()
+        kept = [h for (h, _), on_host in zip(blocks, held) if on_host]
+        blocks = [b for b, on_host in zip(blocks, held) if not on_host]
+        # The host copies of the others are what write-back keeps of them: the most recently
+        # used there, as a copy written now would be, and locked, so that they are not evicted
+        # to make room for these (which would lose them).
+        t.index.touch(kept, [Tier.HOST])
+        locked = bool(kept) and t.index.lock(kept, Tier.HOST)
         self._spills = []  # the host copies evicted for them go to disk in one job
         try:
-            for h, page in blocks:
-                if t.in_tier(h, Tier.HOST):
-                    continue
-                slot = self._host_slot()
-                if slot < 0:
-                    t.stats.stores_refused["host"] += 1
-                    continue
-                todo.append((h, page, slot))
+            slots = self._host_slots(len(blocks))
         finally:
+            if locked:
+                t.index.unlock(kept, Tier.HOST)
             self._flush_spills()  # before the slots are overwritten below
-        if not todo:
+        t.stats.stores_refused["host"] += len(blocks) - len(slots)
+        blocks = blocks[:len(slots)]
+        if not blocks:
             return
-        staging = t.host.staging(len(todo))
-        job = t.copy_engine.gather(t.kv_caches, [page for _, page, _ in todo], staging)
+        staging = t.host.staging(len(blocks))
+        job = t.copy_engine.gather(t.kv_caches, [page for _, page in blocks], staging)
         try:
-            if all(s == 0 for s in job.result()):
-                t.host.write([slot for *_, slot in todo], staging)
+            statuses = job.result()
+            if all(s == 0 for s in statuses):
+                t.host.write(slots, staging)
         except CopyError:
-            pass  # each block's part reports the failure
-        for k, (h, _, slot) in enumerate(todo):
-            self._finish_one(Write(h, Tier.HOST, JobPart(job, k, len(todo)), slot=slot))
+            statuses = []  # every block failed
+        ok = [k < len(statuses) and statuses[k] == 0 for k in range(len(blocks))]
+        self._host_copies_ended([h for h, _ in blocks], slots, ok)
 
     def computed(self, h: bytes, page: int) -> None:
         """Block ``h`` was just computed into ``page`` and indexed: start its write-through copy."""
@@ -82,27 +87,40 @@ class Writes:
             self.page_to_host(h, page)
 
     def _host_slot(self) -> int:
-        """A free host slot, evicting the least recently used unreferenced copy if needed; -1 if none.
+        """A free host slot (see :meth:`_host_slots`); -1 if none."""
+        slots = self._host_slots(1)
+        return slots[0] if slots else -1
+
+    def _host_slots(self, n: int) -> list[int]:
+        """Up to ``n`` free host slots, evicting least recently used unreferenced copies as
+        needed (fewer when too few copies can be evicted). The copies to evict are asked of the
+        index once for all ``n``: asked one at a time, each question walked past the same locked
+        copies at the front of the LRU order (a prefix being loaded from this tier), thousands of
+        times for one eviction of 1-token blocks.
 
         When every slot is held by copies still in flight, those are finished first (back-pressure).
         """
         t = self.tiers
-        slot = t.host.allocate()
-        if slot is not None:
-            return slot
-        if not t.index.eviction_candidates(Tier.HOST, 1) and self.pending:
+        slots: list[int] = []
+        while len(slots) < n and (slot := t.host.allocate()) is not None:
+            slots.append(slot)
+        if len(slots) == n:
+            return slots
+        victims = t.index.eviction_candidates(Tier.HOST, n - len(slots))
+        if not victims and self.pending:
             self.finish(wait=True)
-            slot = t.host.allocate()
-            if slot is not None:
-                return slot
-        for h, victim in t.index.eviction_candidates(Tier.HOST, 1):
-            if self.write_back and t.disk is not None and not t.in_tier(h, Tier.DISK):
+            while len(slots) < n and (slot := t.host.allocate()) is not None:
+                slots.append(slot)
+            victims = t.index.eviction_candidates(Tier.HOST, n - len(slots))
+        if not victims:
+            return slots
+        if self.write_back and t.disk is not None:
+            for h, victim in victims:
                 self._slot_to_disk(h, victim, evicting=True)
-            res, slot = t.index.remove(h, Tier.HOST)
-            if res == RemoveResult.REMOVED:
-                t.stats.evictions["host"] += 1
-                return slot
-        return -1
+        results, freed = t.index.remove_many([h for h, _ in victims], Tier.HOST)
+        removed = freed[results == RemoveResult.REMOVED].tolist()
+        t.stats.evictions["host"] += len(removed)
+        return slots + removed
 
     def page_to_host(self, h: bytes, page: int) -> None:
         """Start copying block ``h`` from ``page`` to a host slot; the page stays referenced
@@ -184,17 +202,11 @@ class Writes:
         if w.target == Tier.HOST:
             if w.page >= 0:
                 self.pages.unref(w.page)
-            if ok and t.index.insert(w.hash, Tier.HOST, w.slot):
-                t.stats.bytes_written["host"] += t.block_bytes
-                if not self.write_back:
-                    self._slot_to_disk(w.hash, w.slot)
-                self._slot_to_remote(w.hash, w.slot)
-            else:
-                t.host.release(w.slot)
+            self._host_copies_ended([w.hash], [w.slot], [ok])
         elif w.target == Tier.REMOTE:
             if ok and t.index.insert(w.hash, Tier.REMOTE, 0):
                 t.stats.bytes_written["remote"] += t.block_bytes
-            return  # a failed remote write is counted in remote.stats, not as a copy error
+            # a failed remote write is counted in remote.stats, not as a copy error
         else:
             self._disk_write_ended(w.hash)
             if w.slot >= 0:
@@ -204,7 +216,26 @@ class Writes:
             elif not ok and status[:1] == [DiskStatus.FULL]:
                 t.stats.stores_refused["disk"] += 1
                 t.disk_budget.refused(DiskStatus.FULL)
-        t.stats.copy_errors += not ok
+            t.stats.copy_errors += not ok
+
+    def _host_copies_ended(self, hashes: list[bytes], slots: list[int], ok: list[bool]) -> None:
+        """Copies of blocks ``hashes`` into host ``slots`` ended (``ok``: which succeeded): index
+        the good ones (one index call for all) and start their copies further down; give back the
+        slots of the failed ones and of blocks that got a host copy meanwhile."""
+        t = self.tiers
+        good = [i for i, k in enumerate(ok) if k]
+        inserted = t.index.insert_many([hashes[i] for i in good], Tier.HOST, [slots[i] for i in good]).tolist()
+        kept = [i for i, k in zip(good, inserted) if k]
+        t.stats.bytes_written["host"] += len(kept) * t.block_bytes
+        for i in kept:
+            if not self.write_back:
+                self._slot_to_disk(hashes[i], slots[i])
+            self._slot_to_remote(hashes[i], slots[i])
+        kept_set = set(kept)
+        for i in range(len(hashes)):
+            if i not in kept_set:
+                t.host.release(slots[i])
+        t.stats.copy_errors += len(hashes) - len(good)
 
     def finish(self, wait: bool) -> None:
         """Collect the writes that ended (with ``wait``: every write, and the ones they start)."""
