@@ -126,3 +126,26 @@ def test_disk_tier_needs_a_host_block_and_waits_must_be_finite(tmp_path):
         LLM("tiny", page_size=PS, num_device_pages=8, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
     with pytest.raises(ValueError, match="expected_wait_s must be a finite number"):
         ToolAwarePolicy().tool_wait("s", [], float("nan"), 0.0)
+
+
+def test_write_back_keeps_the_host_copy_of_a_block_evicted_beside_blocks_it_must_copy():
+    """Write-back evicts device blocks A (already on host, least recently used there) and D (not
+    on host) with the host tier full: D's slot must come from another host copy, not A's (A's
+    device copy is going away: evicting its host copy lost A, with no disk tier)."""
+    import torch
+
+    from kvtier.cache.config import PoolConfig
+    from kvtier.cache.pool import KVPool
+
+    pool = KVPool(PoolConfig(page_size=4, num_device_pages=4, host_cache_bytes=2 * 4 * 8 * 4,
+                             write_policy="write-back"), [torch.zeros(4, 4, 8)])
+    a, c, d = (bytes([i]) * 16 for i in (1, 2, 3))
+    for h in (a, c):
+        assert pool.index.insert(h, Tier.HOST, pool.host.allocate())
+    pool.index.insert(a, Tier.DEVICE, 0)
+    pool.index.insert(d, Tier.DEVICE, 1)
+    pool.writes.evicting([(a, 0), (d, 1)])
+    assert pool.index.held([a, c, d], Tier.HOST).tolist() == [True, False, True]
+    assert [h for h, _ in pool.index.eviction_candidates(Tier.HOST, 2)] == [a, d]  # A as if written now
+    assert pool.index.ref_count(a, Tier.HOST) == 0 and pool.stats.evictions["host"] == 1
+    pool.index.check_invariants()
