@@ -177,3 +177,24 @@ def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
     assert sched._ends_soon(ending) and not sched._ends_soon(far)
     assert sched._victims(head, 1) == [far]
     assert sched._victims(head, 3) is None  # `far` frees 2 pages; `ending` is spared
+
+
+def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_long_prompt():
+    """Two cold prompts longer than the 64-token budget: the second starts its chunks in the step
+    where the first one's last chunk (48 tokens, more than the ``CHUNK_SHARE`` planned for it)
+    runs, so no step runs under budget until the last one. (Before, every prompt longer than the
+    budget left after the planned chunk waited, and that step ran 48 tokens.) Outputs equal FCFS's."""
+    outs = {}
+    for policy in ("cache-aware", "fcfs"):
+        llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy)
+        steps = _record_steps(llm.engine)
+        rids = [llm.engine.add_request(prompt(n, seed), ONE) for n, seed in ((112, 3), (200, 4))]
+        got = {}
+        while llm.engine.has_unfinished():
+            got.update({o.request_id: o.token_ids for o in llm.engine.step()})
+        outs[policy] = [got[r] for r in rids]
+        totals = [sum(n for _, _, n in step) for step in steps if step]
+        assert sum(totals) == 312
+        if policy == "cache-aware":
+            assert totals[:-1] == [BUDGET] * (len(totals) - 1), totals
+    assert outs["cache-aware"] == outs["fcfs"]

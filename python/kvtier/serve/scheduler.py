@@ -497,7 +497,10 @@ class Scheduler:
             if head is not None and not self._urgent(seq) and not self._waits_for_chunk(head):
                 continue  # preempted to make room: the request it made room for goes first
             if chunked and self._estimate(seq)[0] > budget and not self._overtakes(seq, chunked):
-                continue  # one chunked prefill at a time: it would hold pages while it waits for budget
+                ended = self._end_chunked(batch, chunked, budget)
+                if not ended:
+                    continue  # one chunked prefill at a time: it would hold pages while it waits for budget
+                budget -= ended
             n = self._admit(batch, seq, budget)
             if n is None:
                 if hold_line or self._urgent(seq):
@@ -507,6 +510,31 @@ class Scheduler:
             if not hold_line and 0 < n and seq.num_computed_tokens + n < seq.num_tokens - 1:
                 chunked.append(seq)
         return budget
+
+    def _end_chunked(self, batch: ScheduledBatch, chunked: list[Sequence], budget: int) -> int:
+        """Place the rest of the prompt of the one chunked prefill now, when it fits in ``budget``
+        with a token to spare (its pages and attention budget too), so a waiting prompt longer
+        than the budget left can start its chunks beside it: the planned chunk of the oldest
+        prefill is only ``CHUNK_SHARE`` of the step, :meth:`_top_up` would give it the rest
+        anyway, and refusing every prompt longer than what is left ran the last chunk of each
+        long prompt in a half-empty step. Returns the tokens placed (0: nothing changed)."""
+        if len(chunked) != 1:
+            return 0
+        seq = chunked[0]
+        i = next((k for k, (s, _) in enumerate(batch.extends) if s is seq), None)
+        have = 0 if i is None else batch.extends[i][1]
+        rest = self._remaining(seq) - have
+        if not 0 < rest < budget or self._pair_cap(seq, rest, have) < rest:
+            return 0
+        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + rest):
+            return 0
+        self._charge(seq, rest, have)
+        if i is None:
+            self._place(batch, seq, rest)
+        else:
+            batch.extends[i] = (seq, have + rest)
+        chunked.remove(seq)
+        return rest
 
     def _overtakes(self, seq: Sequence, chunked: list[Sequence]) -> bool:
         """Whether waiting ``seq``, whose prompt does not fit in the step's budget left, starts
