@@ -149,3 +149,52 @@ def test_write_back_keeps_the_host_copy_of_a_block_evicted_beside_blocks_it_must
     assert [h for h, _ in pool.index.eviction_candidates(Tier.HOST, 2)] == [a, d]  # A as if written now
     assert pool.index.ref_count(a, Tier.HOST) == 0 and pool.stats.evictions["host"] == 1
     pool.index.check_invariants()
+
+
+def test_the_host_probe_measures_bandwidth_with_many_blocks_not_one(monkeypatch):
+    """One job of one small block measures the job's fixed cost: 960-byte blocks probed at 1-15
+    MB/s (bulk: ~9 GB/s), and at the low end loads looked slower than recomputing, so none was
+    made or observed and the pool never loaded from host for the whole run. The probe times a
+    many-block job too (a fake clock: each job costs 100 us plus 1 us per block)."""
+    import pytest
+
+    from kvtier.cache import cost_model
+
+    now = [0.0]
+    monkeypatch.setattr(cost_model.time, "perf_counter", lambda: now[0])
+
+    def copy(n):
+        now[0] += 1e-4 + n * 1e-6
+        return n * 960
+
+    bulk = cost_model.probe(copy, 4096)
+    assert bulk.latency_s == pytest.approx(1.01e-4) and bulk.bandwidth_Bps == pytest.approx(960 / 1e-6)
+    one = cost_model.probe(copy, 1)  # the disk's probe: its loads are one block per job
+    assert one.bandwidth_Bps == pytest.approx(960 / 1.01e-4)
+
+
+def test_the_pool_probes_its_host_tier_with_a_many_block_job():
+    import torch
+
+    from kvtier.cache.config import PoolConfig
+    from kvtier.cache.pool import KVPool
+    from kvtier.transfer import CopyEngine
+
+    sizes = []
+
+    class Recording:
+        def __init__(self, engine):
+            self.engine = engine
+
+        def scatter(self, staging, kv_caches, pages):
+            sizes.append(len(pages))
+            assert staging.shape[0] == len(pages)
+            return self.engine.scatter(staging, kv_caches, pages)
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    pool = KVPool(PoolConfig(page_size=1, num_device_pages=64, host_cache_bytes=32 * 8 * 4),
+                  [torch.zeros(64, 1, 8)], copy_engine=Recording(CopyEngine()))
+    assert sizes == [1, 1, 1, 32, 32, 32]  # every host slot (32 < 4 MiB of 32-byte blocks)
+    assert pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 0

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from kvtier.cache.config import PoolConfig
-from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
+from kvtier.cache.cost_model import PROBE_BULK_BYTES, REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
@@ -106,14 +106,16 @@ class PoolTiers:
     def _probe(self) -> CostModel:
         model = CostModel()
         if self.host is not None and self.host.num_slots:
-            slot = self.host.slot(0)
-            model.tiers[Tier.HOST] = probe(lambda: self._copy_ok(self.copy_engine.scatter(slot, self.kv_caches, [0])))
+            n = max(1, min(self.host.num_slots, self.kv_caches[0].shape[0], PROBE_BULK_BYTES // self.block_bytes))
+            staging = self.host.read(list(range(n)))  # host blocks as one load job reads them
+            model.tiers[Tier.HOST] = probe(
+                lambda k: self._copy_ok(self.copy_engine.scatter(staging[:k], self.kv_caches, list(range(k))), k), n)
         if self.remote is not None:
             model.tiers[Tier.REMOTE] = TierCost(REMOTE_TIER.latency_s, REMOTE_TIER.bandwidth_Bps)
         if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
             buf = aligned_empty(self.block_bytes).zero_()
             if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
-                model.tiers[Tier.DISK] = probe(lambda: self._disk_probe_read(buf))
+                model.tiers[Tier.DISK] = probe(lambda _: self._disk_probe_read(buf))  # one block per load job
                 self.disk.remove(_PROBE_HASH)
         return model
 
@@ -121,7 +123,7 @@ class PoolTiers:
         self.disk.read(_PROBE_HASH, self.meta, buf)
         return self.block_bytes
 
-    def _copy_ok(self, handle: CopyJob) -> int:
-        """Wait for a probe copy; returns the bytes it moved."""
+    def _copy_ok(self, handle: CopyJob, num_blocks: int = 1) -> int:
+        """Wait for a probe copy of ``num_blocks`` blocks; returns the bytes it moved."""
         handle.result()
-        return self.block_bytes
+        return num_blocks * self.block_bytes
