@@ -23,7 +23,7 @@ from kvtier.cache.tiers import PoolTiers
 from kvtier.transfer import CopyError
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockLoad:
     """One block on its way into device page ``page`` (``ok``: None while it runs)."""
 

@@ -118,6 +118,8 @@ class JobPart:
     status (-1 when the job failed as a whole without per-block statuses) and its share of the
     job's worker time (what the cost model learns a block's bandwidth from)."""
 
+    __slots__ = ("job", "i", "n")
+
     def __init__(self, job: CopyJob, i: int, n: int):
         self.job, self.i, self.n = job, i, n
 

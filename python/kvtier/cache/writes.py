@@ -19,7 +19,7 @@ from kvtier.cache.tiers import PoolTiers
 from kvtier.transfer import CopyError
 
 
-@dataclass
+@dataclass(slots=True)
 class Write:
     """One block being copied down: to ``target`` from device ``page`` or host ``slot``."""
 
