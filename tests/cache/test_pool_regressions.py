@@ -198,3 +198,60 @@ def test_the_pool_probes_its_host_tier_with_a_many_block_job():
                   [torch.zeros(64, 1, 8)], copy_engine=Recording(CopyEngine()))
     assert sizes == [1, 1, 1, 32, 32, 32]  # every host slot (32 < 4 MiB of 32-byte blocks)
     assert pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 0
+
+
+def test_an_eviction_copy_that_fails_for_some_blocks_stores_the_others():
+    """Write-back copies two evicted device blocks to host in one job that reports its first
+    block failed: the other is indexed on host and its slot holds its bytes (before, no slot
+    was written unless every block succeeded, yet the good blocks were indexed: a later load
+    served whatever the slot held)."""
+    import torch
+
+    from kvtier.cache.config import PoolConfig
+    from kvtier.cache.cost_model import TierCost
+    from kvtier.cache.kv_state import KVState, TokenList
+    from kvtier.cache.pool import KVPool
+    from kvtier.transfer import CopyEngine
+
+    class FirstBlockFails:
+        """Gathers of two blocks or more report their first block failed."""
+
+        def __init__(self):
+            self.engine = CopyEngine()
+
+        def gather(self, pools, pages, staging):
+            handle = self.engine.gather(pools, pages, staging)
+            if len(pages) < 2:
+                return handle
+
+            class Partial:
+                run_s = 0.0
+                done, wait = handle.done, handle.wait
+
+                def result(self):
+                    return [-1] + list(handle.result())[1:]
+            return Partial()
+
+        def __getattr__(self, name):
+            return getattr(self.engine, name)
+
+    loads = CostModel(prefill_tok_s=1e-3, tiers={Tier.HOST: TierCost(1e-6, 1e9)})  # always load
+    pool = KVPool(PoolConfig(page_size=1, num_device_pages=2, host_cache_bytes=2 * 32, write_policy="write-back"),
+                  [torch.zeros(2, 1, 8)], loads, copy_engine=FirstBlockFails())
+    kv = KVState(TokenList([1, 2, 3]))
+    pool.begin_prefix(kv)
+    pool.finish_prefix(kv)
+    assert pool.allocate(kv, 2)
+    pool.kv_caches[0][kv.page_ids[0]] = 11.0
+    pool.kv_caches[0][kv.page_ids[1]] = 22.0
+    kv.num_computed_tokens = 2
+    pool.register_computed(kv)
+    pool.free(kv)
+    other = KVState(TokenList([9, 9, 9]))
+    assert pool.allocate(other, 2)  # evicts both blocks in one two-block gather
+    # The last page is reused first, so block 1 is the job's first block: it failed.
+    assert pool.index.held(kv.block_hashes, Tier.HOST).tolist() == [True, False] and pool.stats.copy_errors == 1
+    slot = int(pool.index.match(kv.block_hashes[:1], [Tier.HOST])[0, Tier.HOST])
+    assert torch.equal(pool.host.slot(slot).view(torch.float32), torch.full((8,), 11.0))
+    assert len(pool.host._free) == 1  # the failed block's slot was given back
+    pool.index.check_invariants()

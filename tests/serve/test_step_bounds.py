@@ -198,3 +198,27 @@ def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_long_prom
         if policy == "cache-aware":
             assert totals[:-1] == [BUDGET] * (len(totals) - 1), totals
     assert outs["cache-aware"] == outs["fcfs"]
+
+
+def test_placing_the_rest_of_the_chunked_prefill_charges_its_attention_work_once():
+    """``_end_chunked`` placing a running prefill's rest that had no chunk yet this step charges
+    that chunk's query-key pairs once (``_place`` charges it; an extra ``_charge`` took them twice,
+    leaving the rest of the step less attention budget)."""
+    import torch
+
+    from kvtier.cache.config import PoolConfig
+    from kvtier.cache.pool import KVPool
+    from kvtier.serve.params import RequestMetrics, SamplingParams
+    from kvtier.serve.request import Sequence
+    from kvtier.serve.scheduler import ScheduledBatch
+
+    config = PoolConfig(page_size=1, num_device_pages=64)
+    scheduler = Scheduler(EngineConfig(pool=config, max_num_batched_tokens=64, max_num_batched_pairs=10_000),
+                          KVPool(config, [torch.zeros(64, 1, 8)]))
+    seq = Sequence(1, list(range(20)), SamplingParams(max_tokens=1), RequestMetrics(0.0))
+    seq.status = SequenceStatus.RUNNING
+    scheduler.running.append(seq)
+    scheduler._pairs_budget = scheduler._pairs_left = 10_000
+    batch = ScheduledBatch()
+    assert scheduler._end_chunked(batch, [seq], 64) == 20
+    assert batch.extends == [(seq, 20)] and 10_000 - scheduler._pairs_left == _pairs(0, 20)

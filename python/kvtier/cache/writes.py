@@ -74,11 +74,14 @@ class Writes:
         job = t.copy_engine.gather(t.kv_caches, [page for _, page in blocks], staging)
         try:
             statuses = job.result()
-            if all(s == 0 for s in statuses):
-                t.host.write(slots, staging)
         except CopyError:
             statuses = []  # every block failed
         ok = [k < len(statuses) and statuses[k] == 0 for k in range(len(blocks))]
+        good = [k for k in range(len(blocks)) if ok[k]]
+        if len(good) == len(blocks):
+            t.host.write(slots, staging)
+        elif good:  # only the blocks that were copied: the others' slots are given back
+            t.host.write([slots[k] for k in good], staging[good])
         self._host_copies_ended([h for h, _ in blocks], slots, ok)
 
     def computed(self, h: bytes, page: int) -> None:

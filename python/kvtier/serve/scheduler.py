@@ -322,10 +322,10 @@ class Scheduler:
             extra = self._pair_cap(seq, min(self._remaining(seq) - have, budget), have)
             if extra <= 0 or not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
                 continue
-            self._charge(seq, extra, have)
             if i is None:
-                self._place(batch, seq, extra)
+                self._place(batch, seq, extra)  # charges the chunk
             else:
+                self._charge(seq, extra, have)
                 batch.extends[i] = (seq, have + extra)
             budget -= extra
 
@@ -528,10 +528,10 @@ class Scheduler:
             return 0
         if not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + rest):
             return 0
-        self._charge(seq, rest, have)
         if i is None:
-            self._place(batch, seq, rest)
+            self._place(batch, seq, rest)  # charges the chunk
         else:
+            self._charge(seq, rest, have)
             batch.extends[i] = (seq, have + rest)
         chunked.remove(seq)
         return rest
