@@ -320,13 +320,8 @@ class Scheduler:
             i = placed.get(seq.seq_id)
             have = 0 if i is None else batch.extends[i][1]
             extra = self._pair_cap(seq, min(self._remaining(seq) - have, budget), have)
-            if extra <= 0 or not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
+            if extra <= 0 or not self._grow_chunk(batch, seq, i, have, extra):
                 continue
-            if i is None:
-                self._place(batch, seq, extra)  # charges the chunk
-            else:
-                self._charge(seq, extra, have)
-                batch.extends[i] = (seq, have + extra)
             budget -= extra
 
     def _age(self, batch: ScheduledBatch, started_loading: list[Sequence]) -> None:
@@ -526,15 +521,23 @@ class Scheduler:
         rest = self._remaining(seq) - have
         if not 0 < rest < budget or self._pair_cap(seq, rest, have) < rest:
             return 0
-        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + rest):
+        if not self._grow_chunk(batch, seq, i, have, rest):
             return 0
-        if i is None:
-            self._place(batch, seq, rest)  # charges the chunk
-        else:
-            self._charge(seq, rest, have)
-            batch.extends[i] = (seq, have + rest)
         chunked.remove(seq)
         return rest
+
+    def _grow_chunk(self, batch: ScheduledBatch, seq: Sequence, i: int | None, have: int, extra: int) -> bool:
+        """Add ``extra`` prefill tokens to running ``seq``'s chunk in ``batch`` (``batch.extends[i]``
+        holding ``have`` tokens; ``i`` None: no chunk yet), with their pages and attention work;
+        False (nothing changed) when its pages do not fit."""
+        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
+            return False
+        if i is None:
+            self._place(batch, seq, extra)  # charges the chunk
+        else:
+            self._charge(seq, extra, have)
+            batch.extends[i] = (seq, have + extra)
+        return True
 
     def _overtakes(self, seq: Sequence, chunked: list[Sequence]) -> bool:
         """Whether waiting ``seq``, whose prompt does not fit in the step's budget left, starts
