@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvtier import LLM, SamplingParams
-from kvtier.serve.scheduler import DECODE_AGE_FACTOR
+from kvtier.serve.scheduler import DECODE_AGE_FACTOR, FAST_LANE_SHARE
 from tests.cache.test_tiers_e2e import always_load, prompt
 from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
 
@@ -446,3 +446,25 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
         assert outs[rid].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=long_decode)[0].token_ids
     assert outs[dec].metrics.preemptions_after_first_token == 1
     assert outs[aged].metrics.finish_time < outs[dec].metrics.finish_time
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
+def test_cached_turn_is_admitted_in_its_first_step_when_earlier_cold_prompts_fill_the_budget(policy):
+    """The fast lane (FAST_LANE_SHARE of the budget): cold prompts that arrived well before it
+    rank ahead of a returning turn by deadline and fill the step's budget; the returning turn,
+    one token to prefill after its cached blocks, still gets its first token in that step."""
+    engine = engine_for(policy)
+    short = prompt(4 * PS + 1, 10)
+    engine.add_request(short, ONE)
+    run_steps(engine)  # its 4 full blocks are device-cached
+    assert math.floor(BUDGET * FAST_LANE_SHARE) >= 1
+    earlier = engine.clock() - 10.0  # their deadlines are earlier whatever their cost
+    colds = [engine.add_request(prompt(PS, 50 + i), ONE, arrival_time=earlier) for i in range(BUDGET // PS + 1)]
+    cached = engine.add_request(short, ONE)
+    first = run_steps(engine)
+    assert set(colds) <= first.keys()  # every one got its token
+    if policy == "cache-aware":
+        assert first[cached] == 0, first
+        assert sum(first[rid] == 0 for rid in colds) == BUDGET // PS - 1  # one cold prompt's worth gave way
+    else:  # FCFS: the earlier cold prompts take the whole first step
+        assert first[cached] > 0, first

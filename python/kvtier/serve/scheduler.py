@@ -40,6 +40,12 @@ DECODE_AGE_FACTOR = 4
 """A sequence past its first token (its TTFT is made) is aged after this many times
 ``schedule_max_passes`` steps passed over, preemptions included: when the pool keeps evicted
 blocks below the device, requests waiting for their first token may preempt it that often."""
+FAST_LANE_SHARE = 1 / 16
+"""Cache-aware: share of each step's token budget kept for requests waiting for their first
+token that need at most that many prefill tokens after their cached prefix (a returning turn):
+they are admitted ahead of the ranked order, beside a long cold prefill whatever its deadline,
+so their first token comes in the next step. A steady stream of them takes at most this share
+of a step from the others."""
 INLINE_LOAD_SHARE = 0.1
 """Cache-aware: prefix loads the cost model puts under this share of a full step's estimated
 time (``recompute_s(max_num_batched_tokens)``), all of them together in one step, are waited
@@ -65,7 +71,10 @@ class Scheduler:
       so a shorter prompt does not wait for a long cold one to end, but never a third), beside
       any number of prefills that end in the step; the chunked one
       gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
-      whatever they leave. Requests past their first token (preempted after it) rank after
+      whatever they leave. Requests waiting for their first token with at most
+      :data:`FAST_LANE_SHARE` of the budget to prefill after their cached prefix are admitted
+      ahead of the ranked order (after aged ones and those whose prefix is placed), within
+      that share. Requests past their first token (preempted after it) rank after
       those still waiting for one. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
@@ -289,10 +298,25 @@ class Scheduler:
         """``seqs`` in cache-aware order (see :meth:`_key`)."""
         return sorted(seqs, key=self._key)
 
-    def _plan(self, budget: int) -> dict[int, int]:
+    def _fast_lane(self) -> tuple[set[int], int]:
+        """The waiting requests admitted ahead of the ranked order (see :data:`FAST_LANE_SHARE`),
+        by seq_id, in rank order while their tokens to prefill fit in the lane, and those tokens."""
+        left = int(self.config.max_num_batched_tokens * FAST_LANE_SHARE)
+        fast, tokens = set(), 0
+        for seq in self._ranked([s for s in self.waiting if not s.output_token_ids
+                                 and s.seq_id not in self._displaced and not self._urgent(s)]):
+            n = self._estimate(seq)[0]
+            if n <= left:
+                fast.add(seq.seq_id)
+                left -= n
+                tokens += n
+        return fast, tokens
+
+    def _plan(self, budget: int, fast_tokens: int = 0) -> dict[int, int]:
         """Prefill tokens each running prefill may take this step: the oldest (the chunked one)
         at least ``CHUNK_SHARE`` of the step's budget, the others, in rank order with the waiting
-        requests, what they need; budget left after admission goes to them in :meth:`_top_up`."""
+        requests, what they need, after the fast lane's ``fast_tokens``; budget left after
+        admission goes to them in :meth:`_top_up`."""
         prefills = [s for s in self.running if self._remaining(s) > 1]
         left = budget - (len(self.running) - len(prefills))
         if not prefills or left <= 0:
@@ -300,7 +324,7 @@ class Scheduler:
         oldest = prefills[0]
         reserve = min(self._remaining(oldest), self._chunk_reserve(), left)
         plan = {oldest.seq_id: reserve}
-        left -= reserve
+        left -= reserve + fast_tokens
         for seq in self._ranked(prefills[1:] + list(self.waiting)):
             if left <= 0:
                 break
@@ -638,10 +662,13 @@ class Scheduler:
         self._pairs_budget = self._pairs_left = self.config.max_num_batched_pairs
         self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         self._make_room()
-        budget = self._schedule_running(batch, budget, self._plan(budget))
+        fast, fast_tokens = self._fast_lane()
+        budget = self._schedule_running(batch, budget, self._plan(budget, fast_tokens))
         num_loading = len(self.loading)
-        # Aged requests, then those whose prefix is placed (they hold its pages), then the rest.
-        order = sorted(self._ranked(list(self.waiting)), key=lambda s: not (self._urgent(s) or s.prefix_done))
+        # Aged requests, then those whose prefix is placed (they hold its pages), then the fast
+        # lane, then the rest.
+        order = sorted(self._ranked(list(self.waiting)),
+                       key=lambda s: (not (self._urgent(s) or s.prefix_done), s.seq_id not in fast))
         budget = self._admit_waiting(batch, budget, order, hold_line=False)
         self._top_up(batch, budget)
         self._age(batch, self.loading[num_loading:])
