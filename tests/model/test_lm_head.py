@@ -25,7 +25,7 @@ def test_few_rows_linear_matches_the_float64_product(n, chunk, monkeypatch):
     monkeypatch.setattr(kimi_k2, "VOCAB_CHUNK", chunk)
     gen = torch.Generator().manual_seed(n * 31 + chunk)
     weight = torch.randn(101, 24, generator=gen)  # 101 rows: a last chunk of another size
-    x = torch.randn(n, 2 * 24, generator=gen)[:, ::2]  # strided rows, as an index of hidden states gives
+    x = torch.randn(n, 2 * 24, generator=gen)[:, ::2]  # not contiguous (strided columns)
     got = few_rows_linear(x, weight)
     assert got.shape == (n, 101) and got.is_contiguous() and got.dtype == torch.float32
     assert_close(got, _reference(x, weight), name="few_rows_linear", **FP32)

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from kvtier import LLM, SamplingParams
+import kvtier.serve.scheduler as scheduler_module
 from kvtier.serve.scheduler import DECODE_AGE_FACTOR, FAST_LANE_SHARE
 from tests.cache.test_tiers_e2e import always_load, prompt
 from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
@@ -468,3 +469,28 @@ def test_cached_turn_is_admitted_in_its_first_step_when_earlier_cold_prompts_fil
         assert sum(first[rid] == 0 for rid in colds) == BUDGET // PS - 1  # one cold prompt's worth gave way
     else:  # FCFS: the earlier cold prompts take the whole first step
         assert first[cached] > 0, first
+
+
+@pytest.mark.parametrize("lane", [True, False], ids=["lane", "no-lane"])
+def test_cached_turn_gets_its_first_token_beside_two_running_prefills_that_fill_the_budget(lane, monkeypatch):
+    """Two cold prefills that arrived earlier run in chunks and would take the whole budget (the
+    chunked one its ``CHUNK_SHARE``, the one ranked ahead of it the rest); the fast lane's share
+    is planned off them, so a returning turn that arrives now still runs in its first step."""
+    if not lane:
+        monkeypatch.setattr(scheduler_module, "FAST_LANE_SHARE", 0.0)
+    engine = engine_for("cache-aware")
+    short = prompt(4 * PS + 1, 10)
+    engine.add_request(short, ONE)
+    run_steps(engine)  # its 4 full blocks are device-cached
+    earlier = engine.clock() - 10.0
+    engine.add_request(prompt(20 * PS, 99), ONE, arrival_time=earlier)  # chunked
+    engine.step()
+    beside = engine.add_request(prompt(8 * PS, 98), ONE, arrival_time=earlier - 1.0)  # ranks ahead: chunks beside
+    engine.step()
+    assert any(s.seq_id == beside and s.num_computed_tokens > 0 for s in engine.scheduler.running)
+    cached = engine.add_request(short, ONE)
+    engine.step()
+    got_token = any(s.seq_id == cached and s.output_token_ids for s in engine.scheduler.running)
+    done = cached not in {s.seq_id for s in [*engine.scheduler.running, *engine.scheduler.waiting,
+                                            *engine.scheduler.loading]}
+    assert (got_token or done) == lane

@@ -42,10 +42,12 @@ DECODE_AGE_FACTOR = 4
 blocks below the device, requests waiting for their first token may preempt it that often."""
 FAST_LANE_SHARE = 1 / 16
 """Cache-aware: share of each step's token budget kept for requests waiting for their first
-token that need at most that many prefill tokens after their cached prefix (a returning turn):
-they are admitted ahead of the ranked order, beside a long cold prefill whatever its deadline,
-so their first token comes in the next step. A steady stream of them takes at most this share
-of a step from the others."""
+token that need at most that many prefill tokens after their cached prefix (a returning turn),
+as estimated when the step is scheduled: they are admitted ahead of the ranked order (after
+aged requests, those whose prefix is placed and the one preemptions just made room for),
+beside a long cold prefill whatever its deadline, so their first token comes in that step
+unless their prefix loads in the background. Running prefills are planned this much less; a
+steady stream of them takes about this share of a step from the others."""
 INLINE_LOAD_SHARE = 0.1
 """Cache-aware: prefix loads the cost model puts under this share of a full step's estimated
 time (``recompute_s(max_num_batched_tokens)``), all of them together in one step, are waited
@@ -73,8 +75,9 @@ class Scheduler:
       gets at least ``CHUNK_SHARE`` of every step's budget, the others what they need, and it
       whatever they leave. Requests waiting for their first token with at most
       :data:`FAST_LANE_SHARE` of the budget to prefill after their cached prefix are admitted
-      ahead of the ranked order (after aged ones and those whose prefix is placed), within
-      that share. Requests past their first token (preempted after it) rank after
+      ahead of the ranked order (after aged ones, those whose prefix is placed and the one
+      preemptions just made room for), within that share; running prefills are planned that
+      much less. Requests past their first token (preempted after it) rank after
       those still waiting for one. A
       request that cannot be placed now (its loads need more free pages than there are, or its
       first chunk does not fit) is skipped, not waited on; when it is the best-ranked such
@@ -300,7 +303,8 @@ class Scheduler:
 
     def _fast_lane(self) -> tuple[set[int], int]:
         """The waiting requests admitted ahead of the ranked order (see :data:`FAST_LANE_SHARE`),
-        by seq_id, in rank order while their tokens to prefill fit in the lane, and those tokens."""
+        by seq_id, and their tokens to prefill: in rank order, each one whose tokens fit in what
+        is left of the lane (first fit)."""
         left = int(self.config.max_num_batched_tokens * FAST_LANE_SHARE)
         fast, tokens = set(), 0
         for seq in self._ranked([s for s in self.waiting if not s.output_token_ids
@@ -312,11 +316,11 @@ class Scheduler:
                 tokens += n
         return fast, tokens
 
-    def _plan(self, budget: int, fast_tokens: int = 0) -> dict[int, int]:
+    def _plan(self, budget: int, fast: set[int] = frozenset(), fast_tokens: int = 0) -> dict[int, int]:
         """Prefill tokens each running prefill may take this step: the oldest (the chunked one)
         at least ``CHUNK_SHARE`` of the step's budget, the others, in rank order with the waiting
-        requests, what they need, after the fast lane's ``fast_tokens``; budget left after
-        admission goes to them in :meth:`_top_up`."""
+        requests outside the fast lane (``fast``, by seq_id), what they need, after the lane's
+        ``fast_tokens``; budget left after admission goes to them in :meth:`_top_up`."""
         prefills = [s for s in self.running if self._remaining(s) > 1]
         left = budget - (len(self.running) - len(prefills))
         if not prefills or left <= 0:
@@ -325,7 +329,7 @@ class Scheduler:
         reserve = min(self._remaining(oldest), self._chunk_reserve(), left)
         plan = {oldest.seq_id: reserve}
         left -= reserve + fast_tokens
-        for seq in self._ranked(prefills[1:] + list(self.waiting)):
+        for seq in self._ranked(prefills[1:] + [s for s in self.waiting if s.seq_id not in fast]):
             if left <= 0:
                 break
             give = min(max(self._estimate(seq)[0] - plan.get(seq.seq_id, 0), 0), left)
@@ -360,27 +364,29 @@ class Scheduler:
             if seq.seq_id not in got and self._arrival(seq) < latest:
                 seq.num_passed_over += 1
 
-    def _make_room(self) -> None:
+    def _make_room(self) -> Sequence | None:
         """Preempt running sequences to let in the best-ranked request blocked on pages, when
         their pages together let it in (vLLM's priority scheduling preempts the same way); see
         :meth:`_victims` for which. Each preemption counts as a step passed over, so aging
-        bounds how often one request is preempted."""
+        bounds how often one request is preempted. Returns the request room was made for (None:
+        no preemption), which admission then tries before the fast lane."""
         self._restart_aging()
         blocked = [s for s in self.waiting if s.seq_id in self._blocked and not self._waits_for_chunk(s)]
         if not blocked:
-            return
+            return None
         head = self._ranked(blocked)[0]
         if head.page_ids:
-            return
+            return None
         tokens = self._estimate(head)[0]  # its reused prefix and first chunk need pages
         need = self.pool.pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
-            return
+            return None
         chosen = self._victims(head, need - self.pool.num_free_pages)
         for v in chosen or ():
             self._preempt(v)
             v.num_passed_over += 1
             self._displaced[v.seq_id] = head
+        return head if chosen else None
 
     def _waits_for_chunk(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` would wait this step behind the one chunked prefill whatever
@@ -661,14 +667,15 @@ class Scheduler:
             return batch
         self._pairs_budget = self._pairs_left = self.config.max_num_batched_pairs
         self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
-        self._make_room()
+        made_room_for = self._make_room()
         fast, fast_tokens = self._fast_lane()
-        budget = self._schedule_running(batch, budget, self._plan(budget, fast_tokens))
+        budget = self._schedule_running(batch, budget, self._plan(budget, fast, fast_tokens))
         num_loading = len(self.loading)
-        # Aged requests, then those whose prefix is placed (they hold its pages), then the fast
-        # lane, then the rest.
+        # Aged requests, then those whose prefix is placed (they hold its pages), then the one
+        # preemptions just made room for (the freed pages are its), then the fast lane, then the rest.
         order = sorted(self._ranked(list(self.waiting)),
-                       key=lambda s: (not (self._urgent(s) or s.prefix_done), s.seq_id not in fast))
+                       key=lambda s: (not (self._urgent(s) or s.prefix_done), s is not made_room_for,
+                                      s.seq_id not in fast))
         budget = self._admit_waiting(batch, budget, order, hold_line=False)
         self._top_up(batch, budget)
         self._age(batch, self.loading[num_loading:])
