@@ -103,7 +103,7 @@ class Engine:
             max_position_embeddings, or one that cannot fit in the page pool; the message names
             ``prompt_token_ids[index]``.
         """
-        vocab, max_pos = self.model_config.vocab_size, self.model_config.max_position_embeddings
+        vocab = self.model_config.vocab_size
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params[{index}] must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt_token_ids, (str, bytes, dict)) or not isinstance(prompt_token_ids, Iterable) or (
