@@ -301,26 +301,25 @@ class Scheduler:
         """``seqs`` in cache-aware order (see :meth:`_key`)."""
         return sorted(seqs, key=self._key)
 
-    def _fast_lane(self) -> tuple[set[int], int]:
-        """The waiting requests admitted ahead of the ranked order (see :data:`FAST_LANE_SHARE`),
-        by seq_id, and their tokens to prefill: in rank order, each one whose tokens fit in what
-        is left of the lane (first fit)."""
+    def _fast_lane(self) -> dict[int, int]:
+        """The waiting requests admitted ahead of the ranked order (see :data:`FAST_LANE_SHARE`):
+        ``{seq_id: tokens to prefill}``, in rank order, each one whose tokens fit in what is left
+        of the lane (first fit)."""
         left = int(self.config.max_num_batched_tokens * FAST_LANE_SHARE)
-        fast, tokens = set(), 0
+        fast = {}
         for seq in self._ranked([s for s in self.waiting if not s.output_token_ids
                                  and s.seq_id not in self._displaced and not self._urgent(s)]):
             n = self._estimate(seq)[0]
             if n <= left:
-                fast.add(seq.seq_id)
+                fast[seq.seq_id] = n
                 left -= n
-                tokens += n
-        return fast, tokens
+        return fast
 
-    def _plan(self, budget: int, fast: set[int] = frozenset(), fast_tokens: int = 0) -> dict[int, int]:
+    def _plan(self, budget: int, fast: dict[int, int]) -> dict[int, int]:
         """Prefill tokens each running prefill may take this step: the oldest (the chunked one)
         at least ``CHUNK_SHARE`` of the step's budget, the others, in rank order with the waiting
-        requests outside the fast lane (``fast``, by seq_id), what they need, after the lane's
-        ``fast_tokens``; budget left after admission goes to them in :meth:`_top_up`."""
+        requests outside the fast lane (``fast``, from :meth:`_fast_lane`), what they need, after
+        the lane's tokens; budget left after admission goes to them in :meth:`_top_up`."""
         prefills = [s for s in self.running if self._remaining(s) > 1]
         left = budget - (len(self.running) - len(prefills))
         if not prefills or left <= 0:
@@ -328,7 +327,7 @@ class Scheduler:
         oldest = prefills[0]
         reserve = min(self._remaining(oldest), self._chunk_reserve(), left)
         plan = {oldest.seq_id: reserve}
-        left -= reserve + fast_tokens
+        left -= reserve + sum(fast.values())
         for seq in self._ranked(prefills[1:] + [s for s in self.waiting if s.seq_id not in fast]):
             if left <= 0:
                 break
@@ -668,8 +667,8 @@ class Scheduler:
         self._pairs_budget = self._pairs_left = self.config.max_num_batched_pairs
         self._displaced = {i: h for i, h in self._displaced.items() if h.status is SequenceStatus.WAITING}
         made_room_for = self._make_room()
-        fast, fast_tokens = self._fast_lane()
-        budget = self._schedule_running(batch, budget, self._plan(budget, fast, fast_tokens))
+        fast = self._fast_lane()
+        budget = self._schedule_running(batch, budget, self._plan(budget, fast))
         num_loading = len(self.loading)
         # Aged requests, then those whose prefix is placed (they hold its pages), then the one
         # preemptions just made room for (the freed pages are its), then the fast lane, then the rest.
