@@ -8,30 +8,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.model.checkpoint import random_tensors
-from kvtier.model.config import PRESETS, preset
-from kvtier.model.kimi_k2 import KimiK2ForCausalLM
-from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
-from kvtier.model.weights import checkpoint_bytes
 from kvtier.options import check_choice, check_hashable, check_int, check_path
-from kvtier.serve import Engine, EngineConfig, RequestOutput, SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MAX_RANDOM_PRESET_BYTES = 8 << 30  # presets larger than this are for sizing, not for running here
-
-
-class _DictSource(dict):
-    def get(self, name):  # type: ignore[override]
-        return self[name]
-
-
-def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
-
+from kvtier.serve import RequestOutput, SamplingParams
+from kvtier.serve.builder import (_DTYPES, MAX_RANDOM_PRESET_BYTES, _random_model, build_engine,  # noqa: F401
+                                  check_device, load_for_serving)
 
 def _check_llm_args(model, dtype, device, seed, tokenizer) -> None:
     """Types of :class:`LLM`'s own arguments (the engine's are :class:`EngineConfig`'s)."""
@@ -41,62 +21,6 @@ def _check_llm_args(model, dtype, device, seed, tokenizer) -> None:
     check_int("seed", seed, min_value=0, max_value=2**63 - 1)
     check_path("tokenizer", tokenizer)
 
-
-def check_device(name: str, device) -> torch.device:
-    """``device`` as a torch device that exists here.
-
-    ``"cpu"`` or ``"cuda"``/``"cuda:N"`` (ROCm's torch also calls its GPUs ``cuda``).
-
-    Raises:
-        ValueError: not a str/torch.device, not a torch device, or a ``cuda`` device on a machine
-            without a usable CUDA/ROCm GPU (or an index past the last one), naming ``name``.
-    """
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"{name} must be a str or torch.device, got {device!r} ({type(device).__name__})")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"{name}={device!r} is not a torch device: {e}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{name}={str(device)!r} needs a CUDA or ROCm GPU, and this machine has none usable "
-                             f"(torch {torch.__version__}: cuda {torch.version.cuda}, hip {torch.version.hip}, "
-                             "torch.cuda.is_available() is False); expected 'cpu' here")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"{name}={str(device)!r}: there are {torch.cuda.device_count()} GPUs")
-    return dev
-
-
-def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
-    config = preset(name)
-    size = checkpoint_bytes(config, torch.finfo(dtype).bits // 8)
-    if size > MAX_RANDOM_PRESET_BYTES:
-        raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
-                         "simulation. Pass a checkpoint directory to run it.")
-    model = KimiK2ForCausalLM(config, dtype)
-    load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
-    return model.to(device)
-
-
-def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
-                     seed: int = 0) -> tuple[KimiK2ForCausalLM, bytes]:
-    """The model and its identity for cache salting: ``(model, model_id)``.
-
-    ``model`` is a checkpoint directory (``model_id`` = its fingerprint) or a preset name
-    (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
-    share the returned model (each has its own KV pages).
-
-    Raises:
-        ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
-            that does not exist here (see :func:`check_device`).
-    """
-    check_device("device", device)
-    torch_dtype = _resolve_dtype(dtype, device)
-    if Path(model).is_dir():
-        return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
-    if str(model) in PRESETS:
-        return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
-    raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
 
 
 class LLM:
@@ -142,14 +66,13 @@ class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
                  tokenizer: str | Path | None = None, **engine_args):
         _check_llm_args(model, dtype, device, seed, tokenizer)
+        built = build_engine(model, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer, **engine_args)
         # Kimi tokenizer files (tiktoken.model + tokenizer_config.json): ``tokenizer`` or the model directory
-        self._tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
+        self._tokenizer_dir = built.tokenizer_dir
         self._tokenizer = None
         self._sessions: dict = {}  # session_id -> SessionEncoder
-        config = EngineConfig.of(seed=seed, **engine_args)  # checked before the model loads
-        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
-        self.config = net.config
-        self.engine = Engine(net, config, model_id)
+        self.config = built.config
+        self.engine = built.engine
 
     @property
     def tokenizer(self):

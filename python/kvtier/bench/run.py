@@ -25,7 +25,7 @@ from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
-from kvtier.llm import check_device, load_for_serving
+from kvtier.serve.builder import check_device, load_for_serving
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance

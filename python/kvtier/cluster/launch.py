@@ -129,8 +129,8 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
         StoreUnreachableError: ``store_url`` does not answer (names it); StartupError: a store
             or worker did not start (names it, with its log's tail).
     """
-    from kvtier.router.app import build_router_app, check_workers, subscribe_events
-    from kvtier.router.policy import Router
+    from kvtier.cluster.router.app import build_router_app, check_workers, subscribe_events
+    from kvtier.cluster.router.policy import Router
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
     print(f"kvtier cluster: logs in {workdir}", flush=True)

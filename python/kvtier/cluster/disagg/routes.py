@@ -3,7 +3,7 @@
 Every role answers ``GET /v1/kv/info`` (role, block layout, salt digest). Workers that decode
 (``decode``, ``both``) take blocks: ``POST /v1/kv/held`` (JSON ``{"block_hashes": [hex, ...]}``
 -> ``{"held": n}``, the leading blocks held in a local tier) and ``POST /v1/kv/blocks`` (a stream
-of checked wire values, see :mod:`kvtier.disagg.blocks`, each registered as soon as it is
+of checked wire values, see :mod:`kvtier.cluster.disagg.blocks`, each registered as soon as it is
 complete). A ``prefill`` worker answers ``POST /v1/kv/prefill/chat/completions`` and
 ``/v1/kv/prefill/completions`` (the OpenAI body; the target in the ``x-kvtier-decode-url``
 header, one of its ``--decode-workers``) with the first token and the transfer's report; it
@@ -22,8 +22,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from kvtier.disagg.blocks import ValueReader, held_prefix, import_blocks
-from kvtier.disagg.worker import DisaggMetrics, PrefillJob
+from kvtier.cluster.disagg.blocks import ValueReader, held_prefix, import_blocks
+from kvtier.cluster.disagg.worker import DisaggMetrics, PrefillJob
 from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
 
 ROLES = ("prefill", "decode", "both")

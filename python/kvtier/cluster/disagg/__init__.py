@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import httpx
 
-from kvtier.disagg.routes import ROLES, check_role
+from kvtier.cluster.disagg.routes import ROLES, check_role
 
 __all__ = ["ROLES", "check_compatible", "check_role", "reach_decode_workers"]
 
@@ -49,7 +49,7 @@ def reach_decode_workers(urls: list[str], timeout_s: float = 5.0) -> dict[str, d
 
 def check_compatible(infos: dict[str, dict], info: dict) -> None:
     """Every decode worker in ``infos`` (from :func:`reach_decode_workers`) has this worker's
-    block layout and salt (``info``, :func:`kvtier.disagg.routes.worker_info`).
+    block layout and salt (``info``, :func:`kvtier.cluster.disagg.routes.worker_info`).
 
     Raises:
         ValueError: one that does not, named with both layouts and salts.

@@ -4,9 +4,9 @@ import asyncio
 
 import httpx
 
-from kvtier.router.pd import PrefillStage
-from kvtier.router.policy import Router
-from tests.disagg.helpers import free_dead_url
+from kvtier.cluster.router.pd import PrefillStage
+from kvtier.cluster.router.policy import Router
+from tests.cluster.disagg.helpers import free_dead_url
 
 
 def _run(stage: PrefillStage, decode_url: str):

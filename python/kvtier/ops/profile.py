@@ -1,4 +1,4 @@
-"""``kvtier kernels --profile DIR``: every kernel op once at a small shape under torch.profiler.
+"""Every kernel op once at a small shape under torch.profiler (``kvtier kernels --profile DIR``).
 
 Each op runs inside its ``record_function("kvtier::<op>")`` range, so the Chrome trace written to
 ``DIR/kvtier_kernels.json`` (open it in https://ui.perfetto.dev or chrome://tracing) shows one
@@ -11,14 +11,13 @@ vocab 4096), small batch; fp32 on CPU, bf16 on a GPU.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from kvtier import ops
-from kvtier.ops.dispatch import BACKENDS, resolve_backend
+from kvtier.ops.dispatch import resolve_backend
 
 RANK, ROPE, PAGE, HEADS = 512, 64, 64, 8
 
@@ -76,21 +75,3 @@ def profile_kernels(out_dir: Path, device: torch.device, backend: str = "auto") 
     path = out_dir / "kvtier_kernels.json"
     prof.export_chrome_trace(str(path))
     return path
-
-
-def cmd_kernels(args: argparse.Namespace) -> int:
-    if args.profile is None:
-        raise ValueError("nothing to do: pass --profile DIR")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    path = profile_kernels(Path(args.profile), device, args.backend)
-    print(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
-    return 0
-
-
-def add_parser(sub) -> None:
-    """Register ``kvtier kernels`` on the CLI's subparsers."""
-    k = sub.add_parser("kernels", help="run every kernel op once under torch.profiler and write a Chrome trace")
-    k.add_argument("--profile", metavar="DIR", help="directory for the trace (kvtier_kernels.json)")
-    k.add_argument("--backend", default="auto", choices=BACKENDS, help="kernel backend of every op")
-    k.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    k.set_defaults(func=cmd_kernels)

@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from tests.disagg.helpers import free_dead_url
-from tests.disagg.proxy import TransferProxy
+from tests.cluster.disagg.helpers import free_dead_url
+from tests.cluster.disagg.proxy import TransferProxy
 from tests.serve.api.conftest import start_listening, start_server, stop_server
 
 # Small prefill chunks (4 blocks of 16 tokens), so that a prompt's blocks go out in several batches.

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvtier.cache.disk_tier import BlockMeta
-from kvtier.disagg.blocks import encode_values, value_bytes
+from kvtier.cluster.disagg.blocks import encode_values, value_bytes
 
 _END = object()
 

@@ -1,5 +1,5 @@
 """The prefill worker's engine thread: an :class:`EngineWorker` that, after every step, hands the
-full blocks its prefill jobs computed to their :class:`~kvtier.disagg.transfer.Transfer`.
+full blocks its prefill jobs computed to their :class:`~kvtier.cluster.disagg.transfer.Transfer`.
 
 A prefill job is a turn run with ``max_tokens=1`` (the first token is sampled here and returned
 to the router); its transfer starts when the job is accepted and ends when the job finishes (or
@@ -15,8 +15,8 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from kvtier.cache.block_hash import block_hashes
-from kvtier.disagg.blocks import export_blocks
-from kvtier.disagg.transfer import Transfer, TransferReport
+from kvtier.cluster.disagg.blocks import export_blocks
+from kvtier.cluster.disagg.transfer import Transfer, TransferReport
 from kvtier.serve.api.jobs import Job
 from kvtier.serve.api.worker import EngineWorker
 

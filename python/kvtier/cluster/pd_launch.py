@@ -19,9 +19,9 @@ def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, sto
     Raises:
         ValueError: fewer than one prefill or decode worker.
     """
-    from kvtier.router.app import build_router_app, check_workers, subscribe_events
-    from kvtier.router.policy import Router
-    from kvtier.router_cli import prefill_stage
+    from kvtier.cluster.router.app import build_router_app, check_workers, subscribe_events
+    from kvtier.cluster.router.policy import Router
+    from kvtier.cluster.router.pd import prefill_stage
 
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError(f"--prefill-workers and --decode-workers must both be >= 1, got {prefill_workers} and "

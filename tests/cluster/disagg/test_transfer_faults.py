@@ -4,7 +4,7 @@ worker answers at once with the loss counted, and the decode worker's output is 
 
 import httpx
 
-from tests.disagg.helpers import PAGE_SIZE, assert_same_output, metric, turn
+from tests.cluster.disagg.helpers import PAGE_SIZE, assert_same_output, metric, turn
 
 HEADER_BYTES = 64
 

@@ -3,7 +3,7 @@ outputs of one colocated worker, and each turn sends exactly the blocks the deco
 
 import httpx
 
-from tests.disagg.helpers import PAGE_SIZE, assert_same_output, metric, turn
+from tests.cluster.disagg.helpers import PAGE_SIZE, assert_same_output, metric, turn
 
 SYSTEM = " ".join(f"rule {i}: keep the diff small and run the tests." for i in range(24))
 

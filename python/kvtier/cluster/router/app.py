@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.cache.kv_events import KVEventSubscriber
-from kvtier.router.pd import TRANSFER_HEADER
-from kvtier.router.policy import Router
+from kvtier.cluster.router.pd import TRANSFER_HEADER
+from kvtier.cluster.router.policy import Router
 
 SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvtier-worker"  # which worker served the response
@@ -81,7 +81,7 @@ def build_router_app(router: Router, poll_s: float = 0.25, events: KVEventSubscr
                      prefill=None) -> FastAPI:
     """The router application over ``router`` (its workers were checked by :func:`check_workers`);
     ``events`` (from :func:`subscribe_events`) feeds ``router.view`` on every poll. ``prefill``
-    (a :class:`kvtier.router.pd.PrefillStage`): ``router``'s workers are decode workers, and
+    (a :class:`kvtier.cluster.router.pd.PrefillStage`): ``router``'s workers are decode workers, and
     each turn is prefilled on one of the stage's prefill workers first."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
     stage_workers = list(prefill.router.workers.values()) if prefill is not None else []

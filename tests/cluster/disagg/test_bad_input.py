@@ -4,7 +4,7 @@ import httpx
 import pytest
 
 from kvtier.cli import main
-from tests.disagg.helpers import free_dead_url
+from tests.cluster.disagg.helpers import free_dead_url
 
 
 def test_unknown_role_is_a_startup_error(capsys):

@@ -1,4 +1,5 @@
-"""``kvtier serve MODEL``: the OpenAI-compatible server (see :mod:`kvtier.serve.api`)."""
+"""``kvtier serve MODEL``: the OpenAI-compatible server (see :mod:`kvtier.serve.api`; a P/D role's
+worker is :func:`kvtier.cluster.disagg.app.make_worker_app`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from kvtier.model import PRESETS
 def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
-    from kvtier.serve.api.server import make_app, serve
+    from kvtier.cluster.disagg import check_role
+    from kvtier.cluster.disagg.app import make_worker_app
+    from kvtier.serve.api.server import serve
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
@@ -20,8 +23,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    from kvtier.disagg import check_role
-
     check_role(args.role)
     decode_workers = [u.strip().rstrip("/") for u in (args.decode_workers or "").split(",") if u.strip()]
     if any(not u.startswith(("http://", "https://")) for u in decode_workers):
@@ -38,9 +39,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        cache_policy=args.cache_policy, write_policy=args.cache_write_policy,
                        salt=args.cache_salt.encode(), remote_cache_url=args.remote_cache_url,
                        remote_timeout_s=args.remote_timeout_s)
-    app = make_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
+    app = make_worker_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                    max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
-                   seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
+                          seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
                    decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0

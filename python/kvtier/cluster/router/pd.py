@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from kvtier.router.policy import Router
+from kvtier.cluster.router.policy import Router
 
 DECODE_URL_HEADER = "x-kvtier-decode-url"
 TRANSFER_HEADER = "x-kvtier-transfer"  # the turn's transfer report (JSON) on the router's response
@@ -101,3 +101,14 @@ class PrefillStage:
         for k in ("blocks_sent", "blocks_lost", "bytes_sent", "full_prompt_bytes", "overlapped_s", "exposed_s"):
             s[k] += t.get(k, 0)
         s["blocks_held"] += max(t.get("blocks_held", 0), 0)
+
+
+def prefill_stage(prefill_urls: list[str], decode_urls: list[str], policy: str, remote: bool):
+    """The router's :class:`kvtier.cluster.router.pd.PrefillStage` after checking every worker's role.
+
+    Raises:
+        ValueError: a prefill worker that does not answer or is not ``--role prefill``, or a
+            decode worker that is not ``--role decode`` or ``both`` (named).
+    """
+    check_roles(prefill_urls, decode_urls)  # prefill workers are placed by where a session's last prefill ran
+    return PrefillStage(Router(prefill_urls, policy=policy, remote=remote))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvtier.cache.disk_tier import BlockMeta
-from kvtier.disagg.blocks import ValueReader, encode_values, value_bytes
+from kvtier.cluster.disagg.blocks import ValueReader, encode_values, value_bytes
 
 META = BlockMeta(num_layers=3, page_size=4, row_bytes=24, dtype=1, payload_bytes=3 * 4 * 24)
 

@@ -1,0 +1,70 @@
+"""What ``kvtier simulate`` shows on the console: the scenario list, and one scenario's tables,
+plot and JSON (the CLI only parses)."""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+
+def list_scenarios(console: Console) -> None:
+    """Print the table of ``kvtier simulate`` scenarios."""
+    from kvtier.bench.sim.scenarios import SCENARIOS
+
+    table = Table(title="kvtier simulate scenarios")
+    for col in ("scenario", "workers x node", "configurations", "description"):
+        table.add_column(col)
+    for s in SCENARIOS.values():
+        table.add_row(s.name, f"{s.workers} x {s.node}", ", ".join(v.name for v in s.variants), s.description)
+    console.print(table)
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def simulate(opts, console: Console, *, json_path: str | None = None, plot: str | None = None) -> int:
+    """Run the scenario of ``opts`` (:class:`kvtier.bench.sim.run.SimOptions`); print its tables,
+    write the plot and JSON; 0."""
+    from kvtier.bench import report
+    from kvtier.bench.sim.run import run_scenario
+
+    opts.resolve()  # bad options fail before anything runs
+    for path in (json_path, plot):
+        if path:
+            report.check_writable(path)
+    t0 = time.perf_counter()
+    scn, workload, sizing, runs, prov = run_scenario(
+        opts, on_start=lambda name: console.print(f"simulating {name} ({time.perf_counter() - t0:.0f} s)"))
+    elapsed = time.perf_counter() - t0
+    r = scn.replay
+    console.print(f"{scn.name}: {scn.description}")
+    if scn.calibration:
+        console.print(f"calibration: {scn.calibration}")
+    console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
+                  f"{r.concurrency} at a time, the first {r.concurrency} started over {r.ramp_s:g} s; "
+                  f"think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
+                  f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported")
+    console.print(f"per worker: {sizing.device_pages} device pages of {sizing.page_size} tokens "
+                  f"({sizing.device_pages * sizing.page_size / 1e6:.2f}M tokens, "
+                  f"{scn.workers * sizing.device_pages / sizing.working_set_pages:.2f} of the working set), "
+                  f"{sizing.host_slots} host and {sizing.store_slots} {scn.store} blocks; "
+                  f"prefill {prov['prefill_tok_s_16k']:.0f} tok/s at 16K-token chunks")
+    report.render_table([sr.run for sr in runs], console=console, baseline=scn.baseline,
+                        title=f"kvtier simulate {scn.name}: per-configuration results (virtual time)")
+    console.print("TTFT p99 of returning turns (after a session's first; the turns a cache can serve): "
+                  + ", ".join(f"{name} {_ms(v['ttft_p99_returning_s'])}" for name, v in prov["per_variant"].items()))
+    if scn.workers > 1:
+        console.print("migrations (turns served by another worker than the previous turn): "
+                      + ", ".join(f"{sr.run.name} {sr.migrations}" for sr in runs))
+    console.print(f"simulated in {elapsed:.1f} s")
+    if plot:
+        console.print(f"wrote {report.plot_ttft([sr.run for sr in runs], plot)}")
+    if json_path:
+        report.write_json(json_path, report.bench_json([sr.run for sr in runs], prov, baseline=scn.baseline))
+        console.print(f"wrote {json_path}")
+    return 0
+
+

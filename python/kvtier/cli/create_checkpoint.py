@@ -1,0 +1,25 @@
+"""``kvtier create-checkpoint PATH``: a deterministic random HF-layout checkpoint (see
+:func:`kvtier.model.create_random_checkpoint`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.model import PRESETS, create_random_checkpoint
+
+
+def cmd_create_checkpoint(args: argparse.Namespace) -> int:
+    path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
+    print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Register ``kvtier create-checkpoint`` on the CLI's subparsers."""
+    c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout checkpoint")
+    c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
+    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
+                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
+    c.set_defaults(func=cmd_create_checkpoint)

@@ -1,0 +1,115 @@
+"""One engine builder for the offline API (:class:`kvtier.LLM`) and the server
+(:func:`kvtier.serve.api.server.make_app`): the model (a checkpoint or a random preset) and its
+cache identity, the engine over it, and where its tokenizer lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.model.checkpoint import random_tensors
+from kvtier.model.config import PRESETS, KimiK2Config, preset
+from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
+from kvtier.model.weights import checkpoint_bytes
+from kvtier.serve.config import EngineConfig
+from kvtier.serve.engine import Engine
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_RANDOM_PRESET_BYTES = 8 << 30  # presets larger than this are for sizing, not for running here
+
+
+class _DictSource(dict):
+    def get(self, name):  # type: ignore[override]
+        return self[name]
+
+
+def _resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def check_device(name: str, device) -> torch.device:
+    """``device`` as a torch device that exists here.
+
+    ``"cpu"`` or ``"cuda"``/``"cuda:N"`` (ROCm's torch also calls its GPUs ``cuda``).
+
+    Raises:
+        ValueError: not a str/torch.device, not a torch device, or a ``cuda`` device on a machine
+            without a usable CUDA/ROCm GPU (or an index past the last one), naming ``name``.
+    """
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"{name} must be a str or torch.device, got {device!r} ({type(device).__name__})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{name}={device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={str(device)!r} needs a CUDA or ROCm GPU, and this machine has none usable "
+                             f"(torch {torch.__version__}: cuda {torch.version.cuda}, hip {torch.version.hip}, "
+                             "torch.cuda.is_available() is False); expected 'cpu' here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"{name}={str(device)!r}: there are {torch.cuda.device_count()} GPUs")
+    return dev
+
+
+def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
+    config = preset(name)
+    size = checkpoint_bytes(config, torch.finfo(dtype).bits // 8)
+    if size > MAX_RANDOM_PRESET_BYTES:
+        raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
+                         "simulation. Pass a checkpoint directory to run it.")
+    model = KimiK2ForCausalLM(config, dtype)
+    load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
+    return model.to(device)
+
+
+def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
+                     seed: int = 0) -> tuple[KimiK2ForCausalLM, bytes]:
+    """The model and its identity for cache salting: ``(model, model_id)``.
+
+    ``model`` is a checkpoint directory (``model_id`` = its fingerprint) or a preset name
+    (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
+    share the returned model (each has its own KV pages).
+
+    Raises:
+        ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
+            that does not exist here (see :func:`check_device`).
+    """
+    check_device("device", device)
+    torch_dtype = _resolve_dtype(dtype, device)
+    if Path(model).is_dir():
+        return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
+    if str(model) in PRESETS:
+        return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
+    raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+
+
+@dataclass
+class BuiltEngine:
+    """What :func:`build_engine` returns: the engine, the model's config and the directory of its
+    Kimi tokenizer files (``None`` when neither ``tokenizer`` nor a model directory gives one)."""
+
+    engine: Engine
+    config: KimiK2Config
+    tokenizer_dir: Path | None
+
+
+def build_engine(model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
+                 tokenizer: str | Path | None = None, **engine_args) -> BuiltEngine:
+    """The engine over ``model`` (see :func:`load_for_serving`) with ``engine_args`` as
+    :meth:`EngineConfig.of` takes them (checked before the model loads).
+
+    Raises:
+        ValueError: a bad engine argument (named), or what :func:`load_for_serving` raises.
+    """
+    config = EngineConfig.of(seed=seed, **engine_args)  # checked before the model loads
+    net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
+    tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
+    return BuiltEngine(Engine(net, config, model_id), net.config, tokenizer_dir)
