@@ -33,7 +33,7 @@ from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.timing import BatchShape
 from kvtier.bench.workload import Workload
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
-from kvtier.cache.disk_tier import DiskTier, aligned_empty
+from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
 from kvtier.options import check_real
@@ -159,32 +159,6 @@ def _link(cost_model: CostModel, tier: Tier, job_s: float) -> Link:
     return Link(bandwidth_Bps=cost.bandwidth_Bps, latency_s=cost.latency_s, job_s=job_s)
 
 
-def _seconds_per_job(submit, jobs: int) -> float:
-    """Wall seconds per job when ``jobs`` one-block jobs are submitted back to back and all
-    waited for: the copy engine's per-job cost with its queue and threads, which the worker
-    times the pool learns from leave out."""
-    t0 = time.perf_counter()
-    handles = [submit() for _ in range(jobs)]
-    for h in handles:
-        h.result()
-    return (time.perf_counter() - t0) / jobs
-
-
-def _copy_job_costs(pool, jobs: int = 512) -> tuple[float, float]:
-    """Per-job seconds of host -> device and disk -> host copies of ``pool``'s copy engine
-    (0 for a tier it lacks or a disk tier holding no block)."""
-    host_s = disk_s = 0.0
-    if pool.host is not None and pool.host.num_slots:
-        slot = pool.host.slot(0)
-        host_s = _seconds_per_job(lambda: pool.copy_engine.scatter(slot, pool.kv_caches, [0]), jobs)
-    blocks = pool.disk.blocks() if pool.disk is not None else []
-    if blocks:
-        staging = aligned_empty(pool.block_bytes)
-        h = blocks[0][0]
-        disk_s = _seconds_per_job(lambda: pool.copy_engine.disk_read(pool.disk, [h], pool.meta, staging), jobs // 4)
-    return host_s, disk_s
-
-
 def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
     """Replay the built-in workload of ``calibration_seed`` (``opts``' sizes otherwise) through the
     real engine under ``tiered`` and ``device-only``; fit the step timer to every step.
@@ -210,7 +184,7 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
             engine.pool.poll(wait=True)
             if config.host:
                 tier_costs = engine.pool.cost_model
-                host_job_s, disk_job_s = _copy_job_costs(engine.pool)
+                host_job_s, disk_job_s = engine.pool.copy_job_costs()
             del engine
         finally:
             if disk_dir is not None:

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES
+from kvtier.cache.block_io import BlockIO
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel
 from kvtier.cache.device_pages import DevicePages
@@ -110,6 +111,7 @@ class KVPool:
         self.loads = Loads(self.tiers, self.pages)
         self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes)
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
+        self.block_io = BlockIO(self.tiers, self.pages)
         self.event_sink: Callable[[list], None] | None = None
 
     # ---- the shared parts, by their usual names ---------------------------------------------
@@ -141,7 +143,7 @@ class KVPool:
     def num_free_pages(self) -> int:
         return self.pages.num_free
 
-    def pages_needed(self, kv: KVState, num_tokens: int) -> int:
+    def num_pages_needed(self, kv: KVState, num_tokens: int) -> int:
         """Pages ``kv`` must add to hold ``num_tokens`` tokens."""
         return self.pages.pages_needed(kv, num_tokens)
 
@@ -292,6 +294,27 @@ class KVPool:
             events = self.index.drain_events()
             if events:
                 self.event_sink(events)
+
+    # ---- blocks for another worker (P/D transfer) -----------------------------------------------
+    def held_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of ``hashes`` this pool holds in a local tier (device, host, disk)."""
+        return self.block_io.held_prefix(hashes)
+
+    def export_blocks(self, hashes: list[bytes]):
+        """``(hashes, payload)``: the device copies of blocks ``hashes`` in one page-first uint8 CPU
+        buffer of ``len(hashes) * block_bytes``; None if one has no device copy or the copy failed
+        (:meth:`kvtier.cache.block_io.BlockIO.export_blocks`)."""
+        return self.block_io.export_blocks(hashes)
+
+    def import_blocks(self, blocks: list[tuple[bytes, bytes]]) -> dict[str, int]:
+        """Place checked ``(hash, payload)`` blocks into free device pages as cached copies; counts
+        ``{"stored", "duplicate", "refused"}`` (:meth:`kvtier.cache.block_io.BlockIO.import_blocks`)."""
+        return self.block_io.import_blocks(blocks)
+
+    def copy_job_costs(self, jobs: int = 512) -> tuple[float, float]:
+        """Seconds per host -> device and disk -> host copy job of this pool's copy engine
+        (:meth:`kvtier.cache.block_io.BlockIO.copy_job_costs`)."""
+        return self.block_io.copy_job_costs(jobs)
 
     def publish_events_to(self, sink: Callable[[list], None] | None) -> None:
         """From now on, hand the index's events (:class:`kvtier.cache.prefix_index.Event`) to

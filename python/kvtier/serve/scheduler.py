@@ -377,7 +377,7 @@ class Scheduler:
         if head.page_ids:
             return None
         tokens = self._estimate(head)[0]  # its reused prefix and first chunk need pages
-        need = self.pool.pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
+        need = self.pool.num_pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
         if self.pool.num_free_pages >= need:
             return None
         chosen = self._victims(head, need - self.pool.num_free_pages)

@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from kvtier.cluster.disagg.blocks import ValueReader, held_prefix, import_blocks
+from kvtier.cluster.disagg.blocks import ValueReader
 from kvtier.cluster.disagg.worker import DisaggMetrics, PrefillJob
 from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
 
@@ -72,7 +72,7 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
     @app.post("/v1/kv/held")
     async def held(request: Request):
         hashes = _held_query(await _json_body(request))
-        return {"held": await worker.call(lambda: held_prefix(pool, hashes))}
+        return {"held": await worker.call(lambda: pool.held_prefix(hashes))}
 
     @app.post("/v1/kv/blocks")
     async def blocks(request: Request):
@@ -84,7 +84,7 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
                 nbytes += len(data)
                 good = reader.feed(data)
                 if good:
-                    for k, v in (await worker.call(lambda good=good: import_blocks(pool, good))).items():
+                    for k, v in (await worker.call(lambda good=good: pool.import_blocks(good))).items():
                         counts[k] += v
         except ClientDisconnect:
             pass  # a cut transfer: the complete values are registered, the rest is recomputed

@@ -15,7 +15,6 @@ import httpx
 from prometheus_client import Counter, Gauge
 
 from kvtier.cache.block_hash import block_hashes
-from kvtier.cluster.disagg.blocks import export_blocks
 from kvtier.cluster.disagg.transfer import Transfer, TransferReport
 from kvtier.serve.api.jobs import Job
 from kvtier.serve.api.worker import EngineWorker
@@ -72,7 +71,7 @@ class PrefillWorker(EngineWorker):
         avail = min(len(t.hashes), seq.num_computed_tokens // self.engine.config.pool.page_size)
         start = t.exported if t.held is None else max(t.exported, min(t.held, avail))
         if avail > start:
-            got = export_blocks(self.engine.pool, t.hashes[start:avail])
+            got = self.engine.pool.export_blocks(t.hashes[start:avail])
             if got is None:  # a block left the device: stop here, the decode side recomputes the rest
                 avail = len(t.hashes)
             else:
