@@ -661,3 +661,33 @@ def test_schedule_policy_reaches_the_simulated_engines():
     assert scn.schedule_policy == "cache-aware" and SimOptions("tiny").resolve().schedule_policy == "fcfs"
     with pytest.raises(ValueError, match="schedule_policy must be one of"):
         SimOptions("tiny", schedule_policy="lifo").resolve()
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "kv-aware", "sticky"])
+def test_the_simulator_routes_with_the_real_router_policy(monkeypatch, policy):
+    import kvtier.bench.sim.loop as loop
+    from kvtier.cluster.router.policy import Router
+
+    made: list[Router] = []
+
+    class Spy(Router):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            self.chosen: list[str] = []
+            made.append(self)
+
+        def choose(self, session_id, prompt_tokens):
+            url = super().choose(session_id, prompt_tokens)
+            self.chosen.append(url)
+            return url
+
+    monkeypatch.setattr(loop, "Router", Spy)
+    engines, wl = _two_workers(shared=True)
+    sr = simulate(engines, wl, policy, concurrency=4, router=policy)
+    (router,) = made
+    assert router.policy == policy and router.remote
+    assert len(router.chosen) == wl.num_requests()  # every turn was placed by the router
+    assert sr.migrations == router.moves  # what it recorded is what the simulator counted
+    assert set(router.sessions) == {s.session_id for s in wl.sessions}
+    if policy == "sticky":
+        assert sr.migrations == 0

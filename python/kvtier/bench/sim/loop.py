@@ -10,11 +10,12 @@ by then are submitted and every idle worker with work starts its next step, so a
 due during a step waits for the step's end, as in the real loop. With a window, ``wall_s`` is
 ``min(duration_s, last finish) - warmup_s``.
 
-Routing (several workers): ``sticky`` keeps each session on the worker it started on (sessions
-are dealt round-robin); ``least-loaded`` sends each turn to the worker where it would start
-soonest: the lowest ``(queued prefill tokens + this turn's tokens not cached there) /
-prefill rate``, where "cached there" is the prefix the worker's own index matches in any of its
-tiers (a shared store's blocks included). A session whose turn goes elsewhere has migrated.
+Routing (several workers) runs the real router's policy (:class:`kvtier.cluster.router.policy.Router`,
+as ``kvtier router --policy`` runs it): ``sticky``, ``least-loaded`` (the fewest requests in
+flight) or ``kv-aware`` (the lowest predicted TTFT from the session's last placement and whether
+the other workers reach its prefix through a shared store). Each turn the router sees every
+worker's requests in flight, and each finished turn is recorded with its latency, as the HTTP
+router records them. A session whose turn goes elsewhere has migrated.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.workload import Turn, Workload
 from kvtier.cache.block_hash import block_hashes
+from kvtier.cluster.router.policy import POLICIES, CostParams, Router
 from kvtier.serve.params import RequestOutput, SamplingParams
 
-ROUTERS = ("sticky", "least-loaded")
+ROUTERS = POLICIES
 _FRESH_ID_BASE = 2**31  # ids of blocks that hold generated tokens: never a workload block id
 
 
@@ -79,10 +81,14 @@ class _Hasher:
 class _SimTarget:
     """The workers as the closed loop's target (virtual clock ``now``)."""
 
-    def __init__(self, workers: list[SimWorker], workload: Workload, router: str):
+    def __init__(self, workers: list[SimWorker], workload: Workload, router: str, shared_store: bool):
         self.workers = workers
-        self.router, self.now, self.migrations = router, 0.0, 0
+        self.now, self.migrations = 0.0, 0
         first = workers[0]
+        self.names = [f"worker-{i}" for i in range(len(workers))]
+        self.router = Router(self.names, policy=router, remote=shared_store,
+                             cost=CostParams(prefill_tok_s=first.pool.cost_model.prefill_tok_s))
+        self.submitted: dict[int, tuple[float, int]] = {}  # id(session) -> (arrival, prompt tokens)
         self.hasher = _Hasher(workload.block_size, first.config.pool.page_size, first.pool.config.salt)
         self.events: list = []  # heap of (time, order, worker)
         self._order = itertools.count()
@@ -96,18 +102,14 @@ class _SimTarget:
         params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True)
         rid = self.workers[w].engine.add_hashed_request(turn.input_tokens, hashes, params, arrival_time=arrival_time)
         self.workers[w].running[rid] = a
+        self.submitted[id(a)] = (arrival_time, turn.input_tokens)
 
     def _route(self, a: ActiveSession, hashes: list[bytes], n_in: int) -> int:
-        if self.router == "sticky" or len(self.workers) == 1:
-            return a.home
-        best, best_s = a.home, math.inf
-        for i in sorted(range(len(self.workers)), key=lambda i: i != a.home):  # the home worker wins ties
-            pool = self.workers[i].pool
-            cached = len(pool.index.match(hashes[: n_in // pool.page_size])) * pool.page_size
-            t = (self.workers[i].backlog_tokens() + n_in - cached) / pool.cost_model.prefill_tok_s
-            if t < best_s:
-                best, best_s = i, t
-        return best
+        if len(self.workers) == 1:
+            return 0
+        for name, w in zip(self.names, self.workers):  # the load figures the router polls
+            self.router.workers[name].running = len(w.running)
+        return self.names.index(self.router.choose(a.session.session_id, n_in))
 
     def advance(self, until: float | None) -> list[tuple[ActiveSession, RequestOutput]] | None:
         for w in self.workers:  # every idle worker with work begins its next step now
@@ -125,7 +127,11 @@ class _SimTarget:
             w.clock.advance_to(self.now)
             step, w.step, w.busy = w.step, None, False
             if step is not None:
-                finished += [(w.running.pop(out.request_id), out) for out in w.engine.end_step(step)]
+                done = [(w.running.pop(out.request_id), out) for out in w.engine.end_step(step)]
+                for a, _ in done:  # as the HTTP router records an answered turn
+                    arrival, n_in = self.submitted.pop(id(a))
+                    self.router.record(a.session.session_id, self.names[a.home], n_in, self.now - arrival)
+                finished += done
         return finished
 
     def tool_wait(self, a: ActiveSession, expected_wait_s: float) -> None:
@@ -158,7 +164,7 @@ class SimRun:
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
              ramp_s: float = 0.0, router: str = "sticky", warmup_s: float = 0.0, duration_s: float = math.inf,
-             on_finish: Callable[[RequestRecord], None] | None = None) -> SimRun:
+             on_finish: Callable[[RequestRecord], None] | None = None, shared_store: bool | None = None) -> SimRun:
     """Replay ``workload`` over ``workers`` in virtual time; returns the run as ``kvtier bench`` does.
 
     Args:
@@ -166,7 +172,9 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
             page size.
         workload: sessions, in order; its block size must divide the page size.
         name: the configuration's name.
-        router: ``"sticky"`` or ``"least-loaded"`` (module docstring).
+        router: a routing policy of :data:`kvtier.cluster.router.policy.POLICIES` (module docstring).
+        shared_store: the workers share a remote or disk tier (a moved session can load its
+            prefix there); None: whether the first two workers' pools share a disk tier object.
         concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish: as
             :class:`~kvtier.bench.closed_loop.ClosedLoop` (times in virtual seconds).
 
@@ -184,7 +192,9 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
         raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
     if len({w.config.pool.page_size for w in workers}) != 1:
         raise ValueError("all workers must have the same page_size")
-    target = _SimTarget(workers, workload, router)
+    if shared_store is None:
+        shared_store = len(workers) > 1 and workers[0].pool.disk is not None and workers[0].pool.disk is workers[1].pool.disk
+    target = _SimTarget(workers, workload, router, shared_store)
     loop = ClosedLoop(workload, target, lambda: target.now, concurrency=concurrency, ramp_s=ramp_s,
                       tool_aware=tool_aware, warmup_s=warmup_s, duration_s=duration_s, num_homes=len(workers),
                       on_finish=on_finish)

@@ -220,7 +220,7 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         engines, r = build_engines(scn, v, sizing, timer, node), scn.replay
         runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
-                             on_finish=on_finish))
+                             on_finish=on_finish, shared_store=v.shared_store))
     return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))
 
 
