@@ -8,7 +8,8 @@ blocks under ``bash -euo pipefail``, python blocks with this interpreter, with i
 nothing); its own asserts check its results. ``runnable slow`` marks a heavy block, which runs
 only with ``--run-slow``. Each block runs in its own process group, killed when it ends, so a
 server a block starts in the background cannot outlive it; port 8000 in a block becomes a free
-loopback port, so concurrent runs do not collide.
+loopback port, so concurrent runs do not collide. A block that reads data from ``../shared``
+(the tokenizer, traces) is skipped when that data is not beside the repository.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("lang,code", _blocks())
 def test_runnable_block(lang: str, code: str):
+    for shared in sorted(set(re.findall(r"\.\./shared/[\w./-]+", code))):
+        if not (ROOT / shared).exists():
+            pytest.skip(f"{shared} is not beside the repository")
     port = _free_port()
     code = code.replace(f":{EXAMPLE_PORT}", f":{port}").replace(f"--port {EXAMPLE_PORT}", f"--port {port}")
     cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
