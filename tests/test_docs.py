@@ -14,8 +14,11 @@ loopback port, so concurrent runs do not collide. A block that reads data from `
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -117,6 +120,74 @@ def test_relative_links_resolve(doc: Path):
                 problems.append(f"{target}: {rel} does not exist")
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             problems.append(f"{target}: no heading #{anchor} in {rel}")
+    assert not problems, f"{doc.relative_to(ROOT)}: " + "; ".join(problems)
+
+
+SHELL_OPS = {"|", "||", "&&", ";", "&"}
+
+
+def _shell_commands(doc: Path) -> list[tuple[int, list[str]]]:
+    """(line, words) of every command in the doc's bash blocks and its inline `kvtier ...` spans."""
+    text = doc.read_text()
+    commands = []
+    for m in FENCE.finditer(text):
+        if m.group(1).split()[:1] != ["bash"]:
+            continue
+        first = text.count("\n", 0, m.start()) + 2
+        body = m.group(2).replace("\\\n", " ")
+        pending, start = "", 0
+        for n, line in enumerate(body.split("\n")):
+            line = re.sub(r"(^|\s)#.*", "", line) if not pending else line
+            pending, start = (pending + "\n" + line, start) if pending else (line, first + n)
+            try:
+                words = shlex.split(pending)
+            except ValueError:  # a quoted string that goes on on the next line
+                continue
+            if words:
+                commands.append((start, words))
+            pending = ""
+        assert not pending, f"{doc.name}:{start}: unterminated quote"
+    for m in re.finditer(r"`(kvtier [a-z][^`]*)`", FENCE.sub("", text)):
+        commands.append((text.count("\n", 0, text.find(m.group(0))) + 1, shlex.split(m.group(1))))
+    return commands
+
+
+def _kvtier_help(sub: str, cache: dict = {}) -> str | None:
+    """``kvtier SUB --help`` as printed, or None when SUB is not a subcommand (one import for all)."""
+    if sub not in cache:
+        from importlib.metadata import entry_points
+
+        main = next(e for e in entry_points(group="console_scripts") if e.name == "kvtier").load()
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main([sub, "--help"])
+            except SystemExit as e:
+                cache[sub] = out.getvalue() if e.code == 0 else None
+    return cache[sub]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_name_real_subcommands_flags_and_scripts(doc: Path, monkeypatch):
+    """Every `kvtier SUB --flag` a doc shows is a subcommand with that flag, and every script it
+    runs (`python perf/x.py`, `bash hip/x.sh`, `scripts/x.sh`) is in the repository."""
+    monkeypatch.setenv("COLUMNS", "200")
+    problems = []
+    for line, words in _shell_commands(doc):
+        for i, word in enumerate(words):
+            if word == "kvtier" and i + 1 < len(words) and not words[i + 1].startswith("-"):
+                sub, help_text = words[i + 1], _kvtier_help(words[i + 1])
+                if help_text is None:
+                    problems.append(f"line {line}: kvtier {sub} is not a subcommand")
+                    continue
+                for arg in words[i + 2:]:
+                    if arg in SHELL_OPS:
+                        break
+                    flag = arg.split("=", 1)[0]
+                    if flag.startswith("--") and not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text):
+                        problems.append(f"line {line}: kvtier {sub} has no {flag}")
+            elif re.fullmatch(r"(perf|scripts|hip|tests)/[\w/.-]+\.(py|sh)", word) and not (ROOT / word).is_file():
+                problems.append(f"line {line}: {word} does not exist")
     assert not problems, f"{doc.relative_to(ROOT)}: " + "; ".join(problems)
 
 
