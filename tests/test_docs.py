@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 BLOCK_TIMEOUT_S = 600
 EXAMPLE_PORT = "8000"
 
@@ -101,7 +101,7 @@ def _slug(heading: str) -> str:
 
 def _anchors(path: Path) -> set[str]:
     text = FENCE.sub("", path.read_text())
-    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.M)}
+    return {_slug(m.group(1)) for m in re.finditer(r"^#{1,6} (.+)$", text, re.MULTILINE)}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -152,8 +152,12 @@ def _shell_commands(doc: Path) -> list[tuple[int, list[str]]]:
     return commands
 
 
-def _kvtier_help(sub: str, cache: dict = {}) -> str | None:
+_HELP: dict[str, str | None] = {}
+
+
+def _kvtier_help(sub: str) -> str | None:
     """``kvtier SUB --help`` as printed, or None when SUB is not a subcommand (one import for all)."""
+    cache = _HELP
     if sub not in cache:
         from importlib.metadata import entry_points
 
