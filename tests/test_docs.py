@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,18 +70,22 @@ def test_runnable_block(lang: str, code: str):
     code = code.replace(f":{EXAMPLE_PORT}", f":{port}").replace(f"--port {EXAMPLE_PORT}", f"--port {port}")
     cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the block ran past {BLOCK_TIMEOUT_S} s")
-    finally:
+    # Output goes to a file, not a pipe: a server the block left running would hold a pipe open.
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever the block left running in its group
-        except ProcessLookupError:
-            pass
-        proc.wait()
+            proc.wait(timeout=BLOCK_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the block ran past {BLOCK_TIMEOUT_S} s")
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever the block left running in its group
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        log.seek(0)
+        out = log.read()
     assert proc.returncode == 0, f"exit {proc.returncode}; output:\n{out[-4000:]}"
 
 
