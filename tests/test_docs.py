@@ -9,7 +9,8 @@ nothing); its own asserts check its results. ``runnable slow`` marks a heavy blo
 only with ``--run-slow``. Each block runs in its own process group, killed when it ends, so a
 server a block starts in the background cannot outlive it; port 8000 in a block becomes a free
 loopback port, so concurrent runs do not collide. A block that reads data from ``../shared``
-(the tokenizer, traces) is skipped when that data is not beside the repository.
+(the tokenizer, traces) is skipped when that data is not beside the repository, and one that
+calls curl when curl is not installed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -66,6 +68,8 @@ def test_runnable_block(lang: str, code: str):
     for shared in sorted(set(re.findall(r"\.\./shared/[\w./-]+", code))):
         if not (ROOT / shared).exists():
             pytest.skip(f"{shared} is not beside the repository")
+    if lang == "bash" and re.search(r"(^|\s)curl\s", code) and shutil.which("curl") is None:
+        pytest.skip("the block calls curl, which is not installed")
     port = _free_port()
     code = code.replace(f":{EXAMPLE_PORT}", f":{port}").replace(f"--port {EXAMPLE_PORT}", f"--port {port}")
     cmd = ["bash", "-euo", "pipefail", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
