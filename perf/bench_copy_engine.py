@@ -1,7 +1,7 @@
 """Copy-engine gather/scatter throughput as a fraction of plain memcpy, measured in one run.
 
 Method: K2-shaped blocks (61 layers x 16-token pages x 576 bf16 values = 1,124,352 B per
-block, i.e. 70,272 B per token as KIMI.md states) in per-layer page pools of 2x the pages
+block, i.e. 70,272 B per token as docs/kimi.md states) in per-layer page pools of 2x the pages
 moved; a batch of ``--blocks`` shuffled pages is gathered into a page-first staging buffer
 and scattered back through the native copy engine (one job, one worker thread), against a
 single ``memcpy`` of the same number of bytes (``torch.Tensor.copy_`` between two

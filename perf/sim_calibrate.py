@@ -1,6 +1,6 @@
 """Fit the simulator's one free parameter on the published device-only result.
 
-The published figure (WORKLOAD.md): device-only p99 TTFT 17.3 s with 128 concurrent coding
+The published figure (docs/workload.md): device-only p99 TTFT 17.3 s with 128 concurrent coding
 sessions on 8x MI355X. ``kimi-mi355x-128``'s device-only configuration is simulated over the
 kv-cache-tester traces for each think-time scale ``f`` of ``--grid`` (recorded think times capped
 at kv-cache-tester's ``--max-delay`` of 600 s, times ``f``); the scale is then interpolated (linearly in log

@@ -1,4 +1,4 @@
-// Chained block hash: the one definition of a KV block's identity (DESIGN.md, "Contracts").
+// Chained block hash: the one definition of a KV block's identity (docs/architecture.md, "Contracts").
 //
 //   h_{-1} = 16 zero bytes
 //   h_i    = SHA-256( h_{i-1}                      16 bytes

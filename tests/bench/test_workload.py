@@ -302,7 +302,7 @@ def test_generator_prefix_structure():
 
 
 def test_generator_statistics_near_workload_md():
-    """Medians over 150 sessions (~9K turns) land near WORKLOAD.md's p50s.
+    """Medians over 150 sessions (~9K turns) land near docs/workload.md's p50s.
 
     Bounds are loose: the median of requests per session from 150 draws has a standard error of
     about 15%, the per-turn medians (thousands of draws) of a few percent.

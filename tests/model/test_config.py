@@ -15,7 +15,7 @@ def test_k2_preset_matches_published_shapes():
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (7168, 61, 64)
     assert (c.kv_lora_rank, c.qk_rope_head_dim, c.kv_cache_dim) == (512, 64, 576)
     assert (c.n_routed_experts, c.num_experts_per_tok, c.vocab_size) == (384, 8, 163840)
-    # KIMI.md: 1,152 B per token per layer in bf16, 70,272 B over 61 layers.
+    # docs/kimi.md: 1,152 B per token per layer in bf16, 70,272 B over 61 layers.
     assert c.kv_cache_bytes_per_token(2) == 70272
 
 

@@ -1,4 +1,4 @@
-"""Named comparison metrics for op tests (STYLE.md §11): fail loudly, print the worst index.
+"""Named comparison metrics for op tests (docs/kernels.md, "Named comparisons"): fail loudly, print the worst index.
 
 ``assert_close`` checks, in order: shape; equality of the NaN / +inf / -inf patterns; an
 elementwise ``|a - e| <= atol + rtol * |e|`` bound over the finite entries (the message names

@@ -5,7 +5,7 @@ The oracle is written here, not imported from :mod:`kvtier.reference` (the op's 
 as one contiguous ``[L, D]`` tensor; the test scatters them into a paged pool itself and the
 oracle does plain softmax attention on the contiguous rows in float64.
 
-Every paged case is adversarial (STYLE.md §10, after FlashMLA's ``generate_test_data``):
+Every paged case is adversarial (docs/kernels.md, "Adversarial paged inputs", after FlashMLA's ``generate_test_data``):
 - the page pool is shuffled (``randperm`` page ids, so block tables are not monotone);
 - unused pages, unused tail slots of partly filled pages, and the padding columns of the
   non-contiguous cache view are NaN, so any stray read poisons the output;

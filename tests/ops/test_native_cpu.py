@@ -1,7 +1,7 @@
 """The C++ CPU implementations of the HIP kernels (``kvtier._C.kernels_cpu``) against the torch
 references, through the same launchers as the GPU kernels (:mod:`kvtier.ops._native`).
 
-Paged inputs are adversarial (STYLE.md §10): shuffled pages, NaN in unused pages and tail slots,
+Paged inputs are adversarial (docs/kernels.md): shuffled pages, NaN in unused pages and tail slots,
 a huge sentinel in unused ``block_table`` entries, zero-length sequences, non-contiguous views.
 """
 

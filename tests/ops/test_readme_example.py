@@ -1,11 +1,11 @@
-"""The README's example of mapping an engine's metadata onto the ops runs as written."""
+"""docs/kernels.md's example of mapping an engine's metadata onto the ops runs as written."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 MARKER = "<!-- example: engine-mapping"
 
 

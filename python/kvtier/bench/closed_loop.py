@@ -1,4 +1,4 @@
-"""The closed loop of agent sessions (WORKLOAD.md), on an injected clock: one driver for the real
+"""The closed loop of agent sessions (docs/workload.md), on an injected clock: one driver for the real
 replay (:func:`kvtier.bench.replay.replay`, wall clock) and the simulator
 (:func:`kvtier.bench.sim.loop.simulate`, virtual clock).
 
@@ -12,7 +12,7 @@ error and the session goes on with its next turn.
 
 Between a turn that stopped on ``tool_use`` and the next one the session waits on a tool: with
 ``tool_aware`` the pool hears of it with an *estimated* wait (the median of the tool waits
-observed so far in this run; before any, WORKLOAD.md's p50 of 9 s times the workload's time
+observed so far in this run; before any, docs/workload.md's p50 of 9 s times the workload's time
 scale), never the trace's true wait, which a server cannot know; and of its end.
 
 A measurement window (``warmup_s``, ``duration_s``) makes a steady-state run of a long trace:
@@ -41,7 +41,7 @@ from kvtier.cache.policy import ToolWaitEstimate
 from kvtier.serve.engine import Engine
 from kvtier.serve.params import RequestOutput
 
-TOOL_WAIT_P50_S = 9.0  # WORKLOAD.md: think_time after tool_use, p50 over 710 sessions
+TOOL_WAIT_P50_S = 9.0  # docs/workload.md: think_time after tool_use, p50 over 710 sessions
 
 
 @dataclass

@@ -7,7 +7,7 @@ A JSONL file, one JSON value per line, in either of two shapes (they may be mixe
   ``session_id``. It becomes one session. Each assistant message is the response of one turn
   whose prompt is every message before it; a conversation that ends with a non-assistant
   message has a last turn answering it. Think times are not in the text: a turn waits the
-  median think time of the coding-agent traces (WORKLOAD.md: 9 s after a response with tool
+  median think time of the coding-agent traces (docs/workload.md: 9 s after a response with tool
   calls, 132 s after one without), times ``time_scale``, capped at ``max_think_s``.
 - **One turn**: an object with ``session_id`` (a string) and ``messages``, the whole
   conversation as sent for that request; optional ``tools``, ``think_time_s`` (seconds before

@@ -3,7 +3,7 @@
 Every configuration replays the same sessions through a fresh engine over the same model
 weights; only the cache differs. Sizes are derived from the workload so that the device tier
 holds clearly less than the sessions' working set (``device_fraction``), as on a real node
-where ~1 TiB of agent context meets a few hundred GB of HBM (WORKLOAD.md, "Sizing").
+where ~1 TiB of agent context meets a few hundred GB of HBM (docs/workload.md, "Sizing").
 """
 
 from __future__ import annotations

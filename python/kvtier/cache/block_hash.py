@@ -1,4 +1,4 @@
-"""The chained block hash of DESIGN.md's contract.
+"""The chained block hash of docs/architecture.md's contract.
 
 ``h_i = SHA-256(h_{i-1} || le_u32(len(salt)) || salt || le_u32(t) for t in block_i)[0:16]``
 with ``h_{-1}`` = 16 zero bytes. Only full blocks are hashed. 128 bits wide: at 1e9 distinct

@@ -1,4 +1,4 @@
-"""One request's KV state in the pool: its pages, block hashes, progress, hits and loads (DESIGN.md, Seams).
+"""One request's KV state in the pool: its pages, block hashes, progress, hits and loads (docs/architecture.md, Seams).
 
 A serving request owns one :class:`KVState` (the serving layer's ``Sequence.kv``); another
 engine creates its own. The pool reads and writes these objects only; it never imports the

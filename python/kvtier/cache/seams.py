@@ -1,4 +1,4 @@
-"""What the pool takes from outside: the copy engine, the disk tier and the clock (DESIGN.md, Seams).
+"""What the pool takes from outside: the copy engine, the disk tier and the clock (docs/architecture.md, Seams).
 
 :class:`kvtier.cache.pool.KVPool` is written against these :class:`typing.Protocol` s only.
 The native implementations are :class:`kvtier.transfer.CopyEngine` (its handles

@@ -13,7 +13,7 @@ every node reaches); otherwise one of ``store`` is started on this machine on 12
 only workers on this machine reach.
 
 Ray: ``ray_address`` joins a running cluster (``ray start --head ...`` on each machine, see
-the README); without it, a Ray instance is started on this machine on 127.0.0.1 and shut down
+docs/cluster.md); without it, a Ray instance is started on this machine on 127.0.0.1 and shut down
 at the end; when the caller already called ``ray.init``, that one is used and left running.
 """
 
@@ -31,7 +31,7 @@ from kvtier.cluster import StartupError
 from kvtier.cluster.launch import START_TIMEOUT_S, WorkerProcess, exit_on_signal, spawn_kvtier, wait_worker
 from kvtier.cluster.stores import StoreProcess, check_store_url, start_store
 
-# A local Ray on loopback without usage reporting or token files (see STORES.md). Ray reads
+# A local Ray on loopback without usage reporting or token files (see docs/cluster.md). Ray reads
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is first imported: without it "127.0.0.1" is
 # replaced by the machine's routable address and Ray listens on every interface.
 RAY_LOCAL_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",

@@ -1,6 +1,6 @@
 """Kimi K2 (DeepSeek-V3 architecture) configuration with Hugging Face field names.
 
-Field meanings and the K2 values come from the public K2 ``config.json`` (see KIMI.md).
+Field meanings and the K2 values come from the public K2 ``config.json`` (see docs/kimi.md).
 ``KimiK2Config.from_hf_dict`` reads a checkpoint's ``config.json`` (``model_type`` ``kimi_k2``
 or ``deepseek_v3``, optionally wrapped in ``text_config``; rope as ``rope_scaling`` +
 ``rope_theta`` or as transformers-5 ``rope_parameters``).
@@ -179,7 +179,7 @@ class KimiK2Config:
 
     @property
     def sm_scale(self) -> float:
-        """Attention softmax scale ``qk_head_dim ** -0.5 * mscale ** 2`` (KIMI.md's trap).
+        """Attention softmax scale ``qk_head_dim ** -0.5 * mscale ** 2`` (docs/kimi.md, "The attention scale").
 
         ``mscale = yarn_get_mscale(factor, mscale_all_dim)`` when YaRN with ``mscale_all_dim`` is
         configured, else 1. Weight absorption does not change it (0.130861 for factor 32).
@@ -247,7 +247,7 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _k2() -> KimiK2Config:
-    # Values of the public Kimi-K2-Instruct config.json (KIMI.md).
+    # Values of the public Kimi-K2-Instruct config.json (docs/kimi.md).
     return KimiK2Config(
         hidden_size=7168, num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384, num_experts_per_tok=8,

@@ -5,7 +5,7 @@ P qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim, E routed experts, I interm
 
 Attention always runs in the weight-absorbed form: ``q_nope @ W_UK`` maps queries into the
 latent space so every head attends to the one shared cached row ``[c_kv | k_pe]`` (width R+P),
-and ``W_UV`` is applied to the attention output (KIMI.md, "Decode with weight absorption").
+and ``W_UV`` is applied to the attention output (docs/kimi.md, "Decode with weight absorption").
 All math outside plain GEMMs goes through :mod:`kvtier.ops`.
 """
 

@@ -1,6 +1,6 @@
 """Paged MLA attention ops (weight-absorbed: one latent KV head shared by all query heads).
 
-Cache layout per layer (DESIGN.md): ``kv_cache [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``;
+Cache layout per layer (docs/architecture.md): ``kv_cache [num_pages, page_size, kv_lora_rank + qk_rope_head_dim]``;
 row ``[0:kv_lora_rank]`` is the normalised latent ``c_kv``, ``[kv_lora_rank:]`` the rotated rope key.
 
 Plan once per step, run once per layer (as FlashInfer's ``plan``/``run``):

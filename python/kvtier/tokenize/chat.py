@@ -2,7 +2,7 @@
 
 Each message renders ``<|im_X|>{name}<|im_middle|>{body}<|im_end|>`` (X = user, assistant or
 system; tool results and the tool declaration are system turns); no BOS, no separators. See
-KIMI.md, "Chat template". :func:`render_messages` returns one string per rendered part so the
+docs/kimi.md, "Chat template". :func:`render_messages` returns one string per rendered part so the
 session encoder can compare turns without re-scanning the whole conversation.
 
 Messages are OpenAI-style dicts:

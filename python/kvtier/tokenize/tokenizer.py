@@ -1,6 +1,6 @@
 """The Kimi K2 tokenizer: tiktoken BPE over ``tiktoken.model`` with Moonshot's encode semantics.
 
-Encode semantics (KIMI.md, "Tokenizer"): every special-token string in the text becomes its
+Encode semantics (docs/kimi.md, "Tokenizer"): every special-token string in the text becomes its
 control id; the text between special tokens ("segments") is cut into 400,000-character windows,
 each window into pieces wherever a run of whitespace or of non-whitespace passes 25,000
 characters, and each piece is BPE-encoded on its own. Windows are counted per segment.

@@ -1,6 +1,6 @@
 """Grammars of a Kimi K2 assistant turn with tools, compiled with llguidance.
 
-One grammar covers the whole turn, in K2's token format (KIMI.md, "Chat template")::
+One grammar covers the whole turn, in K2's token format (docs/kimi.md, "Chat template")::
 
     start:   TEXT? section?          (tool_choice "auto"; TEXT is any text without special tokens)
     section: <|tool_calls_section_begin|> call+ <|tool_calls_section_end|>

@@ -2,7 +2,7 @@
 
 K2 writes a turn as ``[<think>reasoning</think>]content`` followed, when it calls tools, by
 ``<|tool_calls_section_begin|>`` + per call ``<|tool_call_begin|>functions.NAME:IDX
-<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`` + ``<|tool_calls_section_end|>`` (KIMI.md,
+<|tool_call_argument_begin|>{JSON}<|tool_call_end|>`` + ``<|tool_calls_section_end|>`` (docs/kimi.md,
 "Chat template"). The parser takes the output as token ids (:meth:`ToolCallParser.feed_ids`) or
 as text chunks (:meth:`ToolCallParser.feed_text`) and returns events as soon as they are
 known: :class:`ContentDelta`, :class:`ReasoningDelta`, and each :class:`ToolCall` when its

@@ -9,7 +9,7 @@ limit of 5): keywords ``type`` (a type or a list of types), ``properties``, ``re
 ``minimum``/``maximum``, ``minItems``/``maxItems`` and the annotations ``description``,
 ``title``, ``default``. Each type admits only its own keywords; ``anyOf`` and ``$ref`` admit no
 sibling keywords but annotations; a ``$ref`` chain reached through required properties must be
-able to terminate. See KIMI.md, "Tool-call schemas".
+able to terminate. See docs/kimi.md, "Tool-call schemas".
 
 Beyond Moonshot's rules, a ``pattern`` must be a regular expression that the tool-grammar
 compiler, llguidance, accepts, so that a bad one is a schema error here rather than a grammar

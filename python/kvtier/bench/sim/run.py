@@ -3,7 +3,7 @@
 Tier sizes (per worker) of a hardware scenario:
 
 - a page (block) stands for ``page_size * num_hidden_layers * kv_cache_dim * kv_dtype_bytes``
-  bytes of KV (70,272 bytes per token for K2 with bf16 KV, WORKLOAD.md's sizing of the published
+  bytes of KV (70,272 bytes per token for K2 with bf16 KV, docs/workload.md's sizing of the published
   run; 35,136 with FP8 KV);
 - device pages: the HBM one device has left for KV (:meth:`Node.kv_bytes_per_device`, weights
   from :func:`kvtier.bench.sim.timing.weight_bytes`) over one page's bytes (MLA's latent KV is

@@ -2,7 +2,7 @@
 compared, defined as data in ``scenarios.toml`` (beside this module; every assumption there has
 its reason beside it, and the one fitted value is the think-time scale of ``kimi-mi355x-128``).
 
-``kimi-mi355x-128`` reproduces the published measurement (WORKLOAD.md); ``migration`` puts two
+``kimi-mi355x-128`` reproduces the published measurement (docs/workload.md); ``migration`` puts two
 such workers behind a router; ``tiny`` is a seconds-long smoke run at CPU scale.
 """
 

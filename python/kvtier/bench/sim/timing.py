@@ -180,7 +180,7 @@ class RooflineTimer:
         model: the model shape.
         node: devices, interconnect and tensor-parallel size.
         efficiency: fractions of peak reached and fixed costs.
-        kv_dtype_bytes: bytes per cached value (2 = bf16 KV, as WORKLOAD.md sizes the published run; 1 = FP8).
+        kv_dtype_bytes: bytes per cached value (2 = bf16 KV, as docs/workload.md sizes the published run; 1 = FP8).
         weight_dtype_bytes: bytes per linear-layer weight (1 = FP8).
         rates: measured kernel rates; a class without one uses ``peak x efficiency``.
     """

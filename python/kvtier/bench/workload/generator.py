@@ -1,4 +1,4 @@
-"""The seeded synthetic workload: coding-agent sessions drawn from WORKLOAD.md's distributions."""
+"""The seeded synthetic workload: coding-agent sessions drawn from docs/workload.md's distributions."""
 
 from __future__ import annotations
 
@@ -20,25 +20,25 @@ from kvtier.bench.workload.types import BUILTIN, Workload
 # Synthetic workload
 #
 # Quantiles (p10, p50, p90) of a split lognormal: below the median log-spread from p10/p50,
-# above it from p50/p90, so all three quantiles are met exactly. Sources: WORKLOAD.md's table
+# above it from p50/p90, so all three quantiles are met exactly. Sources: docs/workload.md's table
 # (710 sessions) unless marked "local" (measured on the 194 kv-cache-tester files in
 # shared/traces, parent requests only).
 
 GEN_BLOCK_SIZE = 64  # source tokens per block, as kv-cache-tester
-# WORKLOAD.md: requests per session p10/p50/p90.
+# docs/workload.md: requests per session p10/p50/p90.
 REQUESTS_PER_SESSION_Q = (7, 45, 155)
-# local: median tool_tokens 12,439 + median system_tokens 2,774. WORKLOAD.md: ~12K + ~2.8K
+# local: median tool_tokens 12,439 + median system_tokens 2,774. docs/workload.md: ~12K + ~2.8K
 # tokens "repeat across sessions", so every session starts with the same 15,213 tokens
 # (237 full 64-token blocks with the same ids in every session).
 SHARED_PREFIX_TOKENS = 15_213
 # local: first request `in` p10/p50/p90 = 16,008 / 22,452 / 204,560, minus the shared prefix.
 FIRST_EXTRA_TOKENS_Q = (795, 7_239, 189_347)
-# WORKLOAD.md: new tokens per turn (in_k - in_{k-1} - out_{k-1}) p50 284, p90 3.0K. Its p10
+# docs/workload.md: new tokens per turn (in_k - in_{k-1} - out_{k-1}) p50 284, p90 3.0K. Its p10
 # is -3 (shrinking contexts, compaction): not modelled; the lower half is spread so p10 = 1.
 NEW_TOKENS_Q = (1, 284, 3_000)
-# WORKLOAD.md: output tokens per request p10/p50/p90.
+# docs/workload.md: output tokens per request p10/p50/p90.
 OUTPUT_TOKENS_Q = (105, 216, 898)
-# WORKLOAD.md: think_time (s) after a tool_use stop, and after an end_turn stop.
+# docs/workload.md: think_time (s) after a tool_use stop, and after an end_turn stop.
 THINK_AFTER_TOOL_USE_Q = (4.0, 9.0, 71.0)
 THINK_AFTER_END_TURN_Q = (16.0, 132.0, 1_900.0)
 # local: 11,447 tool_use / (11,447 tool_use + 725 end_turn) requests; the 1,466 with stop ""
@@ -96,7 +96,7 @@ def generate_workload(*, num_sessions: int = 32, seed: int = 0, token_scale: flo
                       time_scale: float = 1.0, max_think_s: float = float("inf"),
                       max_turns: int | None = None, max_input_tokens: int | None = None,
                       truncate_input_tokens: int | None = None) -> Workload:
-    """A seeded synthetic coding-agent workload with WORKLOAD.md's measured statistics.
+    """A seeded synthetic coding-agent workload with docs/workload.md's measured statistics.
 
     Each session starts with a prompt of the shared tool + system prompt (the same block ids
     in every session) plus a session-specific part; turn ``k+1``'s prompt is turn ``k``'s

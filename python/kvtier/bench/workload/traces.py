@@ -1,6 +1,6 @@
 """Trace loaders: recorded coding-agent sessions as a :class:`~kvtier.bench.workload.Workload`.
 
-Sources (see ``../shared/docs/WORKLOAD.md`` and ``../shared/traces/SOURCE.md``):
+Sources (see ``docs/workload.md`` and ``../shared/traces/SOURCE.md``):
 
 - **kv-cache-tester** (``*.json`` / ``*.json.gz``, one Claude Code session per file, 64-token
   blocks, ids local to the file). Facts measured on the 194 files in ``shared/traces``

@@ -4,7 +4,7 @@ Uses ``batch_put_from`` / ``batch_get_into``, which return a code per key (``get
 empty bytes for a miss and for an error alike). Values pass through one registered staging
 arena (one call at a time); over TCP the transfer engine copies anyway, so the extra memcpy
 costs little. Needs the ``mooncake-transfer-engine-non-cuda`` wheel on machines without CUDA
-and ``libibverbs1`` even for TCP (see docs/STORES.md of the shared notes).
+and ``libibverbs1`` even for TCP (see docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ When a session's turn ends in tool calls, the pool is told the session is waitin
 (``KVPool.tool_wait`` with the turn's prompt and output tokens) for an expected time: the
 client's hint (``expected_tool_wait_s``) if it gave one, else the largest running estimate of
 the called tools (median of the waits seen for that tool name on this server, 9 s before any,
-WORKLOAD.md's p50). The wait ends when the session's next request arrives (the wait is then
+docs/workload.md's p50). The wait ends when the session's next request arrives (the wait is then
 observed for those tools), when it is deleted, or when it expires.
 """
 
@@ -23,7 +23,7 @@ from kvtier.serve.api.protocol import ApiError
 from kvtier.serve.chat import new_encoder
 from kvtier.serve.engine import Engine, request_salt
 
-DEFAULT_TOOL_WAIT_S = 9.0  # WORKLOAD.md: think time after tool_use, p50
+DEFAULT_TOOL_WAIT_S = 9.0  # docs/workload.md: think time after tool_use, p50
 
 
 @dataclass
