@@ -193,17 +193,20 @@ def _pick(matcher, table: TokenTable, nesting: JsonNesting, rollout: int,
         return None
     ties = [t for key, t in found if key[:2] == found[0][0][:2]]
     if rollout and 1 < len(ties) <= MAX_ROLLOUT_CHOICES:
-
-        def length(t):
+        # The first tie with the shortest look-ahead (a look-ahead that finds none counts
+        # rollout + 1); one after the best so far need not look as far as it.
+        best, best_len = ties[0], rollout + 2
+        for t in ties:
             budget.spend(2)
             m = matcher.deep_copy()
             m.consume_token(t)
             path = _closing(
-                m, table, table.advance(nesting.copy(), t), rollout, 0, budget
+                m, table, table.advance(nesting.copy(), t), min(rollout, best_len - 1), 0, budget
             )
-            return len(path) if path is not None else rollout + 1
-
-        return min(ties, key=length)
+            length = len(path) if path is not None else rollout + 1
+            if length < best_len:
+                best, best_len = t, length
+        return best
     return found[0][1]
 
 

@@ -330,6 +330,9 @@ class GrammarCompiler:
             try:
                 if not fails(root):
                     continue
+            except _Exhausted:  # no time left to tell which tool it is
+                return None
+            try:
                 _descend(root, [], fails, best)
             except (_Exhausted, RecursionError):  # out of trials, or nesting Python cannot walk
                 pass

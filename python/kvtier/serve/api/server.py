@@ -14,7 +14,7 @@ from kvtier.serve.api.worker import EngineWorker
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
              kv_events_endpoint: str | None = None, role: str = "both", decode_workers: list[str] = (),
-             transfer_timeout_s: float = 5.0, **engine_args):
+             transfer_timeout_s: float = 5.0, health_stall_s: float = 30.0, grammar_limits=None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
@@ -24,6 +24,10 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``role`` (:mod:`kvtier.disagg`): ``both`` (colocated, the default), ``decode`` (also takes
     blocks from prefill workers) or ``prefill`` (sends each turn's blocks to one of
     ``decode_workers``, base URLs checked at start-up; ``transfer_timeout_s`` bounds each call).
+
+    ``health_stall_s``: ``/health`` answers 503 once the engine thread has not completed a step
+    for this long while requests wait. ``grammar_limits``: a :class:`kvtier.toolcall.GrammarLimits`
+    (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
 
     Raises:
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
@@ -40,9 +44,18 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     decoders = reach_decode_workers(list(decode_workers), transfer_timeout_s) if role == "prefill" else {}
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
-    options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
+    from kvtier.toolcall import GrammarLimits
+
+    options = ServerOptions(served_model_name or str(model), max_queue,  # checks the limits first
+                            health_stall_s=health_stall_s)
+    if isinstance(grammar_limits, dict):
+        grammar_limits = GrammarLimits.from_dict(grammar_limits)
+    if grammar_limits is not None and not isinstance(grammar_limits, GrammarLimits):
+        raise ValueError(f"grammar_limits must be a GrammarLimits or a dict, got {type(grammar_limits).__name__}")
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
     llm.engine.attach_tokenizer(llm.tokenizer)
+    llm.engine.grammar_limits = grammar_limits
+    llm.engine.grammar_compiler()  # built now (about a second), not by the first request with tools
     warm_up(llm)
     options.max_model_len = llm.config.max_position_embeddings
     if kv_events_endpoint is not None:
@@ -68,6 +81,28 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
 
     add_role_routes(app, worker, role, DisaggMetrics(metrics.registry, role), list(decode_workers))
     return app
+
+
+def parse_grammar_limits(text: str | None):
+    """``--grammar-limits`` JSON as a :class:`kvtier.toolcall.GrammarLimits` (None: the defaults).
+
+    Raises:
+        ValueError: not a JSON object of GrammarLimits fields with valid values (named).
+    """
+    if text is None:
+        return None
+    import json
+
+    from kvtier.toolcall import GrammarLimits
+
+    try:
+        values = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--grammar-limits must be a JSON object, got {text!r:.80}: {e}") from None
+    try:
+        return GrammarLimits.from_dict(values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--grammar-limits: {e}") from None
 
 
 def warm_up(llm) -> None:
