@@ -172,8 +172,8 @@ def test_a_pathological_schema_ends_within_max_tokens_while_a_small_request_fini
 def test_a_refused_schema_fails_before_any_step(llm, name):
     tool, where = REFUSED[name]
     done = _run_beside_small(llm, SamplingParams(max_tokens=16, tools=[tool], tool_choice="required"))
-    big, steps = done["big"]
-    assert big.finish_reason == "error" and big.token_ids == [] and steps == 0
+    big, _ = done["big"]
+    assert big.finish_reason == "error" and big.token_ids == [] and big.metrics.engine_steps == 0
     assert big.error.startswith(f"GrammarError: {BASE}{where}: the tool grammar does not compile"), big.error
     assert done["small"][0].finish_reason == "length"
 

@@ -94,7 +94,7 @@ class GrammarLimits:
     max_grammar_size: int | None = None
     compile_timeout_s: float = 10.0
     mask_deadline_s: float = 2.0
-    closing_fuel: int = 400_000
+    closing_fuel: int = 32_768
     locate_compiles: int = 48
 
     def __post_init__(self) -> None:
