@@ -39,7 +39,7 @@ PATHOLOGICAL = {
                                     "items": {"type": "string", "minLength": 1000}}})),
     "any_of_explosion": _tool(_one({"anyOf": [{"anyOf": [
         {"type": "array", "items": {"type": "string", "pattern": f"^p{i}_{j}[a-z]{{3,40}}$"}, "minItems": 50}
-        for j in range(20)]} for i in range(20)]})),
+        for j in range(10)]} for i in range(10)]})),  # 100 branches: the prompt that declares it fits 8K tokens
     "repeated_pattern": _tool(_one({"type": "string", "pattern": "^([a-z]{1,20}[0-9]{1,20}){500,5000}$"})),
     "alternation_pattern": _tool(_one({"type": "string", "pattern": "^(ab|cd|ef|gh){1000,9000}$"})),
     "ref_chain": _tool(_ref_chain(40)),

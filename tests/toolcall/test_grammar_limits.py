@@ -70,7 +70,7 @@ def test_the_ungenerable_tool_names_min_length(compiler):
 
 def test_grammar_size_limit_names_the_exploding_any_of(tok):
     specs, lark = _specs([PATHOLOGICAL["any_of_explosion"]])
-    small = _compiler(tok, max_grammar_size=2000)
+    small = _compiler(tok, max_grammar_size=1000)
     with pytest.raises(GrammarError, match="grammar size") as e:
         small.compile(lark, specs)
     assert e.value.path == f"{BASE}.properties.x.anyOf"
