@@ -31,6 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--decode-workers is for --role prefill, got --role {args.role}")
     if not 0 < args.transfer_timeout_s < float("inf"):
         raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {args.transfer_timeout_s}")
+    from kvtier.serve.api.server import parse_grammar_limits
+
+    grammar_limits = parse_grammar_limits(args.grammar_limits)
     torch.set_num_threads(args.threads)
     engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -42,7 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = make_worker_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                    max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
-                   decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s, **engine_args)
+                          decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s,
+                          health_stall_s=args.health_stall_s, grammar_limits=grammar_limits, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -82,6 +86,13 @@ def add_parser(sub) -> None:
     s.add_argument("--transfer-timeout-s", type=float, default=5.0,
                    help="--role prefill: seconds a decode worker may take per call before its turn's blocks are "
                    "given up (it recomputes them)")
+    s.add_argument("--health-stall-s", type=float, default=30.0,
+                   help="/health answers 503 once the engine thread has not completed a step for this many "
+                        "seconds while requests wait")
+    s.add_argument("--grammar-limits", default=None, metavar="JSON",
+                   help="tool-grammar limits as a JSON object of kvtier.toolcall.GrammarLimits fields (llguidance's "
+                        "max_items_in_row, step_lexer_fuel, max_grammar_size, ...; compile_timeout_s, "
+                        "mask_deadline_s, closing_fuel)")
     s.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(func=cmd_serve)

@@ -45,10 +45,11 @@ def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
 
 
 def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: SamplingParams,
-                     cache_salt: str = "") -> int:
+                     cache_salt: str = "", tool_matcher=None) -> int:
     """Encode ``messages`` (the whole conversation) with ``encoder`` and queue the turn; returns
     the request id. The prompt declares ``params.tools`` (the tools the grammar allows);
-    ``encoder`` must come from :func:`new_encoder` with the same ``cache_salt``.
+    ``encoder`` must come from :func:`new_encoder` with the same ``cache_salt``; ``tool_matcher``:
+    see :meth:`Engine.add_request`.
 
     Raises:
         ValueError: no messages, bad messages or tools (naming ``messages[i].field`` /
@@ -58,4 +59,4 @@ def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: Sampl
         raise ValueError("messages: empty; a conversation needs at least one message")
     encoder.append(messages, params.tools)
     return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes(),
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, tool_matcher=tool_matcher)

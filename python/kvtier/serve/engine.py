@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 import time
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
@@ -64,8 +65,12 @@ class Engine:
         self._sequences: dict[int, Sequence] = {}
         self._failed: list[Sequence] = []  # requests that failed before running (reported by the next step)
         self.num_prefill_tokens = 0  # tokens run as prefill (prompt chunks and recomputation), not decodes
+        self.num_steps = 0  # steps completed (each end_step)
         self.tokenizer = None
+        self.grammar_limits = None  # kvtier.toolcall.GrammarLimits (None: its defaults); set before the first tools request
+        self.grammar_stats = None  # kvtier.toolcall.GrammarStats, with the compiler
         self._tool_compiler = None  # kvtier.toolcall.GrammarCompiler, built on the first request with tools
+        self._tool_lock = threading.Lock()
         self._token_table = None
         self._mask_thread: ThreadPoolExecutor | None = None
         self._mask_executor = None  # llguidance.LLExecutor
@@ -81,19 +86,50 @@ class Engine:
         ``content``/``tool_calls`` and to build grammars for requests with tools."""
         self.tokenizer = tokenizer
 
-    def _tool_constraint(self, params: SamplingParams):
-        """A fresh constraint for ``params.tool_grammar`` (compiling it on first use)."""
-        from kvtier.toolcall import GrammarCompiler, TokenTable, ToolCallConstraint
+    def grammar_compiler(self):
+        """The :class:`kvtier.toolcall.GrammarCompiler` of this engine's tokenizer under
+        :attr:`grammar_limits` (built on first use, about a second; thread-safe: a server
+        compiles requests' grammars with it on its request threads)."""
+        with self._tool_lock:
+            if self._tool_compiler is None:
+                import llguidance
 
-        if self._tool_compiler is None:
-            import llguidance
+                from kvtier.toolcall import GrammarCompiler, GrammarLimits, GrammarStats, TokenTable
 
-            eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
-            self._tool_compiler = GrammarCompiler(self.tokenizer, eot)
-            self._token_table = TokenTable(self.tokenizer, self._tool_compiler.end_of_turn_ids)
-            self._mask_executor = llguidance.LLExecutor()
-            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-masks")
-        return ToolCallConstraint(self._tool_compiler.matcher(params.tool_grammar), self._token_table, params.max_tokens)
+                if self.tokenizer is None:
+                    raise ValueError("tools need a tokenizer: call Engine.attach_tokenizer(tokenizer) first")
+                eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
+                self.grammar_limits = self.grammar_limits or GrammarLimits()
+                self.grammar_stats = GrammarStats()
+                compiler = GrammarCompiler(self.tokenizer, eot, limits=self.grammar_limits, stats=self.grammar_stats)
+                self._token_table = TokenTable(self.tokenizer, compiler.end_of_turn_ids)
+                self._mask_executor = llguidance.LLExecutor()
+                self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-masks")
+                self._tool_compiler = compiler
+            return self._tool_compiler
+
+    def compile_tool_grammar(self, params: SamplingParams):
+        """A fresh ``llguidance.LLMatcher`` of ``params.tool_grammar`` for :meth:`add_request`'s
+        ``tool_matcher`` (thread-safe: call it off the engine thread; cached by grammar).
+
+        Raises:
+            GrammarError: the grammar does not compile or exceeds a limit; the message and
+                ``path`` name the tool and schema keyword at fault when found.
+        """
+        try:
+            return self.grammar_compiler().matcher(params.tool_grammar, params.tool_specs)
+        except ValueError:
+            self.grammar_stats.add(cut_compile=1)
+            raise
+
+    def _tool_constraint(self, params: SamplingParams, matcher=None):
+        """A fresh constraint for ``params.tool_grammar`` over ``matcher`` (None: compiled here)."""
+        from kvtier.toolcall import ToolCallConstraint
+
+        if matcher is None:
+            matcher = self.compile_tool_grammar(params)
+        return ToolCallConstraint(matcher, self._token_table, params.max_tokens, self.grammar_limits,
+                                  self.grammar_stats)
 
     def check_request(self, prompt_token_ids, params: SamplingParams, index: int = 0) -> list[int]:
         """The prompt as a list of Python ints, after checking it fits this engine.
@@ -143,7 +179,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
                     prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "",
-                    arrival_time: float | None = None) -> int:
+                    arrival_time: float | None = None, tool_matcher=None) -> int:
         """Queue one prompt; returns its request id.
 
         Args:
@@ -164,6 +200,8 @@ class Engine:
                 cached blocks (hashes use ``request_salt(cache_salt)`` after the engine's salt).
             arrival_time: when the request arrived, on the engine's clock (None = now); admission
                 order and TTFT count from it.
+            tool_matcher: ``params.tool_grammar`` already compiled by :meth:`compile_tool_grammar`
+                (a server compiles off the engine thread); None = compiled here.
 
         Raises:
             ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
@@ -186,7 +224,7 @@ class Engine:
             seq.parser = ToolCallParser.for_tokenizer(self.tokenizer)
         if params.tool_grammar is not None:
             try:
-                seq.constraint = self._tool_constraint(params)
+                seq.constraint = self._tool_constraint(params, tool_matcher)
             except ValueError as e:  # a grammar llguidance rejects fails this request only
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.finish_reason = "error"
@@ -231,7 +269,7 @@ class Engine:
         return seq.seq_id
 
     def _metrics(self, arrival_time: float | None) -> RequestMetrics:
-        return RequestMetrics(self.clock() if arrival_time is None else arrival_time)
+        return RequestMetrics(self.clock() if arrival_time is None else arrival_time, arrival_step=self.num_steps)
 
     def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int, salt: bytes = b"") -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""
@@ -323,10 +361,23 @@ class Engine:
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.metrics.finish_time = self.clock()
                 self.scheduler.finish(seq, "error")
+                self._count_cut(seq, e)
                 done = True
             if done:
-                finished.append(self._output(self._sequences.pop(seq.seq_id)))
-        return finished
+                finished.append(seq)
+        self.num_steps += 1
+        return [self._output(self._sequences.pop(seq.seq_id)) for seq in finished]
+
+    def _count_cut(self, seq: Sequence, e: Exception) -> None:
+        """Count a constrained request its grammar ended: a missed deadline, or an llguidance
+        limit while decoding (the only way a masked matcher fails)."""
+        if seq.constraint is None or self.grammar_stats is None:
+            return
+        from kvtier.toolcall import GrammarError
+
+        if isinstance(e, GrammarError):
+            deadline = "GrammarLimitError" in str(e) or type(e).__name__ == "GrammarLimitError"
+            self.grammar_stats.add(**{"cut_deadline" if deadline else "cut_parser": 1})
 
     def sequence(self, request_id: int) -> Sequence | None:
         """The live state of an unfinished request (its ``output_token_ids`` so far,
@@ -357,10 +408,12 @@ class Engine:
 
         words = (self.model_config.vocab_size + 31) // 32
         bitmask = torch.zeros((len(seqs), words), dtype=torch.int32, pin_memory=self.runner.device.type == "cuda")
+        t0 = time.perf_counter()
         try:
             errors = fill_bitmasks([s.constraint for s in seqs], bitmask.numpy(), self._mask_executor)
         except Exception as e:  # noqa: BLE001 - reported on these requests, the engine keeps serving
             errors = [f"{type(e).__name__}: {e}"] * len(seqs)
+        self.grammar_stats.add(masks=len(seqs), mask_s=time.perf_counter() - t0)
         return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
 
     def _postprocess(self, seq: Sequence, result: StepResult, token_bitmask=None) -> bool:
@@ -425,6 +478,8 @@ class Engine:
         return True
 
     def _output(self, seq: Sequence) -> RequestOutput:
+        if seq.metrics.finish_step is None:
+            seq.metrics.finish_step = self.num_steps
         parsed = {}
         if seq.parser is not None:  # once at the end: the parser's result does not depend on chunking
             seq.parser.feed_ids(seq.output_token_ids)

@@ -53,6 +53,7 @@ class SamplingParams:
     parallel_tool_calls: bool = True
     # Derived from the tool fields: the turn grammar (None: unconstrained).
     tool_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
+    tool_specs: tuple = field(default=(), init=False, repr=False, compare=False)  # ToolSpecs it was built from
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, min_value=1)
@@ -78,6 +79,7 @@ class SamplingParams:
         choice = normalize_tool_choice(self.tool_choice, specs)
         if specs:
             object.__setattr__(self, "tool_grammar", turn_grammar(specs, choice, self.parallel_tool_calls))
+            object.__setattr__(self, "tool_specs", specs)
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +106,14 @@ class RequestMetrics:
     loaded_time: float | None = None
     num_preemptions: int = 0
     preemptions_after_first_token: int = 0
+    arrival_step: int = 0  # Engine.num_steps when it arrived
+    finish_step: int | None = None  # Engine.num_steps when it finished
+
+    @property
+    def engine_steps(self) -> int | None:
+        """Engine steps completed between arrival and finish (how long it waited and ran, counted
+        in steps), or None before it finished."""
+        return None if self.finish_step is None else self.finish_step - self.arrival_step
 
     @property
     def ttft_s(self) -> float | None:

@@ -4,7 +4,8 @@ decoding of whole assistant turns.
 - :func:`validate_schema` / :class:`SchemaLimits`: the JSON-schema subset Kimi's API accepts.
 - :func:`normalize_tools`, :func:`normalize_tool_choice`: request tools checked for grammars.
 - :class:`ToolCallParser`: content, reasoning and each call as soon as it ends.
-- :func:`turn_grammar`, :class:`GrammarCompiler`: llguidance grammars of a turn with tools.
+- :func:`turn_grammar`, :class:`GrammarCompiler`: llguidance grammars of a turn with tools,
+  compiled under :class:`GrammarLimits` (a schema over a limit is traced to its keyword).
 - :class:`ToolCallConstraint`, :func:`fill_bitmasks`: per-request masks, closing before max_tokens.
 """
 
@@ -15,7 +16,14 @@ from kvtier.toolcall.constrain import (
     closing_tokens,
     fill_bitmasks,
 )
-from kvtier.toolcall.grammar import GrammarCompiler, GrammarError, turn_grammar
+from kvtier.toolcall.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarLimitError,
+    GrammarLimits,
+    GrammarStats,
+    turn_grammar,
+)
 from kvtier.toolcall.parser import (
     ContentDelta,
     ReasoningDelta,
@@ -36,6 +44,9 @@ __all__ = [
     "ContentDelta",
     "GrammarCompiler",
     "GrammarError",
+    "GrammarLimitError",
+    "GrammarLimits",
+    "GrammarStats",
     "JsonNesting",
     "ReasoningDelta",
     "SchemaLimits",

@@ -16,15 +16,23 @@ which the turn could no longer be finished in time is replaced by the completion
 A turn therefore ends with complete calls whenever ``max_tokens`` leaves room for the shortest
 completion when the watch starts; otherwise the output is cut and the parser reports the open
 call as incomplete.
+
+**Bounded work.** A search looks no further than the budget it decides about (the tokens left,
+or what decides whether to watch), spends at most ``GrammarLimits.closing_fuel`` matcher calls
+(then it finds nothing, and the turn goes on under its mask alone), and raises
+:class:`~kvtier.toolcall.grammar.GrammarLimitError` once one token's grammar work passes
+``GrammarLimits.mask_deadline_s``: a schema whose shortest instance is huge costs each token a
+bounded amount, and the request ends at its own ``max_tokens``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.toolcall.grammar import GrammarError
+from kvtier.toolcall.grammar import GrammarError, GrammarLimitError, GrammarLimits
 from kvtier.toolcall.parser import ARGUMENT_BEGIN, CALL_END, SECTION_END
 
 _QUOTE, _BACKSLASH = 0x22, 0x5C
@@ -87,6 +95,7 @@ class TokenTable:
             b: ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks
         }
         self.structural = [self.byte_token[b] for b in _STRUCTURAL]
+        self.byte_ids = np.array(sorted(self.byte_token.values()), dtype=np.int64)
         self._bytes: dict[int, bytes] = {}
 
     def bytes_of(self, token: int) -> bytes:
@@ -102,21 +111,58 @@ class TokenTable:
         return nesting.feed(self.bytes_of(token))
 
 
+class SearchBudget:
+    """The work one closing search may do.
+
+    Args:
+        fuel: matcher calls (a bitmask counts 16); when they run out the search finds nothing.
+        deadline: ``time.monotonic()`` past which the search raises, or None.
+        deadline_s: the limit ``deadline`` came from (for the message).
+
+    Attributes:
+        exhausted: the fuel ran out.
+    """
+
+    def __init__(self, fuel: int, deadline: float | None = None, deadline_s: float | None = None):
+        self.fuel, self.deadline, self.deadline_s = fuel, deadline, deadline_s
+        self.exhausted = False
+
+    def spend(self, calls: int) -> None:
+        """Charge ``calls`` matcher calls.
+
+        Raises:
+            GrammarLimitError: the deadline passed.
+        """
+        self.fuel -= calls
+        if self.fuel < 0:
+            self.exhausted = True
+            raise _OutOfFuel
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise GrammarLimitError(f"the tool grammar's work for one token took longer than mask_deadline_s="
+                                    f"{self.deadline_s:g} s")
+
+
+class _OutOfFuel(Exception):
+    pass
+
+
+_UNLIMITED = SearchBudget(1 << 62)
+
+
 def _allowed_single_bytes(matcher, table: TokenTable) -> list[int]:
     words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
-    return [
-        t
-        for t in sorted(table.byte_token.values())
-        if (words[t >> 5] >> np.uint32(t & 31)) & 1
-    ]
+    ids = table.byte_ids
+    bits = (words[ids >> 5] >> (ids & 31).astype(np.uint32)) & np.uint32(1)
+    return ids[bits.astype(bool)].tolist()
 
 
 def _candidates(
-    matcher, table: TokenTable, nesting: JsonNesting
+    matcher, table: TokenTable, nesting: JsonNesting, budget: SearchBudget = _UNLIMITED
 ) -> list[tuple[tuple, int]]:
     """Allowed next tokens of a short completion with their sort keys, best first: an end marker
     if one is allowed; else structural characters if one does not open more JSON; else every
     allowed single byte, keyed by (JSON left open, no closing character allowed after it, byte)."""
+    budget.spend(len(table.markers) + len(table.structural))
     for t in table.markers:
         if matcher.validate_tokens([t]):
             return [((0, 0, 0), t)]
@@ -127,7 +173,9 @@ def _candidates(
     found.sort()
     if found and found[0][0][0] <= nesting.openness:
         return found
-    for t in _allowed_single_bytes(matcher, table):
+    allowed = _allowed_single_bytes(matcher, table)
+    budget.spend(16 + 5 * len(allowed))
+    for t in allowed:
         after = table.advance(nesting.copy(), t)
         matcher.consume_token(t)
         can_close = any(matcher.validate_tokens([c]) for c in table.structural[:3])
@@ -136,24 +184,29 @@ def _candidates(
     return sorted(found)
 
 
-def _pick(matcher, table: TokenTable, nesting: JsonNesting, rollout: int) -> int | None:
+def _pick(matcher, table: TokenTable, nesting: JsonNesting, rollout: int,
+          budget: SearchBudget = _UNLIMITED) -> int | None:
     """The best candidate; when several tie on the first two keys (e.g. the first letters of
     property names), the one whose own greedy completion (up to ``rollout`` tokens) is shortest."""
-    found = _candidates(matcher, table, nesting)
+    found = _candidates(matcher, table, nesting, budget)
     if not found:
         return None
     ties = [t for key, t in found if key[:2] == found[0][0][:2]]
     if rollout and 1 < len(ties) <= MAX_ROLLOUT_CHOICES:
-
-        def length(t):
+        # The first tie with the shortest look-ahead (a look-ahead that finds none counts
+        # rollout + 1); one after the best so far need not look as far as it.
+        best, best_len = ties[0], rollout + 2
+        for t in ties:
+            budget.spend(2)
             m = matcher.deep_copy()
             m.consume_token(t)
-            path = closing_tokens(
-                m, table, table.advance(nesting.copy(), t), rollout, rollout=0
+            path = _closing(
+                m, table, table.advance(nesting.copy(), t), min(rollout, best_len - 1), 0, budget
             )
-            return len(path) if path is not None else rollout + 1
-
-        return min(ties, key=length)
+            length = len(path) if path is not None else rollout + 1
+            if length < best_len:
+                best, best_len = t, length
+        return best
     return found[0][1]
 
 
@@ -163,24 +216,38 @@ def closing_tokens(
     nesting: JsonNesting,
     limit: int = MAX_CLOSING_TOKENS,
     rollout: int = ROLLOUT_TOKENS,
+    budget: SearchBudget | None = None,
 ):
     """A short sequence of tokens that completes the turn from ``matcher``'s state, ending with an
-    end-of-turn id; None if none was found within ``limit`` tokens. ``matcher`` is unchanged.
+    end-of-turn id; None if none was found within ``limit`` tokens, or within ``budget``'s fuel
+    (then ``budget.exhausted``). ``matcher`` is unchanged.
 
     Greedy: forced tokens (llguidance's fast-forward) first, else :func:`_pick`. Not always the
     shortest completion, but one that closes what is open before it opens anything new.
+
+    Raises:
+        GrammarLimitError: ``budget``'s deadline passed.
     """
+    try:
+        return _closing(matcher, table, nesting, limit, rollout, budget or SearchBudget(1 << 62))
+    except _OutOfFuel:
+        return None
+
+
+def _closing(matcher, table: TokenTable, nesting: JsonNesting, limit: int, rollout: int, budget: SearchBudget):
+    budget.spend(1)
     m = matcher.deep_copy()
     nesting = nesting.copy()
     path: list[int] = []
     while len(path) < limit:
+        budget.spend(3)
         if m.is_accepting():
             return path + [table.end_of_turn[0]]
         forced = m.compute_ff_tokens()
         if forced and m.try_consume_tokens(forced) == len(forced):
             step = forced
         else:
-            t = _pick(m, table, nesting, rollout)
+            t = _pick(m, table, nesting, rollout, budget)
             if t is None or not m.consume_token(t):
                 return None
             step = [t]
@@ -197,6 +264,9 @@ class ToolCallConstraint:
         matcher: a fresh ``llguidance.LLMatcher`` of the request's turn grammar.
         table: the tokenizer's :class:`TokenTable`.
         max_tokens: the request's ``max_tokens`` (closing is planned against it).
+        limits: ``closing_fuel`` and ``mask_deadline_s`` bound each token's work (default
+            :class:`~kvtier.toolcall.grammar.GrammarLimits`).
+        stats: a :class:`~kvtier.toolcall.grammar.GrammarStats` counting searches out of fuel.
 
     Near the end of the budget (within ``2 * shortest + WINDOW_TOKENS`` tokens of ``max_tokens``)
     every sampled token is checked: if the turn could no longer be completed after it, the
@@ -204,10 +274,13 @@ class ToolCallConstraint:
     completion fits when the watch starts, the turn always ends complete.
     """
 
-    def __init__(self, matcher, table: TokenTable, max_tokens: int):
+    def __init__(self, matcher, table: TokenTable, max_tokens: int, limits: GrammarLimits | None = None,
+                 stats=None):
         self.matcher = matcher
         self.table = table
         self.max_tokens = max_tokens
+        self.limits = limits if limits is not None else GrammarLimits()
+        self.stats = stats
         self.num_tokens = 0  # tokens consumed
         self.nesting = JsonNesting()
         self.finished = False
@@ -216,7 +289,9 @@ class ToolCallConstraint:
             None  # a short completion from the state at _closing_at
         )
         self._closing_at = -1
+        self._closing_limit = 0  # the token limit _closing was searched with
         self._watch = False
+        self._deadline: float | None = None  # of the current token's grammar work
 
     @property
     def remaining(self) -> int:
@@ -228,28 +303,42 @@ class ToolCallConstraint:
         """Every sampled token is checked against the budget (the end of ``max_tokens`` is near)."""
         return self._watch
 
-    def _closing_now(self) -> list[int] | None:
-        if self._closing_at != self.num_tokens:
-            self._closing, self._closing_at = (
-                closing_tokens(self.matcher, self.table, self.nesting),
-                self.num_tokens,
-            )
+    def _start_work(self) -> None:
+        self._deadline = time.monotonic() + self.limits.mask_deadline_s
+
+    def _closing_now(self, limit: int) -> list[int] | None:
+        """A completion of at most ``limit`` tokens from the current state (cached per state)."""
+        if self._closing_at != self.num_tokens or (self._closing is None and self._closing_limit < limit):
+            budget = SearchBudget(self.limits.closing_fuel, self._deadline, self.limits.mask_deadline_s)
+            self._closing = closing_tokens(self.matcher, self.table, self.nesting, limit, budget=budget)
+            self._closing_at, self._closing_limit = self.num_tokens, limit
+            if budget.exhausted and self.stats is not None:
+                self.stats.add(out_of_fuel=1)
         return self._closing
 
     def plan(self) -> int | None:
-        """The token this step must take (a committed completion), or None to compute a mask."""
+        """The token this step must take (a committed completion), or None to compute a mask.
+
+        Raises:
+            GrammarLimitError: the work passed ``limits.mask_deadline_s``.
+        """
+        self._start_work()
         if self._forced:
             return self._forced[0]
         if not self._watch and (
             self._closing_at < 0 or self.num_tokens - self._closing_at >= CHECK_INTERVAL
         ):
-            path = self._closing_now()
-            self._watch = (
-                self.remaining
-                <= 2 * (len(path) if path else MAX_CLOSING_TOKENS) + WINDOW_TOKENS
-            )
+            # Watch once remaining <= 2 * shortest + WINDOW_TOKENS: a search up to half the tokens
+            # left (beyond the window) decides it; finding none means watching.
+            if self.remaining <= WINDOW_TOKENS:
+                self._watch = True
+            else:
+                need = min(MAX_CLOSING_TOKENS, -(-(self.remaining - WINDOW_TOKENS) // 2))
+                path = self._closing_now(need)
+                length = len(path) if path else (MAX_CLOSING_TOKENS if need == MAX_CLOSING_TOKENS else need + 1)
+                self._watch = self.remaining <= 2 * length + WINDOW_TOKENS
         if self._watch:
-            path = self._closing_now()
+            path = self._closing_now(self.remaining)
             if path is not None and len(path) >= self.remaining:
                 self._forced = list(path)
                 return path[0]
@@ -261,16 +350,18 @@ class ToolCallConstraint:
 
         Raises:
             GrammarError: the grammar does not allow ``token`` (the mask was not applied).
+            GrammarLimitError: the check passed ``limits.mask_deadline_s``.
         """
         if self._forced or not self._watch or token in self.table.end_of_turn:
             self.consume(token)
             return token
-        before, nesting = self._closing_now(), self.nesting.copy()
+        self._start_work()
+        before, nesting = self._closing_now(self.remaining), self.nesting.copy()
         self.consume(token)
         # The model follows the completion: the rest of it still fits.
         if before and before[0] == token:
             self._closing, self._closing_at = before[1:], self.num_tokens
-        after = self._closing_now()
+        after = self._closing_now(self.remaining)
         if before is None or (after is not None and len(after) <= self.remaining):
             return token
         self.matcher.rollback(1)

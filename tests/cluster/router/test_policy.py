@@ -60,3 +60,30 @@ def test_kv_aware_follows_the_event_view_when_it_has_one():
     r.record("s", A, 20000, 0.5, last_block=h)
     assert r.prefix_tier(B, r.sessions["s"]) == "local" and r.prefix_tier(A, r.sessions["s"]) is None
     assert r.choose("s", 20000) == B
+
+
+def test_a_worker_whose_health_is_503_leaves_routing_until_it_recovers():
+    import asyncio
+
+    import httpx
+
+    from kvtier.router.app import poll_worker
+
+    state = {"health": 503}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(state["health"], json={"status": "ok"})
+        return httpx.Response(200, text="kvtier_requests_waiting 2.0\nkvtier_requests_running 1.0\n")
+
+    r = Router([A, B], policy="least-loaded")
+
+    async def poll():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await poll_worker(client, r.workers[A])
+
+    asyncio.run(poll())
+    assert not r.workers[A].healthy and r.choose(None, 10) == B  # a stalled engine: not routed to
+    state["health"] = 200
+    asyncio.run(poll())
+    assert r.workers[A].healthy and (r.workers[A].waiting, r.workers[A].running) == (2, 1)

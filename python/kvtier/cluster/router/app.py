@@ -57,9 +57,12 @@ def subscribe_events(router: Router, health: dict[str, dict]) -> KVEventSubscrib
 
 
 async def poll_worker(client: httpx.AsyncClient, w) -> None:
-    """Refresh ``w``'s load from its ``/metrics``. A refused connection or an error status takes
-    it out of routing; a slow answer (a busy worker) only leaves its figures as they were."""
+    """Refresh ``w``'s load from its ``/metrics``. A refused connection, an error status, or a
+    ``/health`` of 503 (its engine thread stalled with work queued) takes it out of routing; a
+    slow answer (a busy worker) only leaves its figures as they were."""
     try:
+        health = await client.get(f"{w.url}/health", timeout=5.0)
+        health.raise_for_status()
         r = await client.get(f"{w.url}/metrics", timeout=5.0)
         r.raise_for_status()
         values = {s.name: s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples}

@@ -1,7 +1,9 @@
 """The FastAPI application of ``kvtier serve``: routes, admission (queue limit), streaming.
 
 Request bodies are parsed and validated here, on the event loop, before anything reaches the
-engine thread: a bad request never touches engine state. Accepted requests become
+engine thread: a bad request never touches engine state. A request's tool grammar is compiled
+on a request thread before it is queued (a schema over a grammar limit is a 400 naming its
+keyword), so the engine thread never waits on a compile. Accepted requests become
 :class:`~kvtier.serve.api.jobs.Job` s handed to the :class:`~kvtier.serve.api.worker.EngineWorker`;
 their events come back on an ``asyncio.Queue``. A streaming client that disconnects aborts its
 request (its pages are freed).
@@ -39,16 +41,22 @@ class ServerOptions:
         max_model_len: the model's context in tokens (reported by ``/v1/models``).
         kv_events: the ZeroMQ endpoint publishing this worker's KV events (reported by
             ``/health``; the events' worker id is this endpoint), or None.
+        health_stall_s: ``/health`` answers 503 once the engine thread has not completed a step
+            for this many seconds while requests wait.
     """
 
     model_name: str
     max_queue: int = 256
     max_model_len: int | None = None
     kv_events: str | None = None
+    health_stall_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue must be an int >= 1, got {self.max_queue!r}")
+        s = self.health_stall_s
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0 or s == float("inf"):
+            raise ValueError(f"health_stall_s must be a number of seconds > 0, got {s!r}")
 
 
 class _State:
@@ -86,6 +94,9 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def health():
         if not worker.alive:
             raise ApiError(503, "the engine thread is not running")
+        stalled = worker.stalled(options.health_stall_s)
+        if stalled is not None:
+            raise ApiError(503, stalled)
         return {"status": "ok"} if options.kv_events is None else {"status": "ok", "kv_events": options.kv_events}
 
     @app.get("/metrics")
@@ -109,7 +120,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         params = req.params()
         sid = req.session(request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
-                            req.expected_tool_wait_s)
+                            req.expected_tool_wait_s, tools=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -128,7 +139,8 @@ async def _json(request: Request):
         raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
-async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint):
+async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint,
+                 tools: bool = False):
     opts = st.options
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
@@ -140,6 +152,12 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
     loop = asyncio.get_running_loop()
     job = Job(kind, params, loop, asyncio.Queue(), payload, session_id, hint, stops, req.cache_salt or "")
     st.pending += 1
+    if tools:
+        try:
+            job.tool_matcher = await st.worker.compile_grammar(params)
+        except BaseException:
+            st.pending -= 1
+            raise
     released = False
 
     def release():

@@ -50,6 +50,7 @@ class Final:
     error: str | None = None
     error_status: int = 500
     last_prompt_block: bytes | None = None  # see RequestOutput.last_prompt_block
+    engine_steps: int | None = None  # engine steps from arrival to finish (RequestMetrics.engine_steps)
 
 
 class StopFilter:
@@ -92,6 +93,7 @@ class Job:
         session_id, expected_tool_wait_s: the chat session and the client's tool-time hint.
         stops: stop strings.
         cache_salt: the request's tenant salt (requests with different salts share no blocks).
+        tool_matcher: its tool grammar, compiled before it was queued (None: no tools).
     """
 
     kind: str
@@ -103,6 +105,7 @@ class Job:
     expected_tool_wait_s: float | None = None
     stops: list[str] = field(default_factory=list)
     cache_salt: str = ""
+    tool_matcher: Any = None
     # engine-thread state
     request_id: int | None = None
     prompt_ids: list[int] = field(default_factory=list)
@@ -162,9 +165,10 @@ class Job:
         elif finish_reason == "stop" and self.calls:
             finish_reason = "tool_calls"
         problems = [p.to_dict() for p in getattr(self.decoder, "problems", [])]
-        status = 400 if error and error.split(":", 1)[0] in ("ValueError", "GrammarError") else 500
+        status = 400 if error and error.split(":", 1)[0] in ("ValueError", "GrammarError", "GrammarLimitError") else 500
         lps = list(o.logprobs) if self.params.logprobs and o.logprobs is not None else None
         return Final(finish_reason or "stop", len(o.prompt_token_ids), n_out, o.num_cached_tokens,
                      dict(o.cached_tokens_by_tier), self.content, getattr(self.decoder, "reasoning", ""),
                      list(self.calls), problems, lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
-                     error, status, getattr(o, "last_prompt_block", None))  # a Sequence when cut by a stop string
+                     error, status, getattr(o, "last_prompt_block", None),  # a Sequence when cut by a stop string
+                     o.metrics.engine_steps)

@@ -2,7 +2,8 @@
 
 Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
 requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
-and bytes per tier, copy errors, preemptions) are read from the engine thread's last snapshot
+and bytes per tier, copy errors, preemptions, engine steps, and the ``kvtier_grammar_*`` series
+of tool-grammar compiles, mask work and requests a grammar limit ended) are read from the engine thread's last snapshot
 (:attr:`kvtier.serve.api.worker.EngineWorker.snapshot`, refreshed every 0.2 s) when scraped.
 """
 
@@ -58,6 +59,32 @@ class _EngineCollector:
             yield fam
         if "remote" in s:  # a pool with a remote tier: its reads and writes by outcome
             yield from _remote_families(s["remote"])
+        yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=s.get("steps", 0))
+        if "grammar" in s:  # the tool-grammar compiler exists (a request with tools came)
+            yield from _grammar_families(s["grammar"])
+
+
+def _grammar_families(g: dict):
+    compiles = CounterMetricFamily("kvtier_grammar_compiles", "tool grammars compiled by llguidance, by result",
+                                   labels=["result"])
+    compiles.add_metric(["ok"], g["compiles"] - g["compile_errors"])
+    compiles.add_metric(["error"], g["compile_errors"])
+    yield compiles
+    yield CounterMetricFamily("kvtier_grammar_compile_seconds", "seconds spent compiling tool grammars",
+                              value=g["compile_s"])
+    yield CounterMetricFamily("kvtier_grammar_cache_hits", "tool grammars served from the compile cache",
+                              value=g["cache_hits"])
+    yield CounterMetricFamily("kvtier_grammar_masks", "token masks computed for constrained requests", value=g["masks"])
+    yield CounterMetricFamily("kvtier_grammar_mask_seconds", "seconds spent computing token masks and closing plans",
+                              value=g["mask_s"])
+    yield CounterMetricFamily("kvtier_grammar_closing_out_of_fuel", "searches for a short completion that ran out "
+                              "of closing_fuel (the turn went on under its mask alone)", value=g["out_of_fuel"])
+    cut = CounterMetricFamily("kvtier_grammar_requests_cut", "requests a grammar limit ended: compile (refused), "
+                              "deadline (a token's grammar work missed mask_deadline_s), parser (an llguidance limit "
+                              "while decoding)", labels=["limit"])
+    for kind, v in sorted(g["cut"].items()):
+        cut.add_metric([kind], v)
+    yield cut
 
 
 def _remote_families(r: dict):

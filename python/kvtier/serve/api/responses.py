@@ -11,12 +11,14 @@ def usage(f: Final) -> dict:
     """OpenAI usage, with ``prompt_tokens_details.cached_tokens`` and kvtier's split by tier
     (``cached_tokens_by_tier``: ``{"device", "host", "disk"}`` tokens, plus ``remote`` with a
     remote tier) and ``kv_last_block``: hex of the prompt's last full block hash (None without
-    one), which a router looks up in the workers' KV events."""
+    one), which a router looks up in the workers' KV events; ``engine_steps``: the engine steps
+    completed from the request's arrival to its finish (its wait and run, counted in steps)."""
     return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
             "total_tokens": f.prompt_tokens + f.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
             "cached_tokens_by_tier": dict(f.cached_tokens_by_tier),
-            "kv_last_block": f.last_prompt_block.hex() if f.last_prompt_block else None}
+            "kv_last_block": f.last_prompt_block.hex() if f.last_prompt_block else None,
+            "engine_steps": f.engine_steps}
 
 
 def tool_call(c: dict) -> dict:

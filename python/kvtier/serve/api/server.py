@@ -13,8 +13,8 @@ from kvtier.serve.api.worker import EngineWorker
 
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-             kv_events_endpoint: str | None = None, worker_factory=EngineWorker, on_engine=None, extend_app=None,
-             **engine_args):
+             kv_events_endpoint: str | None = None, health_stall_s: float = 30.0, grammar_limits=None,
+             worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
@@ -27,6 +27,10 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     built, before the worker (a check that may raise); ``extend_app(app, worker, metrics)`` adds
     routes to the finished application.
 
+    ``health_stall_s``: ``/health`` answers 503 once the engine thread has not completed a step
+    for this long while requests wait. ``grammar_limits``: a :class:`kvtier.toolcall.GrammarLimits`
+    (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
+
     Raises:
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
             a KV events endpoint that cannot be bound, or what ``on_engine`` raises.
@@ -36,10 +40,19 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
 
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
-    options = ServerOptions(served_model_name or str(model), max_queue)  # checks max_queue first
+    from kvtier.toolcall import GrammarLimits
+
+    options = ServerOptions(served_model_name or str(model), max_queue,  # checks the limits first
+                            health_stall_s=health_stall_s)
+    if isinstance(grammar_limits, dict):
+        grammar_limits = GrammarLimits.from_dict(grammar_limits)
+    if grammar_limits is not None and not isinstance(grammar_limits, GrammarLimits):
+        raise ValueError(f"grammar_limits must be a GrammarLimits or a dict, got {type(grammar_limits).__name__}")
     built = build_engine(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
     engine, tok = built.engine, load_tokenizer(built.tokenizer_dir)
     engine.attach_tokenizer(tok)
+    engine.grammar_limits = grammar_limits
+    engine.grammar_compiler()  # built now (about a second), not by the first request with tools
     warm_up(engine)
     options.max_model_len = built.config.max_position_embeddings
     if kv_events_endpoint is not None:
@@ -57,6 +70,28 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     if extend_app is not None:
         extend_app(app, worker, metrics)
     return app
+
+
+def parse_grammar_limits(text: str | None):
+    """``--grammar-limits`` JSON as a :class:`kvtier.toolcall.GrammarLimits` (None: the defaults).
+
+    Raises:
+        ValueError: not a JSON object of GrammarLimits fields with valid values (named).
+    """
+    if text is None:
+        return None
+    import json
+
+    from kvtier.toolcall import GrammarLimits
+
+    try:
+        values = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--grammar-limits must be a JSON object, got {text!r:.80}: {e}") from None
+    try:
+        return GrammarLimits.from_dict(values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--grammar-limits: {e}") from None
 
 
 def warm_up(engine) -> None:

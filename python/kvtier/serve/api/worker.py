@@ -46,12 +46,42 @@ class EngineWorker:
         self.engine_errors = 0
         self.busy_s = 0.0  # seconds the engine thread spent in Engine.step (utilisation)
         self._last_housekeeping = 0.0
+        self.heartbeat = time.monotonic()  # when the engine thread last finished a loop (a step, or a wait)
 
     # -- asyncio side ------------------------------------------------------------------------------
     @property
     def alive(self) -> bool:
         """The engine thread is running."""
         return self._thread.is_alive()
+
+    def stalled(self, after_s: float) -> str | None:
+        """Why the engine thread looks stuck: it has not completed a step (or an idle wait) for
+        more than ``after_s`` seconds while requests are queued or running; None when healthy."""
+        waiting = len(self._jobs) + self._inbox.qsize()
+        quiet = time.monotonic() - self.heartbeat
+        if waiting and quiet > after_s:
+            return (f"the engine thread has not completed a step for {quiet:.1f} s (the limit is "
+                    f"--health-stall-s {after_s:g}) while {waiting} request(s) wait")
+        return None
+
+    async def compile_grammar(self, params):
+        """``params``' tool grammar compiled on a request thread (never the engine thread), for
+        :attr:`Job.tool_matcher`; None without tools.
+
+        Raises:
+            ApiError: 400 naming the tool and schema keyword when it does not compile or exceeds
+                a grammar limit.
+        """
+        if params.tool_grammar is None:
+            return None
+        from starlette.concurrency import run_in_threadpool
+
+        from kvtier.toolcall import GrammarError
+
+        try:
+            return await run_in_threadpool(self.engine.compile_tool_grammar, params)
+        except GrammarError as e:
+            raise ApiError(400, str(e), e.path or "tools") from None
 
     def start(self) -> None:
         self._thread.start()
@@ -79,6 +109,7 @@ class EngineWorker:
     # -- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.heartbeat = time.monotonic()
             try:
                 self._drain(block=not self.engine.has_unfinished())
             except Exception as e:  # noqa: BLE001 - a bug handling a command: fail what is in flight, keep serving
@@ -148,7 +179,8 @@ class EngineWorker:
             if job.kind == "chat":
                 enc = self.sessions.encoder(job.session_id, job.cache_salt)
                 try:
-                    rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt)
+                    rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt,
+                                           job.tool_matcher)
                 except BaseException:
                     self.sessions.refused(job.session_id)
                     raise
@@ -224,8 +256,10 @@ class EngineWorker:
             "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
             "sessions_waiting": self.sessions.num_waiting,
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
-            "in_flight": len(self._jobs), "busy_s": self.busy_s,
+            "in_flight": len(self._jobs), "busy_s": self.busy_s, "steps": e.num_steps,
         }
+        if e.grammar_stats is not None:
+            self.snapshot["grammar"] = e.grammar_stats.snapshot()
         if pool.remote is not None:
             rs = pool.remote.stats
             self.snapshot["remote"] = {"gets": dict(rs.gets), "puts": dict(rs.puts),
