@@ -43,7 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        salt=args.cache_salt.encode(), remote_cache_url=args.remote_cache_url,
                        remote_timeout_s=args.remote_timeout_s)
     app = make_worker_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
-                   max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
+                          max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
                           decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s,
                           health_stall_s=args.health_stall_s, grammar_limits=grammar_limits, **engine_args)
