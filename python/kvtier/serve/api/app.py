@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -128,12 +127,16 @@ async def _json(request: Request):
         raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
-async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint):
+async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint,
+                 fmt=None):
+    """Queue one request and answer it: a body, or a stream of ``fmt``'s events. ``fmt`` (default:
+    OpenAI chat / text completions) makes the id, the body and the stream writer (see
+    :class:`kvtier.serve.api.responses.OpenAIFormat`); the other APIs bring their own."""
     opts = st.options
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
     stops = req.stop_strings()
-    include_usage = req.include_usage()
+    fmt = fmt if fmt is not None else responses.OpenAIFormat(kind, req.include_usage())
     if st.pending >= opts.max_queue:
         raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
                        f"{opts.max_queue}); retry later")
@@ -159,7 +162,7 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         release()
         raise value
     endpoint = request.url.path
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = fmt.new_id()
     created = int(time.time())
     tok = st.worker.tokenizer
     if not req.stream:
@@ -177,10 +180,8 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         if final.error is not None:
             raise ApiError(final.error_status, f"request failed: {final.error}")
         st.metrics.requests.labels(endpoint, "200").inc()
-        body = (responses.chat_completion(rid, created, opts.model_name, final, tok) if kind == "chat"
-                else responses.text_completion(rid, created, opts.model_name, final))
-        return JSONResponse(body)
-    writer = responses.ChunkWriter(kind, rid, created, opts.model_name, tok, include_usage)
+        return JSONResponse(fmt.body(rid, created, opts.model_name, final, tok))
+    writer = fmt.writer(rid, created, opts.model_name, tok, value)
     st.metrics.requests.labels(endpoint, "200").inc()
     flight = _Flight(st, job, release)
     return _JobStream(flight, _stream(job, writer, bool(params.logprobs), flight), media_type="text/event-stream")
@@ -248,7 +249,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, flight: _Flight):
+async def _stream(job: Job, writer, logprobs: bool, flight: _Flight):
     try:
         first = writer.first()
         if first is not None:
@@ -262,11 +263,14 @@ async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, fligh
             flight.finished = True
             if event == "error" or value.error is not None:
                 err = value if event == "error" else ApiError(value.error_status, f"request failed: {value.error}")
-                yield responses.sse(err.body())
+                for chunk in writer.error(err):
+                    yield chunk
             else:
                 for chunk in writer.final(value):
                     yield chunk
-            yield b"data: [DONE]\n\n"
+            end = writer.end()
+            if end:
+                yield end
             return
     finally:
         flight.close()
