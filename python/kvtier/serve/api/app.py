@@ -18,14 +18,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.serve.api import responses
+from kvtier.serve.api import messages, responses
 from kvtier.serve.api.jobs import Final, Job
+from kvtier.serve.api.messages_stream import MessagesFormat
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH)
 
 
 @dataclass
@@ -74,12 +75,12 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def _api_error(request: Request, e: ApiError):
         path = request.url.path
         metrics.requests.labels(path if path in _ENDPOINTS else "other", str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(_error_body(path, e), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
-                            status_code=e.status_code)
+        err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        return JSONResponse(_error_body(request.url.path, err), status_code=e.status_code)
 
     @app.get("/health")
     async def health():
@@ -110,6 +111,18 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
                             req.expected_tool_wait_s)
 
+    @app.post(messages.PATH)
+    async def anthropic_messages(request: Request):
+        m = parse(messages.MessagesRequest, await _json(request))
+        req = parse(ChatRequest, messages.to_chat(m))
+        try:
+            params = req.params()
+        except ApiError as e:
+            raise messages.rename_fields(e) from None
+        sid = m.session(request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None,
+                            MessagesFormat())
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await _json(request))
@@ -117,6 +130,11 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, None, None)
 
     return app
+
+
+def _error_body(path: str, e: ApiError) -> dict:
+    """``e`` in the shape of the API at ``path``: Anthropic's for the Messages API, else OpenAI's."""
+    return messages.error_body(e) if path == messages.PATH else e.body()
 
 
 async def _json(request: Request):
