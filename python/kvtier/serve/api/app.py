@@ -18,15 +18,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.serve.api import messages, responses
+from kvtier.serve.api import messages, messages_stream, responses, responses_api, responses_api_stream
 from kvtier.serve.api.jobs import Final, Job
-from kvtier.serve.api.messages_stream import MessagesFormat
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH)
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH, responses_api.PATH)
 
 
 @dataclass
@@ -113,15 +112,16 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post(messages.PATH)
     async def anthropic_messages(request: Request):
-        m = parse(messages.MessagesRequest, await _json(request))
-        req = parse(ChatRequest, messages.to_chat(m))
-        try:
-            params = req.params()
-        except ApiError as e:
-            raise messages.rename_fields(e) from None
-        sid = m.session(request.headers.get(SESSION_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None,
-                            MessagesFormat())
+        req, params, sid, fmt = messages_stream.prepare(await _json(request), request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, fmt)
+
+    kept = responses_api.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
+
+    @app.post(responses_api.PATH)
+    async def openai_responses(request: Request):
+        req, params, sid, fmt = responses_api_stream.prepare(await _json(request), kept,
+                                                             request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

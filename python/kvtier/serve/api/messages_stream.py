@@ -19,7 +19,8 @@ import json
 import uuid
 
 from kvtier.serve.api.jobs import Delta, Final
-from kvtier.serve.api.messages import error_body
+from kvtier.serve.api.messages import MessagesRequest, error_body, rename_fields, to_chat
+from kvtier.serve.api.protocol import ApiError, ChatRequest, parse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -116,6 +117,21 @@ class MessagesWriter:
 
     def end(self) -> bytes:
         return b""
+
+
+def prepare(body, header: str | None):
+    """A request body as (chat request, sampling parameters, session id, format).
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    m = parse(MessagesRequest, body)
+    req = parse(ChatRequest, to_chat(m))
+    try:
+        params = req.params()
+    except ApiError as e:
+        raise rename_fields(e) from None
+    return req, params, m.session(header), MessagesFormat()
 
 
 class MessagesFormat:
