@@ -7,11 +7,11 @@ tool wait, stop sequences, and 400s in Anthropic's shape after which the server 
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
+from tests.serve.api.tool_waits import settle, tool_waits
 from tests.toolcall.sweep import check_arguments
 
 anthropic = pytest.importorskip("anthropic")
@@ -82,28 +82,14 @@ def test_disable_parallel_tool_use_gives_one_call(client):
     assert msg.stop_reason == "tool_use" and len([b for b in msg.content if b.type == "tool_use"]) == 1
 
 
-def _waiting(server) -> float:
-    return server.metrics()[("kvtier_sessions_waiting_on_tools",)]
-
-
-def _settle(server, want, timeout_s: float = 30.0) -> float:
-    """The waiting-sessions gauge once it equals ``want`` (published every 0.2 s) or at the timeout."""
-    deadline = time.monotonic() + timeout_s
-    got = _waiting(server)
-    while got != want and time.monotonic() < deadline:
-        time.sleep(0.2)
-        got = _waiting(server)
-    return got
-
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_tool_loop_reads_the_cache_and_the_session_waits_on_the_tool(client, server, stream):
-    before = _settle(server, _waiting(server))
+    before, expired0 = tool_waits(server)
     user = f"agent-{stream}"
     kw = dict(model="tiny", max_tokens=48, tools=[LS], metadata={"user_id": user}, extra_body=GREEDY)
     first = client.messages.create(messages=ASK, tool_choice={"type": "any"}, **kw)
     assert first.stop_reason == "tool_use"
-    assert _settle(server, before + 1) == before + 1  # the session now waits on its tool
+    assert settle(server, before + 1, expired0)  # the session now waits on its tool
     history = ASK + [{"role": "assistant", "content": _blocks(first)},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": b.id, "content": "a.py b.py"}
                                                   for b in first.content if b.type == "tool_use"]}]
@@ -116,7 +102,7 @@ def test_a_tool_loop_reads_the_cache_and_the_session_waits_on_the_tool(client, s
     first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
     # the first turn's prompt pages (at least) are read back
     assert second.usage.cache_read_input_tokens >= (first_prompt // 16) * 16 > 0 and prompt > first_prompt
-    assert _settle(server, before) == before  # the result came back: the wait ended
+    assert settle(server, before, expired0)  # the result came back: the wait ended
 
 
 def test_stop_sequences_end_the_text_and_are_reported(client):

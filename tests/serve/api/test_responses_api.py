@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serve.api.test_messages import _settle, _waiting
+from tests.serve.api.tool_waits import settle, tool_waits
 from tests.toolcall.sweep import check_arguments
 
 LS = {"type": "function", "name": "ls", "description": "list a directory", "strict": True,
@@ -72,19 +72,19 @@ def test_function_calls_are_schema_valid_and_stream_to_the_same_output(server, c
 
 def test_previous_response_id_continues_the_tool_loop_in_its_session(server):
     client = server.client()
-    before = _settle(server, _waiting(server))
+    before, expired0 = tool_waits(server)
     first = client.responses.create(model="tiny", input=ASK, tools=[LS], tool_choice="required",
                                     max_output_tokens=48, temperature=0)
     calls = [o for o in first.output if o.type == "function_call"]
     assert calls and first.store is True
-    assert _settle(server, before + 1) == before + 1  # the chain's session waits on the tool
+    assert settle(server, before + 1, expired0)  # the chain's session waits on the tool
     outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "a.py b.py"} for c in calls]
     types, second = _stream(client, model="tiny", previous_response_id=first.id, input=outputs, tools=[LS],
                             tool_choice="none", max_output_tokens=8, temperature=0)
     assert second.previous_response_id == first.id and all(o.type == "message" for o in second.output)
     assert second.usage.input_tokens > first.usage.input_tokens
     assert second.usage.input_tokens_details.cached_tokens >= (first.usage.input_tokens // 16) * 16 > 0
-    assert _settle(server, before) == before
+    assert settle(server, before, expired0)
     # tools are not kept with a response (as in OpenAI's API): the client declares them again
     third = client.responses.create(model="tiny", previous_response_id=second.id, input="thanks", tools=[LS],
                                     tool_choice="none", max_output_tokens=4, temperature=0)

@@ -262,7 +262,7 @@ def _tools(raw: list[dict]) -> list[dict]:
                            f"tools[{i}].type")
         extra = set(t) - {"type", "name", "description", "parameters", "strict", "defer_loading", "output_schema"}
         if extra:
-            raise ApiError(400, f"tools[{i}].{sorted(extra)[0]}: unknown parameter", f"tools[{i}].{sorted(extra)[0]}")
+            raise ApiError(400, f"tools[{i}].{min(extra)}: unknown parameter", f"tools[{i}].{min(extra)}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out
