@@ -14,12 +14,15 @@ from kvtier.serve.api.worker import EngineWorker
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
              kv_events_endpoint: str | None = None, role: str = "both", decode_workers: list[str] = (),
-             transfer_timeout_s: float = 5.0, **engine_args):
+             transfer_timeout_s: float = 5.0, resume_ttft_s: float | None = None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
     (:mod:`kvtier.cache.kv_events`; the bound endpoint is the events' worker id and is reported
     by ``/health``).
+
+    ``resume_ttft_s``: the TTFT target of a session's turn after a tool wait; resumes and misses
+    (by why) are counted in ``/metrics`` (:mod:`kvtier.serve.api.resume`).
 
     ``role`` (:mod:`kvtier.disagg`): ``both`` (colocated, the default), ``decode`` (also takes
     blocks from prefill workers) or ``prefill`` (sends each turn's blocks to one of
@@ -61,6 +64,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         worker = PrefillWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics, transfer_timeout_s=transfer_timeout_s)
     else:
         worker = EngineWorker(llm.engine, llm.tokenizer, session_ttl_s, metrics)
+    worker.sessions.resumes.set_target(resume_ttft_s)  # counted in /metrics (kvtier_resume_slo_misses)
     holder["worker"] = worker
     app = build_app(worker, options, metrics)
     from kvtier.disagg.routes import add_role_routes

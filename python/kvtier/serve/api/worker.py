@@ -198,7 +198,7 @@ class EngineWorker:
         self._jobs.pop(job.request_id, None)
         tools = [c["name"] for c in final.tool_calls] if final.finish_reason == "tool_calls" else []
         ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
-        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s)
+        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final)
         if self.metrics is not None:
             self.metrics.observe_final(final)
         job.emit("final", final)
@@ -224,7 +224,7 @@ class EngineWorker:
             "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
             "sessions_waiting": self.sessions.num_waiting,
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
-            "in_flight": len(self._jobs), "busy_s": self.busy_s,
+            "in_flight": len(self._jobs), "busy_s": self.busy_s, "resume": self.sessions.resumes.snapshot(),
         }
         if pool.remote is not None:
             rs = pool.remote.stats
