@@ -193,3 +193,10 @@ def test_the_stop_filter_records_the_earliest_stop_string():
 
     f = StopFilter(["xyz", "b"])
     assert f.push("a") == "" and f.push("bxyz") == "a" and f.hit and f.matched == "b"
+
+
+def test_an_error_ending_the_stream_is_an_anthropic_error_event():
+    w = MessagesWriter("msg_1", "tiny", 4)
+    ev = _events([w.first(), *w.delta(Delta(text="x")), *w.error(ApiError(500, "engine error: boom"))])
+    assert ev[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine error: boom"}})
+    assert w.end() == b""

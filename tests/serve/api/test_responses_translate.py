@@ -182,3 +182,13 @@ def test_a_length_finish_is_an_incomplete_response():
     body = fmt.body("resp_2", 0, "tiny", _final(finish_reason="length", content="par"), None)
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["output"][0]["content"][0]["text"] == "par"
+
+
+def test_an_error_ending_the_stream_is_a_failed_response():
+    fmt = ResponsesFormat("resp_3", {}, ResponseStore(600), None, None, [])
+    w = fmt.writer("resp_3", 0, "tiny", None, 4)
+    ev = _events([w.first(), *w.error(ApiError(500, "engine error: boom"))])
+    assert ev[-1]["type"] == "response.failed" and ev[-1]["response"]["status"] == "failed"
+    assert ev[-1]["response"]["error"] == {"code": "server_error", "message": "engine error: boom"}
+    with pytest.raises(ApiError):
+        fmt.store.get("resp_3")  # a failed response is not kept
