@@ -200,3 +200,27 @@ def test_an_error_ending_the_stream_is_an_anthropic_error_event():
     ev = _events([w.first(), *w.delta(Delta(text="x")), *w.error(ApiError(500, "engine error: boom"))])
     assert ev[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "engine error: boom"}})
     assert w.end() == b""
+
+
+def test_a_claude_code_shaped_request_is_accepted():
+    """System and text blocks with cache_control, a draft-07 ``$schema`` in input_schema,
+    thinking (ignored), thinking blocks with signatures, tool results as text blocks."""
+    bash = {"name": "Bash", "description": "run a command", "cache_control": {"type": "ephemeral"}, "input_schema": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False,
+        "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}}, "required": ["command"]}}
+    body = {"model": "tiny", "max_tokens": 512, "stream": True, "temperature": 1,
+            "metadata": {"user_id": "user_1_account_2_session_3"}, "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "tools": [bash], "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "<reminder>x</reminder>"},
+                                             {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                                                  {"type": "tool_use", "id": "toolu_01", "name": "Bash",
+                                                   "input": {"command": "ls"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01",
+                                              "content": [{"type": "text", "text": "a.py"}]}]}]}
+    req, params, sid, _ = prepare(body, None)
+    assert sid == "user_1_account_2_session_3" and params.tool_grammar is not None and req.stream
+    assert "$schema" not in req.tools[0]["function"]["parameters"]
+    assert req.messages[2] == {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
+        {"id": "toolu_01", "type": "function", "function": {"name": "Bash", "arguments": '{"command":"ls"}'}}]}

@@ -5,7 +5,8 @@ The translation is pure (:func:`to_chat`): ``system`` becomes a system turn; ``t
 blocks become the assistant turn's ``tool_calls`` (their ``input`` as compact JSON, as the model
 writes arguments, so a replayed turn renders as it was generated); each ``tool_result`` block
 becomes a ``tool`` turn; tools with ``input_schema`` become function tools, whose calls are
-schema-constrained as chat tool calls are. ``tool_choice``: ``auto`` -> ``auto``, ``any`` ->
+schema-constrained as chat tool calls are (a root ``$schema``, the dialect's name, is dropped).
+``tool_choice``: ``auto`` -> ``auto``, ``any`` ->
 ``required``, ``tool`` -> that function, ``none`` -> ``none``; ``disable_parallel_tool_use`` ->
 ``parallel_tool_calls: false``. Tool-use ids are K2's call ids (``functions.NAME:IDX``), passed
 back unchanged.
@@ -285,9 +286,11 @@ def _tools(raw: list[dict]) -> list[dict]:
         if tool.input_schema.get("type") != "object":
             raise ApiError(400, f"tools[{i}].input_schema.type: expected 'object', got "
                            f"{tool.input_schema.get('type')!r}", f"tools[{i}].input_schema.type")
-        fn = {"name": tool.name, "parameters": tool.input_schema}
+        # a root "$schema" names the dialect (Claude Code sends draft-07's), not a constraint
+        schema = {k: v for k, v in tool.input_schema.items() if k != "$schema"}
+        fn = {"name": tool.name, "parameters": schema}
         if tool.description is not None:
-            fn = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
+            fn = {"name": tool.name, "description": tool.description, "parameters": schema}
         out.append({"type": "function", "function": fn})
     return out
 
