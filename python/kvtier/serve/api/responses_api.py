@@ -8,7 +8,7 @@ system, developer -> system; ``input_text`` / ``output_text`` parts) to chat tur
 ``tool_calls``, each ``function_call_output`` to a ``tool`` turn, a ``reasoning`` item to the next
 assistant turn's reasoning. Function tools are flat (``{"type": "function", "name",
 "parameters"}``) and become chat function tools, constrained as chat tool calls are;
-``tool_choice`` ``{"type": "function", "name"}`` selects one. Call ids are K2's
+``tool_choice`` ``{"type": "function", "name"}`` selects one (a root ``$schema`` is dropped). Call ids are K2's
 (``functions.NAME:IDX``), passed back unchanged.
 
 Validated as OpenAI's API does: unknown fields are a 400 (fields kvtier has no use for are
@@ -264,6 +264,8 @@ def _tools(raw: list[dict]) -> list[dict]:
         if extra:
             raise ApiError(400, f"tools[{i}].{min(extra)}: unknown parameter", f"tools[{i}].{min(extra)}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        if isinstance(fn.get("parameters"), dict) and "$schema" in fn["parameters"]:  # the dialect's name
+            fn["parameters"] = {k: v for k, v in fn["parameters"].items() if k != "$schema"}
         out.append({"type": "function", "function": fn})
     return out
 
