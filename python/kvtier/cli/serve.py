@@ -19,6 +19,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if not 0 < args.session_ttl_s < float("inf"):
         raise ValueError(f"--session-ttl-s must be a finite number > 0, got {args.session_ttl_s}")
+    if args.resume_ttft_s is not None and not 0 < args.resume_ttft_s < float("inf"):
+        raise ValueError(f"--resume-ttft-s must be a finite number > 0, got {args.resume_ttft_s}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads < 1:
@@ -46,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
                           decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s,
-                          health_stall_s=args.health_stall_s, grammar_limits=grammar_limits, **engine_args)
+                          health_stall_s=args.health_stall_s, grammar_limits=grammar_limits,
+                          resume_ttft_s=args.resume_ttft_s, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -60,6 +63,8 @@ def add_parser(sub) -> None:
     s.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     s.add_argument("--max-queue", type=int, default=256, help="requests in flight at once; more get 503")
     s.add_argument("--session-ttl-s", type=float, default=600.0, help="idle seconds before a session is dropped")
+    s.add_argument("--resume-ttft-s", type=float, default=None, metavar="S",
+                   help="TTFT target of a session's turn after a tool wait; misses are counted by why in /metrics")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--device", default="cpu", help="torch device of weights and KV cache")
     s.add_argument("--seed", type=int, default=0, help="preset weights and the engine's sampler")

@@ -14,21 +14,20 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.serve.api import responses
+from kvtier.serve.api import messages, messages_stream, responses, responses_api, responses_api_stream
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH, responses_api.PATH)
 
 
 @dataclass
@@ -83,12 +82,12 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def _api_error(request: Request, e: ApiError):
         path = request.url.path
         metrics.requests.labels(path if path in _ENDPOINTS else "other", str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(_error_body(path, e), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}").body(),
-                            status_code=e.status_code)
+        err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
+        return JSONResponse(_error_body(request.url.path, err), status_code=e.status_code)
 
     @app.get("/health")
     async def health():
@@ -122,6 +121,21 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
                             req.expected_tool_wait_s, tools=True)
 
+    @app.post(messages.PATH)
+    async def anthropic_messages(request: Request):
+        req, params, sid, fmt = messages_stream.prepare(await _json(request), request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
+                            fmt=fmt)
+
+    kept = responses_api.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
+
+    @app.post(responses_api.PATH)
+    async def openai_responses(request: Request):
+        req, params, sid, fmt = responses_api_stream.prepare(await _json(request), kept,
+                                                             request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
+                            fmt=fmt)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await _json(request))
@@ -129,6 +143,11 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, None, None)
 
     return app
+
+
+def _error_body(path: str, e: ApiError) -> dict:
+    """``e`` in the shape of the API at ``path``: Anthropic's for the Messages API, else OpenAI's."""
+    return messages.error_body(e) if path == messages.PATH else e.body()
 
 
 async def _json(request: Request):
@@ -140,12 +159,16 @@ async def _json(request: Request):
 
 
 async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint,
-                 tools: bool = False):
+                 tools: bool = False, fmt=None):
+    """Queue one request and answer it: a body, or a stream of ``fmt``'s events. ``fmt`` (default:
+    OpenAI chat / text completions) makes the id, the body and the stream writer (see
+    :class:`kvtier.serve.api.responses.OpenAIFormat`); the other APIs bring their own. ``tools``:
+    compile the request's tool grammar on a request thread before it is queued."""
     opts = st.options
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
     stops = req.stop_strings()
-    include_usage = req.include_usage()
+    fmt = fmt if fmt is not None else responses.OpenAIFormat(kind, req.include_usage())
     if st.pending >= opts.max_queue:
         raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
                        f"{opts.max_queue}); retry later")
@@ -177,7 +200,7 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         release()
         raise value
     endpoint = request.url.path
-    rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = fmt.new_id()
     created = int(time.time())
     tok = st.worker.tokenizer
     if not req.stream:
@@ -195,10 +218,8 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         if final.error is not None:
             raise ApiError(final.error_status, f"request failed: {final.error}")
         st.metrics.requests.labels(endpoint, "200").inc()
-        body = (responses.chat_completion(rid, created, opts.model_name, final, tok) if kind == "chat"
-                else responses.text_completion(rid, created, opts.model_name, final))
-        return JSONResponse(body)
-    writer = responses.ChunkWriter(kind, rid, created, opts.model_name, tok, include_usage)
+        return JSONResponse(fmt.body(rid, created, opts.model_name, final, tok))
+    writer = fmt.writer(rid, created, opts.model_name, tok, value)
     st.metrics.requests.labels(endpoint, "200").inc()
     flight = _Flight(st, job, release)
     return _JobStream(flight, _stream(job, writer, bool(params.logprobs), flight), media_type="text/event-stream")
@@ -266,7 +287,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, flight: _Flight):
+async def _stream(job: Job, writer, logprobs: bool, flight: _Flight):
     try:
         first = writer.first()
         if first is not None:
@@ -280,11 +301,14 @@ async def _stream(job: Job, writer: responses.ChunkWriter, logprobs: bool, fligh
             flight.finished = True
             if event == "error" or value.error is not None:
                 err = value if event == "error" else ApiError(value.error_status, f"request failed: {value.error}")
-                yield responses.sse(err.body())
+                for chunk in writer.error(err):
+                    yield chunk
             else:
                 for chunk in writer.final(value):
                     yield chunk
-            yield b"data: [DONE]\n\n"
+            end = writer.end()
+            if end:
+                yield end
             return
     finally:
         flight.close()

@@ -51,6 +51,7 @@ class Final:
     error_status: int = 500
     last_prompt_block: bytes | None = None  # see RequestOutput.last_prompt_block
     engine_steps: int | None = None  # engine steps from arrival to finish (RequestMetrics.engine_steps)
+    stop_sequence: str | None = None  # the stop string that ended it (None: none did)
 
 
 class StopFilter:
@@ -61,15 +62,17 @@ class StopFilter:
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.buf = ""
         self.hit = False
+        self.matched: str | None = None  # the stop string that was hit
 
     def push(self, text: str) -> str:
         """The part of ``text`` (after what was held) that is safe to emit."""
         if self.hit or not self.stops:
             return "" if self.hit else text
         self.buf += text
-        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for i, s in ((self.buf.find(s), s) for s in self.stops) if i >= 0]
         if found:
-            out, self.buf, self.hit = self.buf[:min(found)], "", True
+            at, self.matched = min(found, key=lambda x: x[0])
+            out, self.buf, self.hit = self.buf[:at], "", True
             return out
         cut = max(len(self.buf) - self.hold, 0)
         out, self.buf = self.buf[:cut], self.buf[cut:]
@@ -171,4 +174,4 @@ class Job:
                      dict(o.cached_tokens_by_tier), self.content, getattr(self.decoder, "reasoning", ""),
                      list(self.calls), problems, lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
                      error, status, getattr(o, "last_prompt_block", None),  # a Sequence when cut by a stop string
-                     o.metrics.engine_steps)
+                     o.metrics.engine_steps, self.stop.matched if self.stop is not None else None)

@@ -57,6 +57,8 @@ class _EngineCollector:
             for tier, v in sorted(s[key].items()):
                 fam.add_metric([tier], v)
             yield fam
+        if "resume" in s:
+            yield from _resume_families(s["resume"])
         if "remote" in s:  # a pool with a remote tier: its reads and writes by outcome
             yield from _remote_families(s["remote"])
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=s.get("steps", 0))
@@ -85,6 +87,15 @@ def _grammar_families(g: dict):
     for kind, v in sorted(g["cut"].items()):
         cut.add_metric([kind], v)
     yield cut
+
+
+def _resume_families(r: dict):
+    yield CounterMetricFamily("kvtier_resumes", "turns resuming a session after a tool wait", value=r["resumes"])
+    fam = CounterMetricFamily("kvtier_resume_slo_misses", "resumed turns whose TTFT missed --resume-ttft-s, by why "
+                              "(evicted, prefetch_late, queued)", labels=["reason"])
+    for reason, v in sorted(r["misses"].items()):
+        fam.add_metric([reason], v)
+    yield fam
 
 
 def _remote_families(r: dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 from kvtier.serve.api.jobs import Delta, Final
 
@@ -110,3 +111,41 @@ class ChunkWriter:
         if self.include_usage:
             out.append(self._chunk(None, usage=usage(f)))
         return out
+
+    def error(self, err) -> list[bytes]:
+        """The chunk of an error that ended the stream (an :class:`ApiError`)."""
+        return [sse(err.body())]
+
+    def end(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+
+class OpenAIFormat:
+    """How chat and text completions answer: the id, the body, the stream writer. Each API's
+    format has these three methods (see ``app._serve``)."""
+
+    def __init__(self, kind: str, include_usage: bool):
+        self.kind, self.include_usage = kind, include_usage
+
+    def new_id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def body(self, rid: str, created: int, model: str, f: Final, tokenizer) -> dict:
+        return (chat_completion(rid, created, model, f, tokenizer) if self.kind == "chat"
+                else text_completion(rid, created, model, f))
+
+    def writer(self, rid: str, created: int, model: str, tokenizer, prompt_tokens: int) -> ChunkWriter:
+        """``prompt_tokens``: the prompt's length (the engine accepted it)."""
+        return ChunkWriter(self.kind, rid, created, model, tokenizer, self.include_usage)
+
+
+def assistant_message(f: Final) -> dict:
+    """The model's turn as a chat message (for a conversation the server keeps): its text, its
+    reasoning and its calls with their ids and arguments as generated."""
+    msg = {"role": "assistant", "content": f.content}
+    if f.reasoning:
+        msg["reasoning_content"] = f.reasoning
+    if f.tool_calls:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in f.tool_calls]
+    return msg

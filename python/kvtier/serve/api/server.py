@@ -14,7 +14,8 @@ from kvtier.serve.api.worker import EngineWorker
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
              kv_events_endpoint: str | None = None, health_stall_s: float = 30.0, grammar_limits=None,
-             worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
+             resume_ttft_s: float | None = None, worker_factory=EngineWorker, on_engine=None, extend_app=None,
+             **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
@@ -30,6 +31,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``health_stall_s``: ``/health`` answers 503 once the engine thread has not completed a step
     for this long while requests wait. ``grammar_limits``: a :class:`kvtier.toolcall.GrammarLimits`
     (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
+
+    ``resume_ttft_s``: the TTFT target of a session's turn after a tool wait; resumes and misses
+    (by why) are counted in ``/metrics`` (:mod:`kvtier.serve.api.resume`).
 
     Raises:
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
@@ -66,6 +70,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     if on_engine is not None:
         on_engine(engine)
     worker = holder["worker"] = worker_factory(engine, tok, session_ttl_s, metrics)
+    worker.sessions.resumes.set_target(resume_ttft_s)  # counted in /metrics (kvtier_resume_slo_misses)
     app = build_app(worker, options, metrics)
     if extend_app is not None:
         extend_app(app, worker, metrics)

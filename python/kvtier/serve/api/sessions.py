@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.policy import ToolWaitEstimate
 from kvtier.serve.api.protocol import ApiError
+from kvtier.serve.api.resume import ResumeTracker
 from kvtier.serve.chat import new_encoder
 from kvtier.serve.engine import Engine, request_salt
 
@@ -37,6 +38,7 @@ class Session:
     in_flight: int = 0
     cache_salt: str = ""
     accepted: bool = False  # a request of the session reached the engine
+    waiting_ids: list | None = None  # prompt and output of the turn it waits after (for the resume target)
 
 
 class SessionStore:
@@ -56,6 +58,7 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         self.tool_waits: dict[str, ToolWaitEstimate] = {}
         self.num_expired = 0
+        self.resumes = ResumeTracker(engine.config.pool.page_size)  # the --resume-ttft-s target
 
     def encoder(self, session_id: str | None, cache_salt: str = ""):
         """The session's encoder (created on first use), or a one-off encoder for None. A session
@@ -77,6 +80,8 @@ class SessionStore:
         if s.waiting_since_s is not None:
             for name in s.waiting_tools:
                 self._estimate(name).observed.append(now - s.waiting_since_s)
+            self.resumes.begin(session_id, s.waiting_ids)
+            s.waiting_ids = None
             self._end_wait(session_id, s)
         s.last_used_s = now
         s.in_flight += 1
@@ -86,6 +91,7 @@ class SessionStore:
         """A request of ``session_id`` taken by :meth:`encoder` was refused before reaching the
         engine. A session none of whose requests was accepted is dropped (a refused request
         starts no session, so its ``cache_salt`` binds nothing)."""
+        self.resumes.end(session_id, None)
         s = self.sessions.get(session_id) if session_id is not None else None
         if s is None:
             return
@@ -98,10 +104,14 @@ class SessionStore:
         s = self.sessions.get(session_id) if session_id is not None else None
         if s is not None:
             s.accepted = True
+            self.resumes.accepted(session_id, s.encoder.ids)
 
-    def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None) -> None:
+    def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None,
+                   final=None) -> None:
         """A turn of ``session_id`` finished; ``tool_names`` non-empty: it ended in tool calls and
-        the session now waits on them (``token_ids``: its prompt and output)."""
+        the session now waits on them (``token_ids``: its prompt and output). ``final``: how it
+        ended (None: aborted), for the resume target."""
+        self.resumes.end(session_id, final)
         s = self.sessions.get(session_id) if session_id is not None else None
         if s is None:
             return
@@ -114,6 +124,7 @@ class SessionStore:
         hashes = block_hashes(token_ids, self.engine.config.pool.page_size, None, salt)
         self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
+        s.waiting_ids = list(token_ids)
 
     @property
     def num_waiting(self) -> int:
@@ -123,6 +134,7 @@ class SessionStore:
     def end(self, session_id: str) -> bool:
         """Drop a session (its encoder; its tool wait ends). False if there was none."""
         s = self.sessions.pop(session_id, None)
+        self.resumes.end(session_id, None)
         if s is None:
             return False
         self._end_wait(session_id, s)

@@ -230,7 +230,7 @@ class EngineWorker:
         self._jobs.pop(job.request_id, None)
         tools = [c["name"] for c in final.tool_calls] if final.finish_reason == "tool_calls" else []
         ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
-        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s)
+        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final)
         if self.metrics is not None:
             self.metrics.observe_final(final)
         job.emit("final", final)
@@ -257,6 +257,7 @@ class EngineWorker:
             "sessions_waiting": self.sessions.num_waiting,
             "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
             "in_flight": len(self._jobs), "busy_s": self.busy_s, "steps": e.num_steps,
+            "resume": self.sessions.resumes.snapshot(),
         }
         if e.grammar_stats is not None:
             self.snapshot["grammar"] = e.grammar_stats.snapshot()

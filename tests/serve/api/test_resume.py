@@ -1,0 +1,88 @@
+"""The resume target: turns resuming a session after a tool wait, misses of ``--resume-ttft-s`` by
+why, counted by the session store and exposed in ``/metrics``."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.serve.api.jobs import Final
+from kvtier.serve.api.resume import ResumeTracker, miss_reason, shared_prefix
+from tests.serve.api.conftest import start_server, stop_server
+from tests.serve.api.tool_waits import settle, tool_waits
+
+
+def _final(ttft_s=2.0, prompt=100, cached=64, tiers=None, error=None) -> Final:
+    return Final("stop", prompt, 4, cached, tiers if tiers is not None else {"device": cached}, "", "", [], [], None,
+                 [], ttft_s=ttft_s, error=error)
+
+
+@pytest.mark.parametrize("ttft, kept, cached, tiers, why", [
+    (0.5, 64, 64, {"device": 64}, None),  # within the target
+    (None, 64, 0, {}, None),  # no first token: not a resume that missed
+    (2.0, 64, 48, {"device": 48}, "evicted"),
+    (2.0, 64, 64, {"device": 32, "host": 32}, "prefetch_late"),
+    (2.0, 64, 64, {"device": 48, "disk": 16}, "prefetch_late"),
+    (2.0, 64, 64, {"device": 64}, "queued"),
+    (2.0, 160, 96, {"device": 96}, "queued"),  # capped at the prompt's full pages before its last token
+])
+def test_miss_reasons(ttft, kept, cached, tiers, why):
+    assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16) == why
+
+
+def test_shared_prefix():
+    assert shared_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert shared_prefix([1, 2], [1, 2, 3]) == 2 and shared_prefix([], [1]) == 0 and shared_prefix([9], [1]) == 0
+
+
+def test_tracker_counts_resumes_and_misses_by_reason():
+    t = ResumeTracker(16, target_s=1.0)
+    t.begin("a", list(range(70)))
+    t.accepted("a", list(range(60)) + [7] * 40)  # shares 60 tokens: 48 in full pages
+    t.end("a", _final(ttft_s=3.0, cached=32))
+    t.begin("b", list(range(40)))
+    t.accepted("b", list(range(50)))
+    t.end("b", _final(ttft_s=3.0, cached=32))  # 32 shared in full pages, all found on the device
+    t.begin("c", list(range(40)))
+    t.end("c", None)  # aborted: not counted
+    t.end("d", _final())  # not a resume
+    t.begin("e", list(range(40)))
+    t.accepted("e", list(range(50)))
+    t.end("e", _final(ttft_s=0.2))  # within the target
+    assert t.snapshot() == {"resumes": 3, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 1}, "target_s": 1.0}
+    with pytest.raises(ValueError, match="--resume-ttft-s"):
+        t.set_target(0.0)
+
+
+def test_serve_checks_the_target_before_loading(capsys):
+    from kvtier.cli import main
+
+    assert main(["serve", "tiny", "--tokenizer", "x", "--resume-ttft-s", "-1"]) == 2
+    assert "--resume-ttft-s must be" in capsys.readouterr().err
+
+
+def test_a_resumed_turn_over_the_target_is_counted_in_metrics(tmp_path):
+    """A target no turn can meet (1 us) with a pool that evicts nothing: the resumed turn finds
+    its whole shared prefix on the device, so it missed for time spent queued or computing."""
+    s = start_server(tmp_path, "--num-device-pages", "512", "--resume-ttft-s", "0.000001")
+    try:
+        client = s.client()
+        tools = [{"type": "function", "function": {"name": "ls", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string", "maxLength": 8}}, "required": ["path"]}}}]
+        msgs = [{"role": "user", "content": "list the repository"}]
+        kw = dict(model="tiny", tools=tools, temperature=0, extra_body={"session_id": "resume-1"})
+        first = client.chat.completions.create(messages=msgs, tool_choice="required", max_tokens=48, **kw)
+        m = first.choices[0].message
+        assert m.tool_calls
+        before, expired0 = tool_waits(s)
+        assert before == 1
+        msgs += [m.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": c.id, "content": "a.py"} for c in m.tool_calls]
+        second = client.chat.completions.create(messages=msgs, tool_choice="none", max_tokens=4, **kw)
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert settle(s, 0, expired0)
+        got = s.metrics()
+        assert got[("kvtier_resumes_total",)] == 1
+        assert {r: got[("kvtier_resume_slo_misses_total", ("reason", r))]
+                for r in ("evicted", "prefetch_late", "queued")} == {"evicted": 0, "prefetch_late": 0, "queued": 1}
+    finally:
+        stop_server(s)
