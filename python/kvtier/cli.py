@@ -9,7 +9,9 @@ Subcommands:
                       running Kimi K2 by default); prints the bench table, writes a plot and JSON
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
-  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32, fp8 or int4)
+  plan                weights per device, KV bytes per token and KV capacity of a model in
+                      INT4 / FP8 / bf16 weights on N devices (kvtier.model.plan)
   serve               OpenAI-compatible HTTP server: chat (tools streamed as each call completes),
                       completions, sessions kept warm across tool waits, /metrics
   kernels             --profile DIR: every kernel op once under torch.profiler, a Chrome trace
@@ -320,6 +322,15 @@ def cmd_create_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvtier.model.plan import plan_report
+
+    print(plan_report(args.model, tuple(args.format.split(",")), args.devices, args.hbm_gb, parallel=args.parallel,
+                      kv_dtype_bytes=args.kv_dtype_bytes, hbm_fraction=args.hbm_fraction, reserve_gb=args.reserve_gb,
+                      session_tokens=args.session_tokens))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -423,9 +434,22 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
     c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
     c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
-                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4"],
+                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
+                        "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6)")
     c.set_defaults(func=cmd_create_checkpoint)
+    p = sub.add_parser("plan", help="memory plan: weights per device, KV per token, KV tokens and sessions that fit")
+    p.add_argument("--model", default="kimi-k2", help=f"preset {sorted(PRESETS)}, checkpoint directory or config.json")
+    p.add_argument("--devices", type=int, default=8, help="accelerators")
+    p.add_argument("--hbm-gb", type=float, default=288, help="HBM per device, GB (MI355X 288, H200 141)")
+    p.add_argument("--format", default="int4,fp8,bf16", help="comma-separated weight formats: int4 (K2.6), fp8 (K2), bf16")
+    p.add_argument("--parallel", default="dp-ep", choices=["dp-ep", "tp"],
+                   help="dp-ep: attention replicated, KV per device summed; tp: all split, KV replicated")
+    p.add_argument("--kv-dtype-bytes", type=float, default=2, help="bytes per cached KV value (2 = bf16, 1 = FP8)")
+    p.add_argument("--hbm-fraction", type=float, default=0.9, help="share of HBM the engine takes")
+    p.add_argument("--reserve-gb", type=float, default=8, help="per-device allowance for activations and workspace, GB")
+    p.add_argument("--session-tokens", type=int, default=100_000, help="tokens per session for the session count")
+    p.set_defaults(func=cmd_plan)
     kernels_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     router_cli.add_parser(sub)
