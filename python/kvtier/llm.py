@@ -79,12 +79,13 @@ def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> Kimi
 
 
 def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
-                     seed: int = 0) -> tuple[KimiK2ForCausalLM, bytes]:
+                     seed: int = 0, dequantize: bool = False) -> tuple[KimiK2ForCausalLM, bytes]:
     """The model and its identity for cache salting: ``(model, model_id)``.
 
-    ``model`` is a checkpoint directory (``model_id`` = its fingerprint) or a preset name
-    (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
-    share the returned model (each has its own KV pages).
+    ``model`` is a checkpoint directory (``model_id`` = its fingerprint; FP8 and INT4 weights are
+    held as stored unless ``dequantize``, which is part of the id: the two compute differently)
+    or a preset name (random weights from ``seed``; ``model_id`` names the preset and seed).
+    Several engines may share the returned model (each has its own KV pages).
 
     Raises:
         ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
@@ -93,7 +94,8 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
     check_device("device", device)
     torch_dtype = _resolve_dtype(dtype, device)
     if Path(model).is_dir():
-        return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
+        model_id = checkpoint_fingerprint(model) + (b":dequantized" if dequantize else b"")
+        return load_model(model, torch_dtype, device, dequantize=dequantize), model_id
     if str(model) in PRESETS:
         return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
     raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
@@ -105,7 +107,10 @@ class LLM:
     Args:
         model: a Hugging Face-layout checkpoint directory (config.json + safetensors) or a preset
             name (``tiny``: deterministic random weights from ``seed``).
-        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``: the
+            compute dtype and that of the dense weights.
+        dequantize: hold FP8 / INT4 checkpoint weights dequantized in ``dtype`` (default: as
+            stored, run by the quantized kernels; :mod:`kvtier.model.loader`).
         device: torch device for weights and KV cache: ``cpu`` or ``cuda`` (also on ROCm). On a
             GPU, host and disk tiers use the device copy path (pinned host tier, copy stream;
             :mod:`kvtier.cache.device_copy`).
@@ -140,14 +145,16 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 tokenizer: str | Path | None = None, **engine_args):
+                 tokenizer: str | Path | None = None, dequantize: bool = False, **engine_args):
         _check_llm_args(model, dtype, device, seed, tokenizer)
+        if not isinstance(dequantize, bool):
+            raise ValueError(f"dequantize must be a bool, got {dequantize!r}")
         # Kimi tokenizer files (tiktoken.model + tokenizer_config.json): ``tokenizer`` or the model directory
         self._tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
         self._tokenizer = None
         self._sessions: dict = {}  # session_id -> SessionEncoder
         config = EngineConfig.of(seed=seed, **engine_args)  # checked before the model loads
-        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
+        net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed, dequantize=dequantize)
         self.config = net.config
         self.engine = Engine(net, config, model_id)
 

@@ -75,7 +75,8 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
     t = read_all(path)
     name = "model.layers.2.self_attn.kv_b_proj.weight"
     assert t[name].dtype == torch.float8_e4m3fn
-    model = load_model(path, torch.float32)
+    model = load_model(path, torch.float32, dequantize=True)
+    assert model.layers[1].mlp.w13.dtype == torch.float32  # every weight held dense
     want = dequantize_fp8_block(t[name], t[name + "_scale_inv"], (128, 128))
     assert torch.equal(model.layers[2].self_attn.kv_b_proj, want)
     assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32

@@ -37,14 +37,8 @@ from kvtier.model.formats import (
 )
 from kvtier.model.plan import parameter_bytes
 from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.reference import quant as ref_quant
 
-class _RefQuant:  # TEMP until the references land
-    def __getattr__(self, name):
-        from kvtier.reference import quant
-        return getattr(quant, name)
-
-
-ref_quant = _RefQuant()
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                      "int4": torch.int32}

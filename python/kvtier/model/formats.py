@@ -101,23 +101,28 @@ class WeightFormats:
     def quantized(self) -> bool:
         return any(self.of(c) != DENSE for c in WEIGHT_CLASSES)
 
-    def check(self, config: KimiK2Config) -> None:
-        """Raise ValueError when ``config``'s shapes cannot be held in these formats.
+    def problems(self, config: KimiK2Config) -> dict[str, str]:
+        """``{weight_class: reason}`` for each class ``config``'s shapes cannot be held in its format.
 
         INT4 needs ``in_features % group_size == 0`` for every weight of an INT4 class; FP8 needs
         the fused gate/up weights' halves to start on a block row (``intermediate % b0 == 0``), as
         ``w13`` / ``gate_up_proj`` hold one scale grid for both.
         """
+        out = {}
         for cls, in_features, fused in _class_shapes(config):
             fmt = self.of(cls)
             if fmt == FP8 and fused and fused % self.block_size[0]:
-                raise ValueError(f"{cls} in fp8: the fused gate/up weight needs its intermediate size ({fused}) to "
-                                 f"be a multiple of weight_block_size[0]={self.block_size[0]} (one scale grid for "
-                                 "both halves); load with dequantize=True")
-            for k in in_features:
-                if fmt == INT4 and k % self.group_size:
-                    raise ValueError(f"{cls} in int4: in_features {k} is not a multiple of group_size "
-                                     f"{self.group_size}")
+                out[cls] = (f"{cls} in fp8: the fused gate/up weight needs its intermediate size ({fused}) to be a "
+                            f"multiple of weight_block_size[0]={self.block_size[0]} (one scale grid for both halves)")
+            bad = [k for k in in_features if fmt == INT4 and k % self.group_size]
+            if bad:
+                out[cls] = f"{cls} in int4: in_features {bad[0]} is not a multiple of group_size {self.group_size}"
+        return out
+
+    def check(self, config: KimiK2Config) -> None:
+        """Raise ValueError with the first of :meth:`problems`."""
+        for reason in self.problems(config).values():
+            raise ValueError(reason)
 
 
 def _class_shapes(c: KimiK2Config):

@@ -18,10 +18,12 @@ are cast to the model dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
@@ -43,6 +45,7 @@ from kvtier.model.formats import (
 )
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.reference import quant as ref_quant
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _PREFIXES = ("language_model.",)  # multimodal K2.5/K2.6 checkpoints wrap the text model
@@ -142,13 +145,6 @@ def read_config(model_dir: str | Path) -> tuple[KimiK2Config, dict]:
         raise ValueError(f"{path}: {e}") from None
 
 
-class _RefQuant:  # TEMP until the references land
-    def __getattr__(self, name):
-        from kvtier.reference import quant
-        return getattr(quant, name)
-
-
-ref_quant = _RefQuant()
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -241,6 +237,9 @@ def checkpoint_formats(config: KimiK2Config, source: TensorSource, quant: Quanti
             if quant.method == "compressed-tensors":
                 raise ValueError(f"tensor {src!r} is FP8 but quantization_config.quant_method is 'compressed-tensors' "
                                  "(its FP8 scheme is not supported; only INT4 pack-quantized groups)")
+            if len(spec.shape) != 2:
+                raise ValueError(f"FP8 tensor {src!r} must be a 2-D weight with block scales, got shape "
+                                 f"{tuple(source.get(src).shape)}")
             if f"{src}_scale_inv" not in available:
                 raise ValueError(f"FP8 tensor {src!r} has no {src + '_scale_inv'!r} (the block scales of "
                                  f"quantization_config.weight_block_size {list(quant.block_size)})")
@@ -251,6 +250,10 @@ def checkpoint_formats(config: KimiK2Config, source: TensorSource, quant: Quanti
 def formats_of_checkpoint(config: KimiK2Config, formats: Mapping[str, str], quant: QuantizationConfig
                           ) -> WeightFormats:
     """The :class:`WeightFormats` that holds each weight class as its checkpoint tensors are stored.
+
+    A class whose shapes its stored format's fused layout cannot hold (FP8 gate/up halves not on
+    a block row: :meth:`WeightFormats.problems`, only small test configs) is held dense, with a
+    warning.
 
     Raises:
         ValueError: a class whose tensors are stored in more than one format, naming the first
@@ -268,7 +271,11 @@ def formats_of_checkpoint(config: KimiK2Config, formats: Mapping[str, str], quan
                              "weight must have one format to be held quantized (load with dequantize=True)")
     kwargs = {cls: chosen[cls][0] for cls in WEIGHT_CLASSES if cls in chosen}
     group = quant.group_size() if quant.method == "compressed-tensors" else None
-    return WeightFormats(**kwargs, block_size=quant.block_size, **({"group_size": group} if group else {}))
+    formats = WeightFormats(**kwargs, block_size=quant.block_size, **({"group_size": group} if group else {}))
+    for cls, reason in formats.problems(config).items():  # shapes the fused layouts cannot hold (small configs)
+        warnings.warn(f"{reason}: {cls} is held dequantized", stacklevel=3)
+        formats = dataclasses.replace(formats, **{cls: DENSE})
+    return formats
 
 
 def _check(t: torch.Tensor, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...] | None,
