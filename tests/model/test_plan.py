@@ -101,3 +101,27 @@ def test_plan_command_prints_the_plan(capsys, tmp_path):
     assert "int4" in capsys.readouterr().out
     assert main(["plan", "--model", "nope"]) == 2
     assert "must be a preset" in capsys.readouterr().err
+
+
+def test_simulator_takes_its_device_tier_from_the_plan():
+    """The K2 scenario's device pages are the plan's KV tokens (tp on its node) over the page size."""
+    import math
+
+    from kvtier.bench.sim import hardware
+    from kvtier.bench.sim.run import size_tiers
+    from kvtier.bench.sim.scenarios import SCENARIOS
+    from kvtier.bench.workload import Session, Turn, Workload
+
+    scn, node = SCENARIOS["kimi-mi355x-128"], hardware.node("mi355x")
+    assert scn.weight_format == "fp8"
+    wl = Workload("t", "t", "builtin", 64, 1.0, 1.0, math.inf, (Session("a", (Turn(64_000, 10, tuple(range(1000)),
+                                                                                        0.0, ""),)),))
+    for fmt in ("fp8", "int4"):
+        plan = memory_plan(K2, fmt, 8, 288, parallel="tp", kv_dtype_bytes=scn.kv_dtype_bytes)
+        sizing = size_tiers(dataclasses.replace(scn, weight_format=fmt), K2, node, wl)
+        assert sizing.device_pages == plan.kv_tokens // scn.page_size
+        assert sizing.weight_bytes == plan.total_weight_bytes
+    with pytest.raises(ValueError, match="bf16 weights over 8 x MI355X leave no HBM"):
+        size_tiers(dataclasses.replace(scn, weight_format="bf16"), K2, node, wl)
+    with pytest.raises(ValueError, match="weight_format"):
+        dataclasses.replace(scn, weight_format="int3")
