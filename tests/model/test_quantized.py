@@ -301,8 +301,9 @@ def test_k2_thinking_config_is_what_kimi_ships():
 def test_quantized_model_on_triton_matches_torch(ckpt, dtype, atol, monkeypatch):
     """Prompt and decode log-probs of the quantized model with its quantized linears and fused
     MoE on the Triton kernels (interpreter) equal the torch backend's. fp32 both ways; INT4
-    (W4A16) differs by summation order only; FP8 (W8A8) may also round an activation that sits
-    on an fp8 rounding boundary the other way (measured below 3e-3 here)."""
+    (W4A16) differs by summation order only (measured 1.4e-6); FP8 (W8A8) may also round an
+    activation that sits on an fp8 rounding boundary the other way (measured 1e-6 here, allowed
+    a flip's worth)."""
     from kvtier.ops import dispatch
     from kvtier.ops import quant as quant_ops
 
