@@ -75,8 +75,8 @@ def test_formats_devices_and_layouts():
     assert memory_plan(K2, "int4", 8, 288, kv_dtype_bytes=1).kv_tokens == pytest.approx(2 * int4.kv_tokens, abs=8)
     less = memory_plan(K2, "int4", 8, 288, reserve_gb=20)
     assert less.kv_bytes_per_device == int4.kv_bytes_per_device - 12e9
-    for bad, match in ((dict(devices=0), "devices"), (dict(parallel="pp"), "parallel"),
-                       (dict(hbm_fraction=1.5), "hbm_fraction"), (dict(reserve_gb=-1), "reserve_gb")):
+    for bad, match in (({"devices": 0}, "devices"), ({"parallel": "pp"}, "parallel"),
+                       ({"hbm_fraction": 1.5}, "hbm_fraction"), ({"reserve_gb": -1}, "reserve_gb")):
         with pytest.raises(ValueError, match=match):
             memory_plan(K2, "int4", **{"devices": 8, **bad})
 

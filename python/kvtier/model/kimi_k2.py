@@ -32,6 +32,7 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+DEFAULT_FORMATS = WeightFormats()  # every weight dense in the model dtype
 INT4_SCALE_DTYPE = torch.bfloat16  # the dtype Kimi's compressed-tensors checkpoints store group scales in
 
 
@@ -75,14 +76,14 @@ class MLAttention(nn.Module):
     (:meth:`KimiK2ForCausalLM.plan`), which carry the model's backend. The projections are held
     in ``formats.attention`` (see :func:`_weight`), ``kv_b_proj`` always in ``dtype``."""
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype, formats: WeightFormats = WeightFormats(),
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, formats: WeightFormats = DEFAULT_FORMATS,
                  backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
         self.formats, self.fmt, self.backend = formats, formats.attention, backend
         nh, qk = c.num_attention_heads, c.qk_head_dim
-        w = lambda name, *shape: _weight(self, name, shape, self.fmt, formats, dtype)  # noqa: E731
+        w = lambda name, *shape: _weight(self, name, shape, self.fmt, formats, dtype)
         if c.q_lora_rank is None:
             w("q_proj", nh * qk, c.hidden_size)
         else:
@@ -134,7 +135,7 @@ class DenseMLP(nn.Module):
     held in ``fmt`` (see :func:`_weight`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, fmt: str = DENSE,
-                 formats: WeightFormats = WeightFormats(), backend: str = "auto"):
+                 formats: WeightFormats = DEFAULT_FORMATS, backend: str = "auto"):
         super().__init__()
         self.formats, self.fmt, self.backend = formats, fmt, backend
         _weight(self, "gate_up_proj", (2 * intermediate_size, hidden_size), fmt, formats, dtype)
@@ -149,7 +150,7 @@ class MoE(nn.Module):
     see :func:`_weight`) plus shared experts (``formats.shared_experts``)."""
 
     def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto",
-                 formats: WeightFormats = WeightFormats()):
+                 formats: WeightFormats = DEFAULT_FORMATS):
         super().__init__()
         c = config
         self.config = c
@@ -189,7 +190,7 @@ class MoE(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: KimiK2Config, layer_idx: int, dtype: torch.dtype,
-                 formats: WeightFormats = WeightFormats()):
+                 formats: WeightFormats = DEFAULT_FORMATS):
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _param(config.hidden_size, dtype=dtype)

@@ -172,7 +172,7 @@ def _raw_name(source: TensorSource, name: str) -> str:
 
 
 def _module(name: str) -> str:
-    return name[: -len(".weight")] if name.endswith(".weight") else name
+    return name.removesuffix(".weight")
 
 
 def _int4_names(name: str) -> tuple[str, str, str]:
@@ -214,8 +214,7 @@ def checkpoint_formats(config: KimiK2Config, source: TensorSource, quant: Quanti
         if quant.method == "compressed-tensors" and _is_linear(src, spec):
             stored_name = src if src in available else packed if packed in available else None
             module = _module(_raw_name(source, stored_name)) if stored_name else _module(src)
-            if module.endswith(".weight_packed"):
-                module = module[: -len(".weight_packed")]
+            module = module.removesuffix(".weight_packed")
             want = quant.format_of(module, spec.shape[1])
             if want == INT4 and fmt != INT4:
                 raise ValueError(
