@@ -352,3 +352,15 @@ def test_quantized_decode_step_traces_whole(ckpt, dtype):
         want = model(ids, positions, planned, eager_caches)
         got = traced(ids, positions, planned, caches)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_create_checkpoint_command_writes_int4(tmp_path, capsys):
+    from kvtier.cli import main
+
+    assert main(["create-checkpoint", str(tmp_path / "c"), "--dtype", "int4", "--seed", "3"]) == 0
+    assert "wrote int4 checkpoint of preset 'tiny'" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["quantization_config"] == KIMI_K2_THINKING_QUANTIZATION_CONFIG and cfg["torch_dtype"] == "bfloat16"
+    index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.2.mlp.experts.15.down_proj.weight_packed" in index
+    assert "model.layers.2.mlp.experts.15.down_proj.weight" not in index
