@@ -25,7 +25,8 @@ dtype; the second GEMM multiplies each row by its routing weight and stores fp32
 ``UPCAST`` (set under the interpreter, whose bf16 and fp8 arithmetic is not faithful): tiles go to
 ``tl.dot`` in fp32, and the fp8 rounding of the activations is done in fp32 arithmetic (round to
 nearest even on the e4m3 grid: 3 mantissa bits, smallest normal exponent -6 for e4m3fn, -7 for
-e4m3fnuz), which gives the values the compiled conversion gives.
+e4m3fnuz), which gives the values the compiled conversion gives. The interpreter's fp32 -> bf16
+store truncates, so its launcher stores the gated activation in fp32 and rounds it in torch.
 
 FLOPs ``2 * M * N * K`` per GEMM (``6 * T * top_k * H * I`` per MoE); bytes: the weights
 (INT4: ``N * K / 2`` + scales; FP8: ``N * K`` + scales) of every hit expert + activations.
