@@ -35,7 +35,8 @@ def test_bench_moe_dry_run():
     proc = _run("perf/bench_moe.py", "--dry-run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     ops = {r["op"] for r in csv.DictReader(io.StringIO(proc.stdout))}
-    assert ops == {"moe_route", "moe_align_block_size", "fused_moe", "sample", "gather_pages"}
+    assert ops == {"moe_route", "moe_align_block_size", "fused_moe", "fused_moe_w4a16", "fused_moe_fp8_block", "sample",
+                   "gather_pages"}
 
 
 @pytest.mark.parametrize("script", ["perf/bench_mla.py", "perf/bench_moe.py"])

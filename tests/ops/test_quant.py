@@ -67,21 +67,22 @@ def act_quant_oracle(x: torch.Tensor, group: int, dtype) -> torch.Tensor:
     return out
 
 
-def make_int4(shape, group_size, gen, outliers=False, scale_dtype=torch.bfloat16):
+def make_int4(shape, group_size, gen, outliers=False, scale_dtype=torch.bfloat16, outlier_factor=300.0):
     """Random INT4-group weight [*lead, N, K]: (packed int32, scale in ``scale_dtype``). With
-    ``outliers``, a few groups get scales 300x the rest (as real checkpoints' outlier channels)."""
+    ``outliers``, a few groups get scales ``outlier_factor`` x the rest (as real checkpoints'
+    outlier channels)."""
     w = torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])
     packed, scale = rq.quantize_int4_group(w, group_size)
     if outliers:
         flat = scale.view(-1)
         hit = torch.randperm(flat.numel(), generator=gen)[:max(1, flat.numel() // 17)]
-        flat[hit] *= 300.0
+        flat[hit] *= outlier_factor
     return packed, scale.to(scale_dtype)
 
 
-def make_fp8(shape, block_size, gen, dtype=torch.float8_e4m3fn, outliers=False):
+def make_fp8(shape, block_size, gen, dtype=torch.float8_e4m3fn, outliers=False, outlier_factor=1000.0):
     """Random FP8-block weight [*lead, N, K]: (fp8 weight, fp32 scale_inv) with every block's
-    amax at the fp8 maximum; ``outliers`` scales a few blocks by 1000x."""
+    amax at the fp8 maximum; ``outliers`` scales a few blocks by ``outlier_factor``."""
     w = torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])
     n, k = shape[-2:]
     bn, bk = block_size
@@ -96,7 +97,7 @@ def make_fp8(shape, block_size, gen, dtype=torch.float8_e4m3fn, outliers=False):
     if outliers:
         flat = scale_inv.view(-1)
         hit = torch.randperm(flat.numel(), generator=gen)[:max(1, flat.numel() // 7)]
-        flat[hit] *= 1000.0
+        flat[hit] *= outlier_factor
     return q.clamp(-top, top).to(dtype), scale_inv
 
 

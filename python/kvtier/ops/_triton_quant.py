@@ -136,11 +136,16 @@ def _moe(kernel, section, hidden_states, w13, s13, w2, s2, topk_weights, topk_id
     cfg2["BLOCK_M"] = cfg1["BLOCK_M"]  # one row padding for both GEMMs
     sorted_ids, expert_ids, num_padded = reference.moe_align_block_size(topk_ids, num_experts, cfg1["BLOCK_M"])
     num_pairs = topk_ids.numel()
-    act = torch.empty(num_pairs, inter, dtype=dtype, device=dev)
+    # the interpreter's fp32 -> bf16 store truncates (compiled kernels round to nearest even): under
+    # it the gated activation is stored in fp32 and rounded by torch, as the GPU rounds it
+    truncates = dev.type == "cpu" and dtype == torch.bfloat16
+    act = torch.empty(num_pairs, inter, dtype=torch.float32 if truncates else dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     moe = (topk_weights.reshape(-1), sorted_ids, expert_ids, num_padded, top_k)
     _gemm(kernel, section, hidden_states, w13, s13, act, None, cfg1, rows=num_pairs, n=inter, k=hidden, param=param,
           moe=moe, gated=True, fp8=fp8)
+    if truncates:
+        act = act.to(dtype)
     _gemm(kernel, section, act, w2, s2, y, None, cfg2, rows=num_pairs, n=hidden, k=inter, param=param, moe=moe,
           fp8=fp8)
     return y.view(num_tokens, top_k, hidden).sum(1).to(dtype)
