@@ -364,3 +364,33 @@ def test_create_checkpoint_command_writes_int4(tmp_path, capsys):
     index = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.2.mlp.experts.15.down_proj.weight_packed" in index
     assert "model.layers.2.mlp.experts.15.down_proj.weight" not in index
+
+
+def test_fp8_weights_convert_to_e4m3fnuz_without_changing_the_model(ckpt, monkeypatch):
+    """gfx942's matrix cores take float8_e4m3fnuz: the loader re-expresses the weights there; the
+    values (weight x scale) stay the same, and so do the logits with the activation quantization
+    off (W8A8 quantizes activations to the weight's fp8 dtype, whose largest value differs)."""
+    monkeypatch.setattr(ref, "_fake_quant_fp8", lambda x, group_size, dtype: x.float())
+    from kvtier.model.loader import convert_fp8_weights
+    from tests.model.test_compile import _caches, _decode_inputs, _page_tables, _prefill
+
+    def logits(model):
+        gen = torch.Generator().manual_seed(3)
+        caches, table = _caches(model), _page_tables(gen)
+        with torch.inference_mode():
+            _prefill(model, caches, table, torch.Generator().manual_seed(4))
+            ids, positions, batch = _decode_inputs(model, table, gen)
+            return model.compute_logits(model(ids, positions, batch, caches))
+
+    model = load_model(ckpt["fp8"], torch.float32)
+    before = logits(model)
+    w = model.layers[1].mlp.w13
+    value = ref.dequantize_fp8_block(w[3], model.layers[1].mlp.w13_scale_inv[3])
+    fp8_weights = sum(p.dtype == torch.float8_e4m3fn for p in model.parameters())
+    assert convert_fp8_weights(model, torch.float8_e4m3fnuz) == fp8_weights > 0
+    assert all(p.dtype != torch.float8_e4m3fn for p in model.parameters())
+    moe = model.layers[1].mlp
+    assert moe.w13.dtype == torch.float8_e4m3fnuz
+    assert torch.equal(ref.dequantize_fp8_block(moe.w13[3], moe.w13_scale_inv[3]), value)
+    torch.testing.assert_close(logits(model), before, atol=1e-5, rtol=0)
+    assert convert_fp8_weights(model, torch.float8_e4m3fn) == 0

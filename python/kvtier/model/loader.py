@@ -45,6 +45,7 @@ from kvtier.model.formats import (
 )
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.ops.quant import fp8_e4m3_dtype, fp8_e4m3fn_to_fnuz
 from kvtier.reference import quant as ref_quant
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -447,4 +448,35 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                else formats_of_checkpoint(config, checkpoint_formats(config, source, quant, names), quant))
     model = KimiK2ForCausalLM(config, dtype, formats=formats)
     load_weights(model, source, quant.block_size, int(text.get("num_nextn_predict_layers") or 0), quant)
-    return model.to(device)
+    model = model.to(device)
+    if formats.quantized and torch.device(device).type == "cuda":
+        from kvtier.ops._triton import arch_of
+
+        convert_fp8_weights(model, fp8_e4m3_dtype(arch_of(torch.device(device))))
+    return model
+
+
+def convert_fp8_weights(model: KimiK2ForCausalLM, fp8_dtype: torch.dtype) -> int:
+    """Hold ``model``'s FP8 weights in ``fp8_dtype`` (:func:`kvtier.ops.fp8_e4m3_dtype` of the
+    device's arch: ``float8_e4m3fnuz`` on gfx942, whose matrix cores take no other), re-expressing
+    each ``float8_e4m3fn`` weight and its ``_scale_inv`` without rounding
+    (:func:`kvtier.ops.fp8_e4m3fn_to_fnuz`). Returns how many weights were converted.
+
+    Raises:
+        ValueError: ``fp8_dtype`` is not an e4m3 dtype.
+    """
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
+    if fp8_dtype == torch.float8_e4m3fn:
+        return 0
+    params = dict(model.named_parameters())
+    converted = 0
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.dtype == torch.float8_e4m3fn:
+                scale = params[f"{name}_scale_inv"]
+                w, s = fp8_e4m3fn_to_fnuz(p.data, scale.data)
+                p.data = w
+                scale.data.copy_(s)
+                converted += 1
+    return converted
