@@ -346,13 +346,8 @@ def weight_bytes(shape: tuple[int, int], fmt: str, formats: WeightFormats, dense
     return lead * (n * k // 2 + n * (k // formats.group_size) * 2)
 
 
-def describe(formats: WeightFormats) -> str:
-    """``attention=fp8, ...`` for messages."""
-    return ", ".join(f"{c}={formats.of(c)}" for c in WEIGHT_CLASSES)
-
-
 __all__ = [
     "DEEPSEEK_FP8_QUANTIZATION_CONFIG", "DENSE", "FP8", "FORMATS", "INT4", "KIMI_K2_THINKING_QUANTIZATION_CONFIG",
-    "PRESET_FORMATS", "WEIGHT_CLASSES", "QuantizationConfig", "WeightFormats", "cdiv", "describe",
+    "PRESET_FORMATS", "WEIGHT_CLASSES", "QuantizationConfig", "WeightFormats", "cdiv",
     "quantization_config_of", "weight_bytes", "weight_class",
 ]

@@ -50,6 +50,7 @@ from kvtier.reference import quant as ref_quant
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 _PREFIXES = ("language_model.",)  # multimodal K2.5/K2.6 checkpoints wrap the text model
+_OTHER_TOWERS = ("vision_tower.", "mm_projector.")  # ... beside their vision encoder: not used for text
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -343,7 +344,7 @@ def _check_unexpected(config: KimiK2Config, available: set[str], expected: set[s
         m = _LAYER.match(name)
         if m and config.num_hidden_layers <= int(m.group(1)) < config.num_hidden_layers + num_mtp_layers:
             continue  # multi-token-prediction layers: not used for plain decoding
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or name.startswith(_OTHER_TOWERS):
             continue
         raise ValueError(f"checkpoint has unexpected tensor {name!r} (not a DeepSeek-V3 parameter of this config)")
 
