@@ -158,41 +158,29 @@ def _cases(device: torch.device, dtype: torch.dtype):
                lambda b: ops.gather_pages(pools, pages, backend=b), 2 * blocks * layers * page_size * row * es, 0, 0)
 
 
-def _skip_torch(case: Case, device: torch.device) -> bool:
+def _skip_torch(case: Case, backend: str, device: torch.device) -> bool:
     """The fp32 reference is not timed past its token limit on a GPU."""
-    if device.type != "cuda":
+    if backend != "torch" or device.type != "cuda":
         return False
     limit = {"fused_moe": TORCH_MAX_TOKENS}.get(case.op, QUANT_TORCH_MAX_TOKENS if case.op in QUANT_OPS else None)
     return limit is not None and case.num_tokens > limit
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--csv", default="-")
-    add_kernel_bench_args(parser, "torch triton hip aiter")
-    return parse_kernel_bench_args(parser, argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backends = args.backends or (["torch", "triton", "hip", "aiter"] if device.type == "cuda" else ["torch"])
-    repeats = min(args.repeats, 2) if args.dry_run else args.repeats
+def run_cases(cases, backends, device, dtype, repeats, budget_s, writer, out, skip) -> None:
+    """Time every case on every backend (``skip(case, backend, device)`` True: not this one) and write
+    a row each; unavailable backends are skipped with the reason on stderr; past ``budget_s``
+    seconds the remaining cases are skipped and named."""
     commit = git_commit() or "unknown"
-    out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
-    writer = csv.DictWriter(out, FIELDS)
-    writer.writeheader()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
     peaks = device_peaks(dev_name)
-    for case in _cases(device, dtype):
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    for case in cases:
         if deadline is not None and time.monotonic() > deadline:
-            print(f"budget of {args.budget_s:.0f} s spent: skipping {case.op}/{case.shape} and what follows",
+            print(f"budget of {budget_s:.0f} s spent: skipping {case.op}/{case.shape} and what follows",
                   file=sys.stderr)
             break
         for backend in backends:
-            if backend == "torch" and _skip_torch(case, device):
+            if skip(case, backend, device):
                 continue
             try:
                 resolved = resolve_backend(case.op, backend, device, dtype)
@@ -214,6 +202,25 @@ def main(argv: list[str] | None = None) -> int:
                              **peak_fractions(peaks, med, case.nbytes if case.weight_bytes is None else case.weight_bytes,
                                               case.flops, case.compute), "commit": commit})
             out.flush()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--csv", default="-")
+    add_kernel_bench_args(parser, "torch triton hip aiter")
+    return parse_kernel_bench_args(parser, argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = args.backends or (["torch", "triton", "hip", "aiter"] if device.type == "cuda" else ["torch"])
+    repeats = min(args.repeats, 2) if args.dry_run else args.repeats
+    out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
+    writer = csv.DictWriter(out, FIELDS)
+    writer.writeheader()
+    run_cases(_cases(device, dtype), backends, device, dtype, repeats, args.budget_s, writer, out, _skip_torch)
     if out is not sys.stdout:
         out.close()
     return 0

@@ -57,7 +57,7 @@ def _fp8(shape, gen, dtype):
     return q.clamp(-top, top).to(dtype), scale_inv
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("num_tokens", [1, 300])
 def test_fused_moe_w4a16_on_gpu(num_tokens):
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     w13p, w13s = _int4((EXPERTS, 2 * INTER, HIDDEN), gen)
@@ -71,7 +71,7 @@ def test_fused_moe_w4a16_on_gpu(num_tokens):
     _close(got, reference.fused_moe_w4a16(x, w13p, w13s, w2p, w2s, weights, ids), 5e-5)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("num_tokens", [1, 300])
 def test_fused_moe_fp8_block_on_gpu(num_tokens):
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     dtype = _fp8_dtype()
@@ -86,8 +86,8 @@ def test_fused_moe_fp8_block_on_gpu(num_tokens):
     _close(got, reference.fused_moe_fp8_block(x, w13, s13, w2, s2, weights, ids), 1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 64, 1000])
-@pytest.mark.parametrize("n, k", [(1536, 7168), (576, 7168), (7168, 2048)], ids=["q_a", "kv_a-N576", "down"])
+@pytest.mark.parametrize("m", [1, 1000])
+@pytest.mark.parametrize("n, k", [(576, 7168), (7168, 2048)], ids=["kv_a-N576", "down"])
 def test_linear_fp8_block_on_gpu(m, n, k):
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     dtype = _fp8_dtype()
@@ -99,7 +99,7 @@ def test_linear_fp8_block_on_gpu(m, n, k):
     _close(got, reference.linear_fp8_block(x, weight, scale_inv), 1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 64, 1000])
+@pytest.mark.parametrize("m", [1, 1000])
 def test_linear_w4a16_on_gpu(m):
     gen = torch.Generator(device="cuda").manual_seed(m)
     packed, scale = _int4((HIDDEN, INTER), gen)

@@ -202,6 +202,7 @@ def test_fused_moe_quant_triton_every_token_on_one_expert_and_zero_tokens():
     out = ops.fused_moe_w4a16(empty, w13p, w13s, w2p, w2s, torch.empty(0, 1), torch.empty(0, 1, dtype=torch.int32),
                               backend="triton")
     assert out.shape == (0, h)
+    assert ops.linear_w4a16(empty, w13p[0], w13s[0], backend="triton").shape == (0, 2 * i)
     w13, s13 = make_fp8((e, 2 * i, h), (16, 32), gen)
     w2, s2 = make_fp8((e, h, i), (16, 32), gen)
     got = ops.fused_moe_fp8_block(x, w13, s13, w2, s2, weights, ids, (16, 32), backend="triton")

@@ -90,18 +90,32 @@ def _gemm(kernel, section, a, w, w_scale, out, bias, cfg, *, rows: int, n: int, 
             num_stages=cfg["num_stages"])
 
 
+def _out(m, n, out_dtype, device):
+    """The output buffer; fp32 under the interpreter for bf16 outputs (its fp32 -> bf16 store
+    truncates; compiled kernels round to nearest even, as torch does afterwards: :func:`_finish`)."""
+    return torch.empty(m, n, dtype=torch.float32 if _truncates(device, out_dtype) else out_dtype, device=device)
+
+
+def _truncates(device, dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+def _finish(out, out_dtype):
+    return out.to(out_dtype)
+
+
 def linear_w4a16(x, weight_packed, weight_scale, group_size, bias, out_dtype):
     from kvtier.triton_kernels.quant_gemm import w4a16_gemm_kernel
 
     x, weight_packed, weight_scale = x.contiguous(), weight_packed.contiguous(), weight_scale.contiguous()
     m, k = x.shape
     n = weight_packed.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = _out(m, n, out_dtype, x.device)
     if m:
         cfg = _config("w4a16", 1, n, k, x.device, m)
         _gemm(w4a16_gemm_kernel, "w4a16", x, weight_packed, weight_scale, out, bias, cfg, rows=m, n=n, k=k,
               param=group_size)
-    return out
+    return _finish(out, out_dtype)
 
 
 def linear_fp8_block(x, weight, weight_scale_inv, block_size, bias, out_dtype):
@@ -111,12 +125,12 @@ def linear_fp8_block(x, weight, weight_scale_inv, block_size, bias, out_dtype):
     x, weight, weight_scale_inv = x.contiguous(), weight.contiguous(), weight_scale_inv.float().contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = _out(m, n, out_dtype, x.device)
     if m:
         cfg = dict(_config("fp8_block", 1, n, k, x.device, m), BLOCK_K=block_size[1])
         _gemm(fp8_block_gemm_kernel, "fp8_block", x, weight, weight_scale_inv, out, bias, cfg, rows=m, n=n, k=k,
               param=block_size[0], fp8=True)
-    return out
+    return _finish(out, out_dtype)
 
 
 def _moe(kernel, section, hidden_states, w13, s13, w2, s2, topk_weights, topk_ids, param, fp8, block_k=None):
@@ -138,7 +152,7 @@ def _moe(kernel, section, hidden_states, w13, s13, w2, s2, topk_weights, topk_id
     num_pairs = topk_ids.numel()
     # the interpreter's fp32 -> bf16 store truncates (compiled kernels round to nearest even): under
     # it the gated activation is stored in fp32 and rounded by torch, as the GPU rounds it
-    truncates = dev.type == "cpu" and dtype == torch.bfloat16
+    truncates = _truncates(dev, dtype)
     act = torch.empty(num_pairs, inter, dtype=torch.float32 if truncates else dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     moe = (topk_weights.reshape(-1), sorted_ids, expert_ids, num_padded, top_k)

@@ -24,7 +24,10 @@ Signatures (every op also takes ``backend="auto"|"torch"|"triton"``; MoE ops tak
                         block_size=(128, 128), *, validate=True) -> [T, H]
 
 The MoE ops follow :func:`kvtier.ops.fused_moe` (w13 = gate rows then up rows, SiLU gating,
-``topk_weights`` fp32 and ``topk_ids`` int32 from :func:`kvtier.ops.moe_route`).
+``topk_weights`` fp32 and ``topk_ids`` int32 from :func:`kvtier.ops.moe_route`). A checkpoint's
+per-expert ``gate_proj`` / ``up_proj`` tensors stack into ``w13`` by concatenating rows: packed
+weights and INT4 scales always (packing and groups run along K); FP8 ``weight_scale_inv`` rows
+when ``I % bn == 0`` (K2: I = 2048), so that the up rows start on a block boundary.
 
 Registered ``torch.library`` ops (no backend in the schemas; CPU kernel = the fp32 reference, CUDA
 kernel = :func:`kvtier.ops.dispatch.device_backend`'s choice; fake implementations for tracing)::
