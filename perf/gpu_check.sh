@@ -20,8 +20,10 @@
 #      tests/ops are CPU-only and skip themselves on a GPU);
 #   4. benchmarks at K2 shapes: perf/bench_mla.py (decode batch 1-128 at 4K-128K, bf16 and fp8 KV,
 #      extend; triton, hip and aiter (where available) vs the torch reference; % of the measured
-#      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048;
-#      moe_align_block_size and the page gather on torch, triton and hip);
+#      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048,
+#      bf16, INT4 group-32 and FP8-block weights with % of HBM and matrix peak; moe_align_block_size
+#      and the page gather on torch, triton and hip), then perf/bench_linear.py (FP8-block and INT4
+#      linears at K2 projection shapes vs the bf16 vendor GEMM; LINEAR_S, default 40 s);
 #   4b. perf/bench_decode_graph.py: decode step time eager vs replayed from a CUDA/HIP graph, batch
 #      1-64 (tiny model; 90 s at most);
 #   5. serving on the GPU preset k2-gpu (K2's layers at one-GPU size; kvtier.model.config): the
@@ -35,7 +37,7 @@
 # preset on the CPU, CPU streams), so CI checks every command line of the script; its budget and
 # step limits are 4x (a CPU is slower than the GPU it stands for).
 # Files: gpu_check.log, gpu_check_build.log, gpu_check_build_hip.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
-# bench_decode_graph.csv, bench_serving.json, bench_serving.log, bench_copy_path.csv, serving_summary.md,
+# bench_linear.csv, bench_decode_graph.csv, bench_serving.json, bench_serving.log, bench_copy_path.csv, serving_summary.md,
 # gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
 set -uo pipefail
 DRY=""
@@ -52,6 +54,7 @@ SLOW=1
 [ -n "$DRY" ] && SLOW=4
 BUDGET="${GPU_CHECK_BUDGET_S:-$((450 * SLOW))}"
 SERVING_S="${SERVING_S:-200}"
+LINEAR_S="${LINEAR_S:-$((40 * SLOW))}"
 T0=$SECONDS
 status=0
 left() { echo $((BUDGET - (SECONDS - T0))); }
@@ -134,12 +137,22 @@ else
 fi
 
 step "MoE benchmarks"
-share=$(( $(left) - 30 - SERVING_S ))
+share=$(( $(left) - 30 - SERVING_S - LINEAR_S ))
 if [ "$share" -gt 20 ]; then
   timeout $((share + 20)) "$PY" perf/bench_moe.py $DRY --budget-s "$share" --repeats 5 --csv "$DEST/bench_moe.csv" \
     || { echo "bench_moe.py failed"; status=1; }
 else
   echo "no time left for the MoE benchmarks"; status=1
+fi
+
+step "quantized linear benchmarks (FP8 block, INT4 group)"
+share=$(( $(left) - 20 - SERVING_S ))
+[ "$share" -gt "$LINEAR_S" ] && share=$LINEAR_S
+if [ "$share" -gt 15 ]; then
+  timeout $((share + 20)) "$PY" perf/bench_linear.py $DRY --budget-s "$share" --repeats 5 \
+    --csv "$DEST/bench_linear.csv" || { echo "bench_linear.py failed"; status=1; }
+else
+  echo "no time left for the linear benchmarks"; status=1
 fi
 
 step "serving on the GPU preset: device-only vs tiered; copy path vs pinned bandwidth"
@@ -185,9 +198,16 @@ step "summary"
   fi
   if [ -f "$DEST/bench_moe.csv" ]; then
     echo
-    echo "MoE, moe_align_block_size, sampling, page gather (op, shape, backend, median µs, GB/s, TFLOP/s):"
+    echo "MoE, moe_align_block_size, sampling, page gather (op, shape, backend, median µs, GB/s, TFLOP/s, % HBM peak,"
+    echo "% matrix peak):"
     echo
-    cut -d, -f1,2,4,7,10,11 "$DEST/bench_moe.csv" | sed 's/^/    /'
+    cut -d, -f1,2,4,7,10,11,12,13 "$DEST/bench_moe.csv" | sed 's/^/    /'
+  fi
+  if [ -f "$DEST/bench_linear.csv" ]; then
+    echo
+    echo "Quantized linears (op, shape, backend, median µs, GB/s, TFLOP/s, % HBM peak, % matrix peak):"
+    echo
+    cut -d, -f1,2,4,7,10,11,12,13 "$DEST/bench_linear.csv" | sed 's/^/    /'
   fi
   if [ -f "$DEST/bench_decode_graph.csv" ]; then
     echo

@@ -49,3 +49,23 @@ def parse_kernel_bench_args(parser: argparse.ArgumentParser, argv: list[str] | N
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s must be > 0, got {args.budget_s}")
     return args
+
+
+def device_peaks(device_name: str):
+    """The datasheet accelerator of :mod:`kvtier.bench.sim.hardware` whose name (``"H200"``,
+    ``"MI355X"``) appears in ``device_name`` (``torch.cuda.get_device_name``), or None."""
+    from kvtier.bench.sim.hardware import ACCELERATORS
+
+    return next((a for a in ACCELERATORS.values() if a.name.lower() in device_name.lower()), None)
+
+
+def peak_fractions(peaks, median_us: float, nbytes: float, flops: float, compute: str | None) -> dict:
+    """``pct_hbm_peak`` (``nbytes`` per second over the HBM peak) and ``pct_matrix_peak``
+    (``flops`` per second over the dense ``compute`` = "bf16"/"fp8" matrix peak), in %, as strings;
+    blank where ``peaks`` is None (an unknown device) or there are no FLOPs."""
+    if peaks is None:
+        return {"pct_hbm_peak": "", "pct_matrix_peak": ""}
+    seconds = median_us * 1e-6
+    matrix = {"bf16": peaks.bf16_flops, "fp8": peaks.fp8_flops}.get(compute or "")
+    return {"pct_hbm_peak": f"{100 * nbytes / seconds / peaks.hbm_Bps:.1f}",
+            "pct_matrix_peak": f"{100 * flops / seconds / matrix:.1f}" if flops and matrix else ""}

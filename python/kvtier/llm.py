@@ -29,7 +29,10 @@ class LLM:
     Args:
         model: a Hugging Face-layout checkpoint directory (config.json + safetensors) or a preset
             name (``tiny``: deterministic random weights from ``seed``).
-        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``.
+        dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``: the
+            compute dtype and that of the dense weights.
+        dequantize: hold FP8 / INT4 checkpoint weights dequantized in ``dtype`` (default: as
+            stored, run by the quantized kernels; :mod:`kvtier.model.loader`).
         device: torch device for weights and KV cache: ``cpu`` or ``cuda`` (also on ROCm). On a
             GPU, host and disk tiers use the device copy path (pinned host tier, copy stream;
             :mod:`kvtier.cache.device_copy`).
@@ -64,9 +67,12 @@ class LLM:
     """
 
     def __init__(self, model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 tokenizer: str | Path | None = None, **engine_args):
+                 tokenizer: str | Path | None = None, dequantize: bool = False, **engine_args):
         _check_llm_args(model, dtype, device, seed, tokenizer)
-        built = build_engine(model, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer, **engine_args)
+        if not isinstance(dequantize, bool):
+            raise ValueError(f"dequantize must be a bool, got {dequantize!r}")
+        built = build_engine(model, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
+                             dequantize=dequantize, **engine_args)
         # Kimi tokenizer files (tiktoken.model + tokenizer_config.json): ``tokenizer`` or the model directory
         self._tokenizer_dir = built.tokenizer_dir
         self._tokenizer = None

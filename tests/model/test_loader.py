@@ -75,7 +75,8 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
     t = read_all(path)
     name = "model.layers.2.self_attn.kv_b_proj.weight"
     assert t[name].dtype == torch.float8_e4m3fn
-    model = load_model(path, torch.float32)
+    model = load_model(path, torch.float32, dequantize=True)
+    assert model.layers[1].mlp.w13.dtype == torch.float32  # every weight held dense
     want = dequantize_fp8_block(t[name], t[name + "_scale_inv"], (128, 128))
     assert torch.equal(model.layers[2].self_attn.kv_b_proj, want)
     assert t["model.layers.1.mlp.gate.weight"].dtype == torch.float32
@@ -84,7 +85,10 @@ def test_fp8_checkpoint_loads_dequantized(tmp_path):
 def test_wrapped_multimodal_layout_loads(bf16_dir, tmp_path):
     wrapped = tmp_path / "wrapped"
     wrapped.mkdir()
-    save_file({f"language_model.{k}": v for k, v in read_all(bf16_dir).items()}, str(wrapped / "model.safetensors"))
+    tensors = {f"language_model.{k}": v for k, v in read_all(bf16_dir).items()}
+    tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.zeros(4, 4)  # the vision encoder is skipped
+    tensors["mm_projector.proj.0.weight"] = torch.zeros(4, 4)
+    save_file(tensors, str(wrapped / "model.safetensors"))
     text = json.loads((bf16_dir / "config.json").read_text())
     (wrapped / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": text}))
     a, b = load_model(bf16_dir), load_model(wrapped)

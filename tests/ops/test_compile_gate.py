@@ -66,3 +66,14 @@ def test_gate_builds_fused_moe_gemm_without_spills(tmp_path):
     assert {r["target"] for r in rows} == {"gfx950", "sm_90"} and len(rows) == 12
     for r in rows:
         assert not r["error"] and r["spill_bytes"] == "0", r
+
+
+@pytest.mark.slow
+def test_gate_builds_the_quantized_gemms_without_spills(tmp_path):
+    """W4A16 and W8A8-FP8 GEMMs (fused-MoE w13/w2 and linear cases at every tile bucket) for every
+    target: fp8e4b8 (e4m3fnuz) dots on gfx942, fp8e4nv on gfx950 and sm_90, no spills."""
+    proc, rows = _run_gate(tmp_path, "--kernels", "w4a16_gemm", "fp8_block_gemm")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {r["target"] for r in rows} == TARGETS and {r["kernel"] for r in rows} == {"w4a16_gemm", "fp8_block_gemm"}
+    for r in rows:
+        assert not r["error"] and r["spill_bytes"] in ("0", ""), r

@@ -9,7 +9,9 @@ Subcommands:
                       running Kimi K2 by default); prints the bench table, writes a plot and JSON
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
-  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32 or fp8)
+  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32, fp8 or int4)
+  plan                weights per device, KV bytes per token and KV capacity of a model in
+                      INT4 / FP8 / bf16 weights on N devices (kvtier.model.plan)
   serve               OpenAI-compatible HTTP server: chat (tools streamed as each call completes),
                       completions, sessions kept warm across tool waits, /metrics
   kernels             --profile DIR: every kernel op once under torch.profiler, a Chrome trace
@@ -22,10 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.cli import bench, cluster, create_checkpoint, generate, kernels, router, serve, simulate
+from kvtier.cli import bench, cluster, create_checkpoint, generate, kernels, plan, router, serve, simulate
 from kvtier.cluster import StartupError
 
-SUBCOMMANDS = (bench, simulate, generate, create_checkpoint, kernels, serve, router, cluster)
+SUBCOMMANDS = (bench, simulate, generate, create_checkpoint, plan, kernels, serve, router, cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
     c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
     c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8"],
-                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales")
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4"],
+                   help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
+                        "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6)")
     c.set_defaults(func=cmd_create_checkpoint)

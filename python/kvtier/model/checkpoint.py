@@ -2,11 +2,24 @@
 
 Used by tests, the quickstart and benchmarks in place of real weights (which cannot be
 downloaded here). Values are drawn from ``torch.Generator(seed)`` in a fixed order, so the
-same (config, seed) always gives the same bytes.
+same (config, seed) always gives the same bytes, and the same values whatever the dtype (an
+``int4`` or ``fp8`` checkpoint is the quantized ``float32`` one of the same seed).
+
+Layouts as released:
+
+- ``fp8`` (DeepSeek-V3, Kimi K2 base): every linear weight but the router and ``lm_head`` as
+  float8_e4m3fn with ``<name>_scale_inv`` fp32 128x128 block scales; ``quantization_config``
+  ``quant_method: fp8``.
+- ``int4`` (Kimi K2 Thinking, K2.5, K2.6): routed experts as compressed-tensors
+  ``pack-quantized`` INT4 group-32 symmetric (``<module>.weight_packed`` int32 [N, K/8],
+  ``.weight_scale`` bf16 [N, K/32], ``.weight_shape`` int64 [2]), everything else bf16 (router
+  fp32); ``quantization_config`` Kimi K2 Thinking's
+  (:data:`kvtier.model.formats.KIMI_K2_THINKING_QUANTIZATION_CONFIG`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Iterator
@@ -16,10 +29,20 @@ import torch
 from safetensors.torch import save_file
 
 from kvtier.model.config import KimiK2Config, preset
-from kvtier.model.weights import TensorSpec, checkpoint_bytes, checkpoint_specs
+from kvtier.model.formats import (
+    DEEPSEEK_FP8_QUANTIZATION_CONFIG,
+    KIMI_K2_THINKING_QUANTIZATION_CONFIG,
+    PRESET_FORMATS,
+    weight_class,
+)
+from kvtier.model.plan import parameter_bytes
+from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.reference import quant as ref_quant
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                     "int4": torch.int32}
+INT4_GROUP_SIZE = 32  # Kimi K2 Thinking / K2.5 / K2.6
 
 
 def _random_tensor(name: str, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
@@ -50,20 +73,29 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
 
 
 def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a random checkpoint; fp8 adds ``<name>_scale_inv`` after each weight."""
+    """(name, tensor) pairs of a random checkpoint: fp8 adds ``<name>_scale_inv`` after each
+    linear weight; int4 writes each routed expert's ``<module>.weight_packed``, ``.weight_scale``
+    and ``.weight_shape`` in place of its ``.weight`` (module docstring)."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
     gen = torch.Generator().manual_seed(seed)
+    dense = torch.bfloat16 if dtype in ("fp8", "int4") else CHECKPOINT_DTYPES[dtype]
     for name, spec in checkpoint_specs(config).items():
         value = _random_tensor(name, spec, gen)
         if dtype == "fp8" and spec.quantizable:
             q, scale_inv = quantize_fp8_block(value)
             yield name, q
             yield f"{name}_scale_inv", scale_inv
+        elif dtype == "int4" and weight_class(spec.target) == "routed_experts":
+            module = name[: -len(".weight")]
+            packed, scale = ref_quant.quantize_int4_group(value, INT4_GROUP_SIZE)
+            yield f"{module}.weight_packed", packed
+            yield f"{module}.weight_scale", scale.to(torch.bfloat16)
+            yield f"{module}.weight_shape", torch.tensor(spec.shape, dtype=torch.int64)
         elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
-            yield name, value  # the router stays fp32, as in DeepSeek-V3 releases
+            yield name, value  # the router stays fp32, as in DeepSeek-V3 and Kimi releases
         else:
-            yield name, value.to(torch.bfloat16 if dtype == "fp8" else CHECKPOINT_DTYPES[dtype])
+            yield name, value.to(dense)
 
 
 def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config = "tiny", seed: int = 0,
@@ -76,17 +108,25 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
         preset_or_config: a preset name (``tiny``) or a :class:`KimiK2Config`.
         seed: generator seed; the same seed writes the same tensors.
         dtype: ``float32`` | ``bfloat16`` | ``fp8`` (linear weights as e4m3 with 128x128
-            ``weight_scale_inv`` block scales, other tensors bf16/fp32 as in DeepSeek-V3 releases).
+            ``weight_scale_inv`` block scales, other tensors bf16/fp32 as in DeepSeek-V3 releases)
+            | ``int4`` (routed experts compressed-tensors INT4 group-32, as Kimi K2 Thinking /
+            K2.6; the config's ``hidden_size`` and ``moe_intermediate_size`` must be multiples of 32).
         max_shard_bytes: start a new shard once one exceeds this many bytes.
         max_total_bytes: refuse (ValueError) configs whose checkpoint would be larger.
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        ValueError: an unknown dtype, a config the dtype's layout cannot hold, or one too large.
     """
     config = preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
-    size = checkpoint_bytes(config, CHECKPOINT_DTYPES[dtype].itemsize)
+    formats = {"int4": "int4", "fp8": "fp8"}.get(dtype, "bf16")
+    if dtype == "int4":
+        PRESET_FORMATS["int4"].check(config)
+    size = sum(b for _, b in parameter_bytes(config, formats, 4 if dtype == "float32" else 2).values())
     if size > max_total_bytes:
         raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
                          f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
@@ -110,9 +150,10 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     cfg = config.to_hf_dict()
-    cfg["torch_dtype"] = "bfloat16" if dtype == "fp8" else dtype
+    cfg["torch_dtype"] = "bfloat16" if dtype in ("fp8", "int4") else dtype
     if dtype == "fp8":
-        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                      "weight_block_size": [128, 128]}
+        cfg["quantization_config"] = copy.deepcopy(DEEPSEEK_FP8_QUANTIZATION_CONFIG)
+    elif dtype == "int4":
+        cfg["quantization_config"] = copy.deepcopy(KIMI_K2_THINKING_QUANTIZATION_CONFIG)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -20,6 +20,7 @@ from torch import nn
 from kvtier import ops
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.config import KimiK2Config
+from kvtier.model.formats import DENSE, FP8, INT4, WeightFormats, cdiv
 from kvtier.model.rope import build_cos_sin_cache
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use a fixed eps of 1e-6 in DeepSeek-V3's
@@ -31,25 +32,68 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+DEFAULT_FORMATS = WeightFormats()  # every weight dense in the model dtype
+INT4_SCALE_DTYPE = torch.bfloat16  # the dtype Kimi's compressed-tensors checkpoints store group scales in
+
+
+def _weight(owner: nn.Module, name: str, shape: tuple[int, ...], fmt: str, formats: WeightFormats,
+            dtype: torch.dtype) -> None:
+    """Register weight ``name`` of ``shape = (*lead, N, K)`` on ``owner`` in ``fmt``:
+
+    - dense: ``name`` [*lead, N, K] ``dtype``;
+    - fp8: ``name`` [*lead, N, K] float8_e4m3fn and ``name_scale_inv`` [*lead, ceil(N/b0), ceil(K/b1)] fp32;
+    - int4: ``name_packed`` [*lead, N, K/8] int32 and ``name_scale`` [*lead, N, K/group_size] bf16.
+    """
+    *lead, n, k = shape
+    if fmt == DENSE:
+        setattr(owner, name, _param(*shape, dtype=dtype))
+    elif fmt == FP8:
+        b0, b1 = formats.block_size
+        setattr(owner, name, _param(*shape, dtype=torch.float8_e4m3fn))
+        setattr(owner, f"{name}_scale_inv", _param(*lead, cdiv(n, b0), cdiv(k, b1), dtype=torch.float32))
+    elif fmt == INT4:
+        setattr(owner, f"{name}_packed", _param(*lead, n, k // 8, dtype=torch.int32))
+        setattr(owner, f"{name}_scale", _param(*lead, n, k // formats.group_size, dtype=INT4_SCALE_DTYPE))
+    else:
+        raise ValueError(f"weight format must be one of {(DENSE, FP8, INT4)}, got {fmt!r}")
+
+
+def _linear(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` for ``owner``'s weight ``name`` in ``owner.fmt`` (dense: F.linear; fp8:
+    :func:`kvtier.ops.linear_fp8_block`; int4: :func:`kvtier.ops.linear_w4a16`, on ``owner.backend``)."""
+    fmt = owner.fmt
+    if fmt == DENSE:
+        return F.linear(x, getattr(owner, name))
+    if fmt == FP8:
+        return ops.linear_fp8_block(x, getattr(owner, name), getattr(owner, f"{name}_scale_inv"),
+                                    owner.formats.block_size, backend=owner.backend)
+    return ops.linear_w4a16(x, getattr(owner, f"{name}_packed"), getattr(owner, f"{name}_scale"),
+                            owner.formats.group_size, backend=owner.backend)
+
+
 class MLAttention(nn.Module):
     """Weight-absorbed MLA over the paged cache; its paged attention runs on the step's plans
-    (:meth:`KimiK2ForCausalLM.plan`), which carry the model's backend."""
+    (:meth:`KimiK2ForCausalLM.plan`), which carry the model's backend. The projections are held
+    in ``formats.attention`` (see :func:`_weight`), ``kv_b_proj`` always in ``dtype``."""
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, formats: WeightFormats = DEFAULT_FORMATS,
+                 backend: str = "auto"):
         super().__init__()
         c = config
         self.config = c
+        self.formats, self.fmt, self.backend = formats, formats.attention, backend
         nh, qk = c.num_attention_heads, c.qk_head_dim
+        w = lambda name, *shape: _weight(self, name, shape, self.fmt, formats, dtype)
         if c.q_lora_rank is None:
-            self.q_proj = _param(nh * qk, c.hidden_size, dtype=dtype)
+            w("q_proj", nh * qk, c.hidden_size)
         else:
-            self.q_a_proj = _param(c.q_lora_rank, c.hidden_size, dtype=dtype)
+            w("q_a_proj", c.q_lora_rank, c.hidden_size)
             self.q_a_layernorm = _param(c.q_lora_rank, dtype=dtype)
-            self.q_b_proj = _param(nh * qk, c.q_lora_rank, dtype=dtype)
-        self.kv_a_proj_with_mqa = _param(c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size, dtype=dtype)
+            w("q_b_proj", nh * qk, c.q_lora_rank)
+        w("kv_a_proj_with_mqa", c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size)
         self.kv_a_layernorm = _param(c.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = _param(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype=dtype)
-        self.o_proj = _param(c.hidden_size, nh * c.v_head_dim, dtype=dtype)
+        w("o_proj", c.hidden_size, nh * c.v_head_dim)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [NH, N, R], W_UV [NH, V, R]) views of kv_b_proj."""
@@ -61,12 +105,13 @@ class MLAttention(nn.Module):
         c = self.config
         num_tokens = x.shape[0]
         if c.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
+            q = _linear(self, "q_proj", x)
         else:
-            q = F.linear(ops.rms_norm(F.linear(x, self.q_a_proj), self.q_a_layernorm, LATENT_NORM_EPS), self.q_b_proj)
+            q = _linear(self, "q_b_proj", ops.rms_norm(_linear(self, "q_a_proj", x), self.q_a_layernorm,
+                                                       LATENT_NORM_EPS))
         q = q.view(num_tokens, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        kv_c, k_pe = F.linear(x, self.kv_a_proj_with_mqa).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = _linear(self, "kv_a_proj_with_mqa", x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = ops.rms_norm(kv_c, self.kv_a_layernorm, LATENT_NORM_EPS)
         # values (positions, slots, lengths) were checked once per step by KimiK2ForCausalLM.plan
         q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache, validate=False)
@@ -82,36 +127,54 @@ class MLAttention(nn.Module):
         if batch.num_decode_tokens:
             ops.mla_decode_run(q_abs[npf:], kv_cache, batch.decode_plan, c.sm_scale, out=latent[npf:])
         attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
-        return F.linear(attn, self.o_proj)
+        return _linear(self, "o_proj", attn)
 
 
 class DenseMLP(nn.Module):
-    """SiLU-gated MLP with fused ``gate_up_proj`` [2I, H] (gate rows first) and ``down_proj`` [H, I]."""
+    """SiLU-gated MLP with fused ``gate_up_proj`` [2I, H] (gate rows first) and ``down_proj`` [H, I],
+    held in ``fmt`` (see :func:`_weight`)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, fmt: str = DENSE,
+                 formats: WeightFormats = DEFAULT_FORMATS, backend: str = "auto"):
         super().__init__()
-        self.gate_up_proj = _param(2 * intermediate_size, hidden_size, dtype=dtype)
-        self.down_proj = _param(hidden_size, intermediate_size, dtype=dtype)
+        self.formats, self.fmt, self.backend = formats, fmt, backend
+        _weight(self, "gate_up_proj", (2 * intermediate_size, hidden_size), fmt, formats, dtype)
+        _weight(self, "down_proj", (hidden_size, intermediate_size), fmt, formats, dtype)
 
     def forward(self, x):
-        return F.linear(ops.silu_and_mul(F.linear(x, self.gate_up_proj)), self.down_proj)
+        return _linear(self, "down_proj", ops.silu_and_mul(_linear(self, "gate_up_proj", x)))
 
 
 class MoE(nn.Module):
-    """noaux_tc-routed experts (w13 [E, 2I, H], w2 [E, H, I]) plus shared experts."""
+    """noaux_tc-routed experts (w13 [E, 2I, H], w2 [E, H, I], held in ``formats.routed_experts``:
+    see :func:`_weight`) plus shared experts (``formats.shared_experts``)."""
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto"):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype, backend: str = "auto",
+                 formats: WeightFormats = DEFAULT_FORMATS):
         super().__init__()
         c = config
         self.config = c
         self.backend = backend  # of moe_route and fused_moe
+        self.formats, self.fmt = formats, formats.routed_experts
         self.gate_weight = _param(c.n_routed_experts, c.hidden_size, dtype=torch.float32)
         self.e_score_correction_bias = _param(c.n_routed_experts, dtype=torch.float32)
-        self.w13 = _param(c.n_routed_experts, 2 * c.moe_intermediate_size, c.hidden_size, dtype=dtype)
-        self.w2 = _param(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, dtype=dtype)
+        e, i, h = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        _weight(self, "w13", (e, 2 * i, h), self.fmt, formats, dtype)
+        _weight(self, "w2", (e, h, i), self.fmt, formats, dtype)
         self.shared_experts = (
-            DenseMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype) if c.n_shared_experts else None
+            DenseMLP(h, i * c.n_shared_experts, dtype, formats.shared_experts, formats, backend)
+            if c.n_shared_experts else None
         )
+
+    def experts(self, x, weights, ids):
+        """The routed experts' mixture on the format's fused-MoE op."""
+        if self.fmt == DENSE:
+            return ops.fused_moe(x, self.w13, self.w2, weights, ids, validate=False, backend=self.backend)
+        if self.fmt == FP8:
+            return ops.fused_moe_fp8_block(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
+                                           self.formats.block_size, validate=False, backend=self.backend)
+        return ops.fused_moe_w4a16(x, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, weights, ids,
+                                   self.formats.group_size, validate=False, backend=self.backend)
 
     def forward(self, x):
         c = self.config
@@ -119,21 +182,22 @@ class MoE(nn.Module):
         weights, ids = ops.moe_route(router_logits, self.e_score_correction_bias, c.num_experts_per_tok,
                                      c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob,
                                      backend=self.backend)
-        out = ops.fused_moe(x, self.w13, self.w2, weights, ids, validate=False, backend=self.backend)
+        out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: KimiK2Config, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, config: KimiK2Config, layer_idx: int, dtype: torch.dtype,
+                 formats: WeightFormats = DEFAULT_FORMATS):
         super().__init__()
         self.eps = config.rms_norm_eps
         self.input_layernorm = _param(config.hidden_size, dtype=dtype)
         self.post_attention_layernorm = _param(config.hidden_size, dtype=dtype)
-        self.self_attn = MLAttention(config, dtype)
-        self.mlp = (MoE(config, dtype) if config.is_moe_layer(layer_idx)
-                    else DenseMLP(config.hidden_size, config.intermediate_size, dtype))
+        self.self_attn = MLAttention(config, dtype, formats)
+        self.mlp = (MoE(config, dtype, formats=formats) if config.is_moe_layer(layer_idx)
+                    else DenseMLP(config.hidden_size, config.intermediate_size, dtype, formats.dense_mlp, formats))
 
     def forward(self, x, positions, batch, kv_cache, cos_sin_cache):
         h = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), positions, batch, kv_cache, cos_sin_cache)
@@ -145,27 +209,40 @@ class KimiK2ForCausalLM(nn.Module):
     """The whole model. Parameters are allocated empty; fill them with :mod:`kvtier.model.loader`.
 
     ``backend`` (``"auto"|"torch"|"triton"|...``, see :mod:`kvtier.ops`) selects the kernels of the
-    paged attention ops (mla_extend, mla_decode) and of the routed experts (moe_route, fused_moe);
-    the engine samples on it too. :meth:`set_backend` changes it on a built model.
+    paged attention ops (mla_extend, mla_decode), of the routed experts (moe_route, fused_moe and
+    its quantized variants) and of the quantized linear layers; the engine samples on it too.
+    :meth:`set_backend` changes it on a built model.
+
+    ``formats`` says which weight classes are held FP8 block-scaled or INT4 group-scaled
+    (:class:`kvtier.model.formats.WeightFormats`; default: all dense in ``dtype``). ``dtype`` is
+    the compute (activation) dtype and that of every dense weight.
+
+    Raises:
+        ValueError: ``config``'s shapes cannot be held in ``formats`` (see WeightFormats.check).
     """
 
-    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32, backend: str = "auto"):
+    def __init__(self, config: KimiK2Config, dtype: torch.dtype = torch.float32, backend: str = "auto",
+                 formats: WeightFormats | None = None):
         super().__init__()
+        formats = formats or WeightFormats()
+        formats.check(config)
         self.config = config
         self.dtype = dtype
+        self.formats = formats
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, formats) for i in range(config.num_hidden_layers))
         self.norm = _param(config.hidden_size, dtype=dtype)
         self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(config), persistent=False)
         self.set_backend(backend)
 
     def set_backend(self, backend: str) -> None:
-        """Run the paged attention and MoE ops of every layer on ``backend`` (checked at the next forward)."""
+        """Run the paged attention, MoE and quantized linear ops of every layer on ``backend``
+        (checked at the next forward)."""
         self.backend = backend
-        for layer in self.layers:  # attention: the step's plans carry the backend
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.backend = backend
+        for module in self.modules():  # attention: the step's plans carry the backend
+            if module is not self and hasattr(module, "backend"):
+                module.backend = backend
 
     def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
              decode_max_seq_len: int | None = None) -> AttentionBatch:

@@ -40,7 +40,12 @@ def fused_moe_config(num_experts: int, n: int, k: int, dtype: torch.dtype, arch:
     """
     table = table if table is not None else _config_table()
     key = f"E={num_experts},N={n},K={k},dtype={str(dtype).removeprefix('torch.')},arch={arch}"
-    buckets = table["configs"].get(key, table["default"])
+    return config_bucket(table["configs"].get(key, table["default"]), num_tokens)
+
+
+def config_bucket(buckets: dict, num_tokens: int) -> dict:
+    """The config of the smallest token bucket >= ``num_tokens`` in ``{"<max tokens>": config}``
+    (the largest bucket beyond them); a copy."""
     sizes = sorted(int(m) for m in buckets)
     pick = next((m for m in sizes if m >= num_tokens), sizes[-1])
     return dict(buckets[str(pick)])

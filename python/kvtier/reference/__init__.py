@@ -9,10 +9,20 @@ from kvtier.reference.mla import concat_and_cache_mla, mla_decode, mla_extend
 from kvtier.reference.moe import fused_moe, moe_align_block_size, moe_route
 from kvtier.reference.norm import rms_norm
 from kvtier.reference.pages import gather_pages, scatter_pages
+from kvtier.reference.quant import (
+    dequantize_fp8_block,
+    dequantize_int4_group,
+    fused_moe_fp8_block,
+    fused_moe_w4a16,
+    linear_fp8_block,
+    linear_w4a16,
+)
 from kvtier.reference.rope import rope_interleaved
 from kvtier.reference.sampling import sample, sample_from_uniforms
 
 __all__ = [
-    "concat_and_cache_mla", "fused_moe", "gather_pages", "mla_decode", "mla_extend", "moe_align_block_size", "moe_route",
-    "rms_norm", "rope_interleaved", "sample", "sample_from_uniforms", "scatter_pages", "silu_and_mul",
+    "concat_and_cache_mla", "dequantize_fp8_block", "dequantize_int4_group", "fused_moe", "fused_moe_fp8_block",
+    "fused_moe_w4a16", "gather_pages", "linear_fp8_block", "linear_w4a16", "mla_decode", "mla_extend",
+    "moe_align_block_size", "moe_route", "rms_norm", "rope_interleaved", "sample", "sample_from_uniforms",
+    "scatter_pages", "silu_and_mul",
 ]

@@ -71,11 +71,12 @@ def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> Kimi
 
 
 def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
-                     seed: int = 0) -> tuple[KimiK2ForCausalLM, bytes]:
+                     seed: int = 0, dequantize: bool = False) -> tuple[KimiK2ForCausalLM, bytes]:
     """The model and its identity for cache salting: ``(model, model_id)``.
 
-    ``model`` is a checkpoint directory (``model_id`` = its fingerprint) or a preset name
-    (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
+    ``model`` is a checkpoint directory (``model_id`` = its fingerprint; FP8 and INT4 weights are
+    held as stored unless ``dequantize``, which is part of the id: the two compute differently)
+    or a preset name (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
     share the returned model (each has its own KV pages).
 
     Raises:
@@ -85,7 +86,8 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
     check_device("device", device)
     torch_dtype = _resolve_dtype(dtype, device)
     if Path(model).is_dir():
-        return load_model(model, torch_dtype, device), checkpoint_fingerprint(model)
+        model_id = checkpoint_fingerprint(model) + (b":dequantized" if dequantize else b"")
+        return load_model(model, torch_dtype, device, dequantize=dequantize), model_id
     if str(model) in PRESETS:
         return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
     raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
@@ -102,7 +104,7 @@ class BuiltEngine:
 
 
 def build_engine(model: str | Path, *, dtype: str = "auto", device: str = "cpu", seed: int = 0,
-                 tokenizer: str | Path | None = None, **engine_args) -> BuiltEngine:
+                 tokenizer: str | Path | None = None, dequantize: bool = False, **engine_args) -> BuiltEngine:
     """The engine over ``model`` (see :func:`load_for_serving`) with ``engine_args`` as
     :meth:`EngineConfig.of` takes them (checked before the model loads).
 
@@ -110,6 +112,6 @@ def build_engine(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
         ValueError: a bad engine argument (named), or what :func:`load_for_serving` raises.
     """
     config = EngineConfig.of(seed=seed, **engine_args)  # checked before the model loads
-    net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed)
+    net, model_id = load_for_serving(model, dtype=dtype, device=device, seed=seed, dequantize=dequantize)
     tokenizer_dir = Path(tokenizer) if tokenizer is not None else (Path(model) if Path(model).is_dir() else None)
     return BuiltEngine(Engine(net, config, model_id), net.config, tokenizer_dir)

@@ -5,9 +5,10 @@ Tier sizes (per worker) of a hardware scenario:
 - a page (block) stands for ``page_size * num_hidden_layers * kv_cache_dim * kv_dtype_bytes``
   bytes of KV (70,272 bytes per token for K2 with bf16 KV, docs/workload.md's sizing of the published
   run; 35,136 with FP8 KV);
-- device pages: the HBM one device has left for KV (:meth:`Node.kv_bytes_per_device`, weights
-  from :func:`kvtier.bench.sim.timing.weight_bytes`) over one page's bytes (MLA's latent KV is
-  replicated on every tensor-parallel device);
+- device pages: the KV tokens of the memory plan (:func:`kvtier.model.plan.memory_plan` of the
+  scenario's ``weight_format`` on the node's devices, ``tp`` layout: MLA's latent KV is replicated
+  on every tensor-parallel device; the node's ``hbm_fraction`` and ``activation_reserve_bytes`` as
+  the plan's allowance) over ``page_size``;
 - host slots: ``Node.host_kv_bytes`` over one page's bytes; store slots: ``Node.disk_kv_bytes``
   over one page's bytes (a shared store: the workers' sizes added up).
 
@@ -29,12 +30,13 @@ from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim.hardware import Node
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import SCENARIOS, Scenario, Variant
-from kvtier.bench.sim.timing import KernelRates, RooflineTimer, prefill_tok_s, weight_bytes
+from kvtier.bench.sim.timing import KernelRates, RooflineTimer, prefill_tok_s
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
+from kvtier.model.plan import GB, memory_plan
 from kvtier.provenance import provenance
 from kvtier.serve.config import EngineConfig
 
@@ -143,11 +145,17 @@ def size_tiers(scn: Scenario, model: KimiK2Config, node: Node, workload: Workloa
     """Per-worker tier sizes for ``workload`` on ``node`` (module docstring)."""
     ps = scn.page_size
     block = ps * model.kv_cache_bytes_per_token(scn.kv_dtype_bytes)
-    wb = weight_bytes(model, scn.weight_dtype_bytes)
+    plan = memory_plan(model, scn.weight_format, node.num_devices, node.accelerator.hbm_bytes / GB, parallel="tp",
+                       kv_dtype_bytes=scn.kv_dtype_bytes, hbm_fraction=node.hbm_fraction,
+                       reserve_gb=node.activation_reserve_bytes / GB)
+    wb = plan.total_weight_bytes
     ws = working_set_pages(workload, ps, scn.replay.concurrency)
     largest = max(-(-(t.input_tokens + t.output_tokens) // ps) for s in workload.sessions for t in s.turns)
     if scn.device_fraction is None:
-        device = int(node.kv_bytes_per_device(wb) // block)
+        if not plan.fits:
+            raise ValueError(f"{wb / GB:.0f} GB of {scn.weight_format} weights over {node.num_devices} x "
+                             f"{node.accelerator.name} leave no HBM for KV")
+        device = plan.kv_tokens // ps
         host, store = int(node.host_kv_bytes // block), int(node.disk_kv_bytes // block)
     else:  # as kvtier bench: a fraction of the working set, at least the largest turn (+16)
         device = max(math.ceil(scn.device_fraction * ws), largest + 16)

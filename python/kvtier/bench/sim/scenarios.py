@@ -18,6 +18,7 @@ from kvtier.bench.configs import CONFIGS, BenchConfig, parse_configs
 from kvtier.bench.sim.hardware import Efficiency, from_table
 from kvtier.bench.sim.loop import ROUTERS
 from kvtier.bench.workload import check_replay_options
+from kvtier.model.formats import PRESET_FORMATS
 from kvtier.options import check_choice, check_int, check_real
 from kvtier.serve.config import SCHEDULE_POLICIES
 
@@ -106,7 +107,11 @@ class Scenario:
         max_context_tokens: longest prompt accepted.
         device_fraction: None sizes the device tier from HBM; a number sizes it as ``kvtier
             bench`` does, as a fraction of the working set (for CPU-scale scenarios).
-        kv_dtype_bytes, weight_dtype_bytes: bytes per KV value and per linear weight.
+        kv_dtype_bytes, weight_dtype_bytes: bytes per KV value and per linear weight (the step
+            timer's weight traffic).
+        weight_format: how the weights are held (:data:`kvtier.model.formats.PRESET_FORMATS`:
+            ``fp8`` as K2 ships, ``int4`` as K2.6 ships, ``bf16``): the device tier is what the
+            memory plan (:func:`kvtier.model.plan.memory_plan`) leaves for KV.
         calibration: what the scenario's fitted values were fitted on ("" = nothing fitted).
         schedule_policy: the engines' admission order (``EngineConfig.schedule_policy``):
             ``fcfs``, under which the scenarios were calibrated, unless overridden.
@@ -128,6 +133,7 @@ class Scenario:
     device_fraction: float | None = None
     kv_dtype_bytes: float = 1.0
     weight_dtype_bytes: float = 1.0
+    weight_format: str = "fp8"
     calibration: str = ""
     schedule_policy: str = "fcfs"
 
@@ -143,6 +149,7 @@ class Scenario:
         check_real(f"scenario {self.name!r}: kv_dtype_bytes", self.kv_dtype_bytes, min_value=0, min_open=True,
                    max_value=8)
         check_choice(f"scenario {self.name!r}: schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        check_choice(f"scenario {self.name!r}: weight_format", self.weight_format, tuple(PRESET_FORMATS))
 
     def select(self, configs: str) -> Scenario:
         """This scenario with only the variants named in ``configs`` (``"a,b"``, in that order).
