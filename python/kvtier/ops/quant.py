@@ -59,7 +59,8 @@ from kvtier.reference import quant as ref
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 INT4_PER_INT32 = ref.INT4_PER_INT32
 
-_TRITON_OPS = ("linear_w4a16", "linear_fp8_block", "fused_moe_w4a16", "fused_moe_fp8_block")  # the ops with a Triton implementation (:mod:`kvtier.ops._triton_quant`)
+# the ops with a Triton implementation (:mod:`kvtier.ops._triton_quant`)
+_TRITON_OPS = ("linear_w4a16", "linear_fp8_block", "fused_moe_w4a16", "fused_moe_fp8_block")
 for _op in _TRITON_OPS:
     register_backend(_op, "triton")
 
