@@ -30,7 +30,8 @@ weights and INT4 scales always (packing and groups run along K); FP8 ``weight_sc
 when ``I % bn == 0`` (K2: I = 2048), so that the up rows start on a block boundary.
 
 Registered ``torch.library`` ops (no backend in the schemas; CPU kernel = the fp32 reference, CUDA
-kernel = :func:`kvtier.ops.dispatch.device_backend`'s choice; fake implementations for tracing)::
+kernel = :func:`kvtier.ops.dispatch.device_backend`'s choice, the reference for the two dequantize
+ops on both; fake implementations for tracing)::
 
     dequantize_int4_group(Tensor weight_packed, Tensor weight_scale, int group_size) -> Tensor
     dequantize_fp8_block(Tensor weight, Tensor weight_scale_inv, int[] block_size) -> Tensor
