@@ -140,7 +140,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
         for op, fn in moe_fns.items():
             weight_bytes = hit * expert_bytes[op]
             yield Case(op, f"T{num_tokens}-E{num_experts}-k{top_k}-H{hidden}-I{inter}",
-                       lambda b, x=x, w=w, ids=ids, fn=fn: fn(x, w, ids, b), weight_bytes + 2 * num_tokens * hidden * es,
+                       lambda b, x=x, w=w, ids=ids, fn=fn: fn(x, w, ids, b),
+                       weight_bytes + 2 * num_tokens * hidden * es,
                        flops, num_tokens, weight_bytes, "fp8" if op == "fused_moe_fp8_block" else compute,
                        {"fused_moe_w4a16": "int4-g32", "fused_moe_fp8_block": str(fp8_dtype).removeprefix("torch.")}
                        .get(op, ""))
@@ -199,8 +200,8 @@ def run_cases(cases, backends, device, dtype, repeats, budget_s, writer, out, sk
                              "median_us": f"{med:.1f}", "p20_us": f"{t[len(t) // 5]:.1f}",
                              "p80_us": f"{t[(4 * len(t)) // 5]:.1f}", "gb_s": f"{case.nbytes / med / 1e3:.2f}",
                              "tflop_s": f"{case.flops / med / 1e6:.4f}",
-                             **peak_fractions(peaks, med, case.nbytes if case.weight_bytes is None else case.weight_bytes,
-                                              case.flops, case.compute), "commit": commit})
+                             **peak_fractions(peaks, med, case.weight_bytes if case.weight_bytes is not None
+                                              else case.nbytes, case.flops, case.compute), "commit": commit})
             out.flush()
 
 

@@ -108,7 +108,7 @@ echo "GPU kernels kvtier._hip: $HIP_BUILD"
 SRC="$(mktemp -d)"
 trap 'rm -rf "$SRC"' EXIT
 cp -rs "$ROOT/python/kvtier" "$SRC/kvtier"
-ln -s "$ROOT/triton_kernels" "$SRC/kvtier/triton_kernels"
+ln -sfn "$ROOT/triton_kernels" "$SRC/kvtier/triton_kernels"  # -n: replace the copied link, not write into it
 export PYTHONPATH="$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import kvtier.ops, kvtier.triton_kernels; print('kvtier from', kvtier.__file__)" || status=1
 

@@ -241,7 +241,8 @@ def _cases(fmt: str, arch: str) -> list[CompileCase]:
             if fp8:
                 consts.update({"FP8_MAX": 240.0 if arch == "gfx942" else 448.0, "FNUZ": arch == "gfx942"})
             se, sn = scales(rows, k)
-            values = {"top_k": 8, "N": inter if gated else hidden, "K": k, "stride_am": k, "stride_we": rows * k // pack,
+            values = {"top_k": 8, "N": inter if gated else hidden, "K": k, "stride_am": k,
+                      "stride_we": rows * k // pack,
                       "stride_wn": k // pack, "stride_se": se, "stride_sn": sn, "stride_om": inter if gated else hidden,
                       "gate_offset": inter if gated else 0, ("block_n" if fp8 else "group_size"): 128 if fp8 else 32}
             cases.append(_case(fmt, f"k2-{'w13' if gated else 'w2'}-m{m}", extra, consts, cfg, values,

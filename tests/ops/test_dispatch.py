@@ -22,6 +22,13 @@ def _calls():
     bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     lens = torch.tensor([5, 8], dtype=torch.int32)
     cache = torch.tensor([[0.5, -0.5, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]]).repeat(4, 1)
+    packed, scale = torch.zeros(3, 6, 4, dtype=torch.int32), torch.ones(3, 6, 1)  # INT4 [E=3, 6, K=32], group 32
+    fp8, scale_inv = torch.ones(3, 6, 32).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
+    w2p, w2s = torch.zeros(3, 32, 1, dtype=torch.int32), torch.ones(3, 32, 1)  # MoE: H = 32, I = 8, group 8
+    moe_x, moe_w, moe_ids = torch.randn(2, 32), torch.ones(2, 1), torch.tensor([[0], [2]], dtype=torch.int32)
+    w13p, w13s = torch.zeros(3, 16, 4, dtype=torch.int32), torch.ones(3, 16, 4)
+    w13f, s13f = torch.ones(3, 16, 32).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
+    w2f, s2f = torch.ones(3, 32, 8).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
     return {
         "mla_decode": lambda b: ops.mla_decode(q, kv, bt, lens, 0.2, 16, backend=b),
         "mla_extend": lambda b: ops.mla_extend(q, kv, bt, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 0.2, 16,
@@ -40,6 +47,13 @@ def _calls():
         "rms_norm": lambda b: ops.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6, backend=b),
         "silu_and_mul": lambda b: ops.silu_and_mul(torch.randn(2, 8), backend=b),
         "rope_interleaved": lambda b: ops.rope_interleaved(torch.randn(2, 4), torch.tensor([0, 7]), cache, backend=b),
+        "dequantize_int4_group": lambda b: ops.dequantize_int4_group(packed, scale, backend=b),
+        "dequantize_fp8_block": lambda b: ops.dequantize_fp8_block(fp8, scale_inv, backend=b),
+        "linear_w4a16": lambda b: ops.linear_w4a16(torch.randn(2, 32), packed[0], scale[0], backend=b),
+        "linear_fp8_block": lambda b: ops.linear_fp8_block(torch.randn(2, 32), fp8[0], scale_inv[0], backend=b),
+        "fused_moe_w4a16": lambda b: ops.fused_moe_w4a16(moe_x, w13p, w13s, w2p, w2s, moe_w, moe_ids, 8, backend=b),
+        "fused_moe_fp8_block": lambda b: ops.fused_moe_fp8_block(moe_x, w13f, s13f, w2f, s2f, moe_w, moe_ids,
+                                                                 backend=b),
     }
 
 
@@ -51,7 +65,8 @@ def test_every_public_op_is_covered():
     helpers = {n for n in public if n.startswith(("check_", "plan_")) or n.endswith("_run")}  # checks, plan/run
     assert helpers == {"check_expert_ids", "check_positions", "check_slot_mapping", "plan_mla_decode",
                        "plan_mla_extend", "mla_decode_run", "mla_extend_run"}
-    assert public - helpers - {"is_backend_supported", "resolve_backend"} == set(OPS)
+    dtype_tools = {"fp8_e4m3_dtype", "fp8_e4m3fn_to_fnuz"}  # fp8 dtype per arch and its conversion: no kernel
+    assert public - helpers - dtype_tools - {"is_backend_supported", "resolve_backend"} == set(OPS)
 
 
 @pytest.mark.parametrize("op", OPS)

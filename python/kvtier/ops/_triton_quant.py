@@ -65,7 +65,7 @@ def _fp8_consts(weight: torch.Tensor) -> dict:
     return {"FP8_MAX": fp8_max(weight.dtype), "FNUZ": weight.dtype == torch.float8_e4m3fnuz}
 
 
-def _gemm(kernel, section, a, w, w_scale, out, bias, cfg, *, rows: int, n: int, k: int, param: int,
+def _gemm(kernel, a, w, w_scale, out, bias, cfg, *, rows: int, n: int, k: int, param: int,
           moe=None, gated=False, fp8=False):
     """Launch one dense (``moe`` None) or grouped GEMM: ``moe`` = (topk_weights, sorted_ids, expert_ids,
     num_padded, top_k)."""
@@ -113,7 +113,7 @@ def linear_w4a16(x, weight_packed, weight_scale, group_size, bias, out_dtype):
     out = _out(m, n, out_dtype, x.device)
     if m:
         cfg = _config("w4a16", 1, n, k, x.device, m)
-        _gemm(w4a16_gemm_kernel, "w4a16", x, weight_packed, weight_scale, out, bias, cfg, rows=m, n=n, k=k,
+        _gemm(w4a16_gemm_kernel, x, weight_packed, weight_scale, out, bias, cfg, rows=m, n=n, k=k,
               param=group_size)
     return _finish(out, out_dtype)
 
@@ -128,7 +128,7 @@ def linear_fp8_block(x, weight, weight_scale_inv, block_size, bias, out_dtype):
     out = _out(m, n, out_dtype, x.device)
     if m:
         cfg = dict(_config("fp8_block", 1, n, k, x.device, m), BLOCK_K=block_size[1])
-        _gemm(fp8_block_gemm_kernel, "fp8_block", x, weight, weight_scale_inv, out, bias, cfg, rows=m, n=n, k=k,
+        _gemm(fp8_block_gemm_kernel, x, weight, weight_scale_inv, out, bias, cfg, rows=m, n=n, k=k,
               param=block_size[0], fp8=True)
     return _finish(out, out_dtype)
 
@@ -156,11 +156,11 @@ def _moe(kernel, section, hidden_states, w13, s13, w2, s2, topk_weights, topk_id
     act = torch.empty(num_pairs, inter, dtype=torch.float32 if truncates else dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     moe = (topk_weights.reshape(-1), sorted_ids, expert_ids, num_padded, top_k)
-    _gemm(kernel, section, hidden_states, w13, s13, act, None, cfg1, rows=num_pairs, n=inter, k=hidden, param=param,
+    _gemm(kernel, hidden_states, w13, s13, act, None, cfg1, rows=num_pairs, n=inter, k=hidden, param=param,
           moe=moe, gated=True, fp8=fp8)
     if truncates:
         act = act.to(dtype)
-    _gemm(kernel, section, act, w2, s2, y, None, cfg2, rows=num_pairs, n=hidden, k=inter, param=param, moe=moe,
+    _gemm(kernel, act, w2, s2, y, None, cfg2, rows=num_pairs, n=hidden, k=inter, param=param, moe=moe,
           fp8=fp8)
     return y.view(num_tokens, top_k, hidden).sum(1).to(dtype)
 

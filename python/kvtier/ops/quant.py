@@ -30,7 +30,8 @@ weights and INT4 scales always (packing and groups run along K); FP8 ``weight_sc
 when ``I % bn == 0`` (K2: I = 2048), so that the up rows start on a block boundary.
 
 Registered ``torch.library`` ops (no backend in the schemas; CPU kernel = the fp32 reference, CUDA
-kernel = :func:`kvtier.ops.dispatch.device_backend`'s choice; fake implementations for tracing)::
+kernel = :func:`kvtier.ops.dispatch.device_backend`'s choice, the reference for the two dequantize
+ops on both; fake implementations for tracing)::
 
     dequantize_int4_group(Tensor weight_packed, Tensor weight_scale, int group_size) -> Tensor
     dequantize_fp8_block(Tensor weight, Tensor weight_scale_inv, int[] block_size) -> Tensor
@@ -59,7 +60,8 @@ from kvtier.reference import quant as ref
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 INT4_PER_INT32 = ref.INT4_PER_INT32
 
-_TRITON_OPS = ("linear_w4a16", "linear_fp8_block", "fused_moe_w4a16", "fused_moe_fp8_block")  # the ops with a Triton implementation (:mod:`kvtier.ops._triton_quant`)
+# the ops with a Triton implementation (:mod:`kvtier.ops._triton_quant`)
+_TRITON_OPS = ("linear_w4a16", "linear_fp8_block", "fused_moe_w4a16", "fused_moe_fp8_block")
 for _op in _TRITON_OPS:
     register_backend(_op, "triton")
 
