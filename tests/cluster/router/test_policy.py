@@ -67,7 +67,7 @@ def test_a_worker_whose_health_is_503_leaves_routing_until_it_recovers():
 
     import httpx
 
-    from kvtier.router.app import poll_worker
+    from kvtier.cluster.router.app import poll_worker
 
     state = {"health": 503}
 
