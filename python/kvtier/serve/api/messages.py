@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.serve.api.protocol import SESSION_ID_MAX, ApiError, validation_error
+from kvtier.serve.api.protocol import SESSION_ID_MAX, ApiError
+from kvtier.serve.api.protocol import validate_nested as _validate
 
 PATH = "/v1/messages"
 MAX_STOP_SEQUENCES = 4  # what the server's stop filter takes (as chat's ``stop``)
@@ -149,20 +150,6 @@ class MessagesRequest(_Strict):
                                f"at most {SESSION_ID_MAX}", "session_id")
             return header
         return (self.metadata.user_id or None) if self.metadata is not None else None
-
-
-def _nested(e: ValidationError, where: str) -> ApiError:
-    inner = validation_error(e)
-    return ApiError(400, f"{where}.{inner.message}", f"{where}.{inner.param}")
-
-
-def _validate(model: type[BaseModel], raw, where: str):
-    if not isinstance(raw, dict):
-        raise ApiError(400, f"{where}: expected an object, got {type(raw).__name__}", where)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        raise _nested(e, where) from None
 
 
 def _block(raw, where: str, role: str) -> BaseModel:

@@ -91,6 +91,22 @@ def validation_error(e: ValidationError | list) -> ApiError:
     return ApiError(400, f"{param}: {' or '.join(msgs)}{more}", param)
 
 
+
+def validate_nested(model: type[BaseModel], raw, where: str):
+    """``raw`` (a JSON object found at ``where`` in a request) as a ``model`` instance.
+
+    Raises:
+        ApiError: 400 when ``raw`` is not an object, or when ``model`` rejects it, the message and
+            ``param`` prefixed with ``where`` (``messages[2].content[0].type``).
+    """
+    if not isinstance(raw, dict):
+        raise ApiError(400, f"{where}: expected an object, got {type(raw).__name__}", where)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        inner = validation_error(e)
+        raise ApiError(400, f"{where}.{inner.message}", f"{where}.{inner.param}") from None
+
 def value_error(e: ValueError) -> ApiError:
     """A ``ValueError`` from kvtier's checks (messages start with the field) as a 400."""
     msg = str(e)

@@ -35,9 +35,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from kvtier.serve.api.protocol import SESSION_ID_MAX, ApiError, validation_error
+from kvtier.serve.api.protocol import SESSION_ID_MAX, ApiError
+from kvtier.serve.api.protocol import validate_nested as _validate
 
 PATH = "/v1/responses"
 
@@ -138,16 +139,6 @@ class ReasoningItem(_Strict):
 
 _ITEMS = {"message": MessageItem, "function_call": FunctionCallItem,
           "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
-
-
-def _validate(model: type[BaseModel], raw, where: str):
-    if not isinstance(raw, dict):
-        raise ApiError(400, f"{where}: expected an object, got {type(raw).__name__}", where)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as e:
-        inner = validation_error(e)
-        raise ApiError(400, f"{where}.{inner.message}", f"{where}.{inner.param}") from None
 
 
 def _text(content, where: str) -> str:
