@@ -43,12 +43,14 @@ def repeat_seeds(opts: BenchOptions, repeats: int) -> list[int]:
     return [opts.seed + i for i in range(repeats)]
 
 
-def run_repeats(opts: BenchOptions, repeats: int, on_start=None, on_finish=None, records: bool = False) -> list[dict]:
+def run_repeats(opts: BenchOptions, repeats: int, on_start=None, on_finish=None, records: bool = False,
+                on_repeat=None) -> list[dict]:
     """Run every configuration of ``opts`` on ``repeats`` workload draws (see the module docstring).
 
     The model is loaded and warmed up once; each repeat sizes the tiers for its own workload
     (:func:`kvtier.bench.run.prepare_workload`). ``on_start(name, num_requests)`` gets
-    ``name#i`` (``i`` the repeat); ``on_finish(record)`` is called per request.
+    ``name#i`` (``i`` the repeat); ``on_finish(record)`` is called per request and
+    ``on_repeat(docs)`` after each repeat with the documents so far.
 
     Returns:
         One ``report.bench_json`` document per repeat, in order, each with ``"seed"`` (its
@@ -77,6 +79,8 @@ def run_repeats(opts: BenchOptions, repeats: int, on_start=None, on_finish=None,
             runs.append(run_config(config, model, model_id, base, sizing, workload, o, on_finish, tokenizer))
         prov = bench_provenance(o, workload, sizing, model) | {"repeat": i}
         docs.append(report.bench_json(runs, prov, records=records) | {"seed": seed, "tail": tail_json(runs)})
+        if on_repeat is not None:
+            on_repeat(docs)
     return docs
 
 
@@ -167,7 +171,8 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
     """What ``kvtier bench --repeat N`` does: :func:`run_repeats` with a progress bar per replay,
     one line per repeat (its seed, workload and headline ratios), :func:`repeat_lines`, and with
     ``json_path`` :func:`repeat_json` written there (checked writable first). ``console`` is a
-    ``rich.console.Console``. Returns the exit status: 1 when every request of some
+    ``rich.console.Console``. The file is rewritten after each repeat, so an interrupted run
+    keeps the repeats it finished. Returns the exit status: 1 when every request of some
     configuration in some repeat failed, else 0."""
     if json_path:
         report.check_writable(json_path)
@@ -178,7 +183,9 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
             stack.close()  # the previous replay's bar
             bars.append(stack.enter_context(report.replay_progress(total, name, console=console)))
 
-        docs = run_repeats(opts, repeats, on_start=on_start, on_finish=lambda r: bars[-1].advance(), records=records)
+        save = (lambda docs: report.write_json(json_path, repeat_json(docs))) if json_path else None
+        docs = run_repeats(opts, repeats, on_start=on_start, on_finish=lambda r: bars[-1].advance(), records=records,
+                           on_repeat=save)
     for i, d in enumerate(docs):
         w = d["provenance"]["workload"]
         ratios = ", ".join(f"{n} p99 TTFT ratio {c['ttft_p99_ratio']:.2f}x" for n, c in d.get("comparison", {}).items()
