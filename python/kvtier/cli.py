@@ -35,6 +35,7 @@ from kvtier.cluster import StartupError
 from kvtier.model import PRESETS, create_random_checkpoint
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
+from kvtier.serve.config import SCHEDULE_POLICIES
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -374,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from --trace); prints each figure's median [min-max] (see kvtier.bench.repeat)")
     b.add_argument("--json-records", action="store_true",
                    help="include every request's record (times, TTFT parts, tier mix) in --json")
-    b.add_argument("--schedule-policy", default="cache-aware", choices=["cache-aware", "fcfs"],
+    b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
     b.add_argument("--load-sweep", metavar="LOADS", default=None,
                    help="replay the sessions at each of these offered loads (comma-separated think-time divisors, "
@@ -407,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a GPU: their best rates replace peak x efficiency")
     m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
-    m.add_argument("--schedule-policy", choices=["cache-aware", "fcfs"],
+    m.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    help="admission order of the engines (default: the scenario's, fcfs, as calibrated)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
