@@ -1,11 +1,15 @@
 """Explain the TTFT tail of a `kvtier bench --json PATH --json-records` file, from the file alone.
 
+A `kvtier bench --repeat N --json PATH` file first gets its summary: each figure's median
+[min-max] over the repeats and the p99 TTFT ratio's (``kvtier.bench.repeat``); then, with
+``--each``, every repeat as below (its records are needed for the slowest requests).
+
 For each configuration: TTFT p50/p90/p99, throughput, the ratios against device-only, the
 slowest requests with their TTFT parts (queue wait, load wait, prefill) and tier mix, and the
 check that no request with >= 90% of its prompt cached has a TTFT above the p90 of cold first
 turns of similar length (``kvtier.bench.tail.cached_vs_cold``).
 
-    python perf/tail_report.py bench.json [--slowest 5]
+    python perf/tail_report.py bench.json [--slowest 5] [--each]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import json
 
 from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.bench.repeat import repeat_lines, summarize_repeats
 from kvtier.bench.tail import tail_json, tail_lines
 
 _FIELDS = {f.name for f in dataclasses.fields(RequestRecord)}
@@ -48,13 +53,30 @@ def report(doc: dict, slowest: int = 5) -> None:
         print(line)
 
 
+def report_repeats(doc: dict, slowest: int = 5, each: bool = False) -> None:
+    """Print a ``--repeat`` document: the summary recomputed from its repeats (so a file whose
+    summary was edited or cut is still read right), then with ``each`` every repeat's
+    :func:`report` (needs ``--json-records``)."""
+    for line in repeat_lines(summarize_repeats(doc["repeats"])):
+        print(line)
+    if each:
+        for i, rep in enumerate(doc["repeats"]):
+            print(f"--- repeat {i} (workload seed {rep.get('seed')})")
+            report(rep, slowest)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", help="a kvtier bench --json file written with --json-records")
+    ap.add_argument("json", help="a kvtier bench --json file written with --json-records, or with --repeat N")
     ap.add_argument("--slowest", type=int, default=5, help="slowest requests listed per configuration")
+    ap.add_argument("--each", action="store_true", help="--repeat files: report every repeat too (needs records)")
     args = ap.parse_args()
     with open(args.json) as f:
-        report(json.load(f), args.slowest)
+        doc = json.load(f)
+    if "repeats" in doc:
+        report_repeats(doc, args.slowest, args.each)
+    else:
+        report(doc, args.slowest)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch
 from kvtier import LLM, SamplingParams
 from kvtier.cache.device_copy import DeviceCopyEngine
 from kvtier.cache.streams import CpuStreams, CudaStreams
-from kvtier.serve import scheduler
+from kvtier.serve import policy
 from tests.cache.test_disk_e2e import HOST_BYTES, assert_matches, warm
 from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt
 
@@ -70,7 +70,7 @@ def test_hits_from_each_tier_equal_recomputation(prompts, tier, deferred, device
 
 
 def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):
-    monkeypatch.setattr(scheduler, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
+    monkeypatch.setattr(policy, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20)),
                       "cpu", deferred=True)
@@ -107,7 +107,7 @@ def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_a_forward_waits_for_its_load_on_the_gpu(prompts, monkeypatch):
-    monkeypatch.setattr(scheduler, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
+    monkeypatch.setattr(policy, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", device="cuda", dtype="float32", page_size=PS, num_device_pages=17,
                                       host_cache_bytes=64 << 20)), "cuda")

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvtier import LLM, SamplingParams
-from kvtier.serve.scheduler import DECODE_AGE_FACTOR, FAST_LANE_SHARE
+from kvtier.serve.policy import DECODE_AGE_FACTOR, FAST_LANE_SHARE
 from tests.cache.test_tiers_e2e import always_load, prompt
 from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
 
@@ -393,9 +393,9 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens,
     assert engine.sequence(chunked).num_computed_tokens == BUDGET - 1 and engine.sequence(decode).output_token_ids
     occupy(engine.pool, engine.pool.num_free_pages - 2)
     scheduler._blocked[new_seq.seq_id] = (engine.pool.num_free_pages, 0)  # it failed admission on pages
-    assert (scheduler._key(new_seq) < scheduler._key(engine.sequence(chunked))) is overtakes
-    assert scheduler._waits_for_chunk(new_seq) is not overtakes
-    scheduler._make_room()
+    assert (scheduler.policy.key(new_seq) < scheduler.policy.key(engine.sequence(chunked))) is overtakes
+    assert scheduler.policy.waits_for_chunk(new_seq) is not overtakes
+    scheduler.policy.make_room()
     assert (scheduler.num_preemptions > 0) is overtakes
     if not overtakes:
         assert {s.seq_id for s in scheduler.running} == {decode, chunked}
@@ -433,13 +433,13 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
     engine.step()
     aged_seq = engine.sequence(aged)
     assert aged_seq.output_token_ids and aged_seq in scheduler.running
-    scheduler._preempt(aged_seq)  # as a new turn displacing it would
+    scheduler.preempt(aged_seq)  # as a new turn displacing it would
     engine.pool.poll(wait=True)  # its blocks reach the host tier
     dec = engine.add_request(decode_prompt, long_decode)
     engine.step()  # the decode holds 6 of the 10 pages: the aged request's 9 do not fit
     assert engine.sequence(dec).output_token_ids and aged_seq.status.name == "WAITING"
-    aged_seq.num_passed_over = scheduler._age_limit(aged_seq)
-    assert scheduler._urgent(aged_seq)
+    aged_seq.num_passed_over = scheduler.policy.age_limit(aged_seq)
+    assert scheduler.policy.urgent(aged_seq)
     first, outs = _first_and_outputs(engine)
     plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
     for rid, p in ((aged, aged_prompt), (dec, decode_prompt)):
@@ -476,7 +476,7 @@ def test_cached_turn_gets_its_first_token_beside_two_running_prefills_that_fill_
     chunked one its ``CHUNK_SHARE``, the one ranked ahead of it the rest); the fast lane's share
     is planned off them, so a returning turn that arrives now still runs in its first step."""
     if not lane:
-        monkeypatch.setattr("kvtier.serve.scheduler.FAST_LANE_SHARE", 0.0)
+        monkeypatch.setattr("kvtier.serve.policy.FAST_LANE_SHARE", 0.0)
     engine = engine_for("cache-aware")
     short = prompt(4 * PS + 1, 10)
     engine.add_request(short, ONE)

@@ -156,14 +156,14 @@ def test_a_prefill_short_of_pages_preempts_itself_before_a_turn_its_step_would_e
     cold = _running(engine, 40 * PS, 30 * PS, 1)  # 160 tokens left
     turn = _running(engine, 20 * PS, 20 * PS - 40, 2)  # admitted later, its prompt ends this step
     other = _running(engine, 60 * PS, PS, 3)  # admitted last, 944 tokens left: the costliest
-    assert sched._running_victim(cold) is other
+    assert sched.policy.running_victim(cold) is other
     sched.running.remove(other)
-    assert sched._running_victim(cold) is cold
-    assert sched._running_victim(turn) is turn
+    assert sched.policy.running_victim(cold) is cold
+    assert sched.policy.running_victim(turn) is turn
 
 
 def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
-    """``_victims`` (pages, not tokens): a blocked new turn takes pages from a running prefill far
+    """``victims`` (pages, not tokens): a blocked new turn takes pages from a running prefill far
     from its end, never from one whose prompt ends within a step, however many pages it holds
     (it gets its first token now; preempted, it would load them all back)."""
     engine = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET,
@@ -174,9 +174,9 @@ def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
     ending = _running(engine, 60 * PS, 60 * PS - 30, 1)  # 58 pages, 30 tokens from its first token
     far = _running(engine, 12 * PS, 2 * PS, 2)  # 2 pages, 160 tokens to go
     head = engine._sequences[engine.add_request(prompt(4 * PS, 3), ONE)]
-    assert sched._ends_soon(ending) and not sched._ends_soon(far)
-    assert sched._victims(head, 1) == [far]
-    assert sched._victims(head, 3) is None  # `far` frees 2 pages; `ending` is spared
+    assert sched.policy.ends_soon(ending) and not sched.policy.ends_soon(far)
+    assert sched.policy.victims(head, 1) == [far]
+    assert sched.policy.victims(head, 3) is None  # `far` frees 2 pages; `ending` is spared
 
 
 def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_long_prompt():
@@ -211,6 +211,7 @@ def test_placing_the_rest_of_the_chunked_prefill_charges_its_attention_work_once
     from kvtier.serve.params import RequestMetrics, SamplingParams
     from kvtier.serve.request import Sequence
     from kvtier.serve.scheduler import ScheduledBatch
+    from kvtier.serve.step_budget import StepBudget
 
     config = PoolConfig(page_size=1, num_device_pages=64)
     scheduler = Scheduler(EngineConfig(pool=config, max_num_batched_tokens=64, max_num_batched_pairs=10_000),
@@ -218,7 +219,7 @@ def test_placing_the_rest_of_the_chunked_prefill_charges_its_attention_work_once
     seq = Sequence(1, list(range(20)), SamplingParams(max_tokens=1), RequestMetrics(0.0))
     seq.status = SequenceStatus.RUNNING
     scheduler.running.append(seq)
-    scheduler._pairs_budget = scheduler._pairs_left = 10_000
+    scheduler.step = StepBudget(10_000)
     batch = ScheduledBatch()
     assert scheduler._end_chunked(batch, [seq], 64) == 20
-    assert batch.extends == [(seq, 20)] and 10_000 - scheduler._pairs_left == _pairs(0, 20)
+    assert batch.extends == [(seq, 20)] and 10_000 - scheduler.step.pairs_left == _pairs(0, 20)

@@ -63,13 +63,18 @@ class BenchOptions:
         disk_cache_dir: parent of the per-run disk tier directories (None = the system temp dir).
         max_num_batched_tokens: token budget per engine step.
         seed: model weights, built-in workload and sampling.
+        workload_seed: which workload is drawn (None: today's default): the built-in
+            workload's seed instead of ``seed``, or, with a trace, the seed with which
+            ``sessions`` sessions are sampled from it instead of taking the first ones
+            (:func:`kvtier.bench.workload.load_trace`'s ``sample_seed``). ``--repeat`` sets it
+            per repeat (:mod:`kvtier.bench.repeat`); text ``conversations`` do not take one.
         threads: torch intra-op threads during the run. Default 1: the model's ops are small
             at CPU scale and the copy engine's worker threads need cores too; with every core
             given to torch, an op's threads wait on each other whenever another thread is
             scheduled (on 2 cores a 4-request decode run took 34 s with 2 threads under
             contention vs 0.55 s with 1).
         schedule_policy: admission order of every configuration's engine (``cache-aware`` or
-            ``fcfs``; see :mod:`kvtier.serve.scheduler`).
+            ``fcfs``; see :mod:`kvtier.serve.policy`).
         device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
             every configuration runs there (host and disk tiers through the device copy path).
     """
@@ -95,6 +100,7 @@ class BenchOptions:
     disk_cache_dir: str | None = None
     max_num_batched_tokens: int = 1024
     seed: int = 0
+    workload_seed: int | None = None
     threads: int = 1
     schedule_policy: str = "cache-aware"
     device: str = "cpu"
@@ -106,6 +112,12 @@ class BenchOptions:
                              f"got {self.schedule_policy!r}")
         if self.trace is not None and self.conversations is not None:
             raise ValueError("--trace and --conversations are exclusive: give one workload")
+        if self.workload_seed is not None:
+            if isinstance(self.workload_seed, bool) or not isinstance(self.workload_seed, int) or self.workload_seed < 0:
+                raise ValueError(f"workload_seed must be None or an int >= 0, got {self.workload_seed!r}")
+            if self.conversations is not None:
+                raise ValueError("--conversations replays a fixed set of text sessions: it cannot be drawn per "
+                                 "seed (workload_seed, as --repeat sets it); give --trace or the built-in workload")
         if self.conversations is None:
             given = [f"--{n.replace('_', '-')}" for n in ("tokenizer", "page_size", "max_output_tokens")
                      if getattr(self, n) is not None]
@@ -188,8 +200,9 @@ def load_workload(opts: BenchOptions, max_input_tokens: int, tokenizer: KimiToke
     common = dict(token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
                   max_turns=opts.max_turns, max_input_tokens=max_input_tokens)
     if opts.trace is None:
-        return generate_workload(num_sessions=opts.sessions, seed=opts.seed, **common)
-    return load_trace(opts.trace, max_sessions=opts.sessions, **common)
+        seed = opts.seed if opts.workload_seed is None else opts.workload_seed
+        return generate_workload(num_sessions=opts.sessions, seed=seed, **common)
+    return load_trace(opts.trace, max_sessions=opts.sessions, sample_seed=opts.workload_seed, **common)
 
 
 def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM) -> Sizing:
@@ -264,6 +277,17 @@ def prepare(opts: BenchOptions):
     tiers: ``(model, model_id, workload, sizing, base, tokenizer)``."""
     tokenizer = load_tokenizer_for(opts) if opts.conversations is not None else None
     model, model_id = load_for_serving(opts.model, seed=opts.seed, device=opts.device)
+    workload, sizing, base = prepare_workload(opts, model, tokenizer)
+    return model, model_id, workload, sizing, base, tokenizer
+
+
+def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: KimiTokenizer | None = None):
+    """Load ``opts``'s workload for ``model`` and size the tiers: ``(workload, sizing, base)``
+    with ``base`` the engine configuration every configuration starts from.
+
+    Raises:
+        ValueError: no session fits the model's context.
+    """
     workload = load_workload(opts, model.config.max_position_embeddings, tokenizer)
     if not workload.sessions:
         raise ValueError("the workload has no session that fits the model's context "
@@ -272,7 +296,7 @@ def prepare(opts: BenchOptions):
     base = EngineConfig(pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
                         seed=opts.seed, schedule_policy=opts.schedule_policy)
-    return model, model_id, workload, sizing, base, tokenizer
+    return workload, sizing, base
 
 
 def _start(opts: BenchOptions):
@@ -324,4 +348,4 @@ def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_fi
     return workload, sizing, points, bench_provenance(opts, workload, sizing, model) | {"load_sweep": list(loads)}
 
 
-__all__ = ["BenchOptions", "Sizing", "at_load", "prepare", "run_all", "run_config", "run_sweep", "size_tiers"]
+__all__ = ["BenchOptions", "Sizing", "at_load", "prepare", "prepare_workload", "run_all", "run_config", "run_sweep", "size_tiers"]

@@ -9,6 +9,7 @@ import math
 from rich.console import Console
 
 from kvtier.model import PRESETS
+from kvtier.serve.config import SCHEDULE_POLICIES
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -22,6 +23,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     loads = parse_loads(args.load_sweep) if args.load_sweep is not None else None
     if args.ttft_slo is not None and (loads is None or not 0 < args.ttft_slo < math.inf):
         raise ValueError(f"--ttft-slo needs --load-sweep and a finite number of seconds > 0, got {args.ttft_slo}")
+    if args.repeat is not None and (args.endpoint or loads or args.plot):
+        raise ValueError("--repeat runs the in-process bench N times; it takes no --endpoint, --load-sweep or --plot")
     if args.plot is None:
         args.plot = "kvtier-bench-load.png" if loads else "kvtier-bench-ttft.png"
     opts = BenchOptions(
@@ -37,6 +40,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if path:
             report.check_writable(path)
     console = Console()
+    if args.repeat is not None:
+        from kvtier.bench.repeat import bench_repeat
+        return bench_repeat(opts, args.repeat, console, json_path=args.json, records=args.json_records)
     out = dict(json_path=args.json, plot=args.plot, json_records=args.json_records)
     if args.endpoint:
         if loads:
@@ -89,9 +95,12 @@ def add_parser(sub) -> None:
                    help="PNG: the TTFT distribution (default kvtier-bench-ttft.png) or, with --load-sweep, p99 TTFT "
                         "against throughput (default kvtier-bench-load.png); '' = none")
     b.add_argument("--json", metavar="PATH", help="write the results with provenance here")
+    b.add_argument("--repeat", type=int, default=None, metavar="N",
+                   help="run N times, workload seed --seed + i (the built-in workload drawn, or --sessions sampled "
+                        "from --trace); prints each figure's median [min-max] (see kvtier.bench.repeat)")
     b.add_argument("--json-records", action="store_true",
                    help="include every request's record (times, TTFT parts, tier mix) in --json")
-    b.add_argument("--schedule-policy", default="cache-aware", choices=["cache-aware", "fcfs"],
+    b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
     b.add_argument("--load-sweep", metavar="LOADS", default=None,
                    help="replay the sessions at each of these offered loads (comma-separated think-time divisors, "

@@ -6,6 +6,8 @@ import argparse
 
 from rich.console import Console
 
+from kvtier.serve.config import SCHEDULE_POLICIES
+
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from kvtier.bench.sim.console import list_scenarios, simulate
@@ -53,7 +55,7 @@ def add_parser(sub) -> None:
                    "on a GPU: their best rates replace peak x efficiency")
     m.add_argument("--kernel-device", help="device name in the CSVs' device column (default: the node's GPU)")
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
-    m.add_argument("--schedule-policy", choices=["cache-aware", "fcfs"],
+    m.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    help="admission order of the engines (default: the scenario's, fcfs, as calibrated)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")

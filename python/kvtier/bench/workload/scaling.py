@@ -115,9 +115,12 @@ def _truncate(s: _RawSession, lengths: list, limit: int | None, reached: dict) -
 
 def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token_scale: float,
               time_scale: float, max_think_s: float, max_sessions, max_turns, max_input_tokens,
-              truncate_input_tokens=None, warm_prefix_fraction: float = 0.0) -> Workload:
-    """Scale, filter (max_turns, truncate_input_tokens, max_input_tokens, then max_sessions),
-    share the warm prefix and number blocks."""
+              truncate_input_tokens=None, warm_prefix_fraction: float = 0.0,
+              sample_seed: int | None = None) -> Workload:
+    """Scale, filter (max_turns, truncate_input_tokens, max_input_tokens, then max_sessions:
+    the first N, or with ``sample_seed`` N drawn without replacement by
+    ``numpy.random.default_rng(sample_seed)``, kept in source order), share the warm prefix
+    and number blocks."""
     _check_limits(time_scale, max_think_s, max_sessions, max_turns, max_input_tokens)
     check_replay_options(truncate_input_tokens, warm_prefix_fraction)
     block_size = _block_size_after_scale({s.block_size for s in raw}, token_scale)
@@ -133,8 +136,11 @@ def _assemble(raw: list[_RawSession], *, name: str, source: str, fmt: str, token
         if max_input_tokens is not None and any(n_in > max_input_tokens for n_in, _ in lengths):
             continue
         kept.append((s, turns, lengths))
-        if max_sessions is not None and len(kept) == max_sessions:
+        if sample_seed is None and max_sessions is not None and len(kept) == max_sessions:
             break
+    if sample_seed is not None and max_sessions is not None and len(kept) > max_sessions:
+        chosen = np.random.default_rng(sample_seed).choice(len(kept), size=max_sessions, replace=False)
+        kept = [kept[i] for i in sorted(chosen)]
     warm = int(warm_prefix_fraction * max((s.prefix_tokens or 0 for s, _, _ in kept), default=0))
     table: dict[int, int] = {}  # packed (namespace, local id) -> dense index, first-seen order
     starts: list[int] = []  # dense index -> its first block id (a source block has `sub` ids)

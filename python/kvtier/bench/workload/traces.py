@@ -275,7 +275,7 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
                max_think_s: float = float("inf"), max_sessions: int | None = None,
                max_turns: int | None = None, max_input_tokens: int | None = None,
                truncate_input_tokens: int | None = None,
-               warm_prefix_fraction: float = 0.0) -> Workload:
+               warm_prefix_fraction: float = 0.0, sample_seed: int | None = None) -> Workload:
     """Load a kv-cache-tester or Mooncake trace (a file, or a folder of them) as a workload.
 
     Args:
@@ -286,7 +286,8 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
             integer >= 1 for every file (64-token blocks: 1, 1/2, ..., 1/64; Mooncake 512).
         time_scale: multiplies think times (0: no waiting).
         max_think_s: cap on each scaled think time, seconds.
-        max_sessions: keep the first N sessions (after the other filters).
+        max_sessions: keep the first N sessions (after the other filters), or with
+            ``sample_seed`` N of them drawn at random (see below).
         max_turns: keep the first N turns of each session.
         max_input_tokens: drop every session with a (kept) turn whose scaled prompt is longer;
             whole sessions go, so the prefix structure of the ones kept stays intact.
@@ -301,6 +302,10 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
             prefix, the same in all sessions and sub-agents, as Claude Code's tool definitions
             and system prompt are. Its full source blocks get the same ids everywhere (every
             later turn that keeps them too); Mooncake sessions are left as they are.
+        sample_seed: None keeps the first ``max_sessions``; an int draws ``max_sessions`` of
+            the sessions left after the other filters without replacement, with
+            ``numpy.random.default_rng(sample_seed)``, and keeps them in source order (the
+            same seed gives the same sessions). A sub-agent is drawn like any session.
 
     Returns:
         Workload with ``format`` ``"kv-cache-tester"``, ``"mooncake"`` or ``"mixed"``.
@@ -338,4 +343,4 @@ def load_trace(path, *, token_scale: float = 1.0, time_scale: float = 1.0,
                      time_scale=time_scale, max_think_s=max_think_s, max_sessions=max_sessions,
                      max_turns=max_turns, max_input_tokens=max_input_tokens,
                      truncate_input_tokens=truncate_input_tokens,
-                     warm_prefix_fraction=warm_prefix_fraction)
+                     warm_prefix_fraction=warm_prefix_fraction, sample_seed=sample_seed)
