@@ -1,5 +1,7 @@
 """The connector's tiers without vLLM: the scheduler's plans run by a worker over vLLM-layout K/V caches."""
 
+import time
+
 import pytest
 import torch
 
@@ -133,7 +135,7 @@ def test_tool_aware_policy_keeps_a_waiting_sessions_blocks(tmp_path):
     c = block_hashes(list(range(200, 200 + PAGE)), PAGE)
     step(sched, worker, saves=[sched.plan_save([0], a)])
     step(sched, worker, saves=[sched.plan_save([1], b)])
-    sched.policy.tool_wait("s", a, 60.0, __import__("time").monotonic())
+    sched.policy.tool_wait("s", a, 60.0, time.monotonic())
     step(sched, worker, saves=[sched.plan_save([2], c)])  # a is the LRU block but protected
     assert sched.index.held(a + b + c, Tier.HOST).tolist() == [True, False, True]
 

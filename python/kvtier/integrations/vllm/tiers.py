@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -289,7 +288,6 @@ class WorkerTiers:
             if config.remote_cache_url else None
         self.stats = WorkerStats()
         self.stats_path = stats_path
-        self._lock = threading.Lock()
 
     def load(self, jobs: Sequence[LoadJob]) -> set[int]:
         """Run the loads of one step; returns the vLLM block ids that failed (each from its
