@@ -24,9 +24,16 @@ def kv_caches(seed=0, dtype=torch.float32):
     return [torch.randn(2, NUM_BLOCKS, PAGE, 2, 12, generator=g).to(dtype) for _ in range(NUM_LAYERS)]
 
 
+def kv_caches_lbhnc(seed=0, dtype=torch.float32):
+    """vLLM 0.32's per-layer view [num_blocks, num_kv_heads, block_size, K|V channels] (LBHNC), as
+    a strided view of a [num_blocks, block_size, num_kv_heads, channels] allocation."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_BLOCKS, PAGE, 2, 24, generator=g).to(dtype).transpose(1, 2) for _ in range(NUM_LAYERS)]
+
+
 # (caches, block_dim, token_dim): an MLA page of 48 values per token and a K/V page of 2 x 2 x 12,
 # the same bytes per token, so only the layout code tells them apart.
-LAYOUTS = {"mla": (mla_caches, 0, 0), "kv": (kv_caches, 1, 1)}
+LAYOUTS = {"mla": (mla_caches, 0, 0), "kv": (kv_caches, 1, 1), "lbhnc": (kv_caches_lbhnc, 0, 1)}
 
 
 def layout_of(name):
@@ -55,7 +62,25 @@ def test_kv_layout_meta_and_names_differ_from_mla_of_equal_bytes():
     assert BlockLayout(2, (2, PAGE, 4, 6), 1, torch.float32).meta() != kv.meta()
 
 
-@pytest.mark.parametrize("name", ["mla", "kv"])
+def test_vllm_mla_page_is_kvtiers_page_first_page():
+    """vLLM's MLA view [num_blocks, 1, block_size, 576] holds the bytes of kvtier's [num_blocks,
+    block_size, 576] pages in the same order: one layout, one meta."""
+    pools = mla_caches(dtype=torch.bfloat16)
+    vllm_view = [p.unsqueeze(1) for p in pools]
+    assert BlockLayout.of_caches(vllm_view, 0, 1).meta() == BlockMeta.of_pools(pools)
+    a, b = (torch.empty(2 * BlockMeta.of_pools(pools).payload_bytes, dtype=torch.uint8) for _ in range(2))
+    gather_blocks(pools, 0, [2, 5], a)
+    gather_blocks(vllm_view, 0, [2, 5], b)
+    assert torch.equal(a, b)
+
+
+def test_lbhnc_layout_is_its_own():
+    lbhnc = layout_of("lbhnc")
+    assert lbhnc.page_shape == (2, PAGE, 24) and lbhnc.page_size == PAGE
+    assert lbhnc.meta() not in (layout_of("kv").meta(), layout_of("mla").meta())
+
+
+@pytest.mark.parametrize("name", ["mla", "kv", "lbhnc"])
 def test_gather_scatter_round_trip(name):
     make, block_dim, _ = LAYOUTS[name]
     src, dst = make(seed=1), [torch.zeros_like(c) for c in make()]
@@ -96,7 +121,7 @@ def test_bad_layouts_and_buffers_are_refused():
         scatter_blocks(torch.empty(2 * layout_of("kv").block_bytes, dtype=torch.uint8), kv_caches(), 1, [0, 0])
 
 
-@pytest.mark.parametrize("name", ["mla", "kv"])
+@pytest.mark.parametrize("name", ["mla", "kv", "lbhnc"])
 def test_host_tier_round_trip(name):
     make, block_dim, _ = LAYOUTS[name]
     layout, caches = layout_of(name), make(seed=3)
@@ -112,7 +137,7 @@ def test_host_tier_round_trip(name):
                            caches[layer].index_select(block_dim, torch.tensor([5, 2])))
 
 
-@pytest.mark.parametrize("name", ["mla", "kv"])
+@pytest.mark.parametrize("name", ["mla", "kv", "lbhnc"])
 def test_disk_tier_round_trip_and_another_layout_refused(name, tmp_path):
     make, block_dim, _ = LAYOUTS[name]
     layout, caches = layout_of(name), make(seed=4)

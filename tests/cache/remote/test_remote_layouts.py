@@ -9,7 +9,7 @@ from kvtier.cache.remote import RemoteStatus, block_format, open_backend, open_r
 from tests.cache.test_block_layout import LAYOUTS, NUM_LAYERS, layout_of
 
 
-@pytest.mark.parametrize("name", ["mla", "kv"])
+@pytest.mark.parametrize("name", ["mla", "kv", "lbhnc"])
 def test_round_trip_bytes_equal(any_store, name):
     make, block_dim, _ = LAYOUTS[name]
     layout, caches = layout_of(name), make(seed=7)
