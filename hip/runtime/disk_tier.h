@@ -10,7 +10,8 @@
 //       24    4  num_layers     BlockMeta::num_layers
 //       28    4  page_size      BlockMeta::page_size (tokens per block)
 //       32    4  row_bytes      BlockMeta::row_bytes (bytes per token per layer)
-//       36    4  dtype          BlockMeta::dtype (code chosen by the caller)
+//       36    4  dtype          BlockMeta::dtype (code chosen by the caller; Python packs the dtype
+//                              in bits 0-7 and a page layout code in bits 8-31, kvtier/cache/block_layout.py)
 //       40    8  payload_bytes  BlockMeta::payload_bytes (true payload length)
 //       48    4  payload_crc    CRC-32C of the payload bytes
 //       52    8  reserved       zero

@@ -28,13 +28,14 @@ import warnings
 from collections.abc import Collection
 from pathlib import Path
 
+from kvtier.cache.block_layout import layout_name
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 
 
 def namespace_dir(root, salt: bytes, meta: BlockMeta) -> Path:
-    """``<root>/kv-<num_layers>l-<page_size>p-<row_bytes>r-<dtype>d-<salt digest>``.
+    """``<root>/<layout_name(meta)>-<salt digest>``.
 
     Args:
         root: ``disk_cache_dir`` (str or path).
@@ -46,7 +47,7 @@ def namespace_dir(root, salt: bytes, meta: BlockMeta) -> Path:
         'kv-2l-16p-1152r-1d-e3b0c44298fc1c14'
     """
     digest = hashlib.sha256(salt).hexdigest()[:16]
-    return Path(root) / f"kv-{meta.num_layers}l-{meta.page_size}p-{meta.row_bytes}r-{meta.dtype}d-{digest}"
+    return Path(root) / f"{layout_name(meta)}-{digest}"
 
 
 def check_budgets(config, block_bytes: int, disk) -> None:

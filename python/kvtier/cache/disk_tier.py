@@ -1,4 +1,5 @@
-"""Disk tier (native ``kvtier._C.DiskTier``): one checksummed file per page-first KV block.
+"""Disk tier (native ``kvtier._C.DiskTier``): one checksummed file per KV block (one page of every
+layer; :mod:`kvtier.cache.block_layout` describes the page).
 
 File ``<dir>/<32 hex digits of the block hash>.kvb`` (format version 2): a 4096-byte header
 page (magic ``KVTB``, version, hash, num_layers, page_size, row_bytes, dtype code, payload
@@ -47,7 +48,9 @@ class BlockMeta:
         num_layers: layers in the block.
         page_size: tokens per block.
         row_bytes: bytes per token per layer (576 * 2 for K2 in bf16).
-        dtype: code from :data:`DTYPE_CODES`.
+        dtype: format code: the dtype's code from :data:`DTYPE_CODES` in bits 0-7 and the page's
+            layout code in bits 8-31 (0 for the page-first ``[page_size, row]`` page; see
+            :class:`kvtier.cache.block_layout.BlockLayout`, which builds metas of any page).
         payload_bytes: ``num_layers * page_size * row_bytes``.
     """
 

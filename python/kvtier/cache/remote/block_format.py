@@ -1,4 +1,5 @@
-"""Value format of a block in the remote tier: a 64-byte header, then the page-first payload.
+"""Value format of a block in the remote tier: a 64-byte header, then the payload (one page of
+every layer, :mod:`kvtier.cache.block_layout`).
 
 The header has the layout of the disk tier's header (``hip/runtime/disk_tier.h``, its first 64
 bytes) with its own magic, integers little-endian:
@@ -10,7 +11,8 @@ bytes) with its own magic, integers little-endian:
         24    4  num_layers     BlockMeta.num_layers
         28    4  page_size      BlockMeta.page_size (tokens per block)
         32    4  row_bytes      BlockMeta.row_bytes (bytes per token per layer)
-        36    4  dtype          BlockMeta.dtype (:data:`kvtier.cache.disk_tier.DTYPE_CODES`)
+        36    4  dtype          BlockMeta.dtype: dtype code (:data:`kvtier.cache.disk_tier.DTYPE_CODES`)
+                                in bits 0-7, layout code in bits 8-31 (:mod:`kvtier.cache.block_layout`)
         40    8  payload_bytes  BlockMeta.payload_bytes
         48    4  payload_crc    CRC-32C of the payload (the disk tier's checksum)
         52    8  reserved       zero
@@ -27,6 +29,7 @@ import struct
 
 import google_crc32c
 
+from kvtier.cache.block_layout import layout_name
 from kvtier.cache.disk_tier import BlockMeta
 
 HEADER_BYTES = 64
@@ -65,9 +68,10 @@ def check(value, block_hash: bytes, meta: BlockMeta) -> bool:
 
 
 def key_prefix(meta: BlockMeta) -> str:
-    """Key namespace of one block layout: ``kvtier/kv-<layers>l-<page>p-<row>r-<dtype>d/``.
+    """Key namespace of one block layout: ``kvtier/<layout_name(meta)>/``, e.g.
+    ``kvtier/kv-<layers>l-<page>p-<row>r-<dtype>d/`` (:func:`kvtier.cache.block_layout.layout_name`).
 
     The block hash already carries the salt (model and tenant), so the layout is all a key
     adds; a value of another layout under the same key would fail :func:`check` anyway.
     """
-    return f"kvtier/kv-{meta.num_layers}l-{meta.page_size}p-{meta.row_bytes}r-{meta.dtype}d/"
+    return f"kvtier/{layout_name(meta)}/"

@@ -1,0 +1,43 @@
+"""A tiny random standard-attention Llama checkpoint with a local word-level tokenizer (no hub).
+
+Run by the vLLM interpreter as ``python vllm_checkpoint.py DIR`` (it needs ``transformers`` and
+``tokenizers``, which vLLM brings), or imported.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+VOCAB = 512
+
+
+def write_checkpoint(out: Path, seed: int = 0) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and a tokenizer to ``out``: 2 layers, hidden 64,
+    2 query heads and 2 KV heads of 32 (vLLM's CPU attention needs head sizes of 32 or more)."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(out, safe_serialization=True)
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return out
+
+
+if __name__ == "__main__":
+    write_checkpoint(Path(sys.argv[1]))
