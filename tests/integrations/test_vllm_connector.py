@@ -3,7 +3,7 @@ tier, outputs equal to vLLM without the connector, corrupt disk blocks recompute
 surviving a restart, bad settings refused at start-up.
 
 vLLM lives in its own interpreter (it pins its own torch): the test runs the server with the
-Python named by ``KVTIER_VLLM_PYTHON`` (``scripts/setup.sh`` creates ``.vllm-venv`` with
+Python named by ``KVTIER_VLLM_PYTHON`` (``KVTIER_WITH_VLLM=1 scripts/setup.sh`` creates ``.vllm-venv`` with
 ``pip install .[vllm]``'s pin and ``scripts/test.sh`` sets the variable); it is skipped with the
 reason when that interpreter cannot import vllm. Servers listen on 127.0.0.1 and are stopped by PID.
 """
@@ -27,7 +27,7 @@ BLOCK = 32
 
 def _vllm_missing() -> str | None:
     if not Path(PYTHON).exists():
-        return f"no vLLM interpreter at {PYTHON} (set KVTIER_VLLM_PYTHON; scripts/setup.sh creates .vllm-venv)"
+        return f"no vLLM interpreter at {PYTHON} (set KVTIER_VLLM_PYTHON, or run KVTIER_WITH_VLLM=1 scripts/setup.sh to create .vllm-venv)"
     r = subprocess.run([PYTHON, "-c", "import vllm"], capture_output=True, text=True, timeout=300)
     return None if r.returncode == 0 else f"{PYTHON} cannot import vllm: {r.stderr.strip()[-300:]}"
 
