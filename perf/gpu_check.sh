@@ -17,7 +17,8 @@
 #      unavailable and its tests skip with the reason; a compiler that fails is a FAILED check;
 #   3. the GPU tests: `pytest tests/ops -m gpu` (compiled Triton kernels and the HIP kernels vs the
 #      torch references at K2 widths, HIP vs its C++ CPU implementation; the interpreter sweeps of
-#      tests/ops are CPU-only and skip themselves on a GPU);
+#      tests/ops are CPU-only and skip themselves on a GPU; the vLLM connector's MLA blocks
+#      [num_blocks, block_size, 576] bf16 on CUDA through host, disk and remote tiers);
 #   4. benchmarks at K2 shapes: perf/bench_mla.py (decode batch 1-128 at 4K-128K, bf16 and fp8 KV,
 #      extend; triton, hip and aiter (where available) vs the torch reference; % of the measured
 #      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048,
@@ -114,7 +115,8 @@ export PYTHONPATH="$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 step "GPU tests (pytest -m gpu)"
 timeout $((200 * SLOW)) "$PY" -m pytest tests/ops tests/serve/test_cuda_graph.py tests/cache/test_device_copy.py \
-  tests/cache/test_device_copy_e2e.py tests/bench/test_device_option.py -m gpu -q -p no:cacheprovider \
+  tests/cache/test_device_copy_e2e.py tests/bench/test_device_option.py tests/integrations/test_vllm_mla.py \
+  -m gpu -q -p no:cacheprovider \
   >"$DEST/gpu_check_pytest.log" 2>&1
 rc=$?
 tail -n 15 "$DEST/gpu_check_pytest.log"

@@ -212,11 +212,25 @@ def test_a_corrupt_disk_block_is_recomputed_not_served(model, tmp_path):
     assert counters["load_failures"]["disk"] >= 1 and counters["loaded"]["disk"] == 0, counters
 
 
-@pytest.mark.parametrize("extra, key", [({"host_cache_byte": 1}, "host_cache_byte"),
-                                        pytest.param({"disk_cache_bytes": "1G"}, "disk_cache_bytes",
-                                                     marks=pytest.mark.slow)])
-def test_bad_settings_fail_at_start_up_naming_the_key(model, tmp_path, extra, key):
-    server = Server(model, tmp_path, extra, "bad")
+def _bad_extra(case: str, tmp_path: Path) -> dict:
+    """A ``kv_connector_extra_config`` with one bad setting."""
+    if case == "unknown key":
+        return {"host_cache_byte": 1}
+    if case == "wrong type":
+        return {"disk_cache_bytes": "1G"}
+    if case == "unwritable disk dir":
+        (tmp_path / "a-file").write_text("not a directory")
+        return {"disk_cache_dir": str(tmp_path / "a-file" / "disk"), "disk_cache_bytes": 1 << 20}
+    return {"remote_cache_url": f"redis://127.0.0.1:{_free_port()}"}  # unreachable store: nobody listens there
+
+
+@pytest.mark.parametrize("case, key", [
+    ("unknown key", "host_cache_byte"),
+    pytest.param("wrong type", "disk_cache_bytes", marks=pytest.mark.slow),
+    pytest.param("unwritable disk dir", "disk_cache_dir", marks=pytest.mark.slow),
+    pytest.param("unreachable store", "remote_cache_url", marks=pytest.mark.slow)])
+def test_bad_settings_fail_at_start_up_naming_the_key(model, tmp_path, case, key):
+    server = Server(model, tmp_path, _bad_extra(case, tmp_path), "bad")
     try:
         assert server.proc.wait(600) != 0
     finally:

@@ -1,5 +1,6 @@
 """The connector's tiers without vLLM: the scheduler's plans run by a worker over vLLM-layout K/V caches."""
 
+import socket
 import time
 
 import pytest
@@ -151,6 +152,23 @@ def test_extra_config_errors_name_the_key(tmp_path):
     cfg = ConnectorConfig.from_extra_config({"disk_cache_dir": str(tmp_path / "d"), "disk_cache_bytes": 1 << 20,
                                              "salt": "t1"}, PAGE)
     assert cfg.pool.salt == b"t1" and (tmp_path / "d").is_dir()
+
+
+def test_an_unreachable_remote_store_is_refused_naming_the_key(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['remote_cache_url'\].*cannot be reached"):
+        ConnectorConfig.from_extra_config({"remote_cache_url": f"redis://127.0.0.1:{port}"}, PAGE)
+    with socket.socket() as s:  # a listening port passes the probe (the store's handshake comes later)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        url = f"redis://127.0.0.1:{s.getsockname()[1]}"
+        assert ConnectorConfig.from_extra_config({"remote_cache_url": url}, PAGE).pool.remote_cache_url == url
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config\['disk_cache_dir'\].*not a writable"):
+        (tmp_path / "file").write_text("x")
+        ConnectorConfig.from_extra_config({"disk_cache_dir": str(tmp_path / "file" / "disk"),
+                                           "disk_cache_bytes": 1 << 20}, PAGE)
 
 
 def test_a_planned_block_gone_from_the_tiers_is_a_load_failure(tmp_path):

@@ -1,6 +1,6 @@
 """A tiny random standard-attention Llama checkpoint with a local word-level tokenizer (no hub).
 
-Run by the vLLM interpreter as ``python vllm_checkpoint.py DIR`` (it needs ``transformers`` and
+Run by the vLLM interpreter as ``python vllm_checkpoint.py DIR [VOCAB]`` (it needs ``transformers`` and
 ``tokenizers``, which vLLM brings), or imported.
 """
 
@@ -13,16 +13,17 @@ from pathlib import Path
 VOCAB = 512
 
 
-def write_checkpoint(out: Path, seed: int = 0) -> Path:
+def write_checkpoint(out: Path, seed: int = 0, vocab_size: int = VOCAB) -> Path:
     """Write ``config.json``, ``model.safetensors`` and a tokenizer to ``out``: 2 layers, hidden 64,
-    2 query heads and 2 KV heads of 32 (vLLM's CPU attention needs head sizes of 32 or more)."""
+    2 query heads and 2 KV heads of 32 (vLLM's CPU attention needs head sizes of 32 or more), a
+    ``vocab_size``-token vocabulary (ids 0-2 special, then words ``w3``, ``w4``, ...)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config)
@@ -30,7 +31,7 @@ def write_checkpoint(out: Path, seed: int = 0) -> Path:
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     model.save_pretrained(out, safe_serialization=True)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
@@ -40,4 +41,4 @@ def write_checkpoint(out: Path, seed: int = 0) -> Path:
 
 
 if __name__ == "__main__":
-    write_checkpoint(Path(sys.argv[1]))
+    write_checkpoint(Path(sys.argv[1]), vocab_size=int(sys.argv[2]) if len(sys.argv) > 2 else VOCAB)

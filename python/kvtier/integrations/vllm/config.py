@@ -10,7 +10,8 @@ host_cache_bytes       int     host tier budget in bytes (default 1 GiB; > 0: ev
 disk_cache_dir         str     directory of the disk tier (created; must be writable); none: no disk
 disk_cache_bytes       int     disk tier budget in bytes (> 0 with ``disk_cache_dir``)
 remote_cache_url       str     ``redis://HOST:PORT[/DB]`` or ``mooncake://HOST:PORT[?...]``; must
-                               answer at start-up
+                               accept a TCP connection at start-up (within
+                               ``min(remote_timeout_s, 2)`` seconds)
 remote_timeout_s       number  seconds a remote call may take before it counts as a miss
 cache_policy           str     ``lru`` or ``tool-aware`` (host tier eviction; session hints)
 write_policy           str     ``write-through`` (host blocks go down to disk/remote at once) or
@@ -28,10 +29,14 @@ got '1G' (str)``.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from kvtier.cache.config import PoolConfig
+from kvtier.cache.disk_tier import BlockMeta
+from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.options import check_real, check_str
 
 PREFIX = "kv_connector_extra_config"
@@ -41,6 +46,7 @@ _POOL_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_
 KEYS = (*_POOL_KEYS, "salt", "prefill_tok_s", "stats_path")
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_PREFILL_TOK_S = 1000.0
+REACH_TIMEOUT_S = 2.0  # the most the start-up probe of remote_cache_url waits for a TCP connection
 
 
 @dataclass(frozen=True)
@@ -61,9 +67,10 @@ class ConnectorConfig:
         """Check ``extra`` (vLLM's ``kv_connector_extra_config``) for a ``block_size``-token block.
 
         Raises:
-            ValueError: an unknown key, a value of the wrong type or range, a disk directory
-                that cannot be created or written, each naming
-                ``kv_connector_extra_config['KEY']`` (the checks of :class:`PoolConfig`).
+            ValueError: an unknown key, a value of the wrong type or range (the checks of
+                :class:`PoolConfig`), a disk directory that cannot be created or written, a
+                remote store that does not accept a connection (:func:`check_reachable`), each
+                naming ``kv_connector_extra_config['KEY']``.
         """
         extra = {} if extra is None else extra
         if not isinstance(extra, dict):
@@ -88,6 +95,8 @@ class ConnectorConfig:
                              "memory; got 0")
         if pool.disk_cache_dir is not None:
             check_writable_dir(pool.disk_cache_dir)
+        if pool.remote_cache_url is not None:
+            check_reachable(pool.remote_cache_url, min(pool.remote_timeout_s, REACH_TIMEOUT_S))
         return ConnectorConfig(pool, float(prefill_tok_s))
 
 
@@ -103,6 +112,39 @@ def check_writable_dir(path: str) -> None:
             pass
     except OSError as e:
         raise ValueError(f"{PREFIX}['disk_cache_dir']={path!r} is not a writable directory: {e}") from None
+
+
+def check_reachable(url: str, timeout_s: float) -> None:
+    """Open (and close) a TCP connection to the host and port of ``url`` (a checked
+    ``remote_cache_url``: a Redis server or a Mooncake master), waiting at most ``timeout_s``
+    seconds; the store's own handshake is left to :func:`open_remote_checked`.
+
+    Raises:
+        ValueError: no connection in time, naming ``remote_cache_url`` and the OS error.
+    """
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ValueError(f"{PREFIX}['remote_cache_url']={url!r} cannot be reached (no TCP connection to "
+                         f"{parts.hostname}:{parts.port} within {timeout_s:g} s: {e})") from None
+
+
+def open_remote_checked(url: str, meta: BlockMeta, timeout_s: float) -> RemoteTier:
+    """The remote tier of blocks ``meta`` at ``url`` (:func:`kvtier.cache.remote.open_remote`).
+
+    Raises:
+        ValueError: the store does not answer its handshake, or its client package is missing
+            from vLLM's interpreter, naming ``remote_cache_url``.
+    """
+    try:
+        return open_remote(url, meta, timeout_s)
+    except ImportError as e:
+        raise ValueError(f"{PREFIX}['remote_cache_url']={url!r} needs a client package in vLLM's Python "
+                         f"(pip install 'kvtier[remote]'): {e}") from None
+    except (ConnectionError, RuntimeError, OSError) as e:
+        raise ValueError(f"{PREFIX}['remote_cache_url']={url!r} cannot be reached: {e}") from None
 
 
 def _name_key(message: str) -> str:

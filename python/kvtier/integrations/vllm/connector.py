@@ -51,8 +51,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.cache.block_hash import block_hashes, compose_salt
 from kvtier.cache.block_layout import BlockLayout
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.remote import open_remote
-from kvtier.integrations.vllm.config import PREFIX, ConnectorConfig
+from kvtier.integrations.vllm.config import PREFIX, ConnectorConfig, open_remote_checked
 from kvtier.integrations.vllm.tiers import LoadJob, SchedulerIndex, StepPlan, WorkerTiers
 from kvtier.options import check_hashable, check_real
 
@@ -124,9 +123,9 @@ class KvtierConnector(KVConnectorBase_V1):
         kv_cache_config: vLLM's KV cache layout (groups, specs, number of blocks).
 
     Raises:
-        ValueError: a bad setting (naming ``kv_connector_extra_config['KEY']``), a model whose KV
-            cache the connector does not handle; StoreUnreachableError: ``remote_cache_url`` does
-            not answer.
+        ValueError: a bad setting (naming ``kv_connector_extra_config['KEY']``: an unknown key, a
+            wrong type or range, an unwritable ``disk_cache_dir``, a ``remote_cache_url`` that does
+            not answer), a model whose KV cache the connector does not handle.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
@@ -147,7 +146,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             remote = None
             if self.pool.remote_cache_url:
-                remote = _open_remote_checked(self.pool.remote_cache_url, self.layout, self.pool.remote_timeout_s)
+                remote = open_remote_checked(self.pool.remote_cache_url, self.layout.meta(), self.pool.remote_timeout_s)
             self._index = SchedulerIndex(self.pool, self.layout, self.config.prefill_tok_s, remote)
             self._reqs: dict[str, _Req] = {}
             self._planned: dict[str, tuple[int, list[bytes], list[int]]] = {}  # req_id -> (first block, hashes, tiers)
@@ -352,10 +351,3 @@ def _session_hint(request, need_wait: bool = True) -> tuple[Any, float] | None:
     return session_id, float(check_real("kv_transfer_params['expected_tool_wait_s']",
                                         params["expected_tool_wait_s"], min_value=0.0))
 
-
-def _open_remote_checked(url: str, layout: BlockLayout, timeout_s: float):
-    """The remote tier, or a start-up error naming ``remote_cache_url``."""
-    try:
-        return open_remote(url, layout.meta(), timeout_s)
-    except (ConnectionError, RuntimeError, OSError) as e:
-        raise ValueError(f"{PREFIX}['remote_cache_url']={url!r} cannot be reached: {e}") from None

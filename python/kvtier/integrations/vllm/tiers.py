@@ -45,7 +45,8 @@ from kvtier.cache.disk_tier import DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import make_policy
 from kvtier.cache.prefix_index import PrefixIndex, Tier
-from kvtier.cache.remote import RemoteStatus, open_remote
+from kvtier.cache.remote import RemoteStatus
+from kvtier.integrations.vllm.config import open_remote_checked
 
 BLOCK_FILE_SUFFIX = ".kvb"
 MISSING = -1
@@ -271,8 +272,8 @@ class WorkerTiers:
             step that changed them, or None.
 
     Raises:
-        ValueError: caches of different shapes or dtypes; StoreUnreachableError: the remote store
-            does not answer (names the URL); RuntimeError: the disk directory cannot be opened.
+        ValueError: caches of different shapes or dtypes, or the remote store does not answer
+            (names ``remote_cache_url``); RuntimeError: the disk directory cannot be opened.
     """
 
     def __init__(self, config: PoolConfig, caches: Sequence[torch.Tensor], block_dim: int, token_dim: int,
@@ -284,7 +285,7 @@ class WorkerTiers:
         self.disk = None
         if config.disk_cache_dir:
             self.disk = DiskTier(namespace_dir(config.disk_cache_dir, config.salt, self.meta), config.disk_cache_bytes)
-        self.remote = open_remote(config.remote_cache_url, self.meta, config.remote_timeout_s) \
+        self.remote = open_remote_checked(config.remote_cache_url, self.meta, config.remote_timeout_s) \
             if config.remote_cache_url else None
         self.stats = WorkerStats()
         self.stats_path = stats_path
