@@ -167,7 +167,7 @@ def test_a_load_that_fails_mid_way_serves_nothing_it_wrote(device, monkeypatch):
     finish(pool, s)
     assert len(calls) == 1 and len(calls[0]) == 5
     assert s.num_computed_tokens == 0 and s.page_ids == []
-    assert pool.stats.copy_errors == 5
+    assert pool.stats().copy_errors == 5
     for p in pages:  # free, indexed nowhere
         assert p in pool.free_pages and pool.pages.page_hash[p] is None
     assert pool.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0

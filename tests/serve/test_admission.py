@@ -47,7 +47,7 @@ def test_loaded_prefixes_that_cannot_both_fit_are_both_loaded_whole():
     for out in outs:  # one waits for the other's pages instead of recomputing what did not fit
         assert out.num_cached_tokens == 8 * PS
         assert out.cached_tokens_by_tier["host"] + out.cached_tokens_by_tier["device"] == 8 * PS
-    assert llm.engine.pool.stats.hit_tokens["host"] >= 8 * PS
+    assert llm.engine.pool.stats().hit_tokens["host"] >= 8 * PS
 
 
 def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
@@ -119,4 +119,4 @@ def test_write_back_never_evicts_the_host_copies_a_prefix_is_loading():
         llm.generate(prompt_token_ids=[p], sampling_params=ONE)
     out = llm.generate(prompt_token_ids=[a], sampling_params=ONE)[0]
     assert out.num_cached_tokens == 8 * PS and out.cached_tokens_by_tier["host"] >= 7 * PS
-    assert llm.engine.pool.stats.copy_errors == 0
+    assert llm.engine.pool.stats().copy_errors == 0

@@ -42,7 +42,9 @@ from kvtier.cache.cost_model import CostModel
 from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import Loads
+from kvtier.cache.pool_stats import PoolSnapshot
 from kvtier.cache.prefetch import Prefetcher
+from kvtier.cache.prefix_index import Tier
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
@@ -77,7 +79,7 @@ class KVPool:
             ``config.remote_cache_url`` when set. Blocks are written to it from host slots in
             the background; a prefix that runs past the local tiers is looked up there
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
-            misses, corrupt values and timeouts are counted (``remote.stats``) and recomputed.
+            misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
 
     Raises:
         ValueError: bad config: not a :class:`PoolConfig`, a host or disk budget that holds no
@@ -90,7 +92,7 @@ class KVPool:
 
     Warns:
         RuntimeWarning: the disk tier can store no block (its budget is taken by blocks this
-        pool cannot evict, or its filesystem is full); see ``PoolStats.disk_capacity_blocks``.
+        pool cannot evict, or its filesystem is full); see ``stats().disk_capacity_blocks``.
 
     Example:
         >>> from kvtier.cache.kv_state import KVState, TokenList
@@ -118,7 +120,6 @@ class KVPool:
     config = property(lambda self: self.tiers.config)
     page_size = property(lambda self: self.tiers.page_size)
     kv_caches = property(lambda self: self.tiers.kv_caches)
-    stats = property(lambda self: self.tiers.stats)
     meta = property(lambda self: self.tiers.meta)
     block_bytes = property(lambda self: self.tiers.block_bytes)
     host = property(lambda self: self.tiers.host)
@@ -137,6 +138,15 @@ class KVPool:
     clock = property(lambda self: self.tiers.clock, lambda self, v: setattr(self.tiers, "clock", v))
     copy_engine = property(lambda self: self.tiers.copy_engine,
                            lambda self, v: setattr(self.tiers, "copy_engine", v))
+
+    def stats(self) -> PoolSnapshot:
+        """The pool's counters, page and block counts now, as a copy (:class:`PoolSnapshot`) that
+        the pool never changes: what metrics and reports read. Call it on the thread that drives
+        the pool (its calls are not thread-safe); the snapshot may then go to any thread."""
+        t = self.tiers
+        cached = {k.name.lower(): t.index.num_copies(k) for k in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+        return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
+                               cached_blocks=cached, remote=None if t.remote is None else t.remote.stats)
 
     # ---- device pages -------------------------------------------------------------------------
     @property
