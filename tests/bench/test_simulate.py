@@ -328,7 +328,7 @@ def test_tool_waits_reach_the_pool_policy():
     assert seen == [
         ("a", 2, pytest.approx(9.0))
     ]  # turn 0 stopped on tool_use: its 2 full blocks, 9 s estimate
-    assert engine.pool.policy.sessions == {}  # the session returned, then ended
+    assert engine.pool.tiers.policy.sessions == {}  # the session returned, then ended
 
 
 def test_same_seed_same_result():

@@ -33,10 +33,10 @@ def test_begin_prefix_without_partial_takes_nothing_when_loads_do_not_fit():
     llm = host_cached(a)
     pool = llm.engine.pool
     occupy(pool, pool.num_free_pages - 3)  # 3 free pages for 8 blocks to load
-    free, refs = pool.num_free_pages, list(pool.ref_counts)
+    free, refs = pool.num_free_pages, list(pool.pages.ref_counts)
     s = KVState(TokenList(a))
     assert pool.begin_prefix(s, partial=False) is PrefixStart.NO_ROOM
-    assert s.page_ids == [] and pool.num_free_pages == free and pool.ref_counts == refs and not pool.loading
+    assert s.page_ids == [] and pool.num_free_pages == free and pool.pages.ref_counts == refs and not pool.loading
     assert pool.begin_prefix(s, partial=True) is PrefixStart.LOADING and len(s.page_ids) == 3
 
 

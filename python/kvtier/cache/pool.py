@@ -94,6 +94,12 @@ class KVPool:
         RuntimeWarning: the disk tier can store no block (its budget is taken by blocks this
         pool cannot evict, or its filesystem is full); see ``stats().disk_capacity_blocks``.
 
+    Attributes:
+        config, page_size, kv_caches: as given (``page_size`` is ``config.page_size``).
+        meta: the layout of one page-first block (:class:`kvtier.cache.disk_tier.BlockMeta`);
+            ``block_bytes``: its payload bytes. What :meth:`export_blocks` and
+            :meth:`import_blocks` move.
+
     Example:
         >>> from kvtier.cache.kv_state import KVState, TokenList
         >>> pool = KVPool(PoolConfig(page_size=4, num_device_pages=8), [torch.zeros(8, 4, 2)])
@@ -115,21 +121,15 @@ class KVPool:
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
         self.block_io = BlockIO(self.tiers, self.pages)
         self.event_sink: Callable[[list], None] | None = None
+        # What it was built with, fixed for its life: sizes and policies, page pools, block layout.
+        self.config, self.page_size, self.kv_caches = config, config.page_size, kv_caches
+        self.meta, self.block_bytes = self.tiers.meta, self.tiers.block_bytes
 
     # ---- the shared parts, by their usual names ---------------------------------------------
-    config = property(lambda self: self.tiers.config)
-    page_size = property(lambda self: self.tiers.page_size)
-    kv_caches = property(lambda self: self.tiers.kv_caches)
-    meta = property(lambda self: self.tiers.meta)
-    block_bytes = property(lambda self: self.tiers.block_bytes)
     host = property(lambda self: self.tiers.host)
     disk = property(lambda self: self.tiers.disk)
     disk_budget = property(lambda self: self.tiers.disk_budget)
     remote = property(lambda self: self.tiers.remote)
-    policy = property(lambda self: self.tiers.policy)
-    num_pages = property(lambda self: self.pages.num_pages)
-    ref_counts = property(lambda self: self.pages.ref_counts)
-    free_pages = property(lambda self: self.pages.free_pages)
 
     # Replaceable (tests, the simulator): every job sees the new one.
     index = property(lambda self: self.tiers.index, lambda self, v: setattr(self.tiers, "index", v))
@@ -152,6 +152,12 @@ class KVPool:
     @property
     def num_free_pages(self) -> int:
         return self.pages.num_free
+
+    def num_private_pages(self, kv: KVState) -> int:
+        """Device pages of ``kv`` no other request or running copy references (what freeing it
+        would release)."""
+        refs = self.pages.ref_counts
+        return sum(refs[p] == 1 for p in kv.page_ids)
 
     def num_pages_needed(self, kv: KVState, num_tokens: int) -> int:
         """Pages ``kv`` must add to hold ``num_tokens`` tokens."""

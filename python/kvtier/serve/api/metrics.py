@@ -31,18 +31,18 @@ class _EngineCollector:
         if w is None:
             return
         e = w.engine
-        sched, pool = e.scheduler, e.pool
-        running, used = sched.running + sched.loading, pool.num_pages - pool.num_free_pages
+        sched, kv = e.scheduler, e.pool
+        running, used = sched.running + sched.loading, kv.num_pages - kv.num_free_pages
         gauges = [("kvtier_requests_waiting", "requests queued in the scheduler", sched.waiting),
                   ("kvtier_requests_running", "requests running or loading their prefix", running),
-                  ("kvtier_device_pages_total", "device KV pages per layer", pool.num_pages),
+                  ("kvtier_device_pages_total", "device KV pages per layer", kv.num_pages),
                   ("kvtier_device_pages_used", "device KV pages held by requests", used),
                   ("kvtier_sessions", "chat sessions kept by the server", w.sessions),
                   ("kvtier_sessions_waiting_on_tools", "sessions whose last turn ended in tool calls, until their "
                    "next request", w.sessions_waiting)]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", pool.copy_errors),
+        counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", kv.copy_errors),
                     ("kvtier_preemptions", "running requests preempted for pages", sched.preemptions),
                     ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", e.prefill_tokens),
                     ("kvtier_sessions_expired", "sessions dropped after their idle TTL", w.sessions_expired),
@@ -52,23 +52,23 @@ class _EngineCollector:
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         blocks = GaugeMetricFamily("kvtier_cached_blocks", "blocks with a cached copy, by tier", labels=["tier"])
-        for tier, v in sorted(pool.cached_blocks.items()):
+        for tier, v in sorted(kv.cached_blocks.items()):
             blocks.add_metric([tier], v)
         yield blocks
         for name, doc, counts in [("kvtier_hit_tokens", "prompt tokens served from cached blocks, by tier",
-                                   pool.hit_tokens),
+                                   kv.hit_tokens),
                                   ("kvtier_bytes_loaded", "bytes loaded into device pages, by source tier",
-                                   pool.bytes_loaded),
+                                   kv.bytes_loaded),
                                   ("kvtier_bytes_written", "bytes written to a lower tier, by tier",
-                                   pool.bytes_written),
-                                  ("kvtier_evictions", "blocks evicted, by tier", pool.evictions)]:
+                                   kv.bytes_written),
+                                  ("kvtier_evictions", "blocks evicted, by tier", kv.evictions)]:
             fam = CounterMetricFamily(name, doc, labels=["tier"])
             for tier, v in sorted(counts.items()):
                 fam.add_metric([tier], v)
             yield fam
         yield from _resume_families(w.resume)
-        if pool.remote is not None:  # a pool with a remote tier: its reads and writes by outcome
-            yield from _remote_families(pool.remote)
+        if kv.remote is not None:  # a pool with a remote tier: its reads and writes by outcome
+            yield from _remote_families(kv.remote)
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
         if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
             yield from _grammar_families(e.grammar)
