@@ -78,7 +78,7 @@ def main() -> None:
                 placed.append(turn(ids))
         report.append(("returning", dict(spent), sum(len(p) for p in prompts[-args.returning:]) * 2))
         print(f"{args.tokens}-block prompts; placed prefix tokens per return: {placed}; hits by tier: "
-              f"{pool.stats.hit_tokens}; evictions: {pool.stats.evictions}")
+              f"{pool.stats().hit_tokens}; evictions: {pool.stats().evictions}")
         pool.close()
         for name, phase, blocks in report:
             calls = " ".join(f"{k} {v / blocks * 1e6:.2f}" for k, v in phase.items())

@@ -247,7 +247,7 @@ def test_drives_the_real_scheduler_and_pool_through_every_tier():
     assert isinstance(engine.engine, Engine) and isinstance(engine.pool, KVPool)
     assert isinstance(engine.scheduler, Scheduler) and engine.engine.runner is engine.runner
     sr = simulate([engine], wl, "tiered", concurrency=6)
-    stats = engine.pool.stats
+    stats = engine.pool.stats()
     assert (
         stats.hit_tokens["host"] > 0
         and stats.hit_tokens["disk"] > 0
@@ -298,7 +298,7 @@ def test_loads_collected_after_a_stall_that_cannot_be_placed_are_retried():
         if step is not None:
             outs += engine.engine.end_step(step)
     assert [o.finish_reason for o in outs] == ["length"] * 5
-    assert engine.pool.stats.hit_tokens["host"] > 0
+    assert engine.pool.stats().hit_tokens["host"] > 0
 
 
 def test_beginning_a_step_on_an_idle_worker_says_it_has_no_request():
@@ -328,7 +328,7 @@ def test_tool_waits_reach_the_pool_policy():
     assert seen == [
         ("a", 2, pytest.approx(9.0))
     ]  # turn 0 stopped on tool_use: its 2 full blocks, 9 s estimate
-    assert engine.pool.policy.sessions == {}  # the session returned, then ended
+    assert engine.pool.tiers.policy.sessions == {}  # the session returned, then ended
 
 
 def test_same_seed_same_result():

@@ -86,5 +86,5 @@ def test_a_failed_import_copy_is_counted_and_never_indexed():
     finally:
         dst.tiers.copy_engine = real
     assert counts == {"stored": 0, "duplicate": 0, "refused": 1}
-    assert dst.stats.copy_errors == 1 and dst.held_prefix(hashes) == 0
+    assert dst.stats().copy_errors == 1 and dst.held_prefix(hashes) == 0
     assert dst.num_free_pages == PAGES  # the page taken for it was given back

@@ -130,13 +130,13 @@ def test_a_page_freed_while_its_write_out_is_in_flight_is_not_reused(device):
     if device == "cpu":
         assert len(in_flight) == 5
     for w in in_flight:  # held by its copy: neither free nor indexed on the host yet
-        assert w.page not in pool.free_pages and not pool.tiers.in_tier(w.hash, Tier.HOST)
+        assert w.page not in pool.pages.free_pages and not pool.tiers.in_tier(w.hash, Tier.HOST)
     other = State(2, list(range(500, 500 + PS * pool.num_free_pages)))
     assert pool.allocate(other, other.num_tokens) and not set(other.page_ids) & {w.page for w in in_flight}
     pool.free(other)
     path.release()
     pool.poll()
-    assert all(p in pool.free_pages for p in written) and not pool.writes.pending
+    assert all(p in pool.pages.free_pages for p in written) and not pool.writes.pending
     for b, h in enumerate(s.block_hashes[:5]):
         slot = int(pool.index.match([h], [Tier.HOST])[0][Tier.HOST])
         got = pool.host.slot(slot).view(torch.float32).view(LAYERS, PS, ROW)
@@ -167,9 +167,9 @@ def test_a_load_that_fails_mid_way_serves_nothing_it_wrote(device, monkeypatch):
     finish(pool, s)
     assert len(calls) == 1 and len(calls[0]) == 5
     assert s.num_computed_tokens == 0 and s.page_ids == []
-    assert pool.stats.copy_errors == 5
+    assert pool.stats().copy_errors == 5
     for p in pages:  # free, indexed nowhere
-        assert p in pool.free_pages and pool.pages.page_hash[p] is None
+        assert p in pool.pages.free_pages and pool.pages.page_hash[p] is None
     assert pool.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0
 
 

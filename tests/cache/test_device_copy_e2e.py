@@ -66,7 +66,7 @@ def test_hits_from_each_tier_equal_recomputation(prompts, tier, deferred, device
     assert out.cached_tokens_by_tier.get(tier, 0) > 0
     assert_matches(out, reference(second, device), min_hit=PS)
     llm.engine.pool.poll(wait=True)
-    assert llm.engine.pool.stats.copy_errors == 0
+    assert llm.engine.pool.stats().copy_errors == 0
 
 
 def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):

@@ -126,9 +126,9 @@ def test_disk_tier_holds_its_whole_budget(tmp_path, timing):
         assert len(list(pool.disk.directory.glob("*.kvb"))) == min(budget_files, 3 * (i + 1))
     files = list(pool.disk.directory.glob("*.kvb"))
     assert len(files) == budget_files == len(pool.disk.blocks())
-    assert pool.stats.bytes_written["disk"] == 3 * prompts * BLOCK
-    assert pool.stats.evictions["disk"] == 3 * prompts - budget_files  # one out per block in, no more
-    assert pool.stats.copy_errors == 0 and pool.stats.stores_refused["disk"] == 0
+    assert pool.stats().bytes_written["disk"] == 3 * prompts * BLOCK
+    assert pool.stats().evictions["disk"] == 3 * prompts - budget_files  # one out per block in, no more
+    assert pool.stats().copy_errors == 0 and pool.stats().stores_refused["disk"] == 0
 
 
 # ---------------------------------------------------------------- foreign files in a shared directory
@@ -155,10 +155,10 @@ def test_foreign_files_neither_count_nor_block_the_disk_tier(tmp_path, other):
         ours = LLM("tiny", **{**args, "disk_cache_bytes": foreign_bytes + FILE})  # "just above" the foreign files
     pool = ours.engine.pool
     assert pool.disk.directory != first.engine.pool.disk.directory
-    assert pool.stats.disk_capacity_blocks == (foreign_bytes + FILE) // FILE
+    assert pool.stats().disk_capacity_blocks == (foreign_bytes + FILE) // FILE
     ours.generate(prompt_token_ids=[prompt(4 * PS + 1, 41)], sampling_params=PARAMS)
     pool.poll(wait=True)
-    assert pool.stats.bytes_written["disk"] == 4 * BLOCK and pool.stats.stores_refused["disk"] == 0
+    assert pool.stats().bytes_written["disk"] == 4 * BLOCK and pool.stats().stores_refused["disk"] == 0
     assert all(f.exists() for f in foreign)  # the other engine's blocks are left alone
 
 
@@ -218,10 +218,10 @@ def test_a_given_tier_full_of_foreign_blocks_is_reported_and_refusals_counted(tm
         disk.write(bytes([i]) * 16, other)
     with pytest.warns(RuntimeWarning, match="can store no block"):
         pool = _pool_over(disk)
-    assert pool.stats.disk_capacity_blocks == 0
+    assert pool.stats().disk_capacity_blocks == 0
     _store_blocks(pool, 2, 7)
-    assert pool.stats.stores_refused["disk"] == 2 and pool.stats.bytes_written["disk"] == 0
-    assert pool.stats.bytes_written["host"] == 2 * 64  # the host tier still stores them
+    assert pool.stats().stores_refused["disk"] == 2 and pool.stats().bytes_written["disk"] == 0
+    assert pool.stats().bytes_written["host"] == 2 * 64  # the host tier still stores them
 
 
 def test_a_full_filesystem_keeps_the_blocks_it_has(tmp_path):
@@ -236,8 +236,8 @@ def test_a_full_filesystem_keeps_the_blocks_it_has(tmp_path):
     _store_blocks(pool, 1, 3)
     # The first refused write lowers the limit to what is stored; the next replaces the oldest
     # block instead of failing, and no write evicts two valid blocks.
-    assert pool.stats.stores_refused["disk"] == 1 and pool.stats.copy_errors == 1
-    assert pool.stats.evictions["disk"] == 1 and len(disk.blocks()) == 3
+    assert pool.stats().stores_refused["disk"] == 1 and pool.stats().copy_errors == 1
+    assert pool.stats().evictions["disk"] == 1 and len(disk.blocks()) == 3
 
 
 # ---------------------------------------------------------------- namespaces
@@ -262,7 +262,7 @@ def test_files_of_another_layout_in_the_own_namespace_are_dropped_at_start_up(tm
     del tier
     pool = KVPool(config, kv)
     assert not pool.disk.contains(stray) and pool.disk.used_bytes == 0
-    assert pool.stats.disk_capacity_blocks == 4
+    assert pool.stats().disk_capacity_blocks == 4
 
 
 def test_a_full_filesystem_at_start_up_is_reported(tmp_path):
@@ -282,11 +282,11 @@ def test_a_full_filesystem_at_start_up_is_reported(tmp_path):
             llm = LLM("tiny", page_size=PS, num_device_pages=16, host_cache_bytes=8 * BLOCK,
                       disk_cache_dir=str(mnt), disk_cache_bytes=64 << 20)
         pool = llm.engine.pool
-        assert pool.stats.disk_capacity_blocks == 0
+        assert pool.stats().disk_capacity_blocks == 0
         llm.generate(prompt_token_ids=[prompt(2 * PS + 1, 9)], sampling_params=PARAMS)
         pool.poll(wait=True)
-        assert pool.stats.stores_refused["disk"] == 2 and pool.stats.bytes_written["disk"] == 0
-        assert pool.stats.evictions["disk"] == 0
+        assert pool.stats().stores_refused["disk"] == 2 and pool.stats().bytes_written["disk"] == 0
+        assert pool.stats().evictions["disk"] == 0
         del llm, pool
         gc.collect()
     finally:

@@ -54,7 +54,7 @@ def test_prefix_comes_back_from_disk(shared, tmp_path):
     assert_matches(out, want, min_hit=170 // PS * PS)
     assert out.cached_tokens_by_tier["disk"] > 0
     assert sum(out.cached_tokens_by_tier.values()) == out.num_cached_tokens
-    assert llm.engine.pool.stats.copy_errors == 0
+    assert llm.engine.pool.stats().copy_errors == 0
 
 
 def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, tmp_path):
@@ -77,7 +77,7 @@ def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, t
     warm(llm, first)
     assert len(jobs) == 1 and len(jobs[0]) == 64, [len(j) for j in jobs]  # the full host tier, spilled at once
     assert all(pool.tiers.in_tier(h, Tier.DISK) for h in jobs[0])
-    assert pool.stats.bytes_written["disk"] == 64 * block and pool.stats.copy_errors == 0
+    assert pool.stats().bytes_written["disk"] == 64 * block and pool.stats().copy_errors == 0
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert_matches(out, want, min_hit=1)
 
@@ -128,7 +128,7 @@ def test_damaged_disk_block_is_recomputed(shared, tmp_path, fault):
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert_matches(out, want, min_hit=0)
     assert out.num_cached_tokens <= 4 * PS  # never past the damaged block
-    assert llm.engine.pool.stats.copy_errors >= 1
+    assert llm.engine.pool.stats().copy_errors >= 1
     llm.engine.pool.poll(wait=True)
     # The damaged file was dropped; the recomputed block was written through again, intact.
     assert victim.exists() and victim.read_bytes() != damaged
@@ -167,7 +167,7 @@ def test_failing_disk_copy_is_recomputed(shared, tmp_path, monkeypatch):
     monkeypatch.setattr(pool.copy_engine, "disk_read", broken_second)
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert_matches(out, want, min_hit=0)
-    assert pool.stats.copy_errors >= 1
+    assert pool.stats().copy_errors >= 1
 
 
 def test_full_filesystem_keeps_serving(shared, tmp_path):
@@ -183,8 +183,8 @@ def test_full_filesystem_keeps_serving(shared, tmp_path):
         warm(llm, first)
         pool = llm.engine.pool
         assert pool.disk.used_bytes <= 64 * 1024
-        assert pool.stats.copy_errors >= 1  # writes beyond the filesystem failed and were counted
-        assert pool.stats.evictions["disk"] >= 1  # ...and made room for later writes
+        assert pool.stats().copy_errors >= 1  # writes beyond the filesystem failed and were counted
+        assert pool.stats().evictions["disk"] >= 1  # ...and made room for later writes
         out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
         assert_matches(out, want, min_hit=0)
         assert not [p for p in mnt.iterdir() if p.suffix == ".tmp"]
@@ -201,5 +201,5 @@ def test_disk_budget_evicts_least_recently_used(tmp_path):
     warm(llm, prompt(200, 13))
     pool = llm.engine.pool
     assert pool.disk.used_bytes <= blocks_budget
-    assert pool.stats.evictions["disk"] > 0
+    assert pool.stats().evictions["disk"] > 0
     pool.index.check_invariants()

@@ -42,7 +42,7 @@ def test_reload_from_host_after_preemption_is_a_host_hit():
 
     seq = _seq(1, tokens)
     assert _place(pool, seq) == 3 * PS  # first admission: found on device
-    assert pool.stats.hit_tokens == {"device": 3 * PS, "host": 0, "disk": 0}
+    assert pool.stats().hit_tokens == {"device": 3 * PS, "host": 0, "disk": 0}
     pool.free(seq)  # preempted
     seq.num_computed_tokens = 0
 
@@ -52,9 +52,9 @@ def test_reload_from_host_after_preemption_is_a_host_hit():
     assert pool.index.num_copies(Tier.DEVICE) == 0
 
     assert _place(pool, seq) == 3 * PS  # re-admission loads them back from host
-    assert pool.stats.bytes_loaded["host"] == 3 * 64
-    assert pool.stats.hit_tokens["host"] == 3 * PS and seq.prefix_tokens_by_tier["host"] == 3 * PS
-    assert pool.stats.hit_tokens["device"] == 3 * PS  # the first admission's hits are not taken back
+    assert pool.stats().bytes_loaded["host"] == 3 * 64
+    assert pool.stats().hit_tokens["host"] == 3 * PS and seq.prefix_tokens_by_tier["host"] == 3 * PS
+    assert pool.stats().hit_tokens["device"] == 3 * PS  # the first admission's hits are not taken back
 
 
 def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
@@ -75,5 +75,5 @@ def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
     pool.free(seq)  # sent back to wait; its loaded blocks stay cached on the device
     seq.num_computed_tokens = 0
     assert _place(pool, seq) == 2 * PS
-    assert pool.stats.hit_tokens == {"device": 0, "host": 2 * PS, "disk": 0}
+    assert pool.stats().hit_tokens == {"device": 0, "host": 2 * PS, "disk": 0}
     assert seq.prefix_tokens_by_tier["host"] == 2 * PS

@@ -49,7 +49,7 @@ def test_prefix_reuse_shares_pages_and_leaves_one_token():
     compute(bm, a)
     b = seq(list(range(100, 108)) + [1, 2, 3])
     assert begin_prefix_tokens(bm, b) == 8 and b.page_ids == a.page_ids[:2]
-    assert [bm.ref_counts[p] for p in a.page_ids] == [2, 2, 1]
+    assert [bm.pages.ref_counts[p] for p in a.page_ids] == [2, 2, 1]
     same = seq(range(100, 112), 2)  # identical prompt: the last page is recomputed
     assert begin_prefix_tokens(bm, same) == 8
 
@@ -89,7 +89,7 @@ def test_tail_pages_are_evicted_before_head_pages():
     compute(bm, a)
     head, tail = a.page_ids[0], a.page_ids[-1]
     bm.free(a)
-    order = list(bm.free_pages)
+    order = list(bm.pages.free_pages)
     assert order.index(tail) < order.index(head)
 
 

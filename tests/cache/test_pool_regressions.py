@@ -103,7 +103,7 @@ def test_disk_writes_in_flight_count_against_the_budget(tmp_path):
               disk_cache_bytes=2 * DiskTier.file_bytes(BLOCK))
     llm.generate(prompt_token_ids=[prompt(6 * PS + 1, 1)], sampling_params=PARAMS)
     llm.engine.pool.poll(wait=True)
-    assert llm.engine.pool.stats.copy_errors == 0 and llm.engine.pool.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
+    assert llm.engine.pool.stats().copy_errors == 0 and llm.engine.pool.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
 
 
 def test_returning_session_keeps_others_protection():
@@ -147,7 +147,7 @@ def test_write_back_keeps_the_host_copy_of_a_block_evicted_beside_blocks_it_must
     pool.writes.evicting([(a, 0), (d, 1)])
     assert pool.index.held([a, c, d], Tier.HOST).tolist() == [True, False, True]
     assert [h for h, _ in pool.index.eviction_candidates(Tier.HOST, 2)] == [a, d]  # A as if written now
-    assert pool.index.ref_count(a, Tier.HOST) == 0 and pool.stats.evictions["host"] == 1
+    assert pool.index.ref_count(a, Tier.HOST) == 0 and pool.stats().evictions["host"] == 1
     pool.index.check_invariants()
 
 
@@ -250,7 +250,7 @@ def test_an_eviction_copy_that_fails_for_some_blocks_stores_the_others():
     other = KVState(TokenList([9, 9, 9]))
     assert pool.allocate(other, 2)  # evicts both blocks in one two-block gather
     # The last page is reused first, so block 1 is the job's first block: it failed.
-    assert pool.index.held(kv.block_hashes, Tier.HOST).tolist() == [True, False] and pool.stats.copy_errors == 1
+    assert pool.index.held(kv.block_hashes, Tier.HOST).tolist() == [True, False] and pool.stats().copy_errors == 1
     slot = int(pool.index.match(kv.block_hashes[:1], [Tier.HOST])[0, Tier.HOST])
     assert torch.equal(pool.host.slot(slot).view(torch.float32), torch.full((8,), 11.0))
     assert len(pool.host._free) == 1  # the failed block's slot was given back

@@ -86,5 +86,5 @@ def test_a_request_freed_while_loading_gives_its_pages_back():
     assert pool.begin_prefix(kv) is PrefixStart.LOADING
     pool.free(kv)
     assert kv.page_ids == [] and not kv.loading and pool.loading == []
-    assert pool.num_free_pages == PAGES and sum(pool.ref_counts) == 0
+    assert pool.num_free_pages == PAGES and sum(pool.pages.ref_counts) == 0
     pool.index.check_invariants()

@@ -58,7 +58,7 @@ def test_prefix_comes_back_from_host(shared):
     ref = torch.tensor(want.prompt_logprobs[hit:], dtype=torch.float64)
     assert float((got - ref).abs().max()) <= 1e-4
     assert out.token_ids == want.token_ids
-    stats = llm.engine.pool.stats
+    stats = llm.engine.pool.stats()
     assert stats.bytes_loaded["host"] > 0 and stats.copy_errors == 0
 
 
@@ -70,7 +70,7 @@ def test_cost_model_recomputes_when_loading_is_slower(shared):
     llm.engine.pool.poll(wait=True)
     flush_device(llm)
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
-    assert out.num_cached_tokens == 0 and llm.engine.pool.stats.bytes_loaded["host"] == 0
+    assert out.num_cached_tokens == 0 and llm.engine.pool.stats().bytes_loaded["host"] == 0
     assert out.token_ids == want.token_ids
 
 
@@ -92,7 +92,7 @@ def test_failed_host_copy_is_recomputed_and_counted(shared, monkeypatch):
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert len(calls) == 1 and len(calls[0]) > 2
     assert out.num_cached_tokens == 0  # nothing of the failed job is used: recomputed
-    assert pool.stats.copy_errors == len(calls[0])
+    assert pool.stats().copy_errors == len(calls[0])
     got = torch.tensor(out.prompt_logprobs, dtype=torch.float64)
     ref = torch.tensor(want.prompt_logprobs, dtype=torch.float64)
     assert float((got - ref).abs().max()) <= 1e-4 and out.token_ids == want.token_ids
@@ -104,9 +104,9 @@ def test_write_back_copies_only_on_eviction(shared):
                           write_policy="write-back"))
     llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     pool = llm.engine.pool
-    assert pool.stats.bytes_written["host"] == 0 and not pool.writes.pending  # nothing copied yet
+    assert pool.stats().bytes_written["host"] == 0 and not pool.writes.pending  # nothing copied yet
     flush_device(llm)
-    assert pool.stats.bytes_written["host"] > 0
+    assert pool.stats().bytes_written["host"] > 0
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert out.cached_tokens_by_tier["host"] > 0 and out.token_ids == want.token_ids
     hit = out.num_cached_tokens

@@ -70,7 +70,7 @@ def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
     assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 3
     pool.clock.now += 7.5  # 18.5 s: within prefetch_lead_s (2 s) of the expected return
     pool.poll(wait=True)
-    assert all(on_device(pool, hashes)) and pool.stats.prefetched_blocks == 3
+    assert all(on_device(pool, hashes)) and pool.stats().prefetched_blocks == 3
     back = run(pool, list(range(12)) + [7], 2)  # the returning turn finds its prefix on device
     assert back.prefix_tokens_by_tier["device"] == 12
     pool.index.check_invariants()
@@ -126,5 +126,5 @@ def test_a_prefetch_locks_the_host_copy_it_reads():
     for h in held:
         h.ended = True
     pool.poll(wait=True)
-    assert pool.stats.prefetched_blocks == 3 and hashes <= evictable()  # and it is unlocked after
+    assert pool.stats().prefetched_blocks == 3 and hashes <= evictable()  # and it is unlocked after
     pool.index.check_invariants()

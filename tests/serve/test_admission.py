@@ -33,10 +33,10 @@ def test_begin_prefix_without_partial_takes_nothing_when_loads_do_not_fit():
     llm = host_cached(a)
     pool = llm.engine.pool
     occupy(pool, pool.num_free_pages - 3)  # 3 free pages for 8 blocks to load
-    free, refs = pool.num_free_pages, list(pool.ref_counts)
+    free, refs = pool.num_free_pages, list(pool.pages.ref_counts)
     s = KVState(TokenList(a))
     assert pool.begin_prefix(s, partial=False) is PrefixStart.NO_ROOM
-    assert s.page_ids == [] and pool.num_free_pages == free and pool.ref_counts == refs and not pool.loading
+    assert s.page_ids == [] and pool.num_free_pages == free and pool.pages.ref_counts == refs and not pool.loading
     assert pool.begin_prefix(s, partial=True) is PrefixStart.LOADING and len(s.page_ids) == 3
 
 
@@ -47,7 +47,7 @@ def test_loaded_prefixes_that_cannot_both_fit_are_both_loaded_whole():
     for out in outs:  # one waits for the other's pages instead of recomputing what did not fit
         assert out.num_cached_tokens == 8 * PS
         assert out.cached_tokens_by_tier["host"] + out.cached_tokens_by_tier["device"] == 8 * PS
-    assert llm.engine.pool.stats.hit_tokens["host"] >= 8 * PS
+    assert llm.engine.pool.stats().hit_tokens["host"] >= 8 * PS
 
 
 def test_blocked_head_is_retried_only_after_pages_are_freed(monkeypatch):
@@ -119,4 +119,4 @@ def test_write_back_never_evicts_the_host_copies_a_prefix_is_loading():
         llm.generate(prompt_token_ids=[p], sampling_params=ONE)
     out = llm.generate(prompt_token_ids=[a], sampling_params=ONE)[0]
     assert out.num_cached_tokens == 8 * PS and out.cached_tokens_by_tier["host"] >= 7 * PS
-    assert llm.engine.pool.stats.copy_errors == 0
+    assert llm.engine.pool.stats().copy_errors == 0

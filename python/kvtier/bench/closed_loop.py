@@ -237,16 +237,17 @@ def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, e
     scales = bytes_scale or [1.0] * len(engines)
     keys = {"device->host": ("bytes_written", "host"), "host->device": ("bytes_loaded", "host"),
             "host->disk": ("bytes_written", "disk"), "disk->device": ("bytes_loaded", "disk")}
-    stats = [e.pool.stats for e in engines]
+    snaps = [e.stats() for e in engines]
+    stats = [s.pool for s in snaps]
 
     def total(counts: str) -> dict[str, int]:
         return {k: sum(getattr(s, counts)[k] for s in stats) for k in getattr(stats[0], counts)}
 
     return ConfigRun(
         name=name, records=loop.records, wall_s=max(wall_s, 0.0),
-        recomputed_tokens=sum(e.num_prefill_tokens for e in engines),
+        recomputed_tokens=sum(s.prefill_tokens for s in snaps),
         bytes_moved={k: sum(round(getattr(s, c)[t] * x) for s, x in zip(stats, scales)) for k, (c, t) in keys.items()},
         copy_errors=sum(s.copy_errors for s in stats), evictions=total("evictions"),
-        stores_refused=total("stores_refused"), preemptions=sum(e.scheduler.num_preemptions for e in engines),
+        stores_refused=total("stores_refused"), preemptions=sum(s.scheduler.preemptions for s in snaps),
         device_pages=sum(e.config.pool.num_device_pages for e in engines),
         working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency))

@@ -65,7 +65,7 @@ def run_generate(args, console: Console) -> int:
             "mla_decode", "auto", llm.engine.runner.device, llm.engine.runner.model.dtype),
             dtype=str(llm.engine.runner.model.dtype), args=vars(args) | {"func": None}),
         "requests": len(outs), "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
-        "hit_tokens": by_tier, "copy_errors": llm.engine.pool.stats.copy_errors,
+        "hit_tokens": by_tier, "copy_errors": llm.engine.stats().pool.copy_errors,
         "generated_tokens": generated, "wall_s": wall, "load_s": load_s,
         "ttft_ms": {"p50": statistics.median(ttft), "p99": _percentile(ttft, 99)},
         "e2e_ms": {"p50": statistics.median(e2e), "p99": _percentile(e2e, 99)},

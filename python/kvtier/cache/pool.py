@@ -42,7 +42,9 @@ from kvtier.cache.cost_model import CostModel
 from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import Loads
+from kvtier.cache.pool_stats import PoolSnapshot
 from kvtier.cache.prefetch import Prefetcher
+from kvtier.cache.prefix_index import Tier
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
@@ -77,7 +79,7 @@ class KVPool:
             ``config.remote_cache_url`` when set. Blocks are written to it from host slots in
             the background; a prefix that runs past the local tiers is looked up there
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
-            misses, corrupt values and timeouts are counted (``remote.stats``) and recomputed.
+            misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
 
     Raises:
         ValueError: bad config: not a :class:`PoolConfig`, a host or disk budget that holds no
@@ -90,7 +92,13 @@ class KVPool:
 
     Warns:
         RuntimeWarning: the disk tier can store no block (its budget is taken by blocks this
-        pool cannot evict, or its filesystem is full); see ``PoolStats.disk_capacity_blocks``.
+        pool cannot evict, or its filesystem is full); see ``stats().disk_capacity_blocks``.
+
+    Attributes:
+        config, page_size, kv_caches: as given (``page_size`` is ``config.page_size``).
+        meta: the layout of one page-first block (:class:`kvtier.cache.disk_tier.BlockMeta`);
+            ``block_bytes``: its payload bytes. What :meth:`export_blocks` and
+            :meth:`import_blocks` move.
 
     Example:
         >>> from kvtier.cache.kv_state import KVState, TokenList
@@ -113,22 +121,15 @@ class KVPool:
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
         self.block_io = BlockIO(self.tiers, self.pages)
         self.event_sink: Callable[[list], None] | None = None
+        # What it was built with, fixed for its life: sizes and policies, page pools, block layout.
+        self.config, self.page_size, self.kv_caches = config, config.page_size, kv_caches
+        self.meta, self.block_bytes = self.tiers.meta, self.tiers.block_bytes
 
     # ---- the shared parts, by their usual names ---------------------------------------------
-    config = property(lambda self: self.tiers.config)
-    page_size = property(lambda self: self.tiers.page_size)
-    kv_caches = property(lambda self: self.tiers.kv_caches)
-    stats = property(lambda self: self.tiers.stats)
-    meta = property(lambda self: self.tiers.meta)
-    block_bytes = property(lambda self: self.tiers.block_bytes)
     host = property(lambda self: self.tiers.host)
     disk = property(lambda self: self.tiers.disk)
     disk_budget = property(lambda self: self.tiers.disk_budget)
     remote = property(lambda self: self.tiers.remote)
-    policy = property(lambda self: self.tiers.policy)
-    num_pages = property(lambda self: self.pages.num_pages)
-    ref_counts = property(lambda self: self.pages.ref_counts)
-    free_pages = property(lambda self: self.pages.free_pages)
 
     # Replaceable (tests, the simulator): every job sees the new one.
     index = property(lambda self: self.tiers.index, lambda self, v: setattr(self.tiers, "index", v))
@@ -138,10 +139,25 @@ class KVPool:
     copy_engine = property(lambda self: self.tiers.copy_engine,
                            lambda self, v: setattr(self.tiers, "copy_engine", v))
 
+    def stats(self) -> PoolSnapshot:
+        """The pool's counters, page and block counts now, as a copy (:class:`PoolSnapshot`) that
+        the pool never changes: what metrics and reports read. Call it on the thread that drives
+        the pool (its calls are not thread-safe); the snapshot may then go to any thread."""
+        t = self.tiers
+        cached = {k.name.lower(): t.index.num_copies(k) for k in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+        return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
+                               cached_blocks=cached, remote=None if t.remote is None else t.remote.stats)
+
     # ---- device pages -------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
         return self.pages.num_free
+
+    def num_private_pages(self, kv: KVState) -> int:
+        """Device pages of ``kv`` no other request or running copy references (what freeing it
+        would release)."""
+        refs = self.pages.ref_counts
+        return sum(refs[p] == 1 for p in kv.page_ids)
 
     def num_pages_needed(self, kv: KVState, num_tokens: int) -> int:
         """Pages ``kv`` must add to hold ``num_tokens`` tokens."""

@@ -24,6 +24,7 @@ from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
 from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.scheduler import ScheduledBatch, Scheduler
+from kvtier.serve.stats import EngineStats
 
 
 class Engine:
@@ -295,6 +296,13 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed)
+
+    def stats(self) -> EngineStats:
+        """The scheduler's and the pool's snapshots and this engine's counters now, as a frozen
+        copy (:class:`kvtier.serve.stats.EngineStats`) that later steps never change: what metrics
+        and reports read. Call it on the thread that steps the engine; hand the result to any."""
+        grammar = self.grammar_stats.snapshot() if self.grammar_stats is not None else None
+        return EngineStats(self.scheduler.stats(), self.pool.stats(), self.num_prefill_tokens, self.num_steps, grammar)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and postprocess one step; returns the requests that finished in it.

@@ -11,6 +11,7 @@ from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.policy import POLICIES, SchedulePolicy
 from kvtier.serve.request import Sequence, SequenceStatus
+from kvtier.serve.stats import SchedulerStats
 from kvtier.serve.step_budget import ScheduledBatch, StepBudget, fit_tokens, pairs
 
 
@@ -48,6 +49,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.loading or self.running)
+
+    def stats(self) -> SchedulerStats:
+        """Queue lengths and preemptions now, as a frozen copy (call it on the engine's thread)."""
+        return SchedulerStats(len(self.waiting), len(self.loading), len(self.running), self.num_preemptions)
 
     @staticmethod
     def remaining(seq: Sequence) -> int:

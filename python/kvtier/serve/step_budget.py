@@ -87,7 +87,7 @@ def fit_tokens(pool: KVPool, seq: Sequence) -> int:
 
 def pages_freed(pool: KVPool, seq: Sequence) -> int:
     """Device pages that preempting ``seq`` frees: those no other sequence shares."""
-    return sum(pool.ref_counts[p] == 1 for p in seq.page_ids)
+    return pool.num_private_pages(seq.kv)
 
 
 __all__ = ["ScheduledBatch", "StepBudget", "fit_tokens", "pages_freed", "pairs"]

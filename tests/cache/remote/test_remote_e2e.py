@@ -38,7 +38,7 @@ def write_with_a(url, first):
     a = engine(url)
     a.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     a.engine.pool.poll(wait=True)
-    assert a.engine.pool.stats.bytes_written["remote"] >= 200 // PS * a.engine.pool.block_bytes
+    assert a.engine.pool.stats().bytes_written["remote"] >= 200 // PS * a.engine.pool.block_bytes
     return a
 
 
@@ -56,7 +56,7 @@ def test_engine_b_reads_what_engine_a_wrote(any_store, shared):
     b = engine(any_store.url)
     out = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert out.cached_tokens_by_tier["remote"] == HIT
-    assert b.engine.pool.stats.hit_tokens["remote"] == HIT
+    assert b.engine.pool.stats().hit_tokens["remote"] == HIT
     assert_same_as_recompute(out, want, HIT)
     b.engine.pool.close()
     a.engine.pool.close()
@@ -75,7 +75,7 @@ def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     client.set(keys[4], bytes(value))  # block 4 corrupt: blocks 0-3 load, the rest is recomputed
     b = engine(redis_store.url, salt=b"corrupt")
     out = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
-    assert out.cached_tokens_by_tier["remote"] == 4 * PS and b.engine.pool.remote.stats.gets["corrupt"] == 1
+    assert out.cached_tokens_by_tier["remote"] == 4 * PS and b.engine.pool.stats().remote.gets["corrupt"] == 1
     assert_same_as_recompute(out, _reference(second, b"corrupt"), 4 * PS)
     client.delete(keys[2])  # block 2 missing: a fresh engine loads blocks 0-1 only
     c = engine(redis_store.url, salt=b"corrupt")
@@ -100,7 +100,7 @@ def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared, start)
     outs = b.generate(prompt_token_ids=[second, prompt(60, 10)], sampling_params=PARAMS)
     assert_same_as_recompute(outs[0], want, 0)
     assert len(outs[1].token_ids) == PARAMS.max_tokens
-    assert pool.remote.stats.misses >= 1 and pool.stats.copy_errors == 0
+    assert pool.stats().remote.misses >= 1 and pool.stats().copy_errors == 0
     again = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]  # from B's own device pages
     assert_same_as_recompute(again, want, again.num_cached_tokens)
 

@@ -3,8 +3,11 @@
 Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
 requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
 and bytes per tier, copy errors, preemptions, engine steps, and the ``kvtier_grammar_*`` series
-of tool-grammar compiles, mask work and requests a grammar limit ended) are read from the engine thread's last snapshot
-(:attr:`kvtier.serve.api.worker.EngineWorker.snapshot`, refreshed every 0.2 s) when scraped.
+of tool-grammar compiles, mask work and requests a grammar limit ended) are read, when scraped,
+from the engine thread's last published snapshot only
+(:class:`kvtier.serve.api.worker.WorkerStats`: the scheduler's, the pool's and the engine's
+frozen ``stats()``, refreshed after each step and every 0.2 s while idle), never from the
+engine, its scheduler or its pool.
 """
 
 from __future__ import annotations
@@ -21,49 +24,54 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 class _EngineCollector:
     def __init__(self, snapshot):
-        self.snapshot = snapshot  # () -> dict
+        self.snapshot = snapshot  # () -> WorkerStats | None
 
     def collect(self):
-        s = self.snapshot()
-        if not s:
+        w = self.snapshot()
+        if w is None:
             return
-        gauges = [("kvtier_requests_waiting", "requests queued in the scheduler", s["waiting"]),
-                  ("kvtier_requests_running", "requests running or loading their prefix", s["running"]),
-                  ("kvtier_device_pages_total", "device KV pages per layer", s["device_pages"]),
-                  ("kvtier_device_pages_used", "device KV pages held by requests", s["device_pages"] - s["device_pages_free"]),
-                  ("kvtier_sessions", "chat sessions kept by the server", s["sessions"]),
+        e = w.engine
+        sched, kv = e.scheduler, e.pool
+        running, used = sched.running + sched.loading, kv.num_pages - kv.num_free_pages
+        gauges = [("kvtier_requests_waiting", "requests queued in the scheduler", sched.waiting),
+                  ("kvtier_requests_running", "requests running or loading their prefix", running),
+                  ("kvtier_device_pages_total", "device KV pages per layer", kv.num_pages),
+                  ("kvtier_device_pages_used", "device KV pages held by requests", used),
+                  ("kvtier_sessions", "chat sessions kept by the server", w.sessions),
                   ("kvtier_sessions_waiting_on_tools", "sessions whose last turn ended in tool calls, until their "
-                   "next request", s["sessions_waiting"])]
+                   "next request", w.sessions_waiting)]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
-        counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", s["copy_errors"]),
-                    ("kvtier_preemptions", "running requests preempted for pages", s["preemptions"]),
-                    ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", s["prefill_tokens"]),
-                    ("kvtier_sessions_expired", "sessions dropped after their idle TTL", s["sessions_expired"]),
-                    ("kvtier_engine_errors", "engine steps that failed", s["engine_errors"]),
+        counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", kv.copy_errors),
+                    ("kvtier_preemptions", "running requests preempted for pages", sched.preemptions),
+                    ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", e.prefill_tokens),
+                    ("kvtier_sessions_expired", "sessions dropped after their idle TTL", w.sessions_expired),
+                    ("kvtier_engine_errors", "engine steps that failed", w.engine_errors),
                     ("kvtier_engine_busy_seconds", "seconds the engine spent stepping (utilisation: its rate)",
-                     s.get("busy_s", 0.0))]
+                     w.busy_s)]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
         blocks = GaugeMetricFamily("kvtier_cached_blocks", "blocks with a cached copy, by tier", labels=["tier"])
-        for tier, v in sorted(s["cached_blocks"].items()):
+        for tier, v in sorted(kv.cached_blocks.items()):
             blocks.add_metric([tier], v)
         yield blocks
-        for name, doc, key in [("kvtier_hit_tokens", "prompt tokens served from cached blocks, by tier", "hit_tokens"),
-                               ("kvtier_bytes_loaded", "bytes loaded into device pages, by source tier", "bytes_loaded"),
-                               ("kvtier_bytes_written", "bytes written to a lower tier, by tier", "bytes_written"),
-                               ("kvtier_evictions", "blocks evicted, by tier", "evictions")]:
+        for name, doc, counts in [("kvtier_hit_tokens", "prompt tokens served from cached blocks, by tier",
+                                   kv.hit_tokens),
+                                  ("kvtier_bytes_loaded", "bytes loaded into device pages, by source tier",
+                                   kv.bytes_loaded),
+                                  ("kvtier_bytes_written", "bytes written to a lower tier, by tier",
+                                   kv.bytes_written),
+                                  ("kvtier_evictions", "blocks evicted, by tier", kv.evictions)]:
             fam = CounterMetricFamily(name, doc, labels=["tier"])
-            for tier, v in sorted(s[key].items()):
+            for tier, v in sorted(counts.items()):
                 fam.add_metric([tier], v)
             yield fam
-        if "resume" in s:
-            yield from _resume_families(s["resume"])
-        if "remote" in s:  # a pool with a remote tier: its reads and writes by outcome
-            yield from _remote_families(s["remote"])
-        yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=s.get("steps", 0))
-        if "grammar" in s:  # the tool-grammar compiler exists (a request with tools came)
-            yield from _grammar_families(s["grammar"])
+        yield from _resume_families(w.resume)
+        if kv.remote is not None:  # a pool with a remote tier: its reads and writes by outcome
+            yield from _remote_families(kv.remote)
+        yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
+        if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
+            yield from _grammar_families(e.grammar)
 
 
 def _grammar_families(g: dict):
@@ -98,22 +106,25 @@ def _resume_families(r: dict):
     yield fam
 
 
-def _remote_families(r: dict):
-    for name, doc, key in [("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)", "gets"),
-                           ("kvtier_remote_puts", "remote tier block writes, by status", "puts")]:
+def _remote_families(r):
+    for name, doc, counts in [("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)",
+                               r.gets),
+                              ("kvtier_remote_puts", "remote tier block writes, by status", r.puts)]:
         fam = CounterMetricFamily(name, doc, labels=["status"])
-        for status, v in sorted(r[key].items()):
+        for status, v in sorted(counts.items()):
             fam.add_metric([status], v)
         yield fam
     yield CounterMetricFamily("kvtier_remote_lookup_failures", "remote lookups that failed or timed out (taken "
-                              "as absent)", value=r["exists_failures"])
+                              "as absent)", value=r.exists_failures)
 
 
 class ServerMetrics:
     """The server's Prometheus registry.
 
     Args:
-        snapshot: returns the engine thread's latest counters (a dict; empty before the first).
+        snapshot: returns the engine thread's last published
+            :class:`kvtier.serve.api.worker.WorkerStats` (None before the first); the only
+            source of the engine, scheduler and pool series.
     """
 
     def __init__(self, snapshot):

@@ -3,7 +3,8 @@
 The asyncio side hands over commands through a thread-safe queue (:meth:`EngineWorker.submit`,
 :meth:`abort`, :meth:`call`); the thread drains them, steps the engine while it has work, and
 after each step sends every request's new tokens as events to that request's ``asyncio.Queue``
-(``loop.call_soon_threadsafe``). Nothing on the event loop ever calls the engine.
+(``loop.call_soon_threadsafe``). Nothing on the event loop ever calls the engine: ``/metrics``
+reads the frozen :class:`WorkerStats` the thread publishes after each step and while idle.
 """
 
 from __future__ import annotations
@@ -13,16 +14,41 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 
-from kvtier.cache.prefix_index import Tier
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.protocol import ApiError, value_error
 from kvtier.serve.api.sessions import SessionStore
 from kvtier.serve.chat import add_chat_request
 from kvtier.serve.engine import Engine
+from kvtier.serve.stats import EngineStats
 
 log = logging.getLogger("kvtier.serve")
-HOUSEKEEPING_S = 0.2  # seconds between session expiry checks and metric snapshots
+HOUSEKEEPING_S = 0.2  # seconds between session expiry checks (and snapshots while idle)
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """What ``/metrics`` reads: the engine thread's last snapshot (:attr:`EngineWorker.snapshot`).
+
+    Attributes:
+        engine: the engine's :class:`kvtier.serve.stats.EngineStats` (scheduler, pool, counters).
+        sessions: chat sessions kept; ``sessions_waiting``: of those, waiting on tools;
+            ``sessions_expired``: dropped after their idle TTL so far.
+        engine_errors: engine steps or commands that failed.
+        in_flight: requests handed to the engine and not finished.
+        busy_s: seconds the engine thread spent in ``Engine.step``.
+        resume: :meth:`kvtier.serve.api.resume.ResumeTracker.snapshot`.
+    """
+
+    engine: EngineStats
+    sessions: int
+    sessions_waiting: int
+    sessions_expired: int
+    engine_errors: int
+    in_flight: int
+    busy_s: float
+    resume: dict
 
 
 class EngineWorker:
@@ -42,7 +68,7 @@ class EngineWorker:
         self._jobs: dict[int, Job] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
-        self.snapshot: dict = {}
+        self.snapshot: WorkerStats | None = None  # published by the engine thread after each step and while idle
         self.engine_errors = 0
         self.busy_s = 0.0  # seconds the engine thread spent in Engine.step (utilisation)
         self._last_housekeeping = 0.0
@@ -129,6 +155,10 @@ class EngineWorker:
                 finally:
                     self.busy_s += time.perf_counter() - t0
                 self._progress({o.request_id: o for o in outs})
+                try:
+                    self._publish()
+                except Exception:  # noqa: BLE001 - metrics must not stop the engine thread
+                    log.exception("metrics snapshot failed")
             now = time.monotonic()
             if now - self._last_housekeeping >= HOUSEKEEPING_S:
                 self._last_housekeeping = now
@@ -243,28 +273,11 @@ class EngineWorker:
         self._jobs.clear()
 
     def _publish(self) -> None:
-        """A consistent copy of the engine's counters for ``/metrics`` (read on the event loop)."""
-        e, pool = self.engine, self.engine.pool
-        st = pool.stats
-        self.snapshot = {
-            "waiting": len(e.scheduler.waiting), "running": len(e.scheduler.running) + len(e.scheduler.loading),
-            "device_pages": pool.num_pages, "device_pages_free": pool.num_free_pages,
-            "cached_blocks": {t.name.lower(): pool.index.num_copies(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)},
-            "hit_tokens": dict(st.hit_tokens), "bytes_loaded": dict(st.bytes_loaded),
-            "bytes_written": dict(st.bytes_written), "evictions": dict(st.evictions),
-            "copy_errors": st.copy_errors, "preemptions": e.scheduler.num_preemptions,
-            "prefill_tokens": e.num_prefill_tokens, "sessions": len(self.sessions.sessions),
-            "sessions_waiting": self.sessions.num_waiting,
-            "sessions_expired": self.sessions.num_expired, "engine_errors": self.engine_errors,
-            "in_flight": len(self._jobs), "busy_s": self.busy_s, "steps": e.num_steps,
-            "resume": self.sessions.resumes.snapshot(),
-        }
-        if e.grammar_stats is not None:
-            self.snapshot["grammar"] = e.grammar_stats.snapshot()
-        if pool.remote is not None:
-            rs = pool.remote.stats
-            self.snapshot["remote"] = {"gets": dict(rs.gets), "puts": dict(rs.puts),
-                                       "exists_failures": rs.exists_failures}
+        """Swap in a fresh :class:`WorkerStats` (one attribute store: the event loop sees the old
+        snapshot or the new one, never a half-built one)."""
+        s = self.sessions
+        self.snapshot = WorkerStats(self.engine.stats(), len(s.sessions), s.num_waiting, s.num_expired,
+                                    self.engine_errors, len(self._jobs), self.busy_s, s.resumes.snapshot())
 
 
 def _prompt_error(e: ValueError, kind: str) -> ApiError:
