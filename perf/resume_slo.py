@@ -14,7 +14,8 @@ start while every session thinks.
 Prints resumes and misses by reason per policy and the ratio ``tool-aware / lru`` (the goal:
 at most 0.25). Timings depend on the machine: the ratio is the figure, not the seconds.
 
-    python perf/resume_slo.py --sessions 12 --concurrency 6 --resume-ttft-s 0.05
+    python perf/resume_slo.py --sessions 12 --concurrency 4 --host-fraction 0 --device-fraction 0.5 \
+        --resume-ttft-s 0.2 --time-scale 0.1 --max-think-s 3
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ def resume_misses(workload, records, target_s: float) -> dict:
                 shared += 1
             out["resumes"] += 1
             out["ttft_s"].append(r.ttft_s)
-            out.setdefault("kinds", []).append(("device" if r.cached_tokens_by_tier.get("device", 0) >= shared * bs
-                                                 and r.cached_tokens >= min(shared * bs, (r.input_tokens - 1) // bs * bs)
-                                                 else "lower" if r.cached_tokens >= min(shared * bs, (r.input_tokens - 1) // bs * bs) else "evicted", r.ttft_s))
+            findable = min(shared * bs, (r.input_tokens - 1) // bs * bs)
+            found = "evicted" if r.cached_tokens < findable else \
+                "device" if r.cached_tokens_by_tier.get("device", 0) >= findable else "lower"
+            out.setdefault("found", []).append((found, r.ttft_s))
             why = miss_reason(r.ttft_s, target_s, shared * bs, r.input_tokens, r.cached_tokens,
                               r.cached_tokens_by_tier, bs)
             if why is not None:
@@ -126,10 +128,11 @@ def main() -> int:
         rows.append(r)
         med = statistics.median(r["ttft_s"]) if r["ttft_s"] else float("nan")
         total = sum(r["misses"].values())
-        for kind in ("device", "lower", "evicted"):
-            ts = sorted(t for k, t in r.get("kinds", []) if k == kind)
+        for kind in ("device", "lower", "evicted"):  # where the shared prefix was found
+            ts = sorted(t for k, t in r.get("found", []) if k == kind)
             if ts:
-                print(f"   {kind}: n={len(ts)} ttft ms p10/p50/p90 {ts[len(ts)//10]*1e3:.0f}/{ts[len(ts)//2]*1e3:.0f}/{ts[len(ts)*9//10]*1e3:.0f}")
+                print(f"   shared prefix {kind:>7}: {len(ts):3d} resumes, TTFT p10/p50/p90 "
+                      f"{ts[len(ts) // 10] * 1e3:.0f}/{ts[len(ts) // 2] * 1e3:.0f}/{ts[len(ts) * 9 // 10] * 1e3:.0f} ms")
         print(f"{policy:>10}: resumes {r['resumes']:3d}  misses {total:3d}  "
               + "  ".join(f"{k} {v}" for k, v in r["misses"].items())
               + f"  median resume TTFT {med * 1e3:.1f} ms  prefetched blocks {r['prefetched_blocks']}"
@@ -139,7 +142,8 @@ def main() -> int:
     print(f"tool-aware / lru misses: {ta} / {lru} = {ratio:.3f} (goal <= 0.25)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"options": vars(args), "runs": [{k: v for k, v in r.items() if k != "ttft_s"} for r in rows],
+            json.dump({"options": vars(args), "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "found")}
+                                                      for r in rows],
                        "ratio": ratio}, f, indent=1)
     return 0
 
