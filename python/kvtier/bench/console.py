@@ -110,6 +110,10 @@ def bench_endpoint(opts, endpoint: str, console: Console, *, json_path: str | No
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{workload.block_size}-token blocks; replayed against {endpoint} (model {opts.model})")
     report.render_table([run], console=console, baseline=run.name)
+    slo = prov.get("resume_slo")
+    if slo is not None:
+        console.print(f"resume target (server): {slo['resumes']} resumes, {slo['missed']} missed ("
+                      + ", ".join(f"{k} {v}" for k, v in slo["misses"].items()) + ")")
     if plot:
         console.print(f"wrote {report.plot_ttft([run], plot)}")
     if json_path:

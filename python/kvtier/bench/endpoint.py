@@ -14,6 +14,11 @@ Timing: TTFT from when the turn was due to the first chunk that carries output (
 or a tool call; role-only chunks do not count); the finish at the end of the stream. Output
 and cached tokens come from the final usage (``prompt_tokens_details.cached_tokens``, and
 kvtier's ``cached_tokens_by_tier`` when the server sends it).
+
+Resume target: a server with a Prometheus ``/metrics`` that counts ``kvtier_resumes`` and
+``kvtier_resume_slo_misses`` (``kvtier serve --resume-ttft-s``) is read before and after the
+replay; the difference (resumes, misses by reason) is reported (:func:`resume_slo_delta`), None
+for a server without them.
 """
 
 from __future__ import annotations
@@ -50,6 +55,40 @@ def server_info(url: str, model: str, timeout_s: float = 30.0) -> dict:
         if m.get("id") == model:
             return m
     raise ValueError(f"--model {model!r} is not served by {url}; it serves {[m.get('id') for m in models]}")
+
+
+RESUME_REASONS = ("evicted", "prefetch_late", "queued")  # kvtier.serve.api.resume.REASONS
+
+
+def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:
+    """``{"resumes", "misses": {reason: n}}`` from the server's ``/metrics`` (Prometheus text),
+    None when it does not answer or exposes no ``kvtier_resumes`` counter."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/metrics", timeout=timeout_s)
+        r.raise_for_status()
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    out = {"resumes": None, "misses": dict.fromkeys(RESUME_REASONS, 0)}
+    for fam in families:
+        for sample in fam.samples:
+            if sample.name == "kvtier_resumes_total":
+                out["resumes"] = int(sample.value)
+            elif sample.name == "kvtier_resume_slo_misses_total" and sample.labels.get("reason") in out["misses"]:
+                out["misses"][sample.labels["reason"]] = int(sample.value)
+    return out if out["resumes"] is not None else None
+
+
+def resume_slo_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What a replay added to the server's resume counters: ``{"resumes", "misses": {reason: n},
+    "missed"}`` (``missed``: all reasons); None when either read failed."""
+    if before is None or after is None:
+        return None
+    misses = {k: after["misses"][k] - before["misses"][k] for k in RESUME_REASONS}
+    return {"resumes": after["resumes"] - before["resumes"], "misses": misses, "missed": sum(misses.values())}
 
 
 def _body(model: str, turn: Turn, session: Session, block_size: int, vocab: int) -> tuple[str, dict]:
@@ -173,7 +212,8 @@ async def replay_http(url: str, model: str, workload: Workload, name: str, *, co
 def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workload, ConfigRun, dict]:
     """Load the workload ``opts`` (a :class:`kvtier.bench.run.BenchOptions`; ``opts.model`` is
     the served model's name) describes and replay it against ``url``: ``(workload, run,
-    provenance)``. Token-id prompts use ids below the preset's vocabulary when ``opts.model``
+    provenance)``; ``provenance["resume_slo"]`` is the server's resume-target counts for the
+    replay (:func:`resume_slo_delta`; None without them). Token-id prompts use ids below the preset's vocabulary when ``opts.model``
     names a kvtier preset, else below :data:`SAFE_VOCAB`.
 
     Raises:
@@ -196,12 +236,14 @@ def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workloa
     name = f"endpoint {opts.model}"
     if on_start is not None:
         on_start(name, workload.num_requests())
+    before = resume_counters(url)
     run = asyncio.run(replay_http(url, opts.model, workload, name, concurrency=opts.concurrency, ramp_s=opts.ramp_s,
                                   vocab_size=vocab, on_finish=on_finish))
+    resume_slo = resume_slo_delta(before, resume_counters(url))
     prov = provenance(endpoint=url, model=opts.model, max_model_len=max_len, token_vocab=vocab,
                       workload={"name": workload.name, "source": workload.source, "format": workload.format,
                                 "sessions": len(workload.sessions), "requests": workload.num_requests(),
                                 "block_size": workload.block_size},
                       token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
-                      options=asdict(opts))
+                      options=asdict(opts), resume_slo=resume_slo)
     return workload, run, prov

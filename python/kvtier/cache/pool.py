@@ -297,6 +297,18 @@ class KVPool:
         """The session's tool returned; its blocks lose any special treatment."""
         self.prefetcher.tool_return(session_id)
 
+    def set_resume_target(self, resume_ttft_s: float | None) -> None:
+        """Plan later tool waits so the session's next turn has a TTFT within ``resume_ttft_s``
+        seconds when capacity allows (None: no target). Under ``tool-aware`` a waiting session's
+        blocks are kept on the device through the wait, or demoted and prefetched back the cost
+        model's load time plus a margin before the expected return
+        (:func:`kvtier.cache.policy.plan_resume`); ``lru`` does neither.
+
+        Raises:
+            ValueError: a target that is not a finite number > 0.
+        """
+        self.prefetcher.set_target(resume_ttft_s)
+
     # ---- background work ----------------------------------------------------------------------
     def poll(self, wait: bool = False) -> None:
         """Advance background work: finish ended writes and prefetches, start due prefetches.

@@ -1,5 +1,10 @@
 """Tool-aware retention and prefetch: sessions waiting on a tool tell the eviction policy, and the
 blocks it says are due come back onto the device before the session returns.
+
+With a resume target (:meth:`Prefetcher.set_target`, ``kvtier serve --resume-ttft-s``) each wait
+also carries the cost model's estimate of loading the session's blocks back from the tier they
+are demoted to, so the policy starts the prefetch that long (plus a margin) before the expected
+return (:func:`kvtier.cache.policy.plan_resume`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,25 @@ class Prefetcher:
         check_hashable("session_id", session_id)
         hashes = checked_block_hashes("hashes", hashes)
         check_real("expected_wait_s", expected_wait_s, min_value=0.0)
-        self.tiers.policy.tool_wait(session_id, hashes, expected_wait_s, self.tiers.clock())
+        t = self.tiers
+        if t.policy.resume_ttft_s is None:
+            t.policy.tool_wait(session_id, hashes, expected_wait_s, t.clock())
+        else:
+            t.policy.tool_wait(session_id, hashes, expected_wait_s, t.clock(), load_s=self.load_back_s(len(hashes)))
+
+    def set_target(self, resume_ttft_s: float | None) -> None:
+        """Plan tool waits for a next-turn TTFT of ``resume_ttft_s`` seconds (None: no target);
+        see :meth:`kvtier.cache.pool.KVPool.set_resume_target`."""
+        self.tiers.policy.set_resume_target(resume_ttft_s, self.pages.num_pages)
+
+    def load_back_s(self, num_blocks: int) -> float:
+        """Seconds the cost model expects for loading ``num_blocks`` demoted blocks back onto the
+        device: from the host tier, else the disk tier (0.0 with neither: nothing to load from)."""
+        t = self.tiers
+        below = Tier.HOST if t.host is not None else Tier.DISK if t.disk is not None else None
+        if below is None or num_blocks <= 0:
+            return 0.0
+        return t.cost_model.prefix_load_s([below] * num_blocks, t.block_bytes)
 
     def tool_return(self, session_id) -> None:
         self.tiers.policy.tool_return(session_id)
