@@ -73,7 +73,7 @@ def test_a_kept_session_stays_on_the_device_past_the_ttl(policy, kept):
     pool.clock.now += 15.0  # past the TTL (10 s) the policy has without a target
     run(pool, range(100, 112), 1)  # 3 blocks: LRU takes the agent's pages
     assert all(on_device(pool, hashes)) is kept
-    assert pool.stats.prefetched_blocks == 0  # nothing had to come back
+    assert pool.stats().prefetched_blocks == 0  # nothing had to come back
 
 
 def test_a_declared_wait_is_prefetched_load_time_plus_margin_before_the_return():
@@ -81,19 +81,19 @@ def test_a_declared_wait_is_prefetched_load_time_plus_margin_before_the_return()
     agent = run(pool, range(20), 0)  # 5 blocks: more than half of the device, so not kept
     hashes = agent.block_hashes[:5]
     pool.tool_wait("agent", list(range(20)), expected_wait_s=20.0)
-    w = pool.policy.sessions["agent"]
+    w = pool.tiers.policy.sessions["agent"]
     assert not w.kept and w.prefetch_at == pytest.approx(100.0 + 20.0 - LOAD_LATENCY_S - 5.0)
     pool.clock.now += 11.0  # the TTL is over: the blocks are ordinary victims
     run(pool, range(100, 132), 1)  # 8 blocks: the whole device
     assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 5
     pool.clock.now = w.prefetch_at - 0.01
     pool.poll(wait=True)
-    assert pool.stats.prefetched_blocks == 0  # not due yet
+    assert pool.stats().prefetched_blocks == 0  # not due yet
     pool.clock.now = w.prefetch_at
     pool.poll(wait=True)  # due: loaded before the expected return at 120 s
-    assert pool.stats.prefetched_blocks > 0
+    assert pool.stats().prefetched_blocks > 0
     back = set(h for h, on in zip(hashes, on_device(pool, hashes)) if on)
-    assert len(back) == pool.stats.prefetched_blocks
+    assert len(back) == pool.stats().prefetched_blocks
     pool.clock.now += 3.0  # still before the return
     run(pool, range(300, 304), 2)  # another request takes a page: not one the prefetch brought back
     assert back <= set(h for h, on in zip(hashes, on_device(pool, hashes)) if on)
@@ -107,7 +107,7 @@ def test_without_a_target_the_policy_plans_as_before():
     pool = make_pool(target=None)
     run(pool, range(20), 0)
     pool.tool_wait("agent", list(range(20)), expected_wait_s=20.0)
-    w = pool.policy.sessions["agent"]
+    w = pool.tiers.policy.sessions["agent"]
     assert (w.keep_until, w.prefetch_at, w.hold_until, w.kept) == (110.0, 118.0, None, False)
 
 
@@ -116,8 +116,8 @@ def test_kept_sessions_share_the_keep_budget():
     for i, sid in enumerate("abc"):
         run(pool, range(1000 * i, 1000 * i + 12), i)  # 3 blocks each
         pool.tool_wait(sid, list(range(1000 * i, 1000 * i + 12)), expected_wait_s=10.0)
-    kept = {sid: w.kept for sid, w in pool.policy.sessions.items()}
-    assert kept == {"a": True, "b": True, "c": False} and pool.policy.kept_blocks(pool.clock()) == 6
+    kept = {sid: w.kept for sid, w in pool.tiers.policy.sessions.items()}
+    assert kept == {"a": True, "b": True, "c": False} and pool.tiers.policy.kept_blocks(pool.clock()) == 6
     pool.tool_return("a")  # its budget is free again
     pool.tool_wait("c", list(range(2000, 2012)), expected_wait_s=10.0)
-    assert pool.policy.sessions["c"].kept
+    assert pool.tiers.policy.sessions["c"].kept
