@@ -37,6 +37,22 @@ def tok(tok_dir):
     return load_tokenizer(tok_dir)
 
 
+@pytest.fixture
+def tool_call_parsers(monkeypatch):
+    """Every :class:`kvtier.toolcall.ToolCallParser` built while the test runs, in order (however
+    it is built: ``for_tokenizer`` or the class itself; in this process only)."""
+    from kvtier.toolcall import ToolCallParser
+
+    made, real = [], ToolCallParser.__post_init__
+
+    def counted(self):
+        made.append(self)
+        real(self)
+
+    monkeypatch.setattr(ToolCallParser, "__post_init__", counted)
+    return made
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (wider sweeps)")
 

@@ -140,3 +140,53 @@ def test_real_requests_and_walle_tools_give_valid_calls(llm):
         assert tally.calls >= len(cases) and tally.valid_calls == tally.calls, (
             tally.failures
         )
+
+
+def _summary(events) -> dict:
+    """What a run of parser events says: the fields a RequestOutput reports."""
+    kinds = lambda name: [e for e in events if type(e).__name__ == name]  
+    return {"content": "".join(e.text for e in kinds("ContentDelta")),
+            "reasoning_content": "".join(e.text for e in kinds("ReasoningDelta")),
+            "tool_calls": [e.to_dict() for e in kinds("ToolCall")],
+            "tool_call_problems": [e.to_dict() for e in kinds("ToolCallProblem")]}
+
+
+def _reported(out) -> dict:
+    return {k: getattr(out, k) for k in ("content", "reasoning_content", "tool_calls", "tool_call_problems")}
+
+
+@pytest.mark.parametrize("max_tokens", [48, 6], ids=["calls", "cut"])
+def test_llm_chat_parses_each_turn_once(llm, tool_call_parsers, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=3)
+    out = llm.chat(ASK, tools=[SEARCH, LS], tool_choice="required", sampling_params=params)
+    assert len(tool_call_parsers) == 1
+    assert out.tool_calls if max_tokens == 48 else out.tool_call_problems[0]["kind"] == "incomplete"
+    # the output's fields are its one parser's events
+    assert out.events and _summary(out.events) == _reported(out)
+
+
+def test_take_events_streams_the_parse_the_output_reports(llm, tool_call_parsers):
+    """Events taken after each step, then the output's rest, are the one parse of the turn: each
+    call is taken in the step its ``<|tool_call_end|>`` is sampled, before the turn ends."""
+    from kvtier.serve.chat import add_chat_request, new_encoder
+
+    engine = llm.engine
+    if engine.tokenizer is None:  # LLM attaches it on the first chat or tools request
+        engine.attach_tokenizer(llm.tokenizer)
+    params = SamplingParams(max_tokens=48, temperature=0.0, seed=3, tools=[SEARCH, LS], tool_choice="required")
+    rid = add_chat_request(engine, new_encoder(engine, llm.tokenizer), ASK, params)
+    end = llm.tokenizer.token_id("<|tool_call_end|>")
+    taken, steps_of_calls, out = [], [], None
+    while out is None:
+        done = {o.request_id: o for o in engine.step()}
+        out = done.get(rid)
+        if out is None:
+            new = engine.take_events(rid)
+            taken += new
+            steps_of_calls += [len(engine.sequence(rid).output_token_ids)] * sum(
+                type(e).__name__ == "ToolCall" for e in new)
+    assert len(tool_call_parsers) == 1 and out.tool_calls
+    assert _summary(taken + out.events) == _reported(out)
+    ends = [i + 1 for i, t in enumerate(out.token_ids) if t == end]
+    assert steps_of_calls and steps_of_calls == ends[:len(steps_of_calls)] and len(steps_of_calls) >= len(ends) - 1
+    assert engine.take_events(rid) == []  # reported: nothing more

@@ -84,7 +84,9 @@ class Engine:
 
     def attach_tokenizer(self, tokenizer) -> None:
         """Use ``tokenizer`` (a :class:`kvtier.tokenize.KimiTokenizer`) to parse every output into
-        ``content``/``tool_calls`` and to build grammars for requests with tools."""
+        ``content``/``tool_calls`` (one streaming :class:`kvtier.toolcall.ToolCallParser` per
+        request, read by :meth:`take_events` and ``RequestOutput.events``) and to build grammars
+        for requests with tools."""
         self.tokenizer = tokenizer
 
     def grammar_compiler(self):
@@ -393,6 +395,30 @@ class Engine:
         None when the request is unknown or already reported by :meth:`step`."""
         return self._sequences.get(request_id)
 
+    def take_events(self, request_id: int) -> list:
+        """The tool-call parser's events of the tokens request ``request_id`` generated since the
+        last call: :class:`kvtier.toolcall.ContentDelta`, ``ReasoningDelta``, ``ToolCall`` (each
+        as soon as its ``<|tool_call_end|>`` is seen) and ``ToolCallProblem``, in output order.
+
+        The request's one parser is fed here (a streaming consumer calls this after each step)
+        and at the end by :meth:`step`, whose ``RequestOutput.events`` holds the events not taken
+        yet, ending with the parser's ``finish``; how the output is cut into calls never changes
+        ``content``, ``tool_calls`` and the other parsed fields. Empty when the request is
+        unknown, already reported, or the engine has no tokenizer.
+        """
+        seq = self._sequences.get(request_id)
+        return self._parse(seq) if seq is not None else []
+
+    def _parse(self, seq: Sequence, final: bool = False) -> list:
+        """Feed ``seq``'s output tokens not yet parsed to its parser (then end it when ``final``);
+        returns the new events ([] without a parser)."""
+        if seq.parser is None:
+            return []
+        new = seq.output_token_ids[seq.num_parsed_tokens:]
+        seq.num_parsed_tokens += len(new)
+        events = seq.parser.feed_ids(new)
+        return events + seq.parser.finish() if final else events
+
     def abort(self, request_ids) -> None:
         """Drop unfinished requests (their pages are freed; nothing is returned for them)."""
         request_ids = set(request_ids)
@@ -489,10 +515,9 @@ class Engine:
         if seq.metrics.finish_step is None:
             seq.metrics.finish_step = self.num_steps
         parsed = {}
-        if seq.parser is not None:  # once at the end: the parser's result does not depend on chunking
-            seq.parser.feed_ids(seq.output_token_ids)
-            seq.parser.finish()
-            parsed = seq.parser.result()
+        if seq.parser is not None:  # the tokens take_events has not parsed yet, then the end
+            events = self._parse(seq, final=True)
+            parsed = {**seq.parser.result(), "events": events}
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,

@@ -157,6 +157,10 @@ class RequestOutput:
         last_prompt_block: the block hash (16 bytes) of the prompt's last full block, None when
             the prompt has no full block or prefix caching is off: what a router looks up in
             the workers' KV events to find where the prompt's prefix is cached.
+        events: the request's tool-call parser events (``kvtier.toolcall.ContentDelta``,
+            ``ReasoningDelta``, ``ToolCall``, ``ToolCallProblem``) not already taken with
+            ``Engine.take_events``: every event of the output when none were (None without a
+            tokenizer). Not compared and not in the repr.
     """
 
     request_id: int
@@ -174,3 +178,4 @@ class RequestOutput:
     tool_calls: list[dict] | None = None
     tool_call_problems: list[dict] | None = None
     last_prompt_block: bytes | None = None
+    events: list | None = field(default=None, repr=False, compare=False)

@@ -57,6 +57,7 @@ class Sequence:
     error: str | None = None
     constraint: object | None = None  # kvtier.toolcall.ToolCallConstraint of a request with tools
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
+    num_parsed_tokens: int = 0  # output tokens fed to ``parser`` so far (Engine.take_events, Engine._output)
     num_prompt_tokens: int | None = None  # given only when prompt_token_ids is None
     kv: KVState = field(init=False, repr=False)
     prompt_block_hashes: InitVar[list[bytes] | None] = None

@@ -2,9 +2,10 @@
 
 A :class:`Job` turns the tokens its request generated since the last step into events for the
 asyncio side: text deltas (after stop strings are cut), and for chat each tool call as soon as
-the streaming :class:`kvtier.toolcall.ToolCallParser` sees its ``<|tool_call_end|>``. Events are
-delivered with ``loop.call_soon_threadsafe`` into the request's ``asyncio.Queue``; the last one
-is a :class:`Final` summary.
+the engine's streaming parser of the request sees its ``<|tool_call_end|>`` (a chat job parses
+nothing itself: it consumes the parser events of :meth:`kvtier.serve.engine.Engine.take_events`
+and ``RequestOutput.events``). Events are delivered with ``loop.call_soon_threadsafe`` into the
+request's ``asyncio.Queue``; the last one is a :class:`Final` summary.
 """
 
 from __future__ import annotations
@@ -113,10 +114,12 @@ class Job:
     request_id: int | None = None
     prompt_ids: list[int] = field(default_factory=list)
     sent: int = 0
-    decoder: Any = None  # ToolCallParser (chat) or StreamDecoder (completion)
+    decoder: Any = None  # StreamDecoder (completion; a chat job reads the engine's parser events)
     stop: StopFilter | None = None
     content: str = ""
+    reasoning: str = ""
     calls: list[dict] = field(default_factory=list)
+    problems: list[dict] = field(default_factory=list)
     done: bool = False
 
     def emit(self, kind: str, value) -> None:
@@ -128,16 +131,18 @@ class Job:
 
     def start(self, tokenizer) -> None:
         from kvtier.tokenize.tokenizer import StreamDecoder
-        from kvtier.toolcall import ToolCallParser
 
-        self.decoder = ToolCallParser.for_tokenizer(tokenizer) if self.kind == "chat" else StreamDecoder(tokenizer)
+        self.decoder = None if self.kind == "chat" else StreamDecoder(tokenizer)
         self.stop = StopFilter(self.stops)
 
-    def feed(self, ids: list[int], logprobs: list[float], final: bool) -> Delta:
-        """Events of ``ids`` (newly generated); ``final``: the request ended after them."""
+    def feed(self, ids: list[int], logprobs: list[float], final: bool, events=()) -> Delta:
+        """The delta of ``ids`` (newly generated); ``final``: the request ended after them.
+
+        ``events``: for chat, the engine parser's events of ``ids`` (``Engine.take_events``, or
+        ``RequestOutput.events`` when ``final``); a completion decodes ``ids`` as text instead.
+        """
         text, reasoning, calls = [], [], []
         if self.kind == "chat":
-            events = self.decoder.feed_ids(ids) + (self.decoder.finish() if final else [])
             for e in events:
                 name = type(e).__name__
                 if name == "ContentDelta":
@@ -147,6 +152,9 @@ class Job:
                 elif name == "ToolCall" and not self.stop.hit:
                     calls.append({"index": len(self.calls), **e.to_dict()})
                     self.calls.append(calls[-1])
+                elif name == "ToolCallProblem":
+                    self.problems.append(e.to_dict())
+            self.reasoning += "".join(reasoning)
         else:
             text = [self.stop.push("".join(self.decoder.push(i) for i in ids))]
             if final:
@@ -167,11 +175,10 @@ class Job:
             finish_reason = "stop"
         elif finish_reason == "stop" and self.calls:
             finish_reason = "tool_calls"
-        problems = [p.to_dict() for p in getattr(self.decoder, "problems", [])]
         status = 400 if error and error.split(":", 1)[0] in ("ValueError", "GrammarError", "GrammarLimitError") else 500
         lps = list(o.logprobs) if self.params.logprobs and o.logprobs is not None else None
         return Final(finish_reason or "stop", len(o.prompt_token_ids), n_out, o.num_cached_tokens,
-                     dict(o.cached_tokens_by_tier), self.content, getattr(self.decoder, "reasoning", ""),
-                     list(self.calls), problems, lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
+                     dict(o.cached_tokens_by_tier), self.content, self.reasoning,
+                     list(self.calls), list(self.problems), lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
                      error, status, getattr(o, "last_prompt_block", None),  # a Sequence when cut by a stop string
                      o.metrics.engine_steps, self.stop.matched if self.stop is not None else None)

@@ -247,7 +247,7 @@ class EngineWorker:
             if len(ids) > job.sent or out is not None:
                 new, new_lps = list(ids[job.sent:]), list(lps[job.sent:len(ids)])
                 job.sent = len(ids)
-                delta = job.feed(new, new_lps, final=out is not None)
+                delta = job.feed(new, new_lps, final=out is not None, events=self._parsed(job, out))
                 if delta.text or delta.reasoning or delta.tool_calls or delta.token_ids:
                     job.emit("delta", delta)
             if out is not None:
@@ -255,6 +255,15 @@ class EngineWorker:
             elif job.stop is not None and job.stop.hit:  # a stop string: end it here
                 self.engine.abort([rid])
                 self._finish(job, job.final(state, "stop"))
+
+    def _parsed(self, job: Job, out) -> list:
+        """The engine's tool-call parser events of ``job``'s new tokens (a chat job parses nothing
+        itself): those of its finished output ``out``, else the ones the live request has now."""
+        if job.kind != "chat":
+            return []
+        if out is not None:
+            return out.events or []
+        return self.engine.take_events(job.request_id)
 
     def _finish(self, job: Job, final: Final) -> None:
         self._jobs.pop(job.request_id, None)
