@@ -8,9 +8,11 @@ dtypes at which the ahead-of-time compile gate (``perf/compile_gate.py``) must b
 target. The gate imports every module of this package (:func:`load_all`) and compiles what
 registered, so a new kernel joins the gate by registering.
 
-Kernels call no other ``@triton.jit`` function: the launchers run the same body under the
-interpreter (``TRITON_INTERPRET=1``) by wrapping ``kernel.fn`` at launch time, and a nested
-JIT call would not be interpreted.
+The launchers run a kernel's body under the interpreter (``TRITON_INTERPRET=1``) by wrapping
+``kernel.fn`` at launch time; a ``@triton.jit`` helper the body calls (``moe.tile_rows``) is not
+rewrapped, so it runs interpreted only if its module was imported with the interpreter on. The
+kernel modules are imported lazily by their launchers, at the first launch, when the dispatcher
+has already checked the interpreter (it must be on before triton's import) for CPU tensors.
 """
 
 from __future__ import annotations

@@ -86,6 +86,36 @@ def moe_route_kernel(router_logits, stride_t, bias, topk_weights, topk_ids, num_
 
 
 @triton.jit
+def tile_rows(sorted_ids, expert_ids, num_padded, num_rows, top_k, GROUPED: tl.constexpr,
+              A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The rows of row block ``program_id(0)``: ``(expert, row, row_ok, a_row)``.
+
+    GROUPED (the sorted layout above; ``num_padded`` [1] int32): ``expert`` = ``expert_ids[pid_m]``
+    as an int64 scalar, ``-1`` for a block at or past ``num_padded`` (the caller returns on
+    ``expert < 0``); ``row`` [BLOCK_M] = the block's ``sorted_ids`` (flat pair indices), ``num_rows``
+    for (unread) slots at or past ``num_padded``.
+    Dense: ``expert`` = 0 (a constexpr), ``row`` = ``pid_m * BLOCK_M + arange(BLOCK_M)``.
+    ``row_ok = row < num_rows`` (num_rows: ``T * top_k`` pairs, or M dense); ``a_row`` = the
+    activation row, ``row // top_k`` if A_PER_TOKEN else ``row``.
+    """
+    pid_m = tl.program_id(0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUPED:
+        padded = tl.load(num_padded)
+        expert = tl.load(expert_ids + pid_m, mask=pid_m * BLOCK_M < padded, other=-1).to(tl.int64)
+        row = tl.load(sorted_ids + offs_m, mask=offs_m < padded, other=num_rows)
+    else:
+        expert = 0
+        row = offs_m
+    row_ok = row < num_rows
+    if A_PER_TOKEN:
+        a_row = row // top_k
+    else:
+        a_row = row
+    return expert, row, row_ok, a_row
+
+
+@triton.jit
 def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, N, K,
                      stride_am, stride_we, stride_wn, stride_om, gate_offset,
                      GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, UPCAST: tl.constexpr,
@@ -100,20 +130,11 @@ def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded
     topk_weights: [T * top_k] fp32 (read unless GATED). sorted_ids [num_padded_max] int32;
     expert_ids [num_blocks_max] int32; num_padded [1] int32 = used length of sorted_ids.
     """
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded):
-        return
-    expert = tl.load(expert_ids + pid_m).to(tl.int64)
+    expert, pair, row_ok, a_row = tile_rows(sorted_ids, expert_ids, num_padded, num_pairs, top_k, True,
+                                            A_PER_TOKEN, BLOCK_M)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids + offs_m)
-    row_ok = pair < num_pairs
-    if A_PER_TOKEN:
-        a_row = pair // top_k
-    else:
-        a_row = pair
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

@@ -20,7 +20,8 @@ expert 0, optional ``bias``; grouped (MoE, after ``moe_align_block_size``, the r
 :func:`kvtier.triton_kernels.moe.fused_moe_kernel`): ``sorted_ids`` maps each padded row to a
 (token, choice) pair, ``expert_ids`` gives each row block's expert. ``GATED`` (first MoE GEMM)
 reads gate rows ``n`` and up rows ``gate_offset + n`` and stores ``silu(gate) * up`` in ``out``'s
-dtype; the second GEMM multiplies each row by its routing weight and stores fp32.
+dtype; the second GEMM multiplies each row by its routing weight and stores fp32. Both kernels
+take their rows from :func:`kvtier.triton_kernels.moe.tile_rows`.
 
 ``UPCAST`` (set under the interpreter, whose bf16 and fp8 arithmetic is not faithful): tiles go to
 ``tl.dot`` in fp32, and the fp8 rounding of the activations is done in fp32 arithmetic (round to
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kvtier.triton_kernels import CompileCase, fp8_e4m3_name, register_kernel
+from kvtier.triton_kernels.moe import tile_rows
 
 
 @triton.jit
@@ -50,24 +52,11 @@ def w4a16_gemm_kernel(a, w, w_scale, out, bias, topk_weights, sorted_ids, expert
     ``stride_om``); bias [N] (HAS_BIAS); topk_weights [T * top_k] fp32, sorted_ids, expert_ids,
     num_padded int32 (GROUPED); num_rows = M (dense) or T * top_k pairs (grouped).
     """
-    pid_m = tl.program_id(0)
+    expert, row, row_ok, a_row = tile_rows(sorted_ids, expert_ids, num_padded, num_rows, top_k, GROUPED,
+                                           A_PER_TOKEN, BLOCK_M)
+    if expert < 0:
+        return
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if GROUPED:
-        if pid_m * BLOCK_M >= tl.load(num_padded):
-            return
-        expert = tl.load(expert_ids + pid_m).to(tl.int64)
-        if expert < 0:
-            return
-        row = tl.load(sorted_ids + offs_m)
-    else:
-        expert = 0
-        row = offs_m
-    row_ok = row < num_rows
-    if A_PER_TOKEN:
-        a_row = row // top_k
-    else:
-        a_row = row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -120,24 +109,11 @@ def fp8_block_gemm_kernel(a, w, w_scale, out, bias, topk_weights, sorted_ids, ex
     w_scale: fp32 [E, ceil(rows / block_n), ceil(K / BLOCK_K)] (strides stride_se, stride_sn, 1);
     the rest as :func:`w4a16_gemm_kernel`. FP8_MAX: 448.0 (e4m3fn) or 240.0 (e4m3fnuz, FNUZ).
     """
-    pid_m = tl.program_id(0)
+    expert, row, row_ok, a_row = tile_rows(sorted_ids, expert_ids, num_padded, num_rows, top_k, GROUPED,
+                                           A_PER_TOKEN, BLOCK_M)
+    if expert < 0:
+        return
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if GROUPED:
-        if pid_m * BLOCK_M >= tl.load(num_padded):
-            return
-        expert = tl.load(expert_ids + pid_m).to(tl.int64)
-        if expert < 0:
-            return
-        row = tl.load(sorted_ids + offs_m)
-    else:
-        expert = 0
-        row = offs_m
-    row_ok = row < num_rows
-    if A_PER_TOKEN:
-        a_row = row // top_k
-    else:
-        a_row = row
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)

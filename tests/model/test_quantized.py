@@ -143,16 +143,15 @@ def _generate_and_score(path, dequantize, prompt, tokens=None):
 
 
 @pytest.mark.parametrize("dtype", ["int4", "fp8"])
-def test_generation_matches_the_weights_dequantized(ckpt, dtype, monkeypatch):
+def test_generation_matches_the_weights_dequantized(ckpt, dtype):
     """The quantized model's prompt log-probs (chunked prefill) and greedy decode log-probs equal
     the dequantized model's log-probs of the same tokens. FP8 is W8A8: its activation quantization
-    is switched off here (the reference's per-token-group fake quantization made the identity), so
-    what is compared is the weights' placement and scales; with it on, see the next test."""
-    if dtype == "fp8":
-        monkeypatch.setattr(ref, "_fake_quant_fp8", lambda x, group_size, dtype: x.float())
+    is switched off here (:func:`kvtier.reference.quant.fp8_activation_quant`), so what is
+    compared is the weights' placement and scales; with it on, see the next test."""
     prompt = torch.randint(0, CONFIG.vocab_size, (45,), generator=torch.Generator().manual_seed(1)).tolist()
-    tokens, got = _generate_and_score(ckpt[dtype], False, prompt)
-    want = _generate_and_score(ckpt[dtype], True, prompt, tokens)
+    with ref.fp8_activation_quant(dtype != "fp8"):
+        tokens, got = _generate_and_score(ckpt[dtype], False, prompt)
+        want = _generate_and_score(ckpt[dtype], True, prompt, tokens)
     err = (got - want).abs()
     assert got.shape == want.shape == (len(prompt) - 1 + 6,)
     assert float(err.max()) <= ATOL[dtype], f"{dtype}: max |diff| {float(err.max()):.3g} at {int(err.argmax())}"
@@ -366,11 +365,16 @@ def test_create_checkpoint_command_writes_int4(tmp_path, capsys):
     assert "model.layers.2.mlp.experts.15.down_proj.weight" not in index
 
 
-def test_fp8_weights_convert_to_e4m3fnuz_without_changing_the_model(ckpt, monkeypatch):
+@pytest.fixture
+def no_fp8_activation_quant():
+    with ref.fp8_activation_quant(False):
+        yield
+
+
+def test_fp8_weights_convert_to_e4m3fnuz_without_changing_the_model(ckpt, no_fp8_activation_quant):
     """gfx942's matrix cores take float8_e4m3fnuz: the loader re-expresses the weights there; the
     values (weight x scale) stay the same, and so do the logits with the activation quantization
     off (W8A8 quantizes activations to the weight's fp8 dtype, whose largest value differs)."""
-    monkeypatch.setattr(ref, "_fake_quant_fp8", lambda x, group_size, dtype: x.float())
     from kvtier.model.loader import convert_fp8_weights
     from tests.model.test_compile import _caches, _decode_inputs, _page_tables, _prefill
 

@@ -227,3 +227,25 @@ def test_a_kv_cache_too_large_to_allocate_names_num_device_pages():
     # 2**40 pages of the tiny model are petabytes: the allocator's RuntimeError named no option
     with pytest.raises(ValueError, match=r"num_device_pages=1099511627776 .*bytes"):
         LLM("tiny", page_size=16, num_device_pages=2**40)
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("{", "must be a JSON object, got '{'"),
+    ("[1]", "must be a JSON object, got list"),
+    ('{"no_such": 1}', "unknown field(s) ['no_such']"),
+    ('{"mask_deadline_s": -1}', "mask_deadline_s must be a number > 0, got -1"),
+])
+def test_cli_serve_reports_bad_grammar_limits(capsys, value, expected):
+    # checked before any model or server is built
+    assert main(["serve", "tiny", "--grammar-limits", value]) == 2
+    err = capsys.readouterr().err
+    assert "--grammar-limits" in err and expected in err, err
+
+
+def test_grammar_limits_flag_parses_to_grammar_limits():
+    from kvtier.cli.serve import parse_grammar_limits
+    from kvtier.toolcall import GrammarLimits
+
+    assert parse_grammar_limits(None) is None
+    limits = parse_grammar_limits('{"max_grammar_size": 100000, "mask_deadline_s": 1}')
+    assert isinstance(limits, GrammarLimits) and limits.max_grammar_size == 100000 and limits.mask_deadline_s == 1

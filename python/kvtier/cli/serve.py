@@ -33,8 +33,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--decode-workers is for --role prefill, got --role {args.role}")
     if not 0 < args.transfer_timeout_s < float("inf"):
         raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {args.transfer_timeout_s}")
-    from kvtier.serve.api.server import parse_grammar_limits
-
     grammar_limits = parse_grammar_limits(args.grammar_limits)
     torch.set_num_threads(args.threads)
     engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
@@ -52,6 +50,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           resume_ttft_s=args.resume_ttft_s, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
+
+
+def parse_grammar_limits(text: str | None):
+    """``--grammar-limits`` JSON as a :class:`kvtier.toolcall.GrammarLimits` (None: the defaults).
+
+    Raises:
+        ValueError: not a JSON object of GrammarLimits fields with valid values (named).
+    """
+    if text is None:
+        return None
+    import json
+
+    from kvtier.toolcall import GrammarLimits
+
+    try:
+        values = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--grammar-limits must be a JSON object, got {text!r:.80}: {e}") from None
+    try:
+        return GrammarLimits.from_dict(values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--grammar-limits: {e}") from None
 
 
 def add_parser(sub) -> None:

@@ -189,6 +189,18 @@ def _moe_fp8_impl(backend, *args):
     return _triton().fused_moe_fp8_block(*args) if backend == "triton" else ref.fused_moe_fp8_block(*args)
 
 
+def _dispatch(op: str, backend: str, device, dtype: torch.dtype, impl, *args):
+    """Resolve ``backend`` for ``op`` at (``device``, ``dtype``) and run it in a ``kvtier::<op>``
+    profiler range: through the registered ``torch.ops.kvtier.<op>`` when the resolved backend is
+    the device's default (the op ``torch.compile`` and graph capture see), else ``impl(resolved,
+    *args)`` directly. Raises :class:`BackendUnavailableError` as :func:`resolve_backend` does."""
+    resolved = resolve_backend(op, backend, device, dtype)
+    with torch.profiler.record_function(f"kvtier::{op}"):
+        if resolved == device_backend(op, device):
+            return getattr(torch.ops.kvtier, op)(*args)
+        return impl(resolved, *args)
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library ops
 
@@ -375,11 +387,8 @@ def linear_w4a16(x, weight_packed, weight_scale, group_size=32, bias=None, out_d
     dev = x.device if isinstance(x, torch.Tensor) else None
     n, k = _check_int4(weight_packed, weight_scale, "", group_size, dev, [])
     out_dtype = _check_linear_io(x, k, n, bias, out_dtype, dev)
-    resolved = resolve_backend("linear_w4a16", backend, dev, x.dtype)
-    with torch.profiler.record_function("kvtier::linear_w4a16"):
-        if resolved == device_backend("linear_w4a16", dev):
-            return torch.ops.kvtier.linear_w4a16(x, weight_packed, weight_scale, group_size, bias, out_dtype)
-        return _linear_w4a16_impl(resolved, x, weight_packed, weight_scale, group_size, bias, out_dtype)
+    return _dispatch("linear_w4a16", backend, dev, x.dtype, _linear_w4a16_impl, x, weight_packed, weight_scale,
+                     group_size, bias, out_dtype)
 
 
 def linear_fp8_block(x, weight, weight_scale_inv, block_size=(128, 128), bias=None, out_dtype=None, *,
@@ -411,11 +420,8 @@ def linear_fp8_block(x, weight, weight_scale_inv, block_size=(128, 128), bias=No
     dev = x.device if isinstance(x, torch.Tensor) else None
     n, k = _check_fp8(weight, weight_scale_inv, "weight", bs, dev, [])
     out_dtype = _check_linear_io(x, k, n, bias, out_dtype, dev)
-    resolved = resolve_backend("linear_fp8_block", backend, dev, x.dtype)
-    with torch.profiler.record_function("kvtier::linear_fp8_block"):
-        if resolved == device_backend("linear_fp8_block", dev):
-            return torch.ops.kvtier.linear_fp8_block(x, weight, weight_scale_inv, bs, bias, out_dtype)
-        return _linear_fp8_impl(resolved, x, weight, weight_scale_inv, tuple(bs), bias, out_dtype)
+    return _dispatch("linear_fp8_block", backend, dev, x.dtype, _linear_fp8_impl, x, weight, weight_scale_inv,
+                     tuple(bs), bias, out_dtype)
 
 
 def fused_moe_w4a16(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size=32,
@@ -461,12 +467,8 @@ def fused_moe_w4a16(hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, t
         raise ValueError(f"w2_packed must have shape ({num_experts}, {hidden}, {inter // INT4_PER_INT32}) = "
                          f"(E, H, I // 8), got {tuple(w2_packed.shape)}")
     _check_routing(hidden_states, topk_weights, topk_ids, num_experts, validate)
-    args = (hidden_states, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
-    resolved = resolve_backend("fused_moe_w4a16", backend, dev, hidden_states.dtype)
-    with torch.profiler.record_function("kvtier::fused_moe_w4a16"):
-        if resolved == device_backend("fused_moe_w4a16", dev):
-            return torch.ops.kvtier.fused_moe_w4a16(*args)
-        return _moe_w4a16_impl(resolved, *args)
+    return _dispatch("fused_moe_w4a16", backend, dev, hidden_states.dtype, _moe_w4a16_impl, hidden_states, w13_packed,
+                     w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, group_size)
 
 
 def fused_moe_fp8_block(hidden_states, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
@@ -504,9 +506,5 @@ def fused_moe_fp8_block(hidden_states, w13, w13_scale_inv, w2, w2_scale_inv, top
     _check_fp8(w2, w2_scale_inv, "w2", bs, dev, [num_experts], dtype=w13.dtype)
     check_tensor(w2, "w2", shape=[num_experts, hidden, inter])
     _check_routing(hidden_states, topk_weights, topk_ids, num_experts, validate)
-    args = (hidden_states, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids)
-    resolved = resolve_backend("fused_moe_fp8_block", backend, dev, hidden_states.dtype)
-    with torch.profiler.record_function("kvtier::fused_moe_fp8_block"):
-        if resolved == device_backend("fused_moe_fp8_block", dev):
-            return torch.ops.kvtier.fused_moe_fp8_block(*args, bs)
-        return _moe_fp8_impl(resolved, *args, tuple(bs))
+    return _dispatch("fused_moe_fp8_block", backend, dev, hidden_states.dtype, _moe_fp8_impl, hidden_states, w13,
+                     w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, tuple(bs))

@@ -34,7 +34,9 @@ linears) + ``2 * T * H`` activation elements; FLOPs ``6 * T * top_k * H * I``.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -122,8 +124,41 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, dtype: torch.dty
     return q.to(dtype), scale
 
 
+_fp8_act_quant = True  # set by fp8_activation_quant
+
+
+@contextlib.contextmanager
+def fp8_activation_quant(enabled: bool) -> Iterator[None]:
+    """Switch the activation quantization of the W8A8 references (:func:`linear_fp8_block`,
+    :func:`fused_moe_fp8_block`) on or off within a ``with`` block (on outside any block).
+
+    Off, they multiply the activations as they are (fp32) by the dequantized weights, so an FP8
+    model on the torch backend computes with its weights' values alone: what a test of weight
+    placement and scales compares. Process-wide, not per thread; the Triton kernels always
+    quantize. The previous setting comes back on exit.
+
+    Example:
+        >>> x = torch.tensor([[1.0, 0.3]])
+        >>> w, s = torch.ones(1, 2, dtype=torch.float8_e4m3fn), torch.ones(1, 1)
+        >>> with fp8_activation_quant(False):
+        ...     float(linear_fp8_block(x, w, s))
+        1.2999999523162842
+        >>> float(linear_fp8_block(x, w, s))  # scale 1 / 448: 0.3 -> 134.4 -> e4m3 128 -> 0.2857
+        1.2857142686843872
+    """
+    global _fp8_act_quant
+    before, _fp8_act_quant = _fp8_act_quant, bool(enabled)
+    try:
+        yield
+    finally:
+        _fp8_act_quant = before
+
+
 def _fake_quant_fp8(x: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 values of ``x`` after per-token-group fp8 quantization (x_q * s)."""
+    """fp32 values of ``x`` after per-token-group fp8 quantization (x_q * s); ``x`` in fp32 when
+    :func:`fp8_activation_quant` has switched the quantization off."""
+    if not _fp8_act_quant:
+        return x.float()
     q, s = per_token_group_quant_fp8(x, group_size, dtype)
     return q.float() * s.repeat_interleave(group_size, -1)[:, :x.shape[1]]
 

@@ -11,7 +11,7 @@ after another). Shapes from :class:`kvtier.model.KimiK2Config`; ``T`` = tokens i
 FLOPs and heads are split ``tp`` ways; the MLA latent cache is not, see :class:`Node`):
 
 - attention projections per layer (``q_a``, ``q_b``, ``kv_a``, ``kv_b``, ``o``): FLOPs ``2*T*P_attn``,
-  weight bytes ``P_attn * weight_bytes`` (all read every step);
+  weight bytes ``P_attn * weight_dtype_bytes`` (all read every step);
 - MoE layer: FLOPs ``2*T*(k + n_shared)*P_expert``; weight bytes of the experts hit:
   ``E * (1 - (1 - k/E)**T)`` routed experts (uniform routing, what the load-balanced router of
   DeepSeek-V3 aims at) plus the shared ones; the dense first layer ``2*T*P_mlp``;
@@ -154,15 +154,6 @@ class _Params:
         attn = q + h * c.kv_cache_dim + kv_b + heads * c.v_head_dim * h
         return _Params(attn + h * c.n_routed_experts, 3 * h * c.moe_intermediate_size, 3 * h * c.intermediate_size,
                        c.vocab_size * h, c.num_hidden_layers - c.first_k_dense_replace)
-
-
-def weight_bytes(c: KimiK2Config, weight_dtype_bytes: float = 1.0, embed_dtype_bytes: float = 2.0) -> float:
-    """Bytes of all weights: linear layers at ``weight_dtype_bytes`` per parameter (K2 ships FP8:
-    1), token embedding and ``lm_head`` at ``embed_dtype_bytes`` (BF16 in K2's checkpoint)."""
-    s, layers = _Params.of(c), c.num_hidden_layers
-    linear = layers * s.attn + s.moe_layers * (c.n_routed_experts + c.n_shared_experts) * s.expert
-    linear += (layers - s.moe_layers) * s.mlp
-    return linear * weight_dtype_bytes + 2 * s.lm_head * embed_dtype_bytes
 
 
 def prefill_tok_s(timer, chunk_tokens: int) -> float:

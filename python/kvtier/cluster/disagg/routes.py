@@ -24,7 +24,13 @@ from starlette.requests import ClientDisconnect
 
 from kvtier.cluster.disagg.blocks import ValueReader
 from kvtier.cluster.disagg.worker import DisaggMetrics, PrefillJob
-from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from kvtier.serve.api.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    json_body,
+    parse,
+)
 
 ROLES = ("prefill", "decode", "both")
 DECODE_URL_HEADER = "x-kvtier-decode-url"
@@ -71,7 +77,7 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
 
     @app.post("/v1/kv/held")
     async def held(request: Request):
-        hashes = _held_query(await _json_body(request))
+        hashes = _held_query(await json_body(request))
         return {"held": await worker.call(lambda: pool.held_prefix(hashes))}
 
     @app.post("/v1/kv/blocks")
@@ -109,7 +115,7 @@ def _add_prefill_routes(app, worker, metrics: DisaggMetrics, decode_urls: set[st
         if target not in decode_urls:
             raise ApiError(400, f"{DECODE_URL_HEADER}: {target!r} is not one of this worker's --decode-workers "
                            f"{sorted(decode_urls)}", DECODE_URL_HEADER)
-        body = await _json_body(request)
+        body = await json_body(request)
         if kind == "chat":
             req = parse(ChatRequest, body)
             payload, sid, hint = {"messages": req.messages}, req.session(request.headers.get(SESSION_HEADER)), \
@@ -151,15 +157,6 @@ async def _final(job: PrefillJob):
             raise value
         if event == "final":
             return value
-
-
-async def _json_body(request: Request):
-    import json
-
-    try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
 def _held_query(body) -> list[bytes]:

@@ -12,7 +12,6 @@ request (its pages are freed).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvtier.serve.api import messages, messages_stream, responses, responses_api, responses_api_stream
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
-from kvtier.serve.api.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from kvtier.serve.api.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    json_body,
+    parse,
+)
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
@@ -115,7 +120,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatRequest, await _json(request))
+        req = parse(ChatRequest, await json_body(request))
         params = req.params()
         sid = req.session(request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
@@ -123,7 +128,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post(messages.PATH)
     async def anthropic_messages(request: Request):
-        req, params, sid, fmt = messages_stream.prepare(await _json(request), request.headers.get(SESSION_HEADER))
+        req, params, sid, fmt = messages_stream.prepare(await json_body(request), request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
                             fmt=fmt)
 
@@ -131,14 +136,14 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post(responses_api.PATH)
     async def openai_responses(request: Request):
-        req, params, sid, fmt = responses_api_stream.prepare(await _json(request), kept,
+        req, params, sid, fmt = responses_api_stream.prepare(await json_body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
                             fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _json(request))
+        req = parse(CompletionRequest, await json_body(request))
         prompt = req.single_prompt()
         return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, None, None)
 
@@ -148,14 +153,6 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 def _error_body(path: str, e: ApiError) -> dict:
     """``e`` in the shape of the API at ``path``: Anthropic's for the Messages API, else OpenAI's."""
     return messages.error_body(e) if path == messages.PATH else e.body()
-
-
-async def _json(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
 async def _serve(st: _State, request: Request, kind: str, req, params, payload: dict, session_id, hint,

@@ -11,6 +11,7 @@ of how long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: ge
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -225,6 +226,15 @@ class CompletionRequest(_Common):
 
     def params(self) -> SamplingParams:
         return self.sampling(logprobs=self.logprobs is not None)
+
+
+async def json_body(request) -> Any:
+    """The body of ``request`` (a starlette/FastAPI ``Request``) decoded as JSON; a 400 on
+    ``body`` when it is not valid JSON (nesting too deep for the decoder included)."""
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:

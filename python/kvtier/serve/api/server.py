@@ -79,28 +79,6 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     return app
 
 
-def parse_grammar_limits(text: str | None):
-    """``--grammar-limits`` JSON as a :class:`kvtier.toolcall.GrammarLimits` (None: the defaults).
-
-    Raises:
-        ValueError: not a JSON object of GrammarLimits fields with valid values (named).
-    """
-    if text is None:
-        return None
-    import json
-
-    from kvtier.toolcall import GrammarLimits
-
-    try:
-        values = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"--grammar-limits must be a JSON object, got {text!r:.80}: {e}") from None
-    try:
-        return GrammarLimits.from_dict(values)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--grammar-limits: {e}") from None
-
-
 def warm_up(engine) -> None:
     """One uncached prefill of up to a step's token budget and a few decodes, so that the first
     client does not pay one-time costs (allocator growth, lazy initialisation)."""
