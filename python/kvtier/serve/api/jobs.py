@@ -112,6 +112,7 @@ class Job:
     # engine-thread state
     request_id: int | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its Sequence's: prompt, then output pages
     sent: int = 0
     decoder: Any = None  # ToolCallParser (chat) or StreamDecoder (completion)
     stop: StopFilter | None = None
