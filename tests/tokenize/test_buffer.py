@@ -187,3 +187,18 @@ def test_large_appends_from_threads():
     ids = np.asarray(buf)
     assert (ids.reshape(4, -1) == chunk).all()
     assert buf.block_hashes() == block_hashes(ids, 16)
+
+
+def test_chain_for_reads_the_hashes_only_for_its_own_ids_page_size_and_salt():
+    buf = TokenBuffer(8, salt=b"s")
+    ids = list(range(3, 3 + 8 * 3 + 5))
+    buf.append(ids)
+    assert buf.chain_for(np.asarray(ids, dtype=np.int64), 8, b"s") == block_hashes_py(ids, 8, salt=b"s")
+    assert buf.chain_for(ids, 8, b"s") == buf.block_hashes()
+    for args, match in [((ids, 16, b"s"), "page_size=8, expected page_size=16"),
+                        ((ids, 8, b"t"), "salt"),
+                        ((ids[:-1], 8, b"s"), "ids"),
+                        ((ids[:-1] + [0], 8, b"s"), "ids")]:
+        with pytest.raises(ValueError, match=match):
+            buf.chain_for(*args)
+    assert buf.num_views == 0  # the compare's view of the ids is gone: appends may grow the storage

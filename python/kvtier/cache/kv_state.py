@@ -62,7 +62,10 @@ class KVState:
         page_ids: device page ids holding the request's tokens, in order (``page_size`` tokens
             each), i.e. its row of ``block_table``; the pool appends and releases them.
         block_hashes: chained hashes of the request's full blocks (16 bytes each); may be given
-            up front (then its tokens are not read for them), extended by the pool as blocks fill.
+            up front (then its tokens are not read for them, nor hashed again), extended in place
+            by the pool as blocks fill. Given hashes must use the pool's salt followed by
+            ``salt`` (``PoolConfig.salt + salt``, the salt the pool hashes with); the
+            pool trusts them, so whoever gives them checks them (``Engine.add_request`` does).
         num_computed_tokens: tokens whose KV is in ``page_ids`` (computed or reused); written by
             the caller only, read by the pool to index full blocks.
         num_registered_blocks: leading full blocks already indexed by the pool.

@@ -42,12 +42,13 @@ class PrefixReuse:
 
     # ---- hashing and matching -----------------------------------------------------------------
     def hash_blocks(self, kv: KVState, num_blocks: int) -> None:
+        """Extend ``kv.block_hashes`` (in place) to ``num_blocks``, hashing only the blocks it lacks."""
         have = len(kv.block_hashes)
         if have < num_blocks:
             ps = self.page_size
             parent = kv.block_hashes[-1] if have else None
             salt = self.tiers.config.salt + kv.salt  # a request's own salt isolates it further
-            kv.block_hashes += block_hashes(kv.tokens.token_ids(have * ps, num_blocks * ps), ps, parent, salt)
+            kv.block_hashes.extend(block_hashes(kv.tokens.token_ids(have * ps, num_blocks * ps), ps, parent, salt))
 
     def match(self, kv: KVState, remote: bool = True):
         """``(hashes, rows, sources, take)``: the prompt's block hashes, their index rows, the

@@ -1,6 +1,7 @@
 """The chat path shared by :meth:`kvtier.LLM.chat` and ``kvtier serve``: tools merged into the
 sampling parameters, the conversation encoded by a session's incremental encoder, the request
-queued with the encoder's block hashes."""
+queued with the encoder's token buffer (whose block hashes, computed once as ids are appended,
+the engine and the pool read instead of hashing the prompt again)."""
 
 from __future__ import annotations
 
@@ -58,5 +59,9 @@ def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: Sampl
     if isinstance(messages, Seq) and not isinstance(messages, (str, bytes)) and not messages:
         raise ValueError("messages: empty; a conversation needs at least one message")
     encoder.append(messages, params.tools)
-    return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=encoder.block_hashes(),
+    # The encoder's token buffer hashed each page once as it was appended: the engine reads them
+    # from it (no hashing again), and the pool hashes only the pages past them.
+    buf = encoder.token_buffer
+    hashes = buf if buf is not None else encoder.block_hashes()
+    return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=hashes,
                               cache_salt=cache_salt, tool_matcher=tool_matcher)

@@ -25,6 +25,7 @@ from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.scheduler import ScheduledBatch, Scheduler
 from kvtier.serve.stats import EngineStats
+from kvtier.tokenize.buffer import TokenBuffer
 
 
 class Engine:
@@ -190,15 +191,23 @@ class Engine:
                 is range-checked in one vectorised pass).
             params: sampling parameters.
             index: the prompt's position, for error messages.
-            prompt_block_hashes: the chained hashes of the prompt's first full pages, as a
-                :class:`kvtier.tokenize.TokenBuffer` built with ``page_size`` and
-                :attr:`block_hash_salt` keeps them (``block_hashes(prompt, page_size,
-                salt=block_hash_salt)[:n]``, ``n <= len(prompt) // page_size``). The engine
-                never serves a block by a hash it has not verified: the whole chain is
-                recomputed from the prompt with this engine's salt and ``cache_salt`` (one native pass, GIL
-                released, about 1 ms per 100K tokens at page_size 64) and compared, so a chain
-                built with another salt, page size or prompt, or one whose earlier hashes were
-                swapped for another tenant's, is rejected.
+            prompt_block_hashes: the chained hashes of the prompt's full pages, either
+
+                - the :class:`kvtier.tokenize.TokenBuffer` the prompt was appended to (a session
+                  encoder's, see :func:`kvtier.serve.chat.new_encoder`): its hashes were computed
+                  by the buffer from its own ids as they were appended, so they are taken without
+                  hashing again once its ids equal the prompt (one compare of the ids), its
+                  ``page_size`` is the pool's and its ``salt`` is :attr:`block_hash_salt` +
+                  ``request_salt(cache_salt)``; or
+                - a list of hashes from elsewhere (``block_hashes(prompt, page_size,
+                  salt=block_hash_salt + request_salt(cache_salt))[:n]``, ``n <= len(prompt) //
+                  page_size``). The engine never serves a block by a hash it has not verified:
+                  such a chain is recomputed from the prompt (one native pass, GIL released,
+                  about 1 ms per 100K tokens at page_size 64) and compared, so a chain built with
+                  another salt, page size or prompt, or one whose earlier hashes were swapped for
+                  another tenant's, is rejected.
+
+                Either way the pool gets them and hashes only the blocks past them (the output's).
             cache_salt: this request's tenant salt: requests with different salts never share
                 cached blocks (hashes use ``request_salt(cache_salt)`` after the engine's salt).
             arrival_time: when the request arrived, on the engine's clock (None = now); admission
@@ -208,13 +217,19 @@ class Engine:
 
         Raises:
             ValueError: a bad prompt (see :meth:`check_request`) or ``prompt_block_hashes`` that
-                are too many, not 16-byte ``bytes``, or do not match the prompt.
+                are too many, not 16-byte ``bytes``, or do not match the prompt (a token buffer:
+                other ids, another page size or another salt).
         """
         prompt = self.check_request(prompt_token_ids, params, index)
         if not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         salt = request_salt(cache_salt)
-        hashes = [] if prompt_block_hashes is None else self._checked_hashes(prompt, prompt_block_hashes, index, salt)
+        if prompt_block_hashes is None:
+            hashes = []
+        elif isinstance(prompt_block_hashes, TokenBuffer):
+            hashes = self._buffer_hashes(prompt_token_ids, prompt_block_hashes, index, salt)
+        else:
+            hashes = self._checked_hashes(prompt, prompt_block_hashes, index, salt)
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -273,6 +288,15 @@ class Engine:
 
     def _metrics(self, arrival_time: float | None) -> RequestMetrics:
         return RequestMetrics(self.clock() if arrival_time is None else arrival_time, arrival_step=self.num_steps)
+
+    def _buffer_hashes(self, prompt_token_ids, buf: TokenBuffer, index: int, salt: bytes) -> list[bytes]:
+        """The hashes ``buf`` keeps, after the checks :meth:`add_request` documents (no hashing:
+        the native buffer hashed each page once, as its ids were appended)."""
+        try:
+            return buf.chain_for(prompt_token_ids, self.config.pool.page_size, self.block_hash_salt + salt)
+        except ValueError as e:
+            raise ValueError(f"prompt_block_hashes for prompt {index}: {e} (a TokenBuffer built for another "
+                             "engine, tenant or prompt?)") from None
 
     def _checked_hashes(self, prompt: list[int], hashes: Seq[bytes], index: int, salt: bytes = b"") -> list[bytes]:
         """``hashes`` as a list after the checks :meth:`add_request` documents."""

@@ -108,6 +108,44 @@ class TokenBuffer:
         """
         return self._buf.block_hashes(start)
 
+    def chain_for(self, ids: Sequence[int] | np.ndarray, page_size: int, salt: bytes) -> list[bytes]:
+        """The hashes of every full page of ``ids``, read from this buffer without hashing, once
+        it is checked to hold exactly ``ids`` hashed with ``page_size`` and ``salt``.
+
+        What a consumer (the engine's admission) calls instead of hashing ``ids`` again: the
+        hashes were computed by the native buffer from its own ids as they were appended, so
+        they are ``kvtier.cache.block_hashes(ids, page_size, salt=salt)`` by construction.
+        Costs one compare of the ids (O(len(ids)), no hashing) and O(num_blocks).
+
+        Args:
+            ids: [num_tokens] the token ids the hashes are wanted for.
+            page_size: tokens per page the consumer's hashes use.
+            salt: the salt the consumer's hashes use (all its parts, e.g. the pool's salt plus
+                the request's).
+
+        Returns:
+            ``len(ids) // page_size`` hashes, 16 bytes each.
+
+        Raises:
+            ValueError: the page size, the salt or the ids differ from the buffer's (the
+                message says which), or this is not a native buffer.
+        """
+        native = self._buf
+        if type(native) is not _C.TokenBuffer:
+            raise ValueError(f"the buffer is not a native kvtier._C.TokenBuffer (got {type(native).__name__})")
+        if native.page_size != page_size:
+            raise ValueError(f"its page_size={native.page_size}, expected page_size={page_size}")
+        if native.salt != salt:
+            raise ValueError("its salt differs from the expected salt")
+        view = native.ids
+        try:
+            same = len(view) == len(ids) and np.array_equal(view, np.asarray(ids))
+        finally:
+            del view  # a live view pins the storage
+        if not same:
+            raise ValueError(f"its {len(self)} ids are not the {len(ids)} ids given")
+        return native.block_hashes(0)
+
     @property
     def num_blocks(self) -> int:
         """Number of full pages, ``len(self) // page_size``."""

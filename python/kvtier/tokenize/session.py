@@ -180,6 +180,15 @@ class SessionEncoder:
         return get() if get is not None else None
 
     @property
+    def token_buffer(self):
+        """The :class:`kvtier.tokenize.buffer.TokenBuffer` holding :attr:`ids` and their hashes,
+        to hand to ``Engine.add_request(prompt_block_hashes=...)`` so that the pages hashed here
+        are not hashed again; None when the store is not one (a :class:`ListIdStore`)."""
+        from kvtier.tokenize.buffer import TokenBuffer
+
+        return self._store if isinstance(self._store, TokenBuffer) else None
+
+    @property
     def text(self) -> str:
         """The text the ids stand for."""
         return "".join(self._parts)

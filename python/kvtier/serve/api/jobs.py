@@ -113,6 +113,7 @@ class Job:
     # engine-thread state
     request_id: int | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its Sequence's: prompt, then output pages
     sent: int = 0
     decoder: Any = None  # StreamDecoder (completion; a chat job reads the engine's parser events)
     stop: StopFilter | None = None

@@ -107,10 +107,13 @@ class SessionStore:
             self.resumes.accepted(session_id, s.encoder.ids)
 
     def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None,
-                   final=None) -> None:
+                   final=None, block_hashes: list[bytes] | None = None) -> None:
         """A turn of ``session_id`` finished; ``tool_names`` non-empty: it ended in tool calls and
         the session now waits on them (``token_ids``: its prompt and output). ``final``: how it
-        ended (None: aborted), for the resume target."""
+        ended (None: aborted), for the resume target. ``block_hashes``: the chained hashes of the
+        first full pages of ``token_ids`` already known (the request's ``Sequence.block_hashes``,
+        with the engine's salt and this session's ``cache_salt``); only the pages past them are
+        hashed for the tool wait."""
         self.resumes.end(session_id, final)
         s = self.sessions.get(session_id) if session_id is not None else None
         if s is None:
@@ -120,11 +123,21 @@ class SessionStore:
         if not tool_names:
             return
         expected = hint_s if hint_s is not None else max(self._estimate(n).value() for n in tool_names)
-        salt = self.engine.block_hash_salt + request_salt(s.cache_salt)
-        hashes = block_hashes(token_ids, self.engine.config.pool.page_size, None, salt)
+        hashes = self._chain(token_ids, s.cache_salt, block_hashes or [])
         self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
         s.waiting_ids = list(token_ids)
+
+    def _chain(self, token_ids, cache_salt: str, known: list[bytes]) -> list[bytes]:
+        """The hashes of every full page of ``token_ids``: ``known``'s first ones, the rest hashed."""
+        ps = self.engine.config.pool.page_size
+        n = len(token_ids) // ps
+        known = known[:n]
+        k = len(known)
+        if k == n:
+            return list(known)
+        salt = self.engine.block_hash_salt + request_salt(cache_salt)
+        return list(known) + block_hashes(token_ids[k * ps:n * ps], ps, known[-1] if k else None, salt)
 
     @property
     def num_waiting(self) -> int:

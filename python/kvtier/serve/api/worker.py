@@ -234,6 +234,7 @@ class EngineWorker:
         self._jobs[rid] = job
         seq = self.engine.sequence(rid)
         job.prompt_ids = seq.prompt_token_ids if seq is not None else []
+        job.block_hashes = seq.block_hashes if seq is not None else []  # extended by the pool as pages fill
         job.emit("accepted", len(job.prompt_ids))
 
     def _progress(self, finished: dict) -> None:
@@ -269,7 +270,7 @@ class EngineWorker:
         self._jobs.pop(job.request_id, None)
         tools = [c["name"] for c in final.tool_calls] if final.finish_reason == "tool_calls" else []
         ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
-        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final)
+        self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final, job.block_hashes)
         if self.metrics is not None:
             self.metrics.observe_final(final)
         job.emit("final", final)
