@@ -58,7 +58,8 @@ class _EngineTarget:
                 p.encoder = SessionEncoder(self.tokenizer, page_size=self.engine.config.pool.page_size,
                                            salt=self.engine.block_hash_salt)
             p.encoder.append(list(turn.chat.messages), list(turn.chat.tools) if turn.chat.tools else None)
-            p.ids, hashes = p.encoder.ids, p.encoder.block_hashes()
+            buf = p.encoder.token_buffer  # hashed as appended: the engine reads, never re-hashes
+            p.ids, hashes = p.encoder.ids, (buf if buf is not None else p.encoder.block_hashes())
         rid = self.engine.add_request(p.ids, params, prompt_block_hashes=hashes, arrival_time=arrival_time)
         self.by_request[rid] = a
 

@@ -52,7 +52,9 @@ class PrefillWorker(EngineWorker):
         seq = self.engine.sequence(job.request_id)
         ps = self.engine.config.pool.page_size
         needed = (len(seq.prompt_token_ids) - 1) // ps  # the last token is never cached
-        hashes = block_hashes(seq.prompt_token_ids[:needed * ps], ps, None, self.engine.block_hash_salt + seq.kv.salt)
+        hashes = seq.block_hashes[:needed]  # hashed once, when the prompt was appended
+        if len(hashes) < needed:
+            hashes = block_hashes(seq.prompt_token_ids[:needed * ps], ps, None, self.engine.block_hash_salt + seq.kv.salt)
         job.transfer = Transfer(job.decode_url, hashes, self.engine.pool.meta, self.transfer_timeout_s, self.client)
         job.transfer.start()
         self._transfers[job.request_id] = (job, seq)
