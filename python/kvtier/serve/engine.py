@@ -488,9 +488,12 @@ class Engine:
             if seq.params.logprobs:
                 want_logprobs.append(i)
         if want_logprobs:
-            logits = torch.stack([live[i][1] for i in want_logprobs])
-            picked = torch.tensor([sampled[i] for i in want_logprobs], device=logits.device)
-            values = torch.log_softmax(logits, -1).gather(1, picked[:, None]).squeeze(1).tolist()
+            try:
+                logits = torch.stack([live[i][1] for i in want_logprobs])
+                picked = torch.tensor([sampled[i] for i in want_logprobs], device=logits.device)
+                values = torch.log_softmax(logits, -1).gather(1, picked[:, None]).squeeze(1).tolist()
+            except Exception as e:  # noqa: BLE001 - fails the requests that asked for logprobs
+                return out | {live[i][0].seq_id: e for i in want_logprobs}
             for i, v in zip(want_logprobs, values):
                 live[i][0].logprobs.append(float(v))
         return out
