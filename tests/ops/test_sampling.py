@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from kvtier import ops
+from kvtier import ops, reference
 
 
 def _draws(logits_row, n, *, temperature=1.0, top_p=1.0, seed=0, bitmask_row=None):
@@ -148,3 +148,63 @@ def test_greedy_rows_do_not_draw_from_the_generator():
     state = g.get_state()
     ops.sample(logits, torch.zeros(3), torch.ones(3), generator=g)
     assert torch.equal(g.get_state(), state)
+
+
+def _generators(seeds):
+    return [torch.Generator().manual_seed(s) for s in seeds]
+
+
+def test_per_row_generators_frequencies_match_softmax_top_p_and_mask():
+    """Row i drawn with its own generator seeded i: the first draws of 20000 seeds follow the same
+    distribution the multinomial reference samples (softmax / T, top-p renormalised, masked)."""
+    n = 20000
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    logits = (probs.log() * 1.5).float()  # at T = 1.5 the scaled probabilities are `probs`
+    rows = logits[None].expand(n, -1).contiguous()
+    tokens = ops.sample(rows, torch.full((n,), 1.5), torch.full((n,), 0.7), generator=_generators(range(n)))
+    _assert_frequencies(tokens, torch.tensor([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]), n)
+    allowed = [1, 2, 3]  # the mask drops token 0: the rest renormalised, top-p 1
+    mask = _pack_bitmask(allowed, 4)[None].expand(n, -1).contiguous()
+    tokens = ops.sample(rows, torch.full((n,), 1.5), torch.ones(n), mask, generator=_generators(range(n, 2 * n)))
+    _assert_frequencies(tokens, torch.tensor([0.0, 0.6, 0.3, 0.1]), n)
+
+
+def test_per_row_generators_give_a_row_the_same_token_whatever_the_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 200, generator=gen) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9, 2.0])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.5, 0.95, 1.0])
+    mask = torch.full((8, 7), -1, dtype=torch.int32)
+    mask[[1, 4, 6]] = torch.stack([_pack_bitmask(list(range(r, 200, 3)), 200) for r in (0, 1, 2)])
+    batched = ops.sample(logits, temperature, top_p, mask, generator=_generators(range(10, 18)))
+    for i in range(8):
+        alone = ops.sample(logits[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], mask[i:i + 1],
+                           generator=_generators([10 + i]))
+        assert batched[i] == alone[0], i
+        u = torch.rand(1, generator=torch.Generator().manual_seed(10 + i)) if temperature[i] > 0 else torch.zeros(1)
+        want = reference.sample_from_uniforms(logits[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], u, mask[i:i + 1])
+        assert batched[i] == want[0], i
+    assert torch.equal(batched[[0, 4]], reference.sampling.apply_token_bitmask(logits, mask).argmax(-1)[[0, 4]])
+
+
+def test_per_row_generators_advance_once_per_sampled_row_and_share_in_row_order():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(0))
+    shared, own, greedy = (torch.Generator().manual_seed(s) for s in (1, 2, 3))
+    state = greedy.get_state()
+    ops.sample(logits, torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4), generator=[shared, greedy, own, shared])
+    assert torch.equal(greedy.get_state(), state)  # a greedy row draws nothing
+    replay_shared, replay_own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    torch.rand(2, generator=replay_shared)
+    torch.rand(1, generator=replay_own)
+    assert torch.equal(shared.get_state(), replay_shared.get_state())
+    assert torch.equal(own.get_state(), replay_own.get_state())
+
+
+def test_per_row_generators_are_checked():
+    logits = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"generator: expected 2 per-row generators"):
+        ops.sample(logits, torch.ones(2), torch.ones(2), generator=[torch.Generator()])
+    with pytest.raises(ValueError, match=r"generator\[1\] must be a torch.Generator or None"):
+        ops.sample(logits, torch.ones(2), torch.ones(2), generator=[torch.Generator(), 5])
+    with pytest.raises(ValueError, match="generator must be a torch.Generator"):
+        ops.sample(logits, torch.ones(2), torch.ones(2), generator=5)

@@ -149,3 +149,23 @@ def test_cpu_kernel_of_the_sample_op_draws_the_triton_tokens(with_mask):
     got = torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, mask)
     want = _sample_triton(logits, temperature, top_p, uniforms, mask)
     assert torch.equal(got, want)
+
+
+def test_per_row_generators_give_each_row_its_one_row_token():
+    """A batch with per-row generators picks, row for row, the token of a one-row call with that
+    row's generator (the engine's path before it sampled a step at once), on the kernel and on
+    the torch inverse CDF alike."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 300, generator=gen) * 3
+    temperature = torch.tensor([0.0, 0.7, 1.0, 1.3, 0.0, 1.0, 0.9, 2.0])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.5, 0.95, 1.0])
+    mask = torch.full((8, 10), -1, dtype=torch.int32)
+    mask[[1, 4, 6]] = torch.stack([_pack_bitmask(list(range(r, 300, 4)), 300) for r in (0, 1, 2)])
+    seeds = range(20, 28)
+    gens = lambda: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
+    batched = ops.sample(logits, temperature, top_p, mask, generator=gens(), backend="triton")
+    assert torch.equal(batched, ops.sample(logits, temperature, top_p, mask, generator=gens(), backend="torch"))
+    for i, g in enumerate(gens()):
+        row_mask = None if i not in (1, 4, 6) else mask[i:i + 1]
+        alone = ops.sample(logits[i:i + 1], temperature[i:i + 1], top_p[i:i + 1], row_mask, g, backend="triton")
+        assert batched[i] == alone[0], i

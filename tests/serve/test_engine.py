@@ -148,19 +148,23 @@ def test_interrupted_generate_leaves_a_working_engine(monkeypatch):
 
 
 def test_a_failing_request_finishes_with_an_error_and_others_complete(llm, monkeypatch):
+    """A step samples in one call, so a failing call fails the requests sampled in it; a request
+    that samples in other steps completes (its prompt is still prefilling when the bad one samples)."""
     from kvtier.serve import engine as engine_module
     real_sample = engine_module.ops.sample
 
     def sample(logits, temperature, top_p, **kw):
-        if float(top_p[0]) == 0.5:
+        if bool((top_p == 0.5).any()):
             raise RuntimeError("sampler exploded")
         return real_sample(logits, temperature, top_p, **kw)
 
+    long_prompt = prompt(100, 23)  # not cached, 64-token steps: its first token is sampled in step 2
     monkeypatch.setattr(engine_module.ops, "sample", sample)
-    bad = dataclasses.replace(GREEDY, top_p=0.5)
-    outs = llm.generate(prompt_token_ids=[prompt(10, 22), prompt(10, 23)], sampling_params=[GREEDY, bad])
-    assert len(outs[0].token_ids) == 6 and outs[0].error is None
-    assert outs[1].finish_reason == "error" and "sampler exploded" in outs[1].error
+    bad = dataclasses.replace(GREEDY, top_p=0.5, max_tokens=1)
+    outs = llm.generate(prompt_token_ids=[prompt(10, 22), long_prompt], sampling_params=[bad, GREEDY])
+    assert outs[0].finish_reason == "error" and "sampler exploded" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 6
+    assert llm.generate(prompt_token_ids=[long_prompt], sampling_params=GREEDY)[0].token_ids == outs[1].token_ids
 
 
 def test_preempted_prefill_does_not_count_its_own_pages_as_cached():

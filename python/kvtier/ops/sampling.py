@@ -3,7 +3,9 @@
 ``torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, token_bitmask=None)`` samples by
 inverse CDF from one uniform per row (CPU: :func:`kvtier.reference.sample_from_uniforms`; GPU:
 the Triton kernel). :func:`sample` with ``backend="torch"`` keeps the reference that draws with
-``torch.multinomial`` and a generator.
+``torch.multinomial`` and a generator; given per-row generators (a whole engine step, each
+request with its own seed) it draws each row's uniform from its generator and takes the inverse
+CDF on every backend.
 """
 
 from __future__ import annotations
@@ -81,7 +83,14 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
             uniform per row with ``torch.rand(batch, generator=generator)`` outside the kernel and
             samples by inverse CDF, so a given generator state gives the same tokens on every run
             (but not the same tokens as the torch backend). A batch of greedy rows only draws
-            nothing.
+            nothing. Or a sequence of ``batch`` per-row generators (each a ``torch.Generator``
+            or None for torch's default one): every row with ``temperature > 0`` takes one
+            uniform from its own generator (:func:`kvtier.reference.sampling.row_uniforms`:
+            rows sharing a generator draw from it in row order), greedy rows draw nothing, and
+            every backend samples by inverse CDF (``backend="torch"``:
+            :func:`kvtier.reference.sample_from_uniforms`). So a row whose generator no other row
+            uses gets the same token whatever the rest of the batch is, and the same token as a
+            one-row call with that generator on the triton backend.
         backend: "auto" | "torch" | "triton". The triton kernel applies temperature, top-p and
             the bitmask in one pass per row; greedy rows equal ``argmax`` of the masked logits
             exactly (ties -> lowest id). With top-p, tokens tied in probability with the last
@@ -92,7 +101,8 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None, *, ba
         are all -inf or NaN is undefined).
 
     Raises:
-        ValueError: misshaped arguments, top_p outside (0, 1], or a bitmask row allowing no token.
+        ValueError: misshaped arguments, top_p outside (0, 1], a bitmask row allowing no token, or
+            a per-row ``generator`` sequence of the wrong length or holding a non-generator.
 
     Example:
         >>> sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.zeros(1), torch.ones(1)).tolist()
@@ -118,6 +128,9 @@ def _sample(logits, temperature, top_p, token_bitmask, generator, backend):
         empty = torch.nonzero((usable != 0).sum(-1) == 0).flatten().tolist()
         if empty:
             raise ValueError(f"token_bitmask allows no token in row(s) {empty}")
+    per_row = reference.sampling.is_per_row(generator)
+    if per_row:
+        generator = _check_generators(generator, batch)
     resolved = resolve_backend("sample", backend, logits.device, logits.dtype)
     if resolved != "triton":
         return reference.sample(logits, temperature, top_p, token_bitmask, generator)
@@ -125,10 +138,26 @@ def _sample(logits, temperature, top_p, token_bitmask, generator, backend):
     check_tensor(top_p, "top_p", device=logits.device)
     if token_bitmask is not None:
         check_tensor(token_bitmask, "token_bitmask", device=logits.device)
-    if batch and bool((temperature > 0).any()):
+    if per_row:
+        uniforms = reference.sampling.row_uniforms(temperature, generator, logits.device)
+    elif batch and bool((temperature > 0).any()):
         uniforms = torch.rand(batch, generator=generator, device=logits.device, dtype=torch.float32)
     else:
         uniforms = torch.zeros(batch, device=logits.device, dtype=torch.float32)
     if resolved == device_backend("sample", logits.device):
         return torch.ops.kvtier.sample(logits, temperature, top_p, uniforms, token_bitmask)
     return _sample_impl(resolved, logits, temperature, top_p, uniforms, token_bitmask)
+
+
+def _check_generators(generators, batch: int) -> list:
+    try:
+        generators = list(generators)
+    except TypeError:
+        raise ValueError(f"generator must be a torch.Generator, None or a sequence of {batch} of them, "
+                         f"got {type(generators).__name__}") from None
+    if len(generators) != batch:
+        raise ValueError(f"generator: expected {batch} per-row generators (one per logits row), got {len(generators)}")
+    bad = [i for i, g in enumerate(generators) if g is not None and not isinstance(g, torch.Generator)]
+    if bad:
+        raise ValueError(f"generator[{bad[0]}] must be a torch.Generator or None, got {type(generators[bad[0]]).__name__}")
+    return generators

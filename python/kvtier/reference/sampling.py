@@ -14,8 +14,48 @@ def apply_token_bitmask(logits: torch.Tensor, token_bitmask: torch.Tensor) -> to
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def row_uniforms(temperature: torch.Tensor, generators, device) -> torch.Tensor:
+    """One uniform in [0, 1) per row for :func:`sample_from_uniforms` from per-row generators.
+
+    Args:
+        temperature: [B]; only rows with ``temperature > 0`` draw (the others get 0, and their
+            generators are not advanced).
+        generators: B entries, each a ``torch.Generator`` or None (torch's default generator).
+            The rows drawing from one generator object take ``torch.rand(k, generator=g)`` in row
+            order, so a generator used by a single row gives it its next uniform whatever the
+            rest of the batch is (on CPU, ``torch.rand(k)`` equals k successive ``torch.rand(1)``).
+        device: where the result lives.
+
+    Returns:
+        [B] fp32 on ``device`` (one host read of ``temperature``; one ``torch.rand`` per
+        distinct generator of a sampled row).
+    """
+    out = torch.zeros(len(generators), dtype=torch.float32, device=device)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    for row, (gen, sampled) in enumerate(zip(generators, (temperature > 0).tolist())):
+        if sampled:
+            groups.setdefault(id(gen), (gen, []))[1].append(row)
+    for gen, rows in groups.values():
+        where = device if gen is None else gen.device
+        draws = torch.rand(len(rows), generator=gen, device=where, dtype=torch.float32)
+        out[torch.tensor(rows, device=device)] = draws.to(device)
+    return out
+
+
+def is_per_row(generator) -> bool:
+    """True for a sequence of per-row generators (not one ``torch.Generator``, not None)."""
+    return generator is not None and not isinstance(generator, torch.Generator)
+
+
 def sample(logits, temperature, top_p, token_bitmask=None, generator=None):
-    """Sample one token per row (see ops.sample). Returns [B] int64 token ids."""
+    """Sample one token per row (see ops.sample). Returns [B] int64 token ids.
+
+    One ``torch.Generator`` (or None): ``torch.multinomial`` over the top-p-cut softmax. A
+    sequence of per-row generators: :func:`row_uniforms` then :func:`sample_from_uniforms`.
+    """
+    if is_per_row(generator):
+        return sample_from_uniforms(logits, temperature, top_p, row_uniforms(temperature, generator, logits.device),
+                                    token_bitmask)
     logits = logits.float()
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)

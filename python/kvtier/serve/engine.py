@@ -386,11 +386,31 @@ class Engine:
         if batch.extends:
             seconds = result.seconds if result.seconds is not None else self.clock() - t0
             self.pool.cost_model.observe_prefill(batch.num_tokens, seconds)
-        finished = []
-        for seq, n in [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]:
+        steps = [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]
+        tokens: dict[int, int | Exception] = {}  # by seq_id: the step's token, or what failed it
+        to_sample = []
+        for seq, n in steps:
             self.scheduler.advance(seq, n)
+            token, res = result.tokens.get(seq.seq_id), result.logits.get(seq.seq_id)
             try:
-                done = self._postprocess(seq, result, masks.get(seq.seq_id))
+                self._prompt_logprobs(seq, res)
+            except Exception as e:  # one bad request must not stop the others
+                tokens[seq.seq_id] = e
+                continue
+            if token is not None:
+                tokens[seq.seq_id] = token
+            elif res is not None and res.next_token is not None:
+                to_sample.append((seq, res.next_token, masks.get(seq.seq_id)))
+        tokens.update(self._sample(to_sample))
+        finished = []
+        for seq, _ in steps:
+            token = tokens.get(seq.seq_id)
+            if token is None:
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                done = self._append(seq, token)
             except Exception as e:  # one bad request must not stop the others
                 seq.error = f"{type(e).__name__}: {e}"
                 seq.metrics.finish_time = self.clock()
@@ -474,20 +494,6 @@ class Engine:
         self.grammar_stats.add(masks=len(seqs), mask_s=time.perf_counter() - t0)
         return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
 
-    def _postprocess(self, seq: Sequence, result: StepResult, token_bitmask=None) -> bool:
-        """Record logprobs and the sampled (or given) token; True when ``seq`` finished.
-
-        ``token_bitmask``: ``[1, ceil(vocab / 32)]`` int32 allowed tokens of a constrained
-        sequence, or the message of the error that left it without one (raised here).
-        """
-        token, res = result.tokens.get(seq.seq_id), result.logits.get(seq.seq_id)
-        self._prompt_logprobs(seq, res)
-        if token is None:
-            if res is None or res.next_token is None:
-                return False
-            token = self._sample(seq, res.next_token, token_bitmask)
-        return self._append(seq, token)
-
     def _prompt_logprobs(self, seq: Sequence, res) -> None:
         if res is not None and res.prompt_logits is not None:
             targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
@@ -495,26 +501,78 @@ class Engine:
             for p, v in zip(res.prompt_positions, lp.squeeze(1).tolist()):
                 seq.prompt_logprobs[p] = v
 
-    def _sample(self, seq: Sequence, next_token_logits: torch.Tensor, token_bitmask) -> int:
-        """One token from ``next_token_logits`` ([vocab] fp32) under ``seq``'s parameters, its
-        grammar mask and constraint; records its logprob when asked."""
-        params = seq.params
-        logits = next_token_logits[None]
-        as_f32 = lambda v: torch.tensor([float(v)], dtype=torch.float32, device=logits.device)  # noqa: E731
-        temperature = 0.0 if params.greedy else params.temperature
-        if isinstance(token_bitmask, str):
-            from kvtier.toolcall import GrammarError
+    def _sample(self, rows: list[tuple[Sequence, torch.Tensor, object]]) -> dict[int, int | Exception]:
+        """The step's tokens of the sequences that sample, in one :func:`kvtier.ops.sample` call.
 
-            raise GrammarError(token_bitmask)
-        if token_bitmask is not None:
-            token_bitmask = token_bitmask.to(logits.device, non_blocking=True)
-        token = int(ops.sample(logits, as_f32(temperature), as_f32(params.top_p), token_bitmask=token_bitmask,
-                               generator=seq.generator or self.generator, backend=self._sample_backend())[0])
-        if seq.constraint is not None:  # may replace a token that leaves no room to finish the turn
-            token = seq.constraint.take(token)
-        if params.logprobs:
-            seq.logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
-        return token
+        Args:
+            rows: ``(seq, next_token_logits, token_bitmask)`` per sequence, logits [vocab] fp32;
+                ``token_bitmask`` is the ``[1, ceil(vocab / 32)]`` int32 allowed tokens of a
+                constrained sequence, the message of the error that left it without one, or None.
+
+        Each row samples under its own temperature / top-p, its grammar mask (rows without one
+        allow every token) and its own generator (its seed's, else the engine's): one uniform
+        per sampled row, so a seeded request gets the same tokens whatever it is batched with.
+        Then each constraint takes its token (it may replace one that leaves no room to finish
+        the turn) and the logprobs asked for are read in one pass.
+
+        Returns:
+            by ``seq_id``: the token, or the exception that failed that request (a grammar error
+            fails its request only; a failing sampling call fails every request in it).
+        """
+        out: dict[int, int | Exception] = {}
+        live = []
+        for seq, logits, mask in rows:
+            if isinstance(mask, str):
+                from kvtier.toolcall import GrammarError
+
+                out[seq.seq_id] = GrammarError(mask)
+            else:
+                live.append((seq, logits, mask))
+        if not live:
+            return out
+        try:
+            sampled = self._sample_rows(live)
+        except Exception as e:  # noqa: BLE001 - the step's other requests keep going
+            return out | {seq.seq_id: e for seq, _, _ in live}
+        want_logprobs = []
+        for i, (seq, _, _) in enumerate(live):
+            try:
+                if seq.constraint is not None:
+                    sampled[i] = seq.constraint.take(sampled[i])
+            except Exception as e:  # noqa: BLE001 - this request only
+                out[seq.seq_id] = e
+                continue
+            out[seq.seq_id] = sampled[i]
+            if seq.params.logprobs:
+                want_logprobs.append(i)
+        if want_logprobs:
+            try:
+                logits = torch.stack([live[i][1] for i in want_logprobs])
+                picked = torch.tensor([sampled[i] for i in want_logprobs], device=logits.device)
+                values = torch.log_softmax(logits, -1).gather(1, picked[:, None]).squeeze(1).tolist()
+            except Exception as e:  # noqa: BLE001 - fails the requests that asked for logprobs
+                return out | {live[i][0].seq_id: e for i in want_logprobs}
+            for i, v in zip(want_logprobs, values):
+                live[i][0].logprobs.append(float(v))
+        return out
+
+    def _sample_rows(self, live) -> list[int]:
+        """One ``ops.sample`` over the rows of :meth:`_sample` (no error messages among them)."""
+        logits = torch.stack([row for _, row, _ in live])
+        dev = logits.device
+        params = [seq.params for seq, _, _ in live]
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        masked = [i for i, (_, _, mask) in enumerate(live) if mask is not None]
+        token_bitmask = None
+        if masked:  # rows without a grammar allow every token (all 32 bits of each word set)
+            token_bitmask = torch.full((len(live), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32, device=dev)
+            token_bitmask[torch.tensor(masked, device=dev)] = torch.cat(
+                [live[i][2] for i in masked]).to(dev, non_blocking=True)
+        generators = [seq.generator or self.generator for seq, _, _ in live]
+        tokens = ops.sample(logits, temperature.to(dev), top_p.to(dev), token_bitmask=token_bitmask,
+                            generator=generators, backend=self._sample_backend())
+        return tokens.tolist()
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append ``token`` to ``seq``'s output; True (and ``seq`` finished) when it stops."""
