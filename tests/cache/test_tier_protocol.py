@@ -6,18 +6,24 @@ block) ends with a non-zero status, never with a wrong block."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
-
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import PrefixIndex, Tier
-from kvtier.cache.remote import RemoteStatus, RemoteTier, block_format, open_backend, open_remote
+from kvtier.cache.remote import (
+    RemoteStatus,
+    RemoteTier,
+    block_format,
+    open_backend,
+    open_remote,
+)
 from kvtier.cache.tiers import Admit, DiskFiles, HostStore, RemoteStore, TierStore
 from kvtier.transfer import CopyEngine
+
 from tests.stores import redis_store  # noqa: F401
 
 META = BlockMeta(num_layers=2, page_size=4, row_bytes=48, dtype=1, payload_bytes=2 * 4 * 48)
@@ -265,7 +271,7 @@ def test_store_error_is_a_miss(tier):
     hs, data = hashes(2, 7), blocks(2, 7)
     assert tier.store.write(hs, data).result() == [0, 0]
     tier.break_store()
-    buf, job = tier.store.read(hs, tier.slots(hs))
+    _, job = tier.store.read(hs, tier.slots(hs))
     status = job.result()
     assert len(status) == 2 and all(s != 0 for s in status)
     if tier.store.tier == Tier.REMOTE:  # the store is left alone now: later reads are not even tried
@@ -303,7 +309,7 @@ def test_remote_value_of_another_block_is_not_served():
     hs, data = hashes(2, 10), blocks(2, 10)
     assert store.write(hs[:1], data[:N]).result() == [0]
     backend.values[tier.key(hs[1])] = backend.values[tier.key(hs[0])]  # a value under the wrong key
-    buf, job = store.read(hs, [0, 0])
+    _, job = store.read(hs, [0, 0])
     assert job.result() == [0, RemoteStatus.CORRUPT]
     assert block_format.check(backend.values[tier.key(hs[0])], hs[0], META)
     tier.close()

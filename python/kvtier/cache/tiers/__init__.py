@@ -20,8 +20,8 @@ import torch
 
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import PROBE_BULK_BYTES, REMOTE_TIER, CostModel, TierCost, probe
-from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
+from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import make_policy
@@ -85,7 +85,7 @@ class PoolTiers:
         if remote is not None:
             self.stats.add_tier("remote")
         self.stores: dict[Tier, TierStore] = {}
-        pinned = lambda: self.host is not None and self.host.storage.is_pinned()  # noqa: E731
+        pinned = lambda: self.host is not None and self.host.storage.is_pinned()
         if self.host is not None:
             self.stores[Tier.HOST] = HostStore(self.host, lambda: self.index)
         if self.disk is not None:

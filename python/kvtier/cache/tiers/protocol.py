@@ -66,7 +66,7 @@ class Stored(NamedTuple):
 class DoneJob:
     """A :class:`kvtier.cache.seams.CopyJob` that already ended with ``statuses``."""
 
-    __slots__ = ("statuses", "run_s")
+    __slots__ = ("run_s", "statuses")
 
     def __init__(self, statuses: list[int], run_s: float = 0.0):
         self.statuses, self.run_s = statuses, run_s
