@@ -29,8 +29,7 @@ class BlockIO:
     def held_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks of ``hashes`` are held in a local tier (device, host, disk)."""
         t = self.tiers
-        local = [x for x in LOCAL_TIERS if x == Tier.DEVICE or (x == Tier.HOST and t.host is not None)
-                 or (x == Tier.DISK and t.disk is not None)]
+        local = [x for x in LOCAL_TIERS if x == Tier.DEVICE or x in t.stores]
         return int(t.index.match(hashes, local).shape[0]) if hashes else 0
 
     def export_blocks(self, hashes: list[bytes]) -> tuple[list[bytes], torch.Tensor] | None:

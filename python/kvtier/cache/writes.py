@@ -1,6 +1,10 @@
 """Copies down the tiers: device -> host -> disk and -> remote, write-through or write-back, and
 the eviction of host slots they need.
 
+Below the host tier, a block goes to every :class:`~kvtier.cache.tiers.protocol.TierStore`
+(disk, remote) through that interface only: when its host copy is made, or, under write-back,
+for a tier that ``spills``, when its host copy is evicted.
+
 Write-through copies each block down as soon as it is full and indexed; write-back only when
 its device page (or host slot) is taken for something else. A page or host copy a write reads
 stays referenced (locked) until the write ended, and a block is indexed in the tier it was
@@ -12,10 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.cache.device_pages import DevicePages
-from kvtier.cache.disk_tier import DiskStatus
 from kvtier.cache.prefix_index import RemoveResult, Tier
 from kvtier.cache.seams import CopyJob, JobPart
 from kvtier.cache.tiers import PoolTiers
+from kvtier.cache.tiers.protocol import Admit, TierStore
 from kvtier.transfer import CopyError
 
 
@@ -24,10 +28,11 @@ class Write:
     """One block being copied down: to ``target`` from device ``page`` or host ``slot``."""
 
     hash: bytes
-    target: Tier               # HOST (from a device page), DISK or REMOTE (from a host slot)
+    target: Tier               # HOST (from a device page) or a tier below it (from a host slot)
     handle: CopyJob
-    page: int = -1
-    slot: int = -1             # host slot read (-1: a private copy of it, see Writes._slot_to_disk)
+    page: int = -1             # device page read (-1: a write from a host slot)
+    slot: int = -1             # host slot read and locked (-1: not locked: a private copy of it,
+                               # see Writes._slot_down, or the tier copied it at once)
 
 
 class Writes:
@@ -37,8 +42,18 @@ class Writes:
         self.tiers = tiers
         self.pages = pages
         self.pending: list[Write] = []
-        self._disk_pending: dict[bytes, int] = {}  # disk writes in ``pending``: how many of each hash
-        self._spills: list[tuple[bytes, int]] | None = None  # host copies to write to disk in one job
+        self._below: dict[Tier, dict[bytes, int]] = {}  # writes below host in ``pending``: how many of each hash
+        self._spills: list[tuple[bytes, int]] | None = None  # host copies to spill in one job per tier
+
+    @property
+    def _disk_pending(self) -> dict[bytes, int]:
+        """The disk writes in ``pending`` (how many of each hash): what the disk budget counts."""
+        return self._below.get(Tier.DISK, {})
+
+    @property
+    def _lower(self) -> list[TierStore]:
+        """The tiers below the host tier, fastest first."""
+        return [s for tier, s in self.tiers.stores.items() if tier > Tier.HOST]
 
     @property
     def write_back(self) -> bool:
@@ -59,7 +74,7 @@ class Writes:
         # to make room for these (which would lose them).
         t.index.touch(kept, [Tier.HOST])
         locked = bool(kept) and t.index.lock(kept, Tier.HOST)
-        self._spills = []  # the host copies evicted for them go to disk in one job
+        self._spills = []  # the host copies evicted for them spill in one job per tier
         try:
             slots = self._host_slots(len(blocks))
         finally:
@@ -117,9 +132,11 @@ class Writes:
             victims = t.index.eviction_candidates(Tier.HOST, n - len(slots))
         if not victims:
             return slots
-        if self.write_back and t.disk is not None:
-            for h, victim in victims:
-                self._slot_to_disk(h, victim, evicting=True)
+        if self.write_back:
+            for store in self._lower:
+                if store.spills:
+                    for h, victim in victims:
+                        self._slot_down(store, h, victim, evicting=True)
         results, freed = t.index.remove_many([h for h, _ in victims], Tier.HOST)
         removed = freed[results == RemoveResult.REMOVED].tolist()
         t.stats.evictions["host"] += len(removed)
@@ -139,61 +156,62 @@ class Writes:
         self.pages.ref(page)
         self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
 
-    def _slot_to_disk(self, h: bytes, slot: int, evicting: bool = False) -> None:
-        """Start writing the host copy of ``h`` in ``slot`` to disk. The copy stays locked
-        until the write ended; with ``evicting`` (the slot is about to hold another block) the
-        write reads a private copy of the block instead, so the serving loop never waits for
-        the disk (until that write ends, a lookup finds the block in no tier: a miss)."""
+    def _slot_down(self, store: TierStore, h: bytes, slot: int, evicting: bool = False) -> None:
+        """Start writing the host copy of ``h`` in ``slot`` to ``store``. The copy stays locked
+        until the write ended (unless the tier copies its input at once); with ``evicting`` (the
+        slot is about to hold another block) the write reads a private copy of the block
+        instead, so the serving loop never waits for the tier (until that write ends, a lookup
+        finds the block in no tier: a miss)."""
         t = self.tiers
-        if t.disk is None or t.in_tier(h, Tier.DISK):
+        if t.in_tier(h, store.tier):
             return
-        if not t.disk_budget.room(self._disk_pending.keys()):
-            t.stats.stores_refused["disk"] += 1
+        pending = self._below.setdefault(store.tier, {})
+        admit = store.admit(pending.keys())
+        if admit != Admit.YES:
+            if admit == Admit.FULL:
+                t.stats.stores_refused[store.name] += 1
             return
         if evicting:
-            self._disk_pending[h] = self._disk_pending.get(h, 0) + 1  # counts against the budget until flushed
+            pending[h] = pending.get(h, 0) + 1  # counts against the budget until flushed
             spills = self._spills if self._spills is not None else []
-            spills.append((h, slot))
+            spills.append((store.tier, h, slot))
             if self._spills is None:
                 self._flush_spills(spills)
+        elif store.copies_input:
+            self.pending.append(Write(h, store.tier, store.write([h], t.host.slot(slot))))
+            pending[h] = pending.get(h, 0) + 1
         elif t.index.lock([h], Tier.HOST):
-            self.pending.append(Write(h, Tier.DISK, t.copy_engine.disk_write(t.disk, [h], t.meta, t.host.slot(slot)),
-                                      slot=slot))
-            self._disk_pending[h] = self._disk_pending.get(h, 0) + 1
+            self.pending.append(Write(h, store.tier, store.write([h], t.host.slot(slot)), slot=slot))
+            pending[h] = pending.get(h, 0) + 1
 
-    def _disk_write_ended(self, h: bytes) -> None:
-        """One disk write of ``h`` counted in ``_disk_pending`` ended (or will never start)."""
-        if self._disk_pending[h] == 1:
-            del self._disk_pending[h]
+    def _write_ended(self, tier: Tier, h: bytes) -> None:
+        """One write of ``h`` to ``tier`` counted in ``_below`` ended (or will never start)."""
+        pending = self._below[tier]
+        if pending[h] == 1:
+            del pending[h]
         else:
-            self._disk_pending[h] -= 1
+            pending[h] -= 1
 
-    def _flush_spills(self, spills: list[tuple[bytes, int]] | None = None) -> None:
-        """Start one disk write of the evicted host copies collected (``spills``, else those
+    def _flush_spills(self, spills: list[tuple[Tier, bytes, int]] | None = None) -> None:
+        """Start one write per tier of the evicted host copies collected (``spills``, else those
         :meth:`evicting` collected), reading private copies of their slots now (the slots are
-        about to hold other blocks): one job for all of them, so that evicting many blocks (1-token
-        blocks evict thousands at once) neither queues a job per block nor waits on a full disk
-        queue."""
+        about to hold other blocks): one job for all of a tier's, so that evicting many blocks
+        (1-token blocks evict thousands at once) neither queues a job per block nor waits on a
+        full queue."""
         if spills is None:
             spills, self._spills = self._spills or [], None
-        if not spills:
-            return
         t = self.tiers
-        hashes = [h for h, _ in spills]
-        try:
-            job = t.copy_engine.disk_write(t.disk, hashes, t.meta, t.host.read([slot for _, slot in spills]))
-        except BaseException:
-            for h in hashes:  # no write will end for them: they no longer count against the budget
-                self._disk_write_ended(h)
-            raise
-        for k, h in enumerate(hashes):
-            self.pending.append(Write(h, Tier.DISK, JobPart(job, k, len(hashes))))
-
-    def _slot_to_remote(self, h: bytes, slot: int) -> None:
-        """Start writing a host copy to the remote tier (the bytes are taken before this returns)."""
-        t = self.tiers
-        if t.remote is not None and not t.in_tier(h, Tier.REMOTE) and t.remote.available():
-            self.pending.append(Write(h, Tier.REMOTE, t.remote.put([h], t.host.slot(slot))))
+        for tier in dict.fromkeys(tier for tier, _, _ in spills):
+            mine = [(h, slot) for x, h, slot in spills if x == tier]
+            hashes = [h for h, _ in mine]
+            try:
+                job = t.stores[tier].write(hashes, t.host.read([slot for _, slot in mine]))
+            except BaseException:
+                for h in hashes:  # no write will end for them: they no longer count against the budget
+                    self._write_ended(tier, h)
+                raise
+            for k, h in enumerate(hashes):
+                self.pending.append(Write(h, tier, JobPart(job, k, len(hashes))))
 
     def _finish_one(self, w: Write) -> None:
         t = self.tiers
@@ -201,25 +219,20 @@ class Writes:
             status = w.handle.result()
         except CopyError:
             status = [-1]
-        ok = status == [0]
-        if w.target == Tier.HOST:
-            if w.page >= 0:
-                self.pages.unref(w.page)
-            self._host_copies_ended([w.hash], [w.slot], [ok])
-        elif w.target == Tier.REMOTE:
-            if ok and t.index.insert(w.hash, Tier.REMOTE, 0):
-                t.stats.bytes_written["remote"] += t.block_bytes
-            # a failed remote write is counted in remote.stats, not as a copy error
-        else:
-            self._disk_write_ended(w.hash)
-            if w.slot >= 0:
-                t.index.unlock([w.hash], Tier.HOST)
-            if ok and t.disk_budget.add(w.hash):
-                t.stats.bytes_written["disk"] += t.block_bytes
-            elif not ok and status[:1] == [DiskStatus.FULL]:
-                t.stats.stores_refused["disk"] += 1
-                t.disk_budget.refused(DiskStatus.FULL)
-            t.stats.copy_errors += not ok
+        if w.page >= 0:  # a device page copied into a host slot
+            self.pages.unref(w.page)
+            self._host_copies_ended([w.hash], [w.slot], [status == [0]])
+            return
+        store = t.stores[w.target]
+        self._write_ended(w.target, w.hash)
+        if w.slot >= 0:
+            t.index.unlock([w.hash], Tier.HOST)
+        end = store.stored(w.hash, status)
+        if end.indexed:
+            t.stats.bytes_written[store.name] += t.block_bytes
+        if end.refused:
+            t.stats.stores_refused[store.name] += 1
+        t.stats.copy_errors += end.error
 
     def _host_copies_ended(self, hashes: list[bytes], slots: list[int], ok: list[bool]) -> None:
         """Copies of blocks ``hashes`` into host ``slots`` ended (``ok``: which succeeded): index
@@ -230,10 +243,10 @@ class Writes:
         inserted = t.index.insert_many([hashes[i] for i in good], Tier.HOST, [slots[i] for i in good]).tolist()
         kept = [i for i, k in zip(good, inserted) if k]
         t.stats.bytes_written["host"] += len(kept) * t.block_bytes
+        lower = [s for s in self._lower if not (self.write_back and s.spills)]
         for i in kept:
-            if not self.write_back:
-                self._slot_to_disk(hashes[i], slots[i])
-            self._slot_to_remote(hashes[i], slots[i])
+            for store in lower:
+                self._slot_down(store, hashes[i], slots[i])
         kept_set = set(kept)
         for i in range(len(hashes)):
             if i not in kept_set:

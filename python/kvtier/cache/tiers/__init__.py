@@ -1,6 +1,10 @@
 """The parts of one pool that its jobs share: the prefix index, the tiers, the copy engine, the
 cost model, the eviction policy, the clock and the counters.
 
+The tiers below the device pages (host memory, disk, remote store) are
+:class:`~kvtier.cache.tiers.protocol.TierStore` s (:mod:`~kvtier.cache.tiers.stores`), in
+``PoolTiers.stores`` by :class:`Tier`; loads and writes go through that interface only.
+
 :class:`PoolTiers` opens the tiers a :class:`kvtier.cache.config.PoolConfig` asks for (or takes
 the ones passed in), checks their budgets and probes their speed; the pool's jobs
 (:mod:`~kvtier.cache.device_pages`, :mod:`~kvtier.cache.loads`, :mod:`~kvtier.cache.writes`,
@@ -16,8 +20,8 @@ import torch
 
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import PROBE_BULK_BYTES, REMOTE_TIER, CostModel, TierCost, probe
-from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
+from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.policy import make_policy
@@ -25,6 +29,11 @@ from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
+from kvtier.cache.tiers.protocol import Admit, DoneJob, ReadFailure, Stored, TierStore
+from kvtier.cache.tiers.stores import DiskFiles, HostStore, RemoteStore
+
+__all__ = ["Admit", "DiskFiles", "DoneJob", "HostStore", "PoolTiers", "ReadFailure", "RemoteStore", "Stored", "Tier",
+           "TierStore"]
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
@@ -40,6 +49,8 @@ class PoolTiers:
         clock, cost_model: as their names say; ``cost_model``, ``clock`` and ``index`` may be
             replaced (tests, the simulator) and every job sees the new one.
         meta: the layout of one page-first block; ``block_bytes`` its payload bytes.
+        stores: the tiers below the device pages this pool has, as :class:`TierStore` s by
+            :class:`Tier` (fastest first).
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None,
@@ -73,19 +84,21 @@ class PoolTiers:
         self.remote = remote
         if remote is not None:
             self.stats.add_tier("remote")
+        self.stores: dict[Tier, TierStore] = {}
+        pinned = lambda: self.host is not None and self.host.storage.is_pinned()
+        if self.host is not None:
+            self.stores[Tier.HOST] = HostStore(self.host, lambda: self.index)
+        if self.disk is not None:
+            self.stores[Tier.DISK] = DiskFiles(self.disk, self.meta, lambda: self.copy_engine, pinned,
+                                                 self.disk_budget)
+        if self.remote is not None:
+            self.stores[Tier.REMOTE] = RemoteStore(self.remote, lambda: self.index, pinned)
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- lookups every job uses ---------------------------------------------------------------
     def usable_tiers(self) -> list[Tier]:
         """The tiers this pool has, fastest first."""
-        tiers = [Tier.DEVICE]
-        if self.host is not None:
-            tiers.append(Tier.HOST)
-        if self.disk is not None:
-            tiers.append(Tier.DISK)
-        if self.remote is not None:
-            tiers.append(Tier.REMOTE)
-        return tiers
+        return [Tier.DEVICE, *self.stores]
 
     @staticmethod
     def fastest_tiers(rows: np.ndarray) -> np.ndarray:
