@@ -29,16 +29,17 @@ import argparse
 import csv
 import dataclasses
 import json
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import stop_process_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -87,18 +88,8 @@ def start_server(model: Path, tokenizer: Path, extra: list[str], log: Path) -> t
         m = re.search(r"listening on (http://\S+)", line)
         if m:
             return proc, m.group(1)
-    stop(proc)
+    stop_process_group(proc)
     raise RuntimeError(f"kvtier serve did not start within 300 s; see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -158,7 +149,7 @@ def run_config(name: str, args, work: Path, model: Path, hf_tok: Path, traces: P
                                f"last lines:\n{(client.stdout + client.stderr)[-2000:]}")
         summary = summarize(out_dir / "detailed_results.csv", scrape(url))
     finally:
-        stop(proc)
+        stop_process_group(proc)
     summary["server_args"] = server_args
     return summary
 

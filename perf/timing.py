@@ -1,11 +1,14 @@
 """Shared helpers of the perf/ scripts: warm up once then take the median of repeated runs;
-append result rows to a CSV file."""
+append result rows to a CSV file; stop a server a script started."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -69,3 +72,15 @@ def peak_fractions(peaks, median_us: float, nbytes: float, flops: float, compute
     matrix = {"bf16": peaks.bf16_flops, "fp8": peaks.fp8_flops}.get(compute or "")
     return {"pct_hbm_peak": f"{100 * nbytes / seconds / peaks.hbm_Bps:.1f}",
             "pct_matrix_peak": f"{100 * flops / seconds / matrix:.1f}" if flops and matrix else ""}
+
+
+def stop_process_group(proc: subprocess.Popen, wait_s: float = 60.0) -> None:
+    """Stop a server started with ``start_new_session=True``: SIGTERM to its process group (by the
+    PID it was started with), SIGKILL after ``wait_s`` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -41,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import stop_process_group  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("vllm", "vllm+offloading", "vllm+kvtier")
 MODEL_NAME = "tiny-llama"
@@ -106,17 +109,6 @@ def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -
     raise RuntimeError(f"vLLM not ready after {timeout_s} s:\n{log.read_text()[-2000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Stop the server's process group (by the PID it was started with)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def run_config(args, config: str, model: Path, work: Path) -> dict:
     """Start vLLM as ``config`` says, replay the workload against it, stop it; the summary."""
     port = _free_port()
@@ -136,7 +128,7 @@ def run_config(args, config: str, model: Path, work: Path) -> dict:
         if r.returncode != 0 or not out.exists():
             raise RuntimeError(f"kvtier bench exited with {r.returncode}:\n{(r.stdout + r.stderr)[-2000:]}")
     finally:
-        stop(proc)
+        stop_process_group(proc)
     doc = json.loads(out.read_text())
     (summary,) = doc["configs"].values()
     row = {"server": " ".join(cmd[1:]), "start_s": round(started, 1), "workload": doc["provenance"]["workload"],
