@@ -7,7 +7,30 @@ extension ``kvtier._C`` that the engine's cache and copy engine need (the kernel
 from a source tree where it could not be built).
 """
 
-from kvtier import ops  # noqa: F401  (registers torch.ops.kvtier.*)
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
+
+_KERNEL_BODIES = Path(__file__).resolve().parents[2] / "triton_kernels"
+
+
+class _SourceTreeKernels(importlib.abc.MetaPathFinder):
+    """Finds ``kvtier.triton_kernels`` in a source checkout put on ``PYTHONPATH`` without installing
+    it (a vLLM venv running the connector from this tree): setup.py maps that package to the
+    repository's ``triton_kernels/``. Consulted only after the usual finders fail."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "kvtier.triton_kernels":
+            return None
+        return importlib.util.spec_from_file_location(name, _KERNEL_BODIES / "__init__.py",
+                                                      submodule_search_locations=[str(_KERNEL_BODIES)])
+
+
+if (_KERNEL_BODIES / "__init__.py").is_file() and not any(isinstance(f, _SourceTreeKernels) for f in sys.meta_path):
+    sys.meta_path.append(_SourceTreeKernels())
+
+from kvtier import ops  # noqa: E402, F401  (registers torch.ops.kvtier.*)
 
 __version__ = "0.1.0"
 
