@@ -110,6 +110,7 @@ class EngineWorker:
             raise ApiError(400, str(e), e.path or "tools") from None
 
     def start(self) -> None:
+        self._publish()  # /metrics has a snapshot from the start, before the first step or idle tick
         self._thread.start()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
