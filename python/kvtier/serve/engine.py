@@ -531,7 +531,8 @@ class Engine:
         if not live:
             return out
         try:
-            sampled = self._sample_rows(live)
+            logits = torch.stack([row for _, row, _ in live])  # [rows, vocab]: one copy, for both uses
+            sampled = self._sample_rows(live, logits)
         except Exception as e:  # noqa: BLE001 - the step's other requests keep going
             return out | {seq.seq_id: e for seq, _, _ in live}
         want_logprobs = []
@@ -547,18 +548,18 @@ class Engine:
                 want_logprobs.append(i)
         if want_logprobs:
             try:
-                logits = torch.stack([live[i][1] for i in want_logprobs])
+                rows = logits[torch.tensor(want_logprobs, device=logits.device)]
                 picked = torch.tensor([sampled[i] for i in want_logprobs], device=logits.device)
-                values = torch.log_softmax(logits, -1).gather(1, picked[:, None]).squeeze(1).tolist()
+                values = torch.log_softmax(rows, -1).gather(1, picked[:, None]).squeeze(1).tolist()
             except Exception as e:  # noqa: BLE001 - fails the requests that asked for logprobs
                 return out | {live[i][0].seq_id: e for i in want_logprobs}
             for i, v in zip(want_logprobs, values):
                 live[i][0].logprobs.append(float(v))
         return out
 
-    def _sample_rows(self, live) -> list[int]:
-        """One ``ops.sample`` over the rows of :meth:`_sample` (no error messages among them)."""
-        logits = torch.stack([row for _, row, _ in live])
+    def _sample_rows(self, live, logits: torch.Tensor) -> list[int]:
+        """One ``ops.sample`` over the rows of :meth:`_sample` (no error messages among them);
+        ``logits``: their rows stacked, [len(live), vocab] fp32."""
         dev = logits.device
         params = [seq.params for seq, _, _ in live]
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
