@@ -1,12 +1,12 @@
-"""Copy-engine host<->disk throughput as a fraction of plain sequential disk bandwidth.
+"""Disk-tier host<->disk throughput as a fraction of plain sequential disk bandwidth.
 
 Method: ``--blocks`` K2 blocks (61 layers x 64-token pages x 576 bf16 = 4,497,408 B each) of
 random bytes. Baseline: one file written sequentially with O_DIRECT in block-sized chunks
 from a page-aligned buffer, then fdatasync, then read back the same way (O_DIRECT, so the page
-cache serves neither side). Measured: the same bytes as one disk-tier file per block through
-the copy engine (``--threads`` workers, one job per block: the tier's own O_DIRECT path,
-CRC-32C checksums, temp file + rename, no fsync; see the crash-safety note in
-hip/runtime/disk_tier.h), then read back, checksums verified. The engine's source and
+cache serves neither side). Measured: the same bytes as one disk-tier file per block, the disk
+tier's jobs on the copy engine's I/O workers (``--threads`` workers, one job per block: the
+tier's own O_DIRECT path, CRC-32C checksums, temp file + rename, no fsync; see the
+crash-safety note in hip/runtime/disk_tier.h), then read back, checksums verified. The engine's source and
 destination buffers are page-aligned (``aligned_empty``), as the pool's host slots and disk
 staging buffers are, so O_DIRECT moves them without a bounce copy. Both run in the same
 directory (``--dir``, default a temp dir under /tmp) in the same process, after one warm-up
@@ -30,6 +30,7 @@ import torch
 
 from kvtier.cache import block_hashes
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
+from kvtier.cache.tiers import DiskFiles
 from kvtier.transfer import CopyEngine
 
 
@@ -56,15 +57,16 @@ def through_engine(directory: Path, payload: torch.Tensor, blocks: int, threads:
     meta = BlockMeta(61, 64, 576 * 2, 2, payload.numel())
     disk = DiskTier(directory / "tier", capacity_bytes=(blocks + 2) * DiskTier.file_bytes(payload.numel()))
     engine = CopyEngine(num_threads=threads, max_queued=2 * threads)
+    files = DiskFiles(disk, meta, lambda: engine)
     hashes = block_hashes(list(range((blocks + 1) * 16)), 16)
-    engine.disk_write(disk, [hashes[-1]], meta, payload).result()  # warm-up
+    files.write([hashes[-1]], payload).result()  # warm-up
     t0 = time.perf_counter()
-    handles = [engine.disk_write(disk, [h], meta, payload) for h in hashes[:blocks]]
+    handles = [files.write([h], payload) for h in hashes[:blocks]]
     ok = all(h.result() == [DiskStatus.OK] for h in handles)
     write_s = time.perf_counter() - t0
     outs = [aligned_empty(payload.numel()) for _ in range(threads * 2)]
     t0 = time.perf_counter()
-    handles = [engine.disk_read(disk, [h], meta, outs[i % len(outs)]) for i, h in enumerate(hashes[:blocks])]
+    handles = [files.read_into([h], outs[i % len(outs)]) for i, h in enumerate(hashes[:blocks])]
     ok = ok and all(h.result() == [DiskStatus.OK] for h in handles)
     read_s = time.perf_counter() - t0
     ok = ok and torch.equal(outs[0], payload)

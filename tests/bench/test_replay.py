@@ -110,7 +110,7 @@ def test_cache_never_changes_results(model, tmp_path, schedule_policy, device_pa
                      disk_dir=tmp_path / "disk", schedule_policy=schedule_policy)
     # A fixed cost model (alpha=0: observations change nothing) that always prefers loading, so
     # which tier serves a hit does not depend on how busy the machine is while the test runs.
-    engine.pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(1e-6, 1e10), Tier.DISK: TierCost(1e-5, 1e9)},
+    engine.pool.tiers.cost_model = CostModel(tiers={Tier.HOST: TierCost(1e-6, 1e10), Tier.DISK: TierCost(1e-5, 1e9)},
                                        prefill_tok_s=100.0, alpha=0.0)
     plain_engine = _engine(model, device_pages=40, caching=False)
     tiered, plain = [], []

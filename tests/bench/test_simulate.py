@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+import torch
 from kvtier.bench.calibrate import FEATURES, LinearTimer, fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
@@ -35,6 +36,7 @@ from kvtier.cache.block_hash import block_hashes
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
+from kvtier.cache.tiers import DiskFiles
 from kvtier.cli import main
 from kvtier.model.config import preset
 from kvtier.model.plan import memory_plan
@@ -141,10 +143,11 @@ def test_disk_jobs_take_effect_when_collected():
     clock = VirtualClock()
     disk = SimDisk(1 << 20)
     meta = BlockMeta(1, PAGE, 1, 4, PAGE)
-    eng = SimCopyEngine(clock, TierLinks(1e6, host=FAST, disk=Link(1e6, 0.0)), owner="me")
-    w = eng.disk_write(disk, [b"x" * 16], meta, None)
+    eng = SimCopyEngine(clock, TierLinks(1e6, host=FAST, disk=Link(1e6, 0.0)))
+    files = DiskFiles(disk, meta, lambda: eng)  # the pool's disk tier, its jobs on the engine
+    w = files.write([b"x" * 16], torch.zeros(PAGE, dtype=torch.uint8))
     assert not disk.contains(b"x" * 16)  # written when the job ends and is collected
-    r = eng.disk_read(disk, [b"x" * 16, b"y" * 16], meta, None)
+    r = files.read_into([b"x" * 16, b"y" * 16], torch.zeros(2 * PAGE, dtype=torch.uint8))
     assert w.result() == [0] and disk.contains(b"x" * 16)
     assert r.result() == [0, DiskStatus.MISSING] and clock.now == 3.0
 
@@ -261,7 +264,7 @@ def test_drives_the_real_scheduler_and_pool_through_every_tier():
         > 0
     )
     assert disk.used_bytes > 0 and engine.copy_engine.bytes_moved["disk"] > 0
-    engine.pool.index.check_invariants()
+    engine.pool.tiers.index.check_invariants()
     plain = simulate(
         [_engine(device_pages=40)],
         wl,
@@ -379,7 +382,7 @@ def _two_workers(shared: bool) -> tuple[list[SimWorker], Workload]:
 
 def test_shared_store_is_indexed_by_every_worker():
     engines, wl = _two_workers(shared=True)
-    assert engines[0].pool.disk is engines[1].pool.disk
+    assert engines[0].pool.shares_disk_with(engines[1].pool)
     sr = simulate(
         engines,
         wl,
@@ -387,14 +390,14 @@ def test_shared_store_is_indexed_by_every_worker():
         concurrency=4,
         router="least-loaded",
     )
-    stored = {h for h, _ in engines[0].pool.disk.blocks()}
+    stored = {h for h, _ in engines[0].pool.tiers.disk.blocks()}
     for e in engines:  # each worker indexes the blocks either wrote
         assert stored and all(
-            len(e.pool.index.match([h], [Tier.DISK])) == 1 for h in stored
+            len(e.pool.tiers.index.match([h], [Tier.DISK])) == 1 for h in stored
         )
     assert sr.migrations >= 0 and summarize(sr.run)["errors"] == 0
     private, _ = _two_workers(shared=False)
-    assert private[0].pool.disk is not private[1].pool.disk
+    assert not private[0].pool.shares_disk_with(private[1].pool)
     sticky = simulate(
         private, wl, "sticky", concurrency=4, router="sticky"
     )

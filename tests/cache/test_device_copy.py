@@ -138,8 +138,8 @@ def test_a_page_freed_while_its_write_out_is_in_flight_is_not_reused(device):
     pool.poll()
     assert all(p in pool.pages.free_pages for p in written) and not pool.writes.pending
     for b, h in enumerate(s.block_hashes[:5]):
-        slot = int(pool.index.match([h], [Tier.HOST])[0][Tier.HOST])
-        got = pool.host.slot(slot).view(torch.float32).view(LAYERS, PS, ROW)
+        slot = int(pool.tiers.index.match([h], [Tier.HOST])[0][Tier.HOST])
+        got = pool.tiers.host.slot(slot).view(torch.float32).view(LAYERS, PS, ROW)
         assert torch.equal(got, page_data(b))
 
 
@@ -170,7 +170,7 @@ def test_a_load_that_fails_mid_way_serves_nothing_it_wrote(device, monkeypatch):
     assert pool.stats().copy_errors == 5
     for p in pages:  # free, indexed nowhere
         assert p in pool.pages.free_pages and pool.pages.page_hash[p] is None
-    assert pool.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0
+    assert pool.tiers.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -184,7 +184,7 @@ def test_a_load_cancelled_mid_way_gives_back_every_page_and_can_run_again(device
     assert pool.finish_prefix(s) is None  # its one copy job (five host blocks) is in flight
     pool.free(s)  # preempted or aborted while loading
     assert pool.num_free_pages == free_before and s.page_ids == [] and not pool.loading
-    assert pool.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0  # nothing served from it
+    assert pool.tiers.index.match(s.block_hashes[:5], [Tier.DEVICE]).shape[0] == 0  # nothing served from it
     again = State(5, tokens)
     assert pool.begin_prefix(again) in (PrefixStart.LOADING, PrefixStart.READY)  # host copies unlocked
     path.release()
@@ -240,8 +240,8 @@ def test_the_pool_picks_its_copy_engine_by_the_pools_device(device):
     config = PoolConfig(page_size=PS, num_device_pages=8, host_cache_bytes=8 * LAYERS * PS * ROW * 4)
     pool = KVPool(config, [torch.zeros(8, PS, ROW, device=device) for _ in range(LAYERS)])
     if device == "cpu":
-        assert isinstance(pool.copy_engine, CopyEngine)  # memcpy on worker threads
+        assert isinstance(pool.tiers.copy_engine, CopyEngine)  # memcpy on worker threads
     else:
-        assert isinstance(pool.copy_engine, DeviceCopyEngine) and isinstance(pool.copy_engine.streams, CudaStreams)
-        assert pool.host.storage.is_pinned()
-    assert Tier.HOST in pool.cost_model.tiers  # the host tier was probed through it
+        assert isinstance(pool.tiers.copy_engine, DeviceCopyEngine) and isinstance(pool.tiers.copy_engine.streams, CudaStreams)
+        assert pool.tiers.host.storage.is_pinned()
+    assert Tier.HOST in pool.tiers.cost_model.tiers  # the host tier was probed through it

@@ -41,9 +41,9 @@ def device_path(llm, device, deferred=False):
     CPU streams), on a GPU the one the pool chose."""
     pool = llm.engine.pool
     if device == "cpu":
-        pool.copy_engine = DeviceCopyEngine("cpu", CpuStreams(deferred=deferred))
-    assert isinstance(pool.copy_engine, DeviceCopyEngine)
-    assert isinstance(pool.copy_engine.streams, CpuStreams if device == "cpu" else CudaStreams)
+        pool.tiers.copy_engine = DeviceCopyEngine("cpu", CpuStreams(deferred=deferred))
+    assert isinstance(pool.tiers.copy_engine, DeviceCopyEngine)
+    assert isinstance(pool.tiers.copy_engine.streams, CpuStreams if device == "cpu" else CudaStreams)
     return llm
 
 
@@ -74,7 +74,7 @@ def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20)),
                       "cpu", deferred=True)
-    engine, streams = llm.engine, llm.engine.pool.copy_engine.streams
+    engine, streams = llm.engine, llm.engine.pool.tiers.copy_engine.streams
     llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     engine.pool.poll(wait=True)
     flush_device(llm)
@@ -111,7 +111,7 @@ def test_a_forward_waits_for_its_load_on_the_gpu(prompts, monkeypatch):
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", device="cuda", dtype="float32", page_size=PS, num_device_pages=17,
                                       host_cache_bytes=64 << 20)), "cuda")
-    engine, streams = llm.engine, llm.engine.pool.copy_engine.streams
+    engine, streams = llm.engine, llm.engine.pool.tiers.copy_engine.streams
     warm(llm, first)
     log, wait, run = [], streams.compute_wait, engine.runner.run
 

@@ -15,6 +15,7 @@ from kvtier.cache.config import PoolConfig
 from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool
 from kvtier.cache.pool_stats import PoolStats
+from kvtier.cache.prefix_index import Tier
 from kvtier.transfer import CopyEngine
 from tests.cache.test_tiers_e2e import prompt
 
@@ -99,15 +100,16 @@ class _Late:
 
 
 def _time_writes(pool, timing):
-    real = pool.copy_engine.disk_write
+    disk = pool.tiers.stores[Tier.DISK]
+    real = disk.write
     if timing == "finished-uncollected":
         def write(*a):
             h = real(*a)
             h.wait()  # in the tier's used_bytes before the pool collects it
             return _Held(h)
-        pool.copy_engine.disk_write = write
+        disk.write = write
     elif timing == "late":
-        pool.copy_engine.disk_write = lambda *a: _Late(lambda: real(*a))
+        disk.write = lambda *a: _Late(lambda: real(*a))
 
 
 @pytest.mark.parametrize("timing", ["as-they-come", "finished-uncollected", "late"])
@@ -120,12 +122,12 @@ def test_disk_tier_holds_its_whole_budget(tmp_path, timing):
     for i in range(prompts):
         _Held.released = False
         llm.generate(prompt_token_ids=[prompt(3 * PS + 1, 500 + i)], sampling_params=PARAMS)  # 3 blocks each
-        assert pool.disk.used_bytes <= budget_files * FILE
+        assert pool.tiers.disk.used_bytes <= budget_files * FILE
         _Held.released = True
         pool.poll(wait=True)
-        assert len(list(pool.disk.directory.glob("*.kvb"))) == min(budget_files, 3 * (i + 1))
-    files = list(pool.disk.directory.glob("*.kvb"))
-    assert len(files) == budget_files == len(pool.disk.blocks())
+        assert len(list(pool.tiers.disk.directory.glob("*.kvb"))) == min(budget_files, 3 * (i + 1))
+    files = list(pool.tiers.disk.directory.glob("*.kvb"))
+    assert len(files) == budget_files == len(pool.tiers.disk.blocks())
     assert pool.stats().bytes_written["disk"] == 3 * prompts * BLOCK
     assert pool.stats().evictions["disk"] == 3 * prompts - budget_files  # one out per block in, no more
     assert pool.stats().copy_errors == 0 and pool.stats().stores_refused["disk"] == 0
@@ -147,14 +149,14 @@ def test_foreign_files_neither_count_nor_block_the_disk_tier(tmp_path, other):
     first = LLM("tiny", **{**args, "disk_cache_bytes": 64 * FILE, **FOREIGN[other]})
     first.generate(prompt_token_ids=[prompt(6 * PS * 2 + 1, 40)], sampling_params=PARAMS)
     first.engine.pool.poll(wait=True)
-    foreign = sorted(first.engine.pool.disk.directory.glob("*.kvb"))
+    foreign = sorted(first.engine.pool.tiers.disk.directory.glob("*.kvb"))
     assert len(foreign) >= 6
     foreign_bytes = sum(f.stat().st_size for f in foreign)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a usable tier is not reported as dead
         ours = LLM("tiny", **{**args, "disk_cache_bytes": foreign_bytes + FILE})  # "just above" the foreign files
     pool = ours.engine.pool
-    assert pool.disk.directory != first.engine.pool.disk.directory
+    assert pool.tiers.disk.directory != first.engine.pool.tiers.disk.directory
     assert pool.stats().disk_capacity_blocks == (foreign_bytes + FILE) // FILE
     ours.generate(prompt_token_ids=[prompt(4 * PS + 1, 41)], sampling_params=PARAMS)
     pool.poll(wait=True)
@@ -177,7 +179,7 @@ class _Done:
 
 
 class _SyncCopies:
-    """Real device/host copies; disk jobs run at once on any disk object (here a ``SimDisk``)."""
+    """Real device/host copies; I/O jobs run at once (on any disk object, here a ``SimDisk``)."""
 
     def __init__(self):
         self.engine = CopyEngine(1)
@@ -188,11 +190,8 @@ class _SyncCopies:
     def scatter(self, *a):
         return self.engine.scatter(*a)
 
-    def disk_write(self, disk, hashes, meta, staging):
-        return _Done([int(disk.write(h, meta, staging)) for h in hashes])
-
-    def disk_read(self, disk, hashes, meta, staging):
-        return _Done([int(disk.read(h, meta, staging)) for h in hashes])
+    def run_io(self, job):
+        return _Done(job.run())
 
 
 def _pool_over(disk, host_blocks=8, pages=8):
@@ -261,7 +260,7 @@ def test_files_of_another_layout_in_the_own_namespace_are_dropped_at_start_up(tm
     assert tier.write(stray, BlockMeta(2, 4, 8, 2, 64), torch.zeros(64, dtype=torch.uint8)) == DiskStatus.OK
     del tier
     pool = KVPool(config, kv)
-    assert not pool.disk.contains(stray) and pool.disk.used_bytes == 0
+    assert not pool.tiers.disk.contains(stray) and pool.tiers.disk.used_bytes == 0
     assert pool.stats().disk_capacity_blocks == 4
 
 

@@ -10,6 +10,7 @@ import torch
 
 from kvtier import LLM
 from kvtier.cache.disk_tier import DiskTier
+from kvtier.cache.prefix_index import Tier
 from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt, reference_logprobs
 
 HOST_BYTES = 2 * 15360  # two tiny-preset blocks: the prefix cannot stay in host memory
@@ -63,8 +64,6 @@ def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, t
     (with 1-token blocks an eviction spills hundreds; a job each filled the disk queue and made
     the serving loop wait on it). Every spilled block is then on disk, and outputs are
     unchanged."""
-    from kvtier.cache.prefix_index import Tier
-
     first, second, want = shared
     block = 15360 // PS  # bytes of a 1-token block of the tiny preset
     llm = disk_llm(tmp_path, write_policy="write-back", page_size=1, num_device_pages=17 * PS,
@@ -72,8 +71,14 @@ def test_write_back_spills_an_eviction_to_disk_in_one_job_per_eviction(shared, t
     pool = llm.engine.pool
     engine = pool.tiers.copy_engine
     jobs = []
-    real = engine.disk_write
-    engine.disk_write = lambda disk, hashes, meta, staging: jobs.append(list(hashes)) or real(disk, hashes, meta, staging)
+    real = engine.run_io
+
+    def recorded(job):
+        if job.write:
+            jobs.append(list(job.hashes))
+        return real(job)
+
+    engine.run_io = recorded
     warm(llm, first)
     assert len(jobs) == 1 and len(jobs[0]) == 64, [len(j) for j in jobs]  # the full host tier, spilled at once
     assert all(pool.tiers.in_tier(h, Tier.DISK) for h in jobs[0])
@@ -106,7 +111,7 @@ def block_files(llm, prompt_tokens, blocks):
     pool = llm.engine.pool
     from kvtier.cache import block_hashes
     hs = block_hashes(prompt_tokens[: blocks * PS], PS, salt=pool.config.salt)
-    return [pool.disk.path(h) for h in hs]
+    return [pool.tiers.disk.path(h) for h in hs]
 
 
 @pytest.mark.parametrize("fault", ["flip-byte", "truncate", "delete"])
@@ -155,16 +160,17 @@ def test_failing_disk_copy_is_recomputed(shared, tmp_path, monkeypatch):
     llm = disk_llm(tmp_path)
     warm(llm, first)
     pool = llm.engine.pool
-    real = pool.copy_engine.disk_read
+    disk = pool.tiers.stores[Tier.DISK]
+    real = disk.read_into
     calls = []
 
-    def broken_second(disk, hashes, meta, staging):
+    def broken_second(hashes, out):
         calls.append(hashes)
         if len(calls) == 2:
-            return real(disk, [b"\0" * 16], meta, staging)  # a block that is not there: the read fails
-        return real(disk, hashes, meta, staging)
+            return real([b"\0" * 16], out)  # a block that is not there: the read fails
+        return real(hashes, out)
 
-    monkeypatch.setattr(pool.copy_engine, "disk_read", broken_second)
+    monkeypatch.setattr(disk, "read_into", broken_second)
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert_matches(out, want, min_hit=0)
     assert pool.stats().copy_errors >= 1
@@ -182,7 +188,7 @@ def test_full_filesystem_keeps_serving(shared, tmp_path):
         llm = disk_llm(mnt, disk_cache_bytes=64 << 20)  # the budget is larger than the filesystem
         warm(llm, first)
         pool = llm.engine.pool
-        assert pool.disk.used_bytes <= 64 * 1024
+        assert pool.tiers.disk.used_bytes <= 64 * 1024
         assert pool.stats().copy_errors >= 1  # writes beyond the filesystem failed and were counted
         assert pool.stats().evictions["disk"] >= 1  # ...and made room for later writes
         out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
@@ -200,6 +206,6 @@ def test_disk_budget_evicts_least_recently_used(tmp_path):
     llm = disk_llm(tmp_path, disk_cache_bytes=blocks_budget)
     warm(llm, prompt(200, 13))
     pool = llm.engine.pool
-    assert pool.disk.used_bytes <= blocks_budget
+    assert pool.tiers.disk.used_bytes <= blocks_budget
     assert pool.stats().evictions["disk"] > 0
-    pool.index.check_invariants()
+    pool.tiers.index.check_invariants()

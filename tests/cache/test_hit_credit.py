@@ -14,7 +14,7 @@ PS, PAGES = 4, 8
 def _pool() -> KVPool:
     kv = [torch.randn(PAGES, PS, 2) for _ in range(2)]
     pool = KVPool(PoolConfig(page_size=PS, num_device_pages=PAGES, host_cache_bytes=16 * 64), kv)
-    pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0)  # always load
+    pool.tiers.cost_model = CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0)  # always load
     return pool
 
 
@@ -49,7 +49,7 @@ def test_reload_from_host_after_preemption_is_a_host_hit():
     filler = _seq(2, list(range(PAGES * PS + 1)))
     assert pool.allocate(filler, PAGES * PS)  # every page taken: the device copies are evicted
     pool.free(filler)
-    assert pool.index.num_copies(Tier.DEVICE) == 0
+    assert pool.tiers.index.num_copies(Tier.DEVICE) == 0
 
     assert _place(pool, seq) == 3 * PS  # re-admission loads them back from host
     assert pool.stats().bytes_loaded["host"] == 3 * 64

@@ -46,7 +46,7 @@ def test_view_rebuilt_from_events_equals_the_workers_index():
         hashes = {h for p in prompts for h in block_hashes(p[:len(p) // PS * PS], PS, None, pool.config.salt)}
         assert pool.stats().evictions["device"] > 0 and view.blocks("worker-a", "host")
         for tier in (Tier.DEVICE, Tier.HOST):
-            held = {h for h in hashes if len(pool.index.match([h], [tier])) == 1}
+            held = {h for h in hashes if len(pool.tiers.index.match([h], [tier])) == 1}
             assert view.blocks("worker-a", tier.name.lower()) == held
     finally:
         sub.close()

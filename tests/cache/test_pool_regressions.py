@@ -61,13 +61,13 @@ def test_the_blocks_of_one_copy_job_move_the_bandwidth_estimate_as_one_observati
 
 def test_default_probe_measures_bytes_per_second():
     llm = LLM("tiny", page_size=PS, num_device_pages=8, host_cache_bytes=4 * BLOCK)
-    assert llm.engine.pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 1e7  # bytes, not copies, per second
+    assert llm.engine.pool.tiers.cost_model.tiers[Tier.HOST].bandwidth_Bps > 1e7  # bytes, not copies, per second
 
 
 def test_pages_held_by_a_running_write_do_not_stop_the_next_request():
     llm = LLM("tiny", page_size=PS, num_device_pages=9, host_cache_bytes=64 * BLOCK)
-    real = llm.engine.pool.copy_engine.gather
-    llm.engine.pool.copy_engine.gather = lambda *a: SlowHandle(real(*a), 0.3)
+    real = llm.engine.pool.tiers.copy_engine.gather
+    llm.engine.pool.tiers.copy_engine.gather = lambda *a: SlowHandle(real(*a), 0.3)
     llm.generate(prompt_token_ids=[prompt(8 * PS + 1, 1)], sampling_params=PARAMS)
     out = llm.generate(prompt_token_ids=[prompt(8 * PS + 1, 2)], sampling_params=PARAMS)[0]
     assert len(out.token_ids) == 1
@@ -103,7 +103,7 @@ def test_disk_writes_in_flight_count_against_the_budget(tmp_path):
               disk_cache_bytes=2 * DiskTier.file_bytes(BLOCK))
     llm.generate(prompt_token_ids=[prompt(6 * PS + 1, 1)], sampling_params=PARAMS)
     llm.engine.pool.poll(wait=True)
-    assert llm.engine.pool.stats().copy_errors == 0 and llm.engine.pool.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
+    assert llm.engine.pool.stats().copy_errors == 0 and llm.engine.pool.tiers.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
 
 
 def test_returning_session_keeps_others_protection():
@@ -141,14 +141,14 @@ def test_write_back_keeps_the_host_copy_of_a_block_evicted_beside_blocks_it_must
                              write_policy="write-back"), [torch.zeros(4, 4, 8)])
     a, c, d = (bytes([i]) * 16 for i in (1, 2, 3))
     for h in (a, c):
-        assert pool.index.insert(h, Tier.HOST, pool.host.allocate())
-    pool.index.insert(a, Tier.DEVICE, 0)
-    pool.index.insert(d, Tier.DEVICE, 1)
+        assert pool.tiers.index.insert(h, Tier.HOST, pool.tiers.host.allocate())
+    pool.tiers.index.insert(a, Tier.DEVICE, 0)
+    pool.tiers.index.insert(d, Tier.DEVICE, 1)
     pool.writes.evicting([(a, 0), (d, 1)])
-    assert pool.index.held([a, c, d], Tier.HOST).tolist() == [True, False, True]
-    assert [h for h, _ in pool.index.eviction_candidates(Tier.HOST, 2)] == [a, d]  # A as if written now
-    assert pool.index.ref_count(a, Tier.HOST) == 0 and pool.stats().evictions["host"] == 1
-    pool.index.check_invariants()
+    assert pool.tiers.index.held([a, c, d], Tier.HOST).tolist() == [True, False, True]
+    assert [h for h, _ in pool.tiers.index.eviction_candidates(Tier.HOST, 2)] == [a, d]  # A as if written now
+    assert pool.tiers.index.ref_count(a, Tier.HOST) == 0 and pool.stats().evictions["host"] == 1
+    pool.tiers.index.check_invariants()
 
 
 def test_the_host_probe_measures_bandwidth_with_many_blocks_not_one(monkeypatch):
@@ -197,7 +197,7 @@ def test_the_pool_probes_its_host_tier_with_a_many_block_job():
     pool = KVPool(PoolConfig(page_size=1, num_device_pages=64, host_cache_bytes=32 * 8 * 4),
                   [torch.zeros(64, 1, 8)], copy_engine=Recording(CopyEngine()))
     assert sizes == [1, 1, 1, 32, 32, 32]  # every host slot (32 < 4 MiB of 32-byte blocks)
-    assert pool.cost_model.tiers[Tier.HOST].bandwidth_Bps > 0
+    assert pool.tiers.cost_model.tiers[Tier.HOST].bandwidth_Bps > 0
 
 
 def test_an_eviction_copy_that_fails_for_some_blocks_stores_the_others():
@@ -250,8 +250,8 @@ def test_an_eviction_copy_that_fails_for_some_blocks_stores_the_others():
     other = KVState(TokenList([9, 9, 9]))
     assert pool.allocate(other, 2)  # evicts both blocks in one two-block gather
     # The last page is reused first, so block 1 is the job's first block: it failed.
-    assert pool.index.held(kv.block_hashes, Tier.HOST).tolist() == [True, False] and pool.stats().copy_errors == 1
-    slot = int(pool.index.match(kv.block_hashes[:1], [Tier.HOST])[0, Tier.HOST])
-    assert torch.equal(pool.host.slot(slot).view(torch.float32), torch.full((8,), 11.0))
-    assert len(pool.host._free) == 1  # the failed block's slot was given back
-    pool.index.check_invariants()
+    assert pool.tiers.index.held(kv.block_hashes, Tier.HOST).tolist() == [True, False] and pool.stats().copy_errors == 1
+    slot = int(pool.tiers.index.match(kv.block_hashes[:1], [Tier.HOST])[0, Tier.HOST])
+    assert torch.equal(pool.tiers.host.slot(slot).view(torch.float32), torch.full((8,), 11.0))
+    assert len(pool.tiers.host._free) == 1  # the failed block's slot was given back
+    pool.tiers.index.check_invariants()

@@ -42,7 +42,7 @@ def test_native_and_simulated_parts_satisfy_the_seams(tmp_path):
 def _host_pool() -> KVPool:
     kv = [torch.randn(PAGES, PS, 2) for _ in range(2)]
     pool = KVPool(PoolConfig(page_size=PS, num_device_pages=PAGES, host_cache_bytes=16 * 64), kv)
-    pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0)  # always load
+    pool.tiers.cost_model = CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0)  # always load
     return pool
 
 
@@ -87,4 +87,4 @@ def test_a_request_freed_while_loading_gives_its_pages_back():
     pool.free(kv)
     assert kv.page_ids == [] and not kv.loading and pool.loading == []
     assert pool.num_free_pages == PAGES and sum(pool.pages.ref_counts) == 0
-    pool.index.check_invariants()
+    pool.tiers.index.check_invariants()

@@ -19,7 +19,7 @@ def make_pool(policy="tool-aware", pages=8, target=2.0):
     config = PoolConfig(page_size=PS, num_device_pages=pages, host_cache_bytes=64 * PS * 8 * 4, cache_policy=policy)
     pool = KVPool(config, [torch.randn(pages, PS, 8)],
                   CostModel(tiers={Tier.HOST: TierCost(LOAD_LATENCY_S, 1e15)}, prefill_tok_s=1.0))
-    pool.clock = Clock()
+    pool.tiers.clock = Clock()
     pool.set_resume_target(target)
     return pool
 
@@ -70,7 +70,7 @@ def test_a_kept_session_stays_on_the_device_past_the_ttl(policy, kept):
     run(pool, range(200, 220), 3)  # 5 blocks: the agent's pages are now the least recently used
     hashes = agent.block_hashes[:3]
     pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
-    pool.clock.now += 15.0  # past the TTL (10 s) the policy has without a target
+    pool.tiers.clock.now += 15.0  # past the TTL (10 s) the policy has without a target
     run(pool, range(100, 112), 1)  # 3 blocks: LRU takes the agent's pages
     assert all(on_device(pool, hashes)) is kept
     assert pool.stats().prefetched_blocks == 0  # nothing had to come back
@@ -83,24 +83,24 @@ def test_a_declared_wait_is_prefetched_load_time_plus_margin_before_the_return()
     pool.tool_wait("agent", list(range(20)), expected_wait_s=20.0)
     w = pool.tiers.policy.sessions["agent"]
     assert not w.kept and w.prefetch_at == pytest.approx(100.0 + 20.0 - LOAD_LATENCY_S - 5.0)
-    pool.clock.now += 11.0  # the TTL is over: the blocks are ordinary victims
+    pool.tiers.clock.now += 11.0  # the TTL is over: the blocks are ordinary victims
     run(pool, range(100, 132), 1)  # 8 blocks: the whole device
-    assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 5
-    pool.clock.now = w.prefetch_at - 0.01
+    assert not any(on_device(pool, hashes)) and pool.tiers.index.match(hashes, [Tier.HOST]).shape[0] == 5
+    pool.tiers.clock.now = w.prefetch_at - 0.01
     pool.poll(wait=True)
     assert pool.stats().prefetched_blocks == 0  # not due yet
-    pool.clock.now = w.prefetch_at
+    pool.tiers.clock.now = w.prefetch_at
     pool.poll(wait=True)  # due: loaded before the expected return at 120 s
     assert pool.stats().prefetched_blocks > 0
     back = set(h for h, on in zip(hashes, on_device(pool, hashes)) if on)
     assert len(back) == pool.stats().prefetched_blocks
-    pool.clock.now += 3.0  # still before the return
+    pool.tiers.clock.now += 3.0  # still before the return
     run(pool, range(300, 304), 2)  # another request takes a page: not one the prefetch brought back
     assert back <= set(h for h, on in zip(hashes, on_device(pool, hashes)) if on)
     turn = run(pool, list(range(20)) + [7], 3)  # the returning turn
     assert turn.prefix_tokens_by_tier["device"] == len(back) * PS and turn.prefix_tokens_by_tier.get("host", 0) == (
         5 - len(back)) * PS
-    pool.index.check_invariants()
+    pool.tiers.index.check_invariants()
 
 
 def test_without_a_target_the_policy_plans_as_before():
@@ -117,7 +117,7 @@ def test_kept_sessions_share_the_keep_budget():
         run(pool, range(1000 * i, 1000 * i + 12), i)  # 3 blocks each
         pool.tool_wait(sid, list(range(1000 * i, 1000 * i + 12)), expected_wait_s=10.0)
     kept = {sid: w.kept for sid, w in pool.tiers.policy.sessions.items()}
-    assert kept == {"a": True, "b": True, "c": False} and pool.tiers.policy.kept_blocks(pool.clock()) == 6
+    assert kept == {"a": True, "b": True, "c": False} and pool.tiers.policy.kept_blocks(pool.tiers.clock()) == 6
     pool.tool_return("a")  # its budget is free again
     pool.tool_wait("c", list(range(2000, 2012)), expected_wait_s=10.0)
     assert pool.tiers.policy.sessions["c"].kept

@@ -20,7 +20,7 @@ def prompt(n, seed):
 
 def always_load(llm):
     """A cost model under which loading always wins (the decision itself is tested elsewhere)."""
-    llm.engine.pool.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in (Tier.HOST, Tier.DISK)},
+    llm.engine.pool.tiers.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in (Tier.HOST, Tier.DISK)},
                                            prefill_tok_s=1.0)
     return llm
 
@@ -65,7 +65,7 @@ def test_prefix_comes_back_from_host(shared):
 def test_cost_model_recomputes_when_loading_is_slower(shared):
     first, second, want = shared
     llm = LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20)
-    llm.engine.pool.cost_model = CostModel(tiers={Tier.HOST: TierCost(10.0, 1.0)}, prefill_tok_s=1e9)
+    llm.engine.pool.tiers.cost_model = CostModel(tiers={Tier.HOST: TierCost(10.0, 1.0)}, prefill_tok_s=1e9)
     llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
     llm.engine.pool.poll(wait=True)
     flush_device(llm)
@@ -81,14 +81,14 @@ def test_failed_host_copy_is_recomputed_and_counted(shared, monkeypatch):
     llm.engine.pool.poll(wait=True)
     flush_device(llm)
     pool = llm.engine.pool
-    real_scatter = pool.copy_engine.scatter
+    real_scatter = pool.tiers.copy_engine.scatter
     calls = []
 
     def failing(staging, pools, pages):  # the prefix's host blocks load in one job: it fails
         calls.append(pages)
         return real_scatter(staging, pools, [10**9] * len(pages))
 
-    monkeypatch.setattr(pool.copy_engine, "scatter", failing)
+    monkeypatch.setattr(pool.tiers.copy_engine, "scatter", failing)
     out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
     assert len(calls) == 1 and len(calls[0]) > 2
     assert out.num_cached_tokens == 0  # nothing of the failed job is used: recomputed

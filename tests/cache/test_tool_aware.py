@@ -25,7 +25,7 @@ def make_pool(policy="tool-aware", pages=8):
     config = PoolConfig(page_size=PS, num_device_pages=pages, host_cache_bytes=64 * PS * 8 * 4, cache_policy=policy)
     pool = KVPool(config, [torch.randn(pages, PS, 8)],
                   CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0))
-    pool.clock = Clock()
+    pool.tiers.clock = Clock()
     return pool
 
 
@@ -45,7 +45,7 @@ def run(pool, tokens, sid):
 
 
 def on_device(pool, hashes):
-    return [pool.index.match([h], [Tier.DEVICE]).shape[0] == 1 for h in hashes]
+    return [pool.tiers.index.match([h], [Tier.DEVICE]).shape[0] == 1 for h in hashes]
 
 
 @pytest.mark.parametrize("policy, kept", [("lru", False), ("tool-aware", True)])
@@ -54,7 +54,7 @@ def test_waiting_session_keeps_device_blocks_during_its_ttl(policy, kept):
     agent = run(pool, range(12), 0)  # 3 blocks
     run(pool, range(200, 220), 3)  # 5 blocks: the agent's pages are now the least recently used
     pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
-    pool.clock.now += 5.0  # inside the TTL (0.5 * 20 s)
+    pool.tiers.clock.now += 5.0  # inside the TTL (0.5 * 20 s)
     run(pool, range(100, 112), 1)  # another request needs 3 pages: LRU would take the agent's
     assert all(on_device(pool, agent.block_hashes[:3])) is kept
 
@@ -63,17 +63,17 @@ def test_blocks_are_demoted_after_the_ttl_and_prefetched_before_return():
     pool = make_pool()
     agent = run(pool, range(12), 0)
     hashes = agent.block_hashes[:3]
-    assert pool.index.match(hashes, [Tier.HOST]).shape[0] == 3  # written through to host
+    assert pool.tiers.index.match(hashes, [Tier.HOST]).shape[0] == 3  # written through to host
     pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
-    pool.clock.now += 11.0  # TTL (10 s) over: ordinary victims now
+    pool.tiers.clock.now += 11.0  # TTL (10 s) over: ordinary victims now
     run(pool, range(100, 132), 1)  # 8 blocks: the whole device pool
-    assert not any(on_device(pool, hashes)) and pool.index.match(hashes, [Tier.HOST]).shape[0] == 3
-    pool.clock.now += 7.5  # 18.5 s: within prefetch_lead_s (2 s) of the expected return
+    assert not any(on_device(pool, hashes)) and pool.tiers.index.match(hashes, [Tier.HOST]).shape[0] == 3
+    pool.tiers.clock.now += 7.5  # 18.5 s: within prefetch_lead_s (2 s) of the expected return
     pool.poll(wait=True)
     assert all(on_device(pool, hashes)) and pool.stats().prefetched_blocks == 3
     back = run(pool, list(range(12)) + [7], 2)  # the returning turn finds its prefix on device
     assert back.prefix_tokens_by_tier["device"] == 12
-    pool.index.check_invariants()
+    pool.tiers.index.check_invariants()
 
 
 def test_protection_never_blocks_progress():
@@ -111,20 +111,20 @@ def test_a_prefetch_locks_the_host_copy_it_reads():
     agent = run(pool, range(12), 0)
     hashes = set(agent.block_hashes[:3])
     pool.tool_wait("agent", list(range(12)), expected_wait_s=20.0)
-    pool.clock.now += 11.0
+    pool.tiers.clock.now += 11.0
     run(pool, range(100, 132), 1)  # the agent's device copies are evicted; its host copies stay
-    real, held = pool.copy_engine.scatter, []
-    pool.copy_engine.scatter = lambda *a: held.append(HeldCopy(real(*a))) or held[-1]
-    pool.clock.now += 7.5
+    real, held = pool.tiers.copy_engine.scatter, []
+    pool.tiers.copy_engine.scatter = lambda *a: held.append(HeldCopy(real(*a))) or held[-1]
+    pool.tiers.clock.now += 7.5
     pool.poll()  # the prefetches start; their copies have not ended
     assert len(held) == 3 and len(pool.prefetcher.pending) == 3
 
     def evictable():
-        return {h for h, _ in pool.index.eviction_candidates(Tier.HOST, 1000)}
+        return {h for h, _ in pool.tiers.index.eviction_candidates(Tier.HOST, 1000)}
 
     assert not evictable() & hashes  # a copy being read cannot be evicted
     for h in held:
         h.ended = True
     pool.poll(wait=True)
     assert pool.stats().prefetched_blocks == 3 and hashes <= evictable()  # and it is unlocked after
-    pool.index.check_invariants()
+    pool.tiers.index.check_invariants()

@@ -150,7 +150,7 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           max_num_batched_pairs=NO_PAIR_CAP, host_cache_bytes=64 * 15360, schedule_policy=policy))
     engine = llm.engine
-    engine.pool.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
+    engine.pool.tiers.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
     short, cold_prompt, alone, cold, rid = _cold_prefill_then_cached_turn(llm)
     first, outs, step = {}, {}, 0
     while engine.has_unfinished():
@@ -343,7 +343,7 @@ def test_a_shorter_prompt_chunks_beside_a_long_cold_one_but_never_a_third(policy
     prefills at most), then chunks beside the long one in turn: first tokens come shortest
     first. FCFS serves them in arrival order. Outputs equal each request run alone."""
     engine = engine_for(policy)
-    engine.pool.cost_model.alpha = 0.0  # 1,000 tokens/s whatever steps take: costs set the rank
+    engine.pool.tiers.cost_model.alpha = 0.0  # 1,000 tokens/s whatever steps take: costs set the rank
     prompts = [prompt(512, 41), prompt(192, 42), prompt(160, 43)]
     long_id = engine.add_request(prompts[0], ONE, arrival_time=0.0)
     engine.step()
@@ -381,7 +381,7 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens,
     llm = always_load(LLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
                           max_num_batched_tokens=BUDGET, max_num_batched_pairs=10**9))
     engine, scheduler = llm.engine, llm.engine.scheduler
-    cm = engine.pool.cost_model
+    cm = engine.pool.tiers.cost_model
     cm.alpha, cm.prefill_tok_s = 0.0, 1.0 if overtakes else 1000.0
     long_decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     decode = engine.add_request(prompt(4 * PS, 61), long_decode, arrival_time=0.0)

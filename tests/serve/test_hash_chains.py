@@ -48,8 +48,8 @@ def _mixes(own, foreign):
 def test_chain_with_foreign_hashes_is_rejected_and_nothing_foreign_is_served(shared_dir, mix):
     path, p, a_hashes = shared_dir
     b = tenant(path, f"tenant-b-{mix}")
-    assert b.engine.pool.index.num_copies(Tier.DISK) == 0  # A's files are not B's blocks
-    assert b.engine.pool.index.match(a_hashes).shape[0] == 0
+    assert b.engine.pool.tiers.index.num_copies(Tier.DISK) == 0  # A's files are not B's blocks
+    assert b.engine.pool.tiers.index.match(a_hashes).shape[0] == 0
     own = block_hashes(p, PS, salt=b.engine.block_hash_salt)
     bad = _mixes(own, a_hashes)[mix]
     with pytest.raises(ValueError, match="prompt_block_hashes.*does not match"):
@@ -65,7 +65,7 @@ def test_chain_with_foreign_hashes_is_rejected_and_nothing_foreign_is_served(sha
 def test_same_salt_on_the_shared_directory_is_served(shared_dir):
     path, p, a_hashes = shared_dir
     again = tenant(path, "tenant-a")
-    assert again.engine.pool.index.num_copies(Tier.DISK) >= 6
+    assert again.engine.pool.tiers.index.num_copies(Tier.DISK) >= 6
     out = again.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
     assert out.cached_tokens_by_tier["disk"] > 0
 

@@ -140,7 +140,7 @@ def test_one_slot_is_enough(tmp_path):
     llm = LLM("tiny", page_size=16, num_device_pages=8, host_cache_bytes=HostTier.row_bytes(BLOCK),
               disk_cache_dir=str(tmp_path),
               disk_cache_bytes=DiskTier.file_bytes(BLOCK))
-    assert llm.engine.pool.host.num_slots == 1 and llm.engine.pool.stats().disk_capacity_blocks == 1
+    assert llm.engine.pool.tiers.host.num_slots == 1 and llm.engine.pool.stats().disk_capacity_blocks == 1
 
 
 @pytest.mark.parametrize("bad", [[1, True, 3], [1, np.True_, 3], np.array([True, False]), [1, 2.0], [1, "2"],

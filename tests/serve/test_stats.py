@@ -52,7 +52,7 @@ def test_snapshots_are_frozen_copies_with_the_live_values():
     assert later.scheduler == engine.scheduler.stats() == SchedulerStats(0, 0, 0, engine.scheduler.num_preemptions)
     now = pool.stats()
     assert now.num_free_pages == pool.num_free_pages and now.num_pages == 32
-    assert now.cached_blocks == {t.name.lower(): pool.index.num_copies(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+    assert now.cached_blocks == {t.name.lower(): pool.tiers.index.num_copies(t) for t in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
     assert now.cached_blocks["device"] >= 4 and now.cached_blocks["host"] >= 4  # written through to host
     assert now.hit_tokens["device"] >= 4 * PS  # the second run of the prompt reused its blocks
     assert now.bytes_written["host"] > 0 and now.copy_errors == 0

@@ -102,7 +102,7 @@ def test_a_running_prefill_gets_a_token_a_step_whatever_the_budget():
 
 def _frozen_costs(engine, host_bandwidth_Bps: float) -> None:
     """1,000 prefill tokens/s and the given host bandwidth, whatever steps and copies take."""
-    cm = engine.pool.cost_model
+    cm = engine.pool.tiers.cost_model
     cm.alpha = 0.0
     cm.prefill_tok_s = 1000.0
     cm.tiers[Tier.HOST] = TierCost(latency_s=1e-5, bandwidth_Bps=host_bandwidth_Bps)
@@ -151,7 +151,7 @@ def test_a_prefill_short_of_pages_preempts_itself_before_a_turn_its_step_would_e
     and the sequences after it, the worst-ranked, prefills whose prompt ends within a step last
     (FCFS takes the last admitted, which is often such a turn)."""
     engine = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET).engine
-    engine.pool.cost_model.alpha = 0.0
+    engine.pool.tiers.cost_model.alpha = 0.0
     sched: Scheduler = engine.scheduler
     cold = _running(engine, 40 * PS, 30 * PS, 1)  # 160 tokens left
     turn = _running(engine, 20 * PS, 20 * PS - 40, 2)  # admitted later, its prompt ends this step
@@ -168,7 +168,7 @@ def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
     (it gets its first token now; preempted, it would load them all back)."""
     engine = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET,
                  host_cache_bytes=64 * 15360).engine
-    engine.pool.cost_model.alpha = 0.0
+    engine.pool.tiers.cost_model.alpha = 0.0
     sched = engine.scheduler
     assert engine.pool.keeps_evicted_blocks  # so a new turn may preempt prefills ranked ahead of it
     ending = _running(engine, 60 * PS, 60 * PS - 30, 1)  # 58 pages, 30 tokens from its first token

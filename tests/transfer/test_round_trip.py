@@ -6,6 +6,7 @@ import torch
 from kvtier.cache import block_hashes
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.host_tier import HostTier
+from kvtier.cache.tiers import DiskFiles
 from kvtier.transfer import CopyEngine
 
 
@@ -18,6 +19,7 @@ def test_device_host_disk_round_trip(dtype, tmp_path):
     host = HostTier(4 * HostTier.row_bytes(meta.payload_bytes), meta.payload_bytes)
     disk = DiskTier(tmp_path, 1 << 20)
     engine = CopyEngine(num_threads=3, max_queued=8)
+    files = DiskFiles(disk, meta, lambda: engine)  # the disk tier's jobs, on the engine's I/O workers
     src_pages, dst_pages = [6, 1, 3, 8], [0, 2, 4, 5]
     hashes = block_hashes(list(range(16 * 4)), 16)
     # device -> host (one job per block, into its own slot)
@@ -26,11 +28,11 @@ def test_device_host_disk_round_trip(dtype, tmp_path):
         assert h.result() == [0]
     # host -> disk, then clobber the host slots so the way back must come from disk
     for i, s in enumerate(slots):
-        assert engine.disk_write(disk, [hashes[i]], meta, host.slot(s)).result() == [DiskStatus.OK]
+        assert files.write([hashes[i]], host.slot(s)).result() == [DiskStatus.OK]
     host.storage.zero_()
     # disk -> host -> device
     for i, s in enumerate(slots):
-        assert engine.disk_read(disk, [hashes[i]], meta, host.slot(s)).result() == [DiskStatus.OK]
+        assert files.read_into([hashes[i]], host.slot(s)).result() == [DiskStatus.OK]
     before = [t.clone() for t in device]
     for h in [engine.scatter(host.slot(s), device, [p]) for p, s in zip(dst_pages, slots)]:
         assert h.result() == [0]

@@ -183,7 +183,7 @@ def measure_cpu_costs(opts: BenchOptions, calibration_seed: int) -> CpuCosts:
                    ramp_s=cal.ramp_s)
             engine.pool.poll(wait=True)
             if config.host:
-                tier_costs = engine.pool.cost_model
+                tier_costs = engine.pool.costs()
                 host_job_s, disk_job_s = engine.pool.copy_job_costs()
             del engine
         finally:

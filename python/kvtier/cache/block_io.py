@@ -108,9 +108,8 @@ class BlockIO:
             host_s = _seconds_per_job(lambda: t.copy_engine.scatter(slot, t.kv_caches, [0]), jobs)
         blocks = t.disk.blocks() if t.disk is not None else []
         if blocks:
-            staging = aligned_empty(t.block_bytes)
-            h = blocks[0][0]
-            disk_s = _seconds_per_job(lambda: t.copy_engine.disk_read(t.disk, [h], t.meta, staging), jobs // 4)
+            staging, disk, h = aligned_empty(t.block_bytes), t.stores[Tier.DISK], blocks[0][0]
+            disk_s = _seconds_per_job(lambda: disk.read_into([h], staging), jobs // 4)
         return host_s, disk_s
 
 

@@ -1,10 +1,10 @@
 """The copy engine of device page pools (CUDA/ROCm): page gather/scatter on a copy stream.
 
-Same interface as :class:`kvtier.transfer.CopyEngine` (``gather``, ``scatter``,
-``disk_read``, ``disk_write`` returning handles with ``done``, ``wait``, ``result``, ``run_s``),
-so :class:`kvtier.cache.pool.KVPool` drives both the same way. Host buffers are the pool's
-pinned host tier (one arena allocated once, slots of one page-first block) and pinned disk
-staging buffers.
+Same interface as :class:`kvtier.transfer.CopyEngine` (``gather``, ``scatter``, ``run_io``
+returning handles with ``done``, ``wait``, ``result``, ``run_s``), so
+:class:`kvtier.cache.pool.KVPool` drives both the same way. Host buffers are the pool's pinned
+host tier (one arena allocated once, slots of one page-first block) and pinned disk staging
+buffers.
 
 * device -> host (:meth:`DeviceCopyEngine.gather`, write-through and eviction): an event is
   recorded on the compute stream after the forward that wrote the pages; the copy stream waits
@@ -18,8 +18,9 @@ staging buffers.
   request's pages. The handle is done when that completed (other requests keep running
   meanwhile); its ``result()`` also orders the compute stream after the load's event, so the
   request's forward never reads a page that is not fully written.
-* disk: the native engine's worker threads read and write the pinned buffers (O_DIRECT,
-  checksums), as for CPU pools.
+* I/O jobs (:meth:`DeviceCopyEngine.run_io`, e.g. the disk tier's reads and writes of the
+  pinned buffers, O_DIRECT and checksums): on the native engine's worker threads, as for CPU
+  pools.
 
 A copy that raises (when enqueued, or when it runs on :class:`kvtier.cache.streams.CpuStreams`)
 fails its handle with :class:`kvtier.transfer.CopyError`; the pool then recomputes the span that
@@ -106,7 +107,7 @@ class DeviceCopyEngine:
         device: the page pools' device (``cuda``; ``cpu`` runs the same path on synchronous
             :class:`kvtier.cache.streams.CpuStreams`).
         streams: the compute/copy streams; None = :func:`kvtier.cache.streams.streams_for`.
-        disk_threads: worker threads of the native engine for disk reads and writes.
+        io_threads: worker threads of the native engine that runs I/O jobs.
 
     Example (CPU, copy stream deferred until waited for):
         >>> from kvtier.cache.streams import CpuStreams
@@ -117,10 +118,10 @@ class DeviceCopyEngine:
         (False, [0], [4.0, 5.0])
     """
 
-    def __init__(self, device: torch.device | str, streams: Streams | None = None, *, disk_threads: int = 2):
+    def __init__(self, device: torch.device | str, streams: Streams | None = None, *, io_threads: int = 2):
         self.device = torch.device(device)
         self.streams = streams if streams is not None else streams_for(self.device)
-        self._disk = CopyEngine(disk_threads, max_queued=256)
+        self._io = CopyEngine(io_threads, max_queued=256)
 
     # ---- device pages <-> host buffers -----------------------------------------------------------
     def gather(self, pools: Sequence[torch.Tensor], pages: Sequence[int], staging: torch.Tensor) -> DeviceCopyHandle:
@@ -199,19 +200,15 @@ class DeviceCopyEngine:
             return DeviceCopyHandle(self.streams, None, num_blocks, load=load, error=e)
         return DeviceCopyHandle(self.streams, span, num_blocks, load=load, keepalive=keepalive)
 
-    # ---- host buffers <-> disk (the native engine's worker threads) --------------------------------
-    def disk_write(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor):
-        """Write host blocks to ``disk``; see :meth:`kvtier.transfer.CopyEngine.disk_write`."""
-        return self._disk.disk_write(disk, hashes, meta, staging)
-
-    def disk_read(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor):
-        """Read blocks from ``disk`` into host ``staging``; see :meth:`kvtier.transfer.CopyEngine.disk_read`."""
-        return self._disk.disk_read(disk, hashes, meta, staging)
+    # ---- blocking I/O jobs (the native engine's worker threads) ---------------------------------
+    def run_io(self, job):
+        """Run an I/O job on the native workers; see :meth:`kvtier.transfer.CopyEngine.run_io`."""
+        return self._io.run_io(job)
 
     @property
     def queued(self) -> int:
-        """Disk jobs waiting for a worker."""
-        return self._disk.queued
+        """I/O jobs waiting for a worker."""
+        return self._io.queued
 
 
 # ---- the pool's choice of copy engine, and the checks of a tiered pool on a GPU ----------------------
@@ -272,4 +269,4 @@ def copy_engine_for(kv_caches: Sequence[torch.Tensor], copy_threads: int):
     device = kv_caches[0].device
     if device.type == "cpu":
         return CopyEngine(copy_threads, max_queued=256)
-    return DeviceCopyEngine(device, disk_threads=copy_threads)
+    return DeviceCopyEngine(device, io_threads=copy_threads)

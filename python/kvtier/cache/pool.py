@@ -31,6 +31,7 @@ hashes, hits and loads). It reports what it placed; the caller owns the request'
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -125,20 +126,6 @@ class KVPool:
         self.config, self.page_size, self.kv_caches = config, config.page_size, kv_caches
         self.meta, self.block_bytes = self.tiers.meta, self.tiers.block_bytes
 
-    # ---- the shared parts, by their usual names ---------------------------------------------
-    host = property(lambda self: self.tiers.host)
-    disk = property(lambda self: self.tiers.disk)
-    disk_budget = property(lambda self: self.tiers.disk_budget)
-    remote = property(lambda self: self.tiers.remote)
-
-    # Replaceable (tests, the simulator): every job sees the new one.
-    index = property(lambda self: self.tiers.index, lambda self, v: setattr(self.tiers, "index", v))
-    cost_model = property(lambda self: self.tiers.cost_model,
-                          lambda self, v: setattr(self.tiers, "cost_model", v))
-    clock = property(lambda self: self.tiers.clock, lambda self, v: setattr(self.tiers, "clock", v))
-    copy_engine = property(lambda self: self.tiers.copy_engine,
-                           lambda self, v: setattr(self.tiers, "copy_engine", v))
-
     def stats(self) -> PoolSnapshot:
         """The pool's counters, page and block counts now, as a copy (:class:`PoolSnapshot`) that
         the pool never changes: what metrics and reports read. Call it on the thread that drives
@@ -171,7 +158,7 @@ class KVPool:
     def keeps_evicted_blocks(self) -> bool:
         """Whether a device page's full block outlives its eviction in a lower tier (a host tier
         with prefix caching), so a preempted request's computed blocks load back, not recomputed."""
-        return self.config.enable_prefix_caching and self.host is not None
+        return self.config.enable_prefix_caching and self.tiers.host is not None
 
     def free(self, kv: KVState) -> None:
         """Drop ``kv``'s pages; its last pages become reusable first, its first pages last. A
@@ -258,11 +245,33 @@ class KVPool:
         Raises:
             ValueError: this pool has no disk tier, or ``block_hash`` is not 16 bytes.
         """
-        if self.disk is None:
+        if self.tiers.disk is None:
             raise ValueError("index_disk_block needs a disk tier")
         if not isinstance(block_hash, bytes) or len(block_hash) != BLOCK_HASH_BYTES:
             raise ValueError(f"block_hash must be {BLOCK_HASH_BYTES} bytes, got {block_hash!r}")
-        return self.disk_budget.add(block_hash)
+        return self.tiers.disk_budget.add(block_hash)
+
+    def shares_disk_with(self, other: KVPool) -> bool:
+        """Whether ``other``'s disk tier is this pool's (one :class:`kvtier.cache.seams.DiskStore`
+        several workers reach): blocks one stores there, the other can index
+        (:meth:`index_disk_block`). False when either has no disk tier."""
+        return self.tiers.disk is not None and self.tiers.disk is other.tiers.disk
+
+    # ---- the load decision's costs -----------------------------------------------------------
+    def recompute_s(self, num_tokens: int) -> float:
+        """Seconds the cost model expects prefilling ``num_tokens`` tokens to take (its measured
+        prefill rate)."""
+        return self.tiers.cost_model.recompute_s(num_tokens)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Fold a prefill step of ``num_tokens`` tokens that took ``seconds`` into the cost
+        model's prefill rate (a step with no tokens or no time is ignored)."""
+        self.tiers.cost_model.observe_prefill(num_tokens, seconds)
+
+    def costs(self) -> CostModel:
+        """A copy of the cost model now (tier load costs, prefill rate in tokens/s), which the
+        pool never changes: what calibration and routing read."""
+        return copy.deepcopy(self.tiers.cost_model)
 
     # ---- tool-aware retention and prefetch ----------------------------------------------------
     def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
@@ -319,7 +328,7 @@ class KVPool:
         self.prefetcher.finish(wait)
         self.writes.finish(wait)
         if self.event_sink is not None:
-            events = self.index.drain_events()
+            events = self.tiers.index.drain_events()
             if events:
                 self.event_sink(events)
 
@@ -348,10 +357,10 @@ class KVPool:
         """From now on, hand the index's events (:class:`kvtier.cache.prefix_index.Event`) to
         ``sink`` in one batch per :meth:`poll` (e.g. a :class:`kvtier.cache.kv_events.KVEventPublisher`);
         None stops. Events from before the call are dropped: call it before serving."""
-        self.index.drain_events()
+        self.tiers.index.drain_events()
         self.event_sink = sink
 
     def close(self) -> None:
         """Release the remote tier's connections (the pool's other resources are memory)."""
-        if self.remote is not None:
-            self.remote.close()
+        if self.tiers.remote is not None:
+            self.tiers.remote.close()

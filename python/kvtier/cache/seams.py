@@ -7,6 +7,11 @@ The native implementations are :class:`kvtier.transfer.CopyEngine` (its handles
 ``SimCopyEngine``, ``SimCopyHandle``, ``SimDisk``, ``VirtualClock``). Another copy engine (e.g.
 one that moves device pages on a GPU stream) plugs in by providing :class:`CopyEngine`.
 
+The copy engine moves bytes and knows no tier: it copies between device pages and host buffers,
+and runs the :class:`IOJob` s a tier builds (the disk tier's reads and writes,
+:class:`kvtier.cache.tiers.stores.DiskJob`) on its I/O workers without knowing what they read
+or write.
+
 Blocks are "page first": block ``i`` of a staging buffer holds page ``pages[i]`` of every layer,
 back to back (``BlockMeta.payload_bytes`` bytes per block).
 """
@@ -41,8 +46,8 @@ class CopyJob(Protocol):
         ...
 
     def result(self) -> list[int]:
-        """Per-block status after waiting for the job: 0 = ok, else an error code (for disk jobs a
-        :class:`kvtier.cache.disk_tier.DiskStatus`).
+        """Per-block status after waiting for the job: 0 = ok, else an error code (for a disk
+        tier's I/O jobs a :class:`kvtier.cache.disk_tier.DiskStatus`).
 
         Raises:
             kvtier.transfer.CopyError: the job failed as a whole.
@@ -85,13 +90,36 @@ class DiskStore(Protocol):
 
 
 @runtime_checkable
+class IOJob(Protocol):
+    """Blocking I/O over ``num_blocks`` page-first blocks, built by a tier and run by a copy
+    engine (:meth:`CopyEngine.run_io`), which learns only its size. The job holds every buffer
+    it reads or writes until it is dropped.
+
+    Attributes:
+        num_blocks: blocks it reads or writes (what a timed engine charges it for).
+    """
+
+    num_blocks: int
+
+    def run(self) -> list[int]:
+        """Do the I/O now on the calling thread; one status per block, 0 = OK."""
+        ...
+
+    def submit_native(self, workers) -> int:
+        """Queue the same I/O on native worker threads (a ``kvtier._C.CopyEngine``, which runs
+        it without the GIL); returns the native job handle."""
+        ...
+
+
+@runtime_checkable
 class CopyEngine(Protocol):
-    """Moves page-first blocks between device pages, host memory and the disk tier, asynchronously.
+    """Moves page-first blocks between device pages and host memory, asynchronously, and runs
+    tiers' blocking I/O on its own workers.
 
     ``pools`` are the model's per-layer page pools ``[num_pages, page_size, row]`` (one per
     layer, same shape, dtype and strides); ``pages`` are page ids; ``staging`` is a contiguous
-    host buffer of at least ``len(pages)`` (or ``len(hashes)``) blocks. Each method returns at
-    once; the bytes are in place when the returned job's :meth:`CopyJob.result` says 0 for them.
+    host buffer of at least ``len(pages)`` blocks. Each method returns at once; the bytes are in
+    place when the returned job's :meth:`CopyJob.result` says 0 for them.
     """
 
     def gather(self, pools: Sequence[torch.Tensor], pages: Sequence[int], staging: torch.Tensor) -> CopyJob:
@@ -102,14 +130,10 @@ class CopyEngine(Protocol):
         """Copy blocks from ``staging`` into ``pages`` of every layer pool (host -> device)."""
         ...
 
-    def disk_write(self, disk: DiskStore, hashes: Sequence[bytes], meta: BlockMeta,
-                   staging: torch.Tensor) -> CopyJob:
-        """Write block ``i`` of ``staging`` under ``hashes[i]`` to ``disk``."""
-        ...
-
-    def disk_read(self, disk: DiskStore, hashes: Sequence[bytes], meta: BlockMeta,
-                  staging: torch.Tensor) -> CopyJob:
-        """Read blocks ``hashes`` from ``disk`` into ``staging``, back to back."""
+    def run_io(self, job: IOJob) -> CopyJob:
+        """Run ``job`` on the engine's I/O workers (a queue of their own: a copy the serving loop
+        waits for never queues behind I/O that syncs to storage); the returned job's
+        ``result()`` is ``job``'s statuses."""
         ...
 
 

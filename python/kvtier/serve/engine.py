@@ -385,7 +385,7 @@ class Engine:
         self.num_prefill_tokens += sum(n for _, n in batch.extends)
         if batch.extends:
             seconds = result.seconds if result.seconds is not None else self.clock() - t0
-            self.pool.cost_model.observe_prefill(batch.num_tokens, seconds)
+            self.pool.observe_prefill(batch.num_tokens, seconds)
         steps = [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]
         tokens: dict[int, int | Exception] = {}  # by seq_id: the step's token, or what failed it
         to_sample = []

@@ -125,7 +125,7 @@ class CacheAware(SchedulePolicy):
             if seq.status is SequenceStatus.WAITING and not seq.prefix_done and not seq.page_ids:
                 reused, load_s = s.pool.estimate_prefix(seq.kv)
             tokens = max(1, s.remaining(seq) - reused)
-            got = self._estimates[seq.seq_id] = (tokens, load_s + s.pool.cost_model.recompute_s(tokens), load_s)
+            got = self._estimates[seq.seq_id] = (tokens, load_s + s.pool.recompute_s(tokens), load_s)
         return got
 
     def age_limit(self, seq: Sequence) -> int:
@@ -206,7 +206,7 @@ class CacheAware(SchedulePolicy):
 
     def load_inline(self, seq: Sequence) -> bool:
         s = self.sched
-        return s.step.take_inline(self.estimate(seq)[2], s.pool.cost_model.recompute_s(s.config.max_num_batched_tokens))
+        return s.step.take_inline(self.estimate(seq)[2], s.pool.recompute_s(s.config.max_num_batched_tokens))
 
     def end_step(self, batch: ScheduledBatch, budget: int, started_loading: list[Sequence]) -> None:
         """Left-over budget to running prefills, cheapest first (no preemption); then each

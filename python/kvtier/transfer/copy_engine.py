@@ -2,25 +2,20 @@
 
 Blocks are page-first: block ``i`` of a staging buffer holds page ``pages[i]`` of every layer
 back to back (``num_layers * page_bytes`` bytes). Gather/scatter run as ``memcpy`` on worker
-threads for CPU tensors; the tensors a job touches are kept alive until it is collected.
+threads for CPU tensors; the tensors a job touches are kept alive until it is collected. I/O
+jobs (:class:`kvtier.cache.seams.IOJob`: a tier's blocking reads and writes, which queue
+themselves on native workers) run on workers of their own; the engine knows no tier.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvtier import _C
-
-
-@functools.lru_cache(maxsize=64)
-def _meta_tuple(meta) -> tuple:
-    """``astuple(meta)`` of a (frozen, hashable) ``BlockMeta``, once per layout, not per job."""
-    return astuple(meta)
 
 
 class CopyError(RuntimeError):
@@ -112,9 +107,10 @@ class CopyHandle:
 class CopyEngine:
     """Worker threads for batched block copies behind bounded queues.
 
-    Memory copies (gather/scatter) and disk jobs run on separate native engines, each with
-    ``num_threads`` workers and its own queue, so a copy the serving loop waits for (an evicted
-    page's write-back, a load) never queues behind disk writes that sync to storage.
+    Memory copies (gather/scatter) and I/O jobs (:meth:`run_io`) run on separate native
+    engines, each with ``num_threads`` workers and its own queue, so a copy the serving loop
+    waits for (an evicted page's write-back, a load) never queues behind disk writes that sync
+    to storage.
 
     Args:
         num_threads: worker threads of each engine (>= 1).
@@ -123,9 +119,9 @@ class CopyEngine:
 
     def __init__(self, num_threads: int = 2, max_queued: int = 64):
         self._native = _C.CopyEngine(num_threads, max_queued)
-        self._native_disk = _C.CopyEngine(num_threads, max_queued)
+        self._native_io = _C.CopyEngine(num_threads, max_queued)
         self._keepalive: dict[int, tuple] = {}
-        self._keepalive_disk: dict[int, tuple] = {}
+        self._keepalive_io: dict[int, object] = {}
         self._views: dict[int, tuple[Sequence[torch.Tensor], tuple[int, int, int], PagePoolView]] = {}
 
     def _view(self, pools: Sequence[torch.Tensor]) -> PagePoolView:
@@ -167,26 +163,15 @@ class CopyEngine:
         self._keepalive[h] = (tuple(pools), staging)
         return CopyHandle(self._native, self._keepalive, h, len(pg))
 
-    def disk_write(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor) -> CopyHandle:
-        """Write blocks ``staging[i * payload_bytes:]`` under ``hashes[i]`` to ``disk``, asynchronously.
-
-        Per-block results are :class:`kvtier.cache.disk_tier.DiskStatus` codes (0 = OK).
-        """
-        return self._disk(disk, hashes, meta, staging, write=True)
-
-    def disk_read(self, disk, hashes: Sequence[bytes], meta, staging: torch.Tensor) -> CopyHandle:
-        """Read blocks ``hashes`` from ``disk`` into ``staging`` back to back, asynchronously."""
-        return self._disk(disk, hashes, meta, staging, write=False)
-
-    def _disk(self, disk, hashes, meta, staging, write):
-        need = len(hashes) * meta.payload_bytes
-        if staging.device.type != "cpu" or not staging.is_contiguous() or staging.numel() * staging.element_size() < need:
-            raise ValueError(f"staging must be a contiguous CPU tensor of at least {need} bytes")
-        h = self._native_disk.submit_disk(disk.native, list(hashes), _meta_tuple(meta), staging.data_ptr(), write)
-        self._keepalive_disk[h] = (disk, staging)
-        return CopyHandle(self._native_disk, self._keepalive_disk, h, len(hashes))
+    def run_io(self, job) -> CopyHandle:
+        """Run ``job`` (a :class:`kvtier.cache.seams.IOJob`) on the I/O workers, asynchronously;
+        the job (and the buffers it holds) is kept alive until it is collected. Per-block results
+        are the job's statuses."""
+        h = job.submit_native(self._native_io)
+        self._keepalive_io[h] = job
+        return CopyHandle(self._native_io, self._keepalive_io, h, job.num_blocks)
 
     @property
     def queued(self) -> int:
         """Jobs waiting in both queues."""
-        return self._native.queued() + self._native_disk.queued()
+        return self._native.queued() + self._native_io.queued()

@@ -22,7 +22,7 @@ def prompt(n, seed):
 def engine(url, **kw):
     llm = LLM("tiny", page_size=PS, num_device_pages=64, host_cache_bytes=8 << 20, remote_cache_url=url,
               remote_timeout_s=2.0, **kw)
-    llm.engine.pool.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in Tier}, prefill_tok_s=1.0)
+    llm.engine.pool.tiers.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in Tier}, prefill_tok_s=1.0)
     return llm
 
 
@@ -69,7 +69,7 @@ def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     pool = salt_engine.engine.pool
     pool.poll(wait=True)
     client = redis.Redis.from_url(redis_store.url)
-    keys = [pool.remote.key(h) for h in _chain(salt_engine, first)]
+    keys = [pool.tiers.remote.key(h) for h in _chain(salt_engine, first)]
     value = bytearray(client.get(keys[4]))
     value[-1] ^= 0xFF
     client.set(keys[4], bytes(value))  # block 4 corrupt: blocks 0-3 load, the rest is recomputed
@@ -93,7 +93,7 @@ def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared, start)
     b = engine(store.url)
     b.generate(prompt_token_ids=[prompt(40, 9)], sampling_params=PARAMS)  # connected and serving
     pool = b.engine.pool
-    rows = pool.index.match(_chain(a, first)[:HIT // PS], [Tier.REMOTE])
+    rows = pool.tiers.index.match(_chain(a, first)[:HIT // PS], [Tier.REMOTE])
     assert len(rows) == 0
     pool.reuse._match_remote(_chain(a, first)[:HIT // PS], rows)  # B has seen A's blocks in the store
     store.stop()

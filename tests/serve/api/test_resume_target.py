@@ -26,15 +26,15 @@ def _resume_reason(policy: str, host: bool, blocks: int, early_s: float) -> str 
     if not host:  # a device-only pool: what is evicted is gone
         pool = KVPool(PoolConfig(page_size=PS, num_device_pages=8, cache_policy=policy), [torch.randn(8, PS, 8)],
                       CostModel(prefill_tok_s=1.0))
-        pool.clock = Clock()
+        pool.tiers.clock = Clock()
         pool.set_resume_target(1.0)
     n = blocks * PS
     run(pool, range(n), 0)
     run(pool, range(200, 200 + (8 - blocks) * PS), 3)  # the agent's pages are now the least recently used
     pool.tool_wait("agent", list(range(n)), expected_wait_s=20.0)
-    pool.clock.now += 11.0  # past the TTL
+    pool.tiers.clock.now += 11.0  # past the TTL
     run(pool, range(100, 112), 1)  # pressure: 3 pages
-    pool.clock.now += 9.0 - early_s
+    pool.tiers.clock.now += 9.0 - early_s
     pool.poll(wait=True)
     pool.tool_return("agent")
     back = run(pool, list(range(n)) + [5, 6], 2)

@@ -4,7 +4,8 @@ a disk tier that keeps no data.
 :class:`kvtier.cache.pool.KVPool` takes a ``copy_engine``, a ``disk`` and a ``clock``; given these,
 its code runs unchanged (the same locks, stages, error paths and cost-model updates) while no
 byte is copied: a job's end time is computed from the bytes it stands for and the link it uses,
-and its effect (a block stored on or read from the disk tier) happens when the pool collects it.
+and its effect (an I/O job's reads or writes, e.g. a block stored on or read from the disk tier)
+happens when the pool collects it.
 
 A job on a :class:`Link` starts when the link is free (jobs on one link queue for its bandwidth
 and per-job time; their latencies overlap) and ends ``Link.copy_s(bytes)`` later. A pool that waits
@@ -51,7 +52,8 @@ class SimDisk:
     Sizes follow :class:`kvtier.cache.disk_tier.DiskTier` (``file_bytes(payload)`` per block), so
     the pool's budget arithmetic is unchanged. Several pools may share one instance (a store
     reachable from several workers): ``on_store`` callbacks ``(block_hash, writer)`` hear of
-    every block a copy engine stored (``writer`` is that engine's ``owner``).
+    every block stored (``writer`` as :meth:`write` was given it: None for a pool's writes, which
+    a worker tells apart by its copy engine's :attr:`SimCopyEngine.collecting`).
 
     Args:
         capacity_bytes: budget in file bytes.
@@ -133,7 +135,7 @@ class SimCopyHandle:
         """Per-block status (0 = ok); stalls until the job ended, then applies its effect once."""
         if self._result is None:
             self.wait()
-            self._result = self._effect() if self._effect is not None else [0] * self.num_blocks
+            self._result = self._engine._apply(self._effect) if self._effect is not None else [0] * self.num_blocks
             self.run_s = self.end_s - self.start_s
         return self._result
 
@@ -172,22 +174,25 @@ class SimCopyEngine:
 
     Args:
         clock: the pool's clock.
-        links: the links and the bytes one block stands for.
-        owner: passed to :meth:`SimDisk.write` as the writer of the blocks this engine stores.
+        links: the links and the bytes one block stands for; I/O jobs (:meth:`run_io`) go over
+            the node's storage link (``links.disk``).
 
     Attributes:
         bytes_moved: modelled bytes per link name (``"device->host"``, ``"host->device"``,
-            ``"disk"``).
+            ``"disk"``: the I/O jobs' link).
+        collecting: True while a job of this engine takes effect (the pool collects it): what
+            a worker sharing a :class:`SimDisk` tells its own writes by.
     """
 
-    def __init__(self, clock: VirtualClock, links: TierLinks, owner: object = None):
-        self.clock, self.owner = clock, owner
+    def __init__(self, clock: VirtualClock, links: TierLinks):
+        self.clock = clock
         self.block_bytes = float(links.block_bytes)
         self._links = {"device->host": links.host, "host->device": links.host, "disk": links.disk}
         self._free_at = dict.fromkeys(self._links, 0.0)
         self._ends: list[tuple[float, int, SimCopyHandle]] = []  # heap of uncollected jobs by end time
         self._order = itertools.count()
         self.bytes_moved = dict.fromkeys(self._links, 0.0)
+        self.collecting = False
 
     def _submit(self, link_name: str, num_blocks: int, effect=None) -> SimCopyHandle:
         link, now = self._links[link_name], self.clock.now
@@ -207,15 +212,18 @@ class SimCopyEngine:
         """Host memory to device pages (host -> device link)."""
         return self._submit("host->device", len(pages))
 
-    def disk_write(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
-        """Blocks to the disk tier; they are stored there when the pool collects the job."""
-        hashes = list(hashes)
-        return self._submit("disk", len(hashes), lambda: [int(disk.write(h, meta, writer=self.owner)) for h in hashes])
+    def run_io(self, job) -> SimCopyHandle:
+        """An I/O job (:class:`kvtier.cache.seams.IOJob`) on the storage link; it runs (``job.run()``:
+        for a :class:`SimDisk`, blocks recorded or looked up) when the pool collects it."""
+        return self._submit("disk", job.num_blocks, job.run)
 
-    def disk_read(self, disk: SimDisk, hashes: Sequence[bytes], meta: BlockMeta, staging) -> SimCopyHandle:
-        """Blocks from the disk tier; their presence is checked when the pool collects the job."""
-        hashes = list(hashes)
-        return self._submit("disk", len(hashes), lambda: [int(disk.read(h, meta)) for h in hashes])
+    def _apply(self, effect: Callable[[], list[int]]) -> list[int]:
+        """Run a collected job's ``effect`` with :attr:`collecting` set."""
+        self.collecting = True
+        try:
+            return effect()
+        finally:
+            self.collecting = False
 
     def next_end_s(self, after: float = float("-inf")) -> float | None:
         """When the earliest job not yet collected ends, among those ending after ``after``

@@ -83,7 +83,7 @@ class SimWorker:
         self.config, self.links, self.clock = config, links, clock
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_context_tokens)
         self.runner = TimedRunner(timer, model_config, config)
-        self.copy_engine = SimCopyEngine(clock, links, owner=self)
+        self.copy_engine = SimCopyEngine(clock, links)
         # the placeholder pages' blocks: 1 layer x page_size x 1 byte
         cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
         pool = KVPool(config.pool_config(), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
@@ -99,8 +99,10 @@ class SimWorker:
         return self.links.block_bytes / self.pool.block_bytes
 
     def share_store(self, disk: SimDisk) -> None:
-        """Index every block other workers store in ``disk`` (this worker's disk tier, shared)."""
-        disk.on_store.append(lambda block_hash, writer: writer is not self and self.pool.index_disk_block(block_hash))
+        """Index every block other workers store in ``disk`` (this worker's disk tier, shared): a
+        block stored while this worker's copy engine collects a job is its own pool's write."""
+        disk.on_store.append(lambda block_hash, _writer: not self.copy_engine.collecting
+                             and self.pool.index_disk_block(block_hash))
 
     def backlog_tokens(self) -> int:
         """Prompt tokens queued or being prefilled."""

@@ -87,7 +87,7 @@ class _SimTarget:
         first = workers[0]
         self.names = [f"worker-{i}" for i in range(len(workers))]
         self.router = Router(self.names, policy=router, remote=shared_store,
-                             cost=CostParams(prefill_tok_s=first.pool.cost_model.prefill_tok_s))
+                             cost=CostParams(prefill_tok_s=first.pool.costs().prefill_tok_s))
         self.submitted: dict[int, tuple[float, int]] = {}  # id(session) -> (arrival, prompt tokens)
         self.hasher = _Hasher(workload.block_size, first.config.pool.page_size, first.pool.config.salt)
         self.events: list = []  # heap of (time, order, worker)
@@ -193,7 +193,7 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     if len({w.config.pool.page_size for w in workers}) != 1:
         raise ValueError("all workers must have the same page_size")
     if shared_store is None:
-        shared_store = len(workers) > 1 and workers[0].pool.disk is not None and workers[0].pool.disk is workers[1].pool.disk
+        shared_store = len(workers) > 1 and workers[0].pool.shares_disk_with(workers[1].pool)
     target = _SimTarget(workers, workload, router, shared_store)
     loop = ClosedLoop(workload, target, lambda: target.now, concurrency=concurrency, ramp_s=ramp_s,
                       tool_aware=tool_aware, warmup_s=warmup_s, duration_s=duration_s, num_homes=len(workers),

@@ -30,10 +30,10 @@ from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
 from kvtier.cache.tiers.protocol import Admit, DoneJob, ReadFailure, Stored, TierStore
-from kvtier.cache.tiers.stores import DiskFiles, HostStore, RemoteStore
+from kvtier.cache.tiers.stores import DiskFiles, DiskJob, HostStore, RemoteStore
 
-__all__ = ["Admit", "DiskFiles", "DoneJob", "HostStore", "PoolTiers", "ReadFailure", "RemoteStore", "Stored", "Tier",
-           "TierStore"]
+__all__ = ["Admit", "DiskFiles", "DiskJob", "DoneJob", "HostStore", "PoolTiers", "ReadFailure", "RemoteStore", "Stored",
+           "Tier", "TierStore"]
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 

@@ -7,7 +7,9 @@ protocol: the pool's loads and writes call these and never branch on which tier 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import astuple
 
 import torch
 
@@ -86,11 +88,58 @@ class HostStore:
         return Stored(indexed=ok, refused=status[:1] == [NO_SLOT], error=not ok and status[:1] != [NO_SLOT])
 
 
+@functools.lru_cache(maxsize=64)
+def _meta_tuple(meta: BlockMeta) -> tuple:
+    """``astuple(meta)`` of a (frozen, hashable) ``BlockMeta``, once per layout, not per job."""
+    return astuple(meta)
+
+
+class DiskJob:
+    """The reads or writes of blocks ``hashes`` in one :class:`DiskStore`, as an
+    :class:`kvtier.cache.seams.IOJob` a copy engine runs (``CopyEngine.run_io``).
+
+    Args:
+        disk: the store; :meth:`submit_native` needs one backed by the native tier
+            (:class:`kvtier.cache.disk_tier.DiskTier`), :meth:`run` takes any.
+        hashes: 16-byte block hashes.
+        meta: the blocks' layout (``meta.payload_bytes`` bytes each).
+        staging: contiguous CPU buffer of at least ``len(hashes) * meta.payload_bytes`` bytes:
+            block ``i`` at byte ``i * meta.payload_bytes``, read from (``write``) or into.
+        write: store the blocks (True) or read them (False).
+
+    Raises:
+        ValueError: a staging buffer that is not a contiguous CPU tensor or is too small.
+    """
+
+    __slots__ = ("disk", "hashes", "meta", "staging", "write", "num_blocks")
+
+    def __init__(self, disk: DiskStore, hashes: Sequence[bytes], meta: BlockMeta, staging: torch.Tensor, *,
+                 write: bool):
+        need = len(hashes) * meta.payload_bytes
+        if staging.device.type != "cpu" or not staging.is_contiguous() or staging.numel() * staging.element_size() < need:
+            raise ValueError(f"staging must be a contiguous CPU tensor of at least {need} bytes")
+        self.disk, self.hashes, self.meta, self.staging, self.write = disk, list(hashes), meta, staging, write
+        self.num_blocks = len(self.hashes)
+
+    def run(self) -> list[int]:
+        """The reads or writes, one after another on this thread; a
+        :class:`kvtier.cache.disk_tier.DiskStatus` per block."""
+        n, flat = self.meta.payload_bytes, self.staging.reshape(-1).view(torch.uint8)
+        op = self.disk.write if self.write else self.disk.read
+        return [int(op(h, self.meta, flat[i * n:(i + 1) * n])) for i, h in enumerate(self.hashes)]
+
+    def submit_native(self, workers) -> int:
+        """Queue the job on native workers (``kvtier._C.CopyEngine``): the tier's checked,
+        O_DIRECT reads and writes without the GIL."""
+        return workers.submit_disk(self.disk.native, self.hashes, _meta_tuple(self.meta), self.staging.data_ptr(),
+                                   self.write)
+
+
 class DiskFiles:
-    """Block files of a :class:`DiskStore`, read and written on the copy engine's disk worker
-    threads (``copy_engine()``: looked up at each call, the pool's may be replaced), within the
-    pool's :class:`kvtier.cache.disk_budget.DiskBudget` (``budget``; None: the whole tier's
-    capacity, nothing indexed by :meth:`stored`)."""
+    """Block files of a :class:`DiskStore`, read and written by :class:`DiskJob` s on the copy
+    engine's I/O workers (``copy_engine()``: looked up at each call, the pool's may be replaced),
+    within the pool's :class:`kvtier.cache.disk_budget.DiskBudget` (``budget``; None: the whole
+    tier's capacity, nothing indexed by :meth:`stored`)."""
 
     tier, name, batch_reads, spills, copies_input = Tier.DISK, "disk", False, True, False
 
@@ -108,10 +157,20 @@ class DiskFiles:
 
     def read(self, hashes: Sequence[bytes], slots: Sequence[int]) -> tuple[torch.Tensor, CopyJob]:
         buf = aligned_empty(len(hashes) * self.meta.payload_bytes, pin_memory=self._pin())
-        return buf, self._engine().disk_read(self.disk, list(hashes), self.meta, buf)
+        return buf, self.read_into(hashes, buf)
+
+    def read_into(self, hashes: Sequence[bytes], out: torch.Tensor) -> CopyJob:
+        """Start reading blocks ``hashes`` into ``out`` (contiguous CPU, at least
+        ``len(hashes) * payload_bytes`` bytes; 4096-byte aligned skips a bounce copy), back to
+        back; one :class:`DiskStatus` per block.
+
+        Raises:
+            ValueError: an ``out`` that is not a contiguous CPU tensor or is too small.
+        """
+        return self._engine().run_io(DiskJob(self.disk, hashes, self.meta, out, write=False))
 
     def write(self, hashes: Sequence[bytes], blocks: torch.Tensor) -> CopyJob:
-        return self._engine().disk_write(self.disk, list(hashes), self.meta, blocks)
+        return self._engine().run_io(DiskJob(self.disk, hashes, self.meta, blocks, write=True))
 
     def evict(self, hashes: Sequence[bytes]) -> int:
         return sum(bool(self.disk.remove(h)) for h in hashes)
