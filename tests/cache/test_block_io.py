@@ -45,8 +45,8 @@ def test_export_then_import_moves_the_bytes_of_every_layer_and_indexes_them():
     counts = dst.import_blocks([(h, raw[i * n:(i + 1) * n]) for i, h in enumerate(hashes)])
     assert counts == {"stored": 2, "duplicate": 0, "refused": 0}
     assert dst.held_prefix(hashes) == 2
-    rows_src = src.index.match(hashes, [Tier.DEVICE])
-    rows_dst = dst.index.match(hashes, [Tier.DEVICE])
+    rows_src = src.tiers.index.match(hashes, [Tier.DEVICE])
+    rows_dst = dst.tiers.index.match(hashes, [Tier.DEVICE])
     for rs, rd in zip(rows_src, rows_dst):
         for a, b in zip(_page_rows(src, int(rs[Tier.DEVICE])), _page_rows(dst, int(rd[Tier.DEVICE]))):
             assert torch.equal(a, b)

@@ -59,11 +59,11 @@ def test_no_reuse_across_salts_or_when_disabled():
     compute(salted, seq(range(12)))
     assert begin_prefix_tokens(salted, seq(range(13), 1)) == 12  # same tenant: all 3 pages reused
     other_tenant = BlockManager(16, PS, salt=b"tenant-b")
-    other_tenant.index = salted.index  # the other tenant's blocks are present
+    other_tenant.tiers.index = salted.tiers.index  # the other tenant's blocks are present
     assert begin_prefix_tokens(other_tenant, seq(range(13), 2)) == 0
     disabled = BlockManager(16, PS, enable_prefix_caching=False)
     compute(disabled, seq(range(12)))
-    assert disabled.index.num_blocks() == 0 and begin_prefix_tokens(disabled, seq(range(13), 3)) == 0
+    assert disabled.tiers.index.num_blocks() == 0 and begin_prefix_tokens(disabled, seq(range(13), 3)) == 0
 
 
 def test_freed_pages_stay_reusable_until_evicted_lru():
@@ -79,7 +79,7 @@ def test_freed_pages_stay_reusable_until_evicted_lru():
     # Filling the pool evicts the cached pages; their hashes are dropped with them.
     c = seq(range(500, 516), 2)
     compute(bm, c)
-    assert bm.index.match(b.block_hashes).shape[0] == 0
+    assert bm.tiers.index.match(b.block_hashes).shape[0] == 0
     assert begin_prefix_tokens(bm, seq(list(range(8)) + [9], 3)) == 0
 
 
