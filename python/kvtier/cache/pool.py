@@ -27,6 +27,10 @@ hashes, hits and loads). It reports what it placed; the caller owns the request'
   referenced (locked) while a copy reads it, and a block is served only after its copy finished
   successfully.
 * ``poll()``: once per step: finish ended writes and prefetches, start due tool-aware prefetches.
+* ``recompute_s``, ``observe_prefill``, ``costs()``, ``stats()``, ``shares_disk_with``: what the
+  pool's cost model expects and learns, and what it reports. The facade is these verbs only: its
+  parts (index, tiers, copy engine, cost model, clock) are ``KVPool.tiers``, the jobs' shared
+  state, which no caller outside :mod:`kvtier.cache` reaches into.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class DiskJob:
         ValueError: a staging buffer that is not a contiguous CPU tensor or is too small.
     """
 
-    __slots__ = ("disk", "hashes", "meta", "staging", "write", "num_blocks")
+    __slots__ = ("disk", "hashes", "meta", "num_blocks", "staging", "write")
 
     def __init__(self, disk: DiskStore, hashes: Sequence[bytes], meta: BlockMeta, staging: torch.Tensor, *,
                  write: bool):
