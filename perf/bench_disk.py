@@ -6,9 +6,9 @@ from a page-aligned buffer, then fdatasync, then read back the same way (O_DIREC
 cache serves neither side). Measured: the same bytes as one disk-tier file per block, the disk
 tier's jobs on the copy engine's I/O workers (``--threads`` workers, one job per block: the
 tier's own O_DIRECT path, CRC-32C checksums, temp file + rename, no fsync; see the
-crash-safety note in hip/runtime/disk_tier.h), then read back, checksums verified. The engine's source and
-destination buffers are page-aligned (``aligned_empty``), as the pool's host slots and disk
-staging buffers are, so O_DIRECT moves them without a bounce copy. Both run in the same
+crash-safety note in hip/runtime/disk_tier.h), then read back, checksums verified. The engine's
+source and destination buffers are page-aligned (``aligned_empty``), as the pool's host slots
+and disk staging buffers are, so O_DIRECT moves them without a bounce copy. Both run in the same
 directory (``--dir``, default a temp dir under /tmp) in the same process, after one warm-up
 block, ``--rounds`` times alternating (baseline, engine, baseline, ...) because a shared or
 virtual disk drifts by tens of percent from second to second; each round's ratio uses that

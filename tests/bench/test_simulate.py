@@ -125,11 +125,11 @@ def test_sim_disk_capacity_missing_corrupt_and_sharing():
     meta = BlockMeta(1, PAGE, 1, 4, PAGE)
     disk = SimDisk(2 * 8192)  # two block files of DiskTier.file_bytes(4) = 8192 bytes
     heard = []
-    disk.on_store.append(lambda h, writer: heard.append((h, writer)))
-    assert disk.write(b"a" * 16, meta, writer="w0") == DiskStatus.OK
-    assert disk.write(b"b" * 16, meta, writer="w1") == DiskStatus.OK
+    disk.on_store.append(heard.append)
+    assert disk.write(b"a" * 16, meta) == DiskStatus.OK
+    assert disk.write(b"b" * 16, meta) == DiskStatus.OK
     assert disk.write(b"c" * 16, meta) == DiskStatus.FULL and disk.used_bytes == 16384
-    assert heard == [(b"a" * 16, "w0"), (b"b" * 16, "w1")]
+    assert heard == [b"a" * 16, b"b" * 16]  # a block that did not fit is not heard of
     assert disk.read(b"c" * 16, meta) == DiskStatus.MISSING
     assert (
         disk.read(b"a" * 16, dataclasses.replace(meta, dtype=2)) == DiskStatus.CORRUPT

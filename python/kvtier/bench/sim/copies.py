@@ -51,9 +51,9 @@ class SimDisk:
 
     Sizes follow :class:`kvtier.cache.disk_tier.DiskTier` (``file_bytes(payload)`` per block), so
     the pool's budget arithmetic is unchanged. Several pools may share one instance (a store
-    reachable from several workers): ``on_store`` callbacks ``(block_hash, writer)`` hear of
-    every block stored (``writer`` as :meth:`write` was given it: None for a pool's writes, which
-    a worker tells apart by its copy engine's :attr:`SimCopyEngine.collecting`).
+    reachable from several workers): ``on_store`` callbacks ``(block_hash)`` hear of every block
+    stored; a worker tells its own pool's writes by its copy engine's
+    :attr:`SimCopyEngine.collecting`.
 
     Args:
         capacity_bytes: budget in file bytes.
@@ -66,9 +66,9 @@ class SimDisk:
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes, self.used_bytes = check_int("capacity_bytes", capacity_bytes, min_value=0), 0
         self._blocks: dict[bytes, BlockMeta] = {}
-        self.on_store: list[Callable[[bytes, object], None]] = []
+        self.on_store: list[Callable[[bytes], None]] = []
 
-    def write(self, block_hash: bytes, meta: BlockMeta, payload=None, writer: object = None) -> DiskStatus:
+    def write(self, block_hash: bytes, meta: BlockMeta, payload=None) -> DiskStatus:
         """Record a block (as a finished write would; ``payload`` is ignored); FULL when it does not fit."""
         if block_hash in self._blocks:
             return DiskStatus.OK
@@ -78,7 +78,7 @@ class SimDisk:
         self._blocks[block_hash] = meta
         self.used_bytes += size
         for listener in self.on_store:
-            listener(block_hash, writer)
+            listener(block_hash)
         return DiskStatus.OK
 
     def read(self, block_hash: bytes, meta: BlockMeta, out=None) -> DiskStatus:

@@ -101,7 +101,7 @@ class SimWorker:
     def share_store(self, disk: SimDisk) -> None:
         """Index every block other workers store in ``disk`` (this worker's disk tier, shared): a
         block stored while this worker's copy engine collects a job is its own pool's write."""
-        disk.on_store.append(lambda block_hash, _writer: not self.copy_engine.collecting
+        disk.on_store.append(lambda block_hash: not self.copy_engine.collecting
                              and self.pool.index_disk_block(block_hash))
 
     def backlog_tokens(self) -> int:
