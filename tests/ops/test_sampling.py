@@ -208,3 +208,20 @@ def test_per_row_generators_are_checked():
         ops.sample(logits, torch.ones(2), torch.ones(2), generator=[torch.Generator(), 5])
     with pytest.raises(ValueError, match="generator must be a torch.Generator"):
         ops.sample(logits, torch.ones(2), torch.ones(2), generator=5)
+
+
+@pytest.mark.parametrize("temperature", [[0.0, 0.0, 0.0], [0.0, 0.8, 0.0], [1.2, 0.8, 0.5]])
+def test_per_row_reference_equals_inverse_cdf_on_the_whole_batch(temperature):
+    """The per-row path skips the vocabulary sort for greedy rows: its tokens equal
+    sample_from_uniforms over the whole batch with the same uniforms, masked or not."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5)) * 4
+    logits[1, 7] = logits[1].max()  # a tie for the argmax
+    temperature = torch.tensor(temperature)
+    top_p = torch.tensor([0.9, 1.0, 0.6])
+    mask = torch.full((3, 10), -1, dtype=torch.int32)
+    mask[2] = _pack_bitmask(list(range(0, 300, 7)), 300)
+    for token_bitmask in (None, mask):
+        uniforms = reference.sampling.row_uniforms(temperature, _generators([1, 2, 3]), logits.device)
+        want = reference.sample_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask)
+        got = reference.sample(logits, temperature, top_p, token_bitmask, generator=_generators([1, 2, 3]))
+        assert torch.equal(got, want)

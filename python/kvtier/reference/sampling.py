@@ -54,8 +54,8 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None):
     sequence of per-row generators: :func:`row_uniforms` then :func:`sample_from_uniforms`.
     """
     if is_per_row(generator):
-        return sample_from_uniforms(logits, temperature, top_p, row_uniforms(temperature, generator, logits.device),
-                                    token_bitmask)
+        return _sample_rows_from_uniforms(logits, temperature, top_p,
+                                          row_uniforms(temperature, generator, logits.device), token_bitmask)
     logits = logits.float()
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
@@ -72,6 +72,23 @@ def sample(logits, temperature, top_p, token_bitmask=None, generator=None):
     sorted_probs = sorted_probs.masked_fill(cut, 0.0)
     choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(-1)
     out[rows] = order.gather(1, choice[:, None]).squeeze(-1)
+    return out
+
+
+def _sample_rows_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask=None):
+    """:func:`sample_from_uniforms` run on the sampled rows only (one host read of
+    ``temperature``): greedy rows take the argmax of their allowed logits without the sort and
+    cumulative sums over the vocabulary that a sampled row needs. Every row's computation is
+    its own, so the tokens equal :func:`sample_from_uniforms` on the whole batch."""
+    rows = torch.nonzero(temperature > 0, as_tuple=True)[0]
+    if rows.numel() == logits.shape[0]:
+        return sample_from_uniforms(logits, temperature, top_p, uniforms, token_bitmask)
+    x = logits.float()
+    if token_bitmask is not None:
+        x = apply_token_bitmask(x, token_bitmask)
+    out = x.argmax(dim=-1)
+    if rows.numel():
+        out[rows] = sample_from_uniforms(x[rows], temperature[rows], top_p[rows], uniforms[rows])
     return out
 
 
