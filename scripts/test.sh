@@ -16,6 +16,13 @@ if [ "${KVTIER_WITH_VLLM:-1}" = 1 ]; then
   bash scripts/setup_vllm.sh >build/vllm-install.log 2>&1 &
   vllm_pid=$!
 fi
+# The AgentX harness for the bounded trace replay, likewise (KVTIER_WITH_AGENTX=0 skips it).
+agentx_pid=""
+if [ "${KVTIER_WITH_AGENTX:-1}" = 1 ]; then
+  mkdir -p build
+  bash scripts/setup_agentx.sh >build/agentx-install.log 2>&1 &
+  agentx_pid=$!
+fi
 # C++ host tests, plain and under AddressSanitizer + UndefinedBehaviorSanitizer.
 for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=Debug -DKVTIER_SANITIZE=ON"; do
   dir="build/${variant%% *}"
@@ -32,5 +39,9 @@ python perf/compile_gate.py --no-write
 if [ -n "$vllm_pid" ]; then
   wait "$vllm_pid" || { echo "vLLM install failed (build/vllm-install.log):"; tail -20 build/vllm-install.log; exit 1; }
   tail -1 build/vllm-install.log
+fi
+if [ -n "$agentx_pid" ]; then
+  wait "$agentx_pid" || { echo "AgentX harness install failed (build/agentx-install.log):"; tail -20 build/agentx-install.log; exit 1; }
+  tail -1 build/agentx-install.log
 fi
 python -m pytest "$@"
