@@ -26,14 +26,19 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from kvtier.bench.configs import BenchConfig
+from kvtier.bench.repeat import repeat_seeds
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, prepare, warm_up
 from kvtier.serve.api.resume import REASONS, miss_reason
 from kvtier.serve.engine import Engine
+
+
+POLICIES = ("lru", "tool-aware")
 
 
 def polling_sleep(engine: Engine, slice_s: float = 0.002):
@@ -90,10 +95,27 @@ def run_policy(policy: str, prepared, opts: BenchOptions, target_s: float) -> di
                  sleep=polling_sleep(engine))
     engine.pool.poll(wait=True)
     got = resume_misses(workload, run.records, target_s)
-    st = engine.pool.stats
+    st = engine.pool.stats()
     got.update(policy=policy, prefetched_blocks=st.prefetched_blocks, device_evictions=st.evictions["device"],
                requests=len(run.records), wall_s=run.wall_s)
     return got
+
+
+def print_run(r: dict) -> None:
+    med = statistics.median(r["ttft_s"]) if r["ttft_s"] else float("nan")
+    for kind in ("device", "lower", "evicted"):  # where the shared prefix was found
+        ts = sorted(t for k, t in r.get("found", []) if k == kind)
+        if ts:
+            print(f"   shared prefix {kind:>7}: {len(ts):3d} resumes, TTFT p10/p50/p90 "
+                  f"{ts[len(ts) // 10] * 1e3:.0f}/{ts[len(ts) // 2] * 1e3:.0f}/{ts[len(ts) * 9 // 10] * 1e3:.0f} ms")
+    print(f"{r['policy']:>10}: resumes {r['resumes']:3d}  misses {sum(r['misses'].values()):3d}  "
+          + "  ".join(f"{k} {v}" for k, v in r["misses"].items())
+          + f"  median resume TTFT {med * 1e3:.1f} ms  prefetched blocks {r['prefetched_blocks']}"
+          f"  device evictions {r['device_evictions']}  wall {r['wall_s']:.1f} s", flush=True)
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
 
 
 def main() -> int:
@@ -110,41 +132,42 @@ def main() -> int:
     ap.add_argument("--max-think-s", type=float, default=1.0, help="cap on a scaled think time (s)")
     ap.add_argument("--ramp-s", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="workload draws (seeds SEED..SEED+N-1); prints the median [min-max] of each figure")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     opts = BenchOptions(sessions=args.sessions, concurrency=args.concurrency, max_turns=args.max_turns,
-                        device_fraction=args.device_fraction, host_fraction=args.host_fraction, time_scale=args.time_scale, max_think_s=args.max_think_s, ramp_s=args.ramp_s,
+                        device_fraction=args.device_fraction, host_fraction=args.host_fraction,
+                        time_scale=args.time_scale, max_think_s=args.max_think_s, ramp_s=args.ramp_s,
                         seed=args.seed, configs="tiered")
     torch.set_num_threads(opts.threads)
-    prepared = prepare(opts)
-    warm_up(prepared[0], prepared[4])
-    sizing = prepared[3]
-    print(f"device pages {sizing.device_pages} of a working set of {sizing.working_set_pages} "
-          f"(floor applied: {sizing.device_floor_applied}); host {sizing.host_cache_bytes} bytes; "
-          f"target {args.resume_ttft_s} s", flush=True)
-    rows = []
-    for policy in ("lru", "tool-aware"):
-        r = run_policy(policy, prepared, opts, args.resume_ttft_s)
-        rows.append(r)
-        med = statistics.median(r["ttft_s"]) if r["ttft_s"] else float("nan")
-        total = sum(r["misses"].values())
-        for kind in ("device", "lower", "evicted"):  # where the shared prefix was found
-            ts = sorted(t for k, t in r.get("found", []) if k == kind)
-            if ts:
-                print(f"   shared prefix {kind:>7}: {len(ts):3d} resumes, TTFT p10/p50/p90 "
-                      f"{ts[len(ts) // 10] * 1e3:.0f}/{ts[len(ts) // 2] * 1e3:.0f}/{ts[len(ts) * 9 // 10] * 1e3:.0f} ms")
-        print(f"{policy:>10}: resumes {r['resumes']:3d}  misses {total:3d}  "
-              + "  ".join(f"{k} {v}" for k, v in r["misses"].items())
-              + f"  median resume TTFT {med * 1e3:.1f} ms  prefetched blocks {r['prefetched_blocks']}"
-              f"  device evictions {r['device_evictions']}  wall {r['wall_s']:.1f} s", flush=True)
-    lru, ta = (sum(r["misses"].values()) for r in rows)
-    ratio = ta / lru if lru else float("nan")
-    print(f"tool-aware / lru misses: {ta} / {lru} = {ratio:.3f} (goal <= 0.25)")
+    repeats = []
+    for seed in repeat_seeds(opts, args.repeat):
+        prepared = prepare(replace(opts, workload_seed=seed))
+        warm_up(prepared[0], prepared[4])
+        sizing = prepared[3]
+        print(f"seed {seed}: device pages {sizing.device_pages} of a working set of {sizing.working_set_pages} "
+              f"(floor applied: {sizing.device_floor_applied}); host {sizing.host_cache_bytes} bytes; "
+              f"target {args.resume_ttft_s} s", flush=True)
+        rows = [run_policy(policy, prepared, opts, args.resume_ttft_s) for policy in POLICIES]
+        for r in rows:
+            print_run(r)
+        lru, ta = (sum(r["misses"].values()) for r in rows)
+        ratio = ta / lru if lru else float("nan")
+        print(f"seed {seed}: tool-aware / lru misses: {ta} / {lru} = {ratio:.3f}", flush=True)
+        repeats.append({"seed": seed, "device_pages": sizing.device_pages, "ratio": ratio,
+                        "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "found")} for r in rows]})
+    misses = {p: [sum(rep["runs"][i]["misses"].values()) for rep in repeats] for i, p in enumerate(POLICIES)}
+    resumes = [rep["runs"][0]["resumes"] for rep in repeats]
+    ratios = [rep["ratio"] for rep in repeats if rep["ratio"] == rep["ratio"]]
+    print(f"{len(repeats)} draws, resumes {spread(resumes)}; misses lru {spread(misses['lru'])}, "
+          f"tool-aware {spread(misses['tool-aware'])}")
+    pooled = sum(misses["tool-aware"]) / sum(misses["lru"]) if sum(misses["lru"]) else float("nan")
+    print(f"tool-aware / lru misses: per draw {spread(ratios) if ratios else 'n/a'}, "
+          f"over all draws {sum(misses['tool-aware'])} / {sum(misses['lru'])} = {pooled:.3f} (goal <= 0.25)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"options": vars(args), "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "found")}
-                                                      for r in rows],
-                       "ratio": ratio}, f, indent=1)
+            json.dump({"options": vars(args), "repeats": repeats, "pooled_ratio": pooled}, f, indent=1)
     return 0
 
 

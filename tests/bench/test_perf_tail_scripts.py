@@ -34,3 +34,19 @@ def test_sim_tail_names_a_costs_file_without_costs(tmp_path):
     bad.write_text("{}")
     proc = _run("perf/sim_tail.py", "--costs", str(bad))
     assert proc.returncode != 0 and "no 'costs' table" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_resume_slo_counts_the_same_resumes_under_both_policies_per_draw(tmp_path):
+    out = tmp_path / "resume.json"
+    proc = _run("perf/resume_slo.py", "--sessions", "3", "--concurrency", "2", "--max-turns", "4", "--repeat", "2",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert [r["seed"] for r in doc["repeats"]] == [0, 1]
+    for rep in doc["repeats"]:
+        lru, ta = rep["runs"]
+        assert (lru["policy"], ta["policy"]) == ("lru", "tool-aware")
+        assert lru["resumes"] == ta["resumes"] > 0  # one workload draw, replayed by each policy
+        for r in (lru, ta):
+            assert 0 <= sum(r["misses"].values()) <= r["resumes"] and r["requests"] > r["resumes"]
+    assert "over all draws" in proc.stdout
