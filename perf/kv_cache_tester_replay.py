@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import gzip
 import math
 import json
 import re
@@ -56,12 +55,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 CONFIGS = {"device-only": [], "host": ["--host-cache-bytes", str(2 << 30)]}
 CLIENTS = ("kv-cache-tester", "agentx")
-
-
-def _load_trace(path: Path) -> dict:
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def bounded_traces(src: Path, dst: Path, *, token_scale: float, max_context: int, num_traces: int,
@@ -87,11 +80,12 @@ def bounded_traces(src: Path, dst: Path, *, token_scale: float, max_context: int
         raise ValueError(f"token_scale must be in (0, 1], got {token_scale}")
     if not time_scale > 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    from kvtier.bench.workload.traces import read_json
     dst.mkdir(parents=True, exist_ok=True)
     scaled = lambda n: max(1, math.ceil(n * token_scale))  # noqa: E731
     written = []
     for path in sorted(src.glob("*.json")) + sorted(src.glob("*.json.gz")):
-        trace = _load_trace(path)
+        trace = read_json(path)
         block = trace["block_size"] * token_scale
         if block != int(block):
             raise ValueError(f"token_scale: {token_scale} x block_size {trace['block_size']} of {path.name} "
@@ -185,7 +179,20 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
+def server_figures(metrics: dict[str, float]) -> dict:
+    """From the server's /metrics samples: prompt tokens, prompt tokens served from each tier
+    (hits count again for a re-admitted request) and responses other than HTTP 200."""
+    return {
+        "prompt_tokens": metrics.get("kvtier_prompt_tokens_total", 0.0),
+        "hit_tokens": {t: metrics.get(f'kvtier_hit_tokens_total{{tier="{t}"}}', 0.0) for t in ("device", "host", "disk")},
+        "http_errors": sum(v for k, v in metrics.items()
+                           if k.startswith("kvtier_requests_total") and 'status="200"' not in k),
+    }
+
+
 def summarize(results_csv: Path, metrics: dict[str, float]) -> dict:
+    """trace_replay_tester.py's ``detailed_results.csv``: requests, errors, TTFT and the hit
+    rate it computes from the trace, with :func:`server_figures`."""
     rows = []
     if results_csv.is_file():
         with open(results_csv) as f:
@@ -194,34 +201,25 @@ def summarize(results_csv: Path, metrics: dict[str, float]) -> dict:
     ttft = [float(r["ttft"]) for r in ok]
     hits = sum(int(r["cache_hit_blocks"]) for r in ok)
     misses = sum(int(r["cache_miss_blocks"]) for r in ok)
-    prompt = metrics.get("kvtier_prompt_tokens_total", 0.0)
-    tiers = {t: metrics.get(f'kvtier_hit_tokens_total{{tier="{t}"}}', 0.0) for t in ("device", "host", "disk")}
     return {
         "requests": len(rows), "errors": len(rows) - len(ok),
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
-        "client_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "prompt_tokens": prompt, "hit_tokens": tiers,  # hits count again for a re-admitted request
-        "http_errors": sum(v for k, v in metrics.items()
-                           if k.startswith("kvtier_requests_total") and 'status="200"' not in k),
+        "client_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0, **server_figures(metrics),
     }
 
 
 def summarize_agentx(export: Path, metrics: dict[str, float]) -> dict:
     """The AIPerf export's requests, errors, TTFT and the cache hit rate it reports (the usage's
-    cached prompt tokens over its prompt tokens), with the server's hit tokens per tier."""
+    cached prompt tokens over its prompt tokens), with :func:`server_figures`."""
     d = json.loads(export.read_text()) if export.is_file() else {}
     stat = lambda key, field="avg": (d.get(key) or {}).get(field, 0.0)  # noqa: E731
     ok = int(stat("request_count"))
     errors = int(stat("error_request_count"))
     read, prompt = stat("usage_prompt_cache_read_tokens", "sum"), stat("usage_prompt_tokens", "sum")
-    tiers = {t: metrics.get(f'kvtier_hit_tokens_total{{tier="{t}"}}', 0.0) for t in ("device", "host", "disk")}
     return {
         "requests": ok + errors, "errors": errors,
         "ttft_p50_s": stat("time_to_first_token", "p50") / 1e3, "ttft_p95_s": stat("time_to_first_token", "p95") / 1e3,
-        "client_cache_hit_rate": read / prompt if prompt else 0.0,
-        "prompt_tokens": metrics.get("kvtier_prompt_tokens_total", 0.0), "hit_tokens": tiers,
-        "http_errors": sum(v for k, v in metrics.items()
-                           if k.startswith("kvtier_requests_total") and 'status="200"' not in k),
+        "client_cache_hit_rate": read / prompt if prompt else 0.0, **server_figures(metrics),
     }
 
 
@@ -239,29 +237,24 @@ def run_config(name: str, args, work: Path, model: Path, hf_tok: Path, traces: P
     server_args = ["--num-device-pages", str(args.num_device_pages), *CONFIGS[name]]
     proc, url = start_server(model, args.tokenizer, server_args, work / f"serve-{name}.log")
     out_dir = work / f"out-{name}"
-    try:
-        if args.client == "agentx":
-            client = subprocess.run(agentx_command(args, url, traces, hf_tok, out_dir), check=False, cwd=work,
-                                    capture_output=True, text=True, timeout=args.duration + 600)
-            (work / f"client-{name}.log").write_text(client.stdout + client.stderr)
-            if client.returncode != 0:
-                raise RuntimeError(f"aiperf profile exited with {client.returncode}; "
-                                   f"last lines:\n{(client.stdout + client.stderr)[-2000:]}")
-            summary = summarize_agentx(out_dir / "profile_export_aiperf.json", scrape(url))
-            summary["server_args"] = server_args
-            return summary
+    if args.client == "agentx":
+        cmd, cwd, results = agentx_command(args, url, traces, hf_tok, out_dir), work, out_dir / "profile_export_aiperf.json"
+        label, summarize_results = "aiperf profile", summarize_agentx
+    else:
         cmd = [args.python, str(args.tester / "trace_replay_tester.py"), "--api-endpoint", url,
                "--trace-directory", str(traces), "--output-dir", str(out_dir), "--tokenizer", str(hf_tok),
                "--start-users", str(args.users), "--max-users", str(args.users),
                "--max-context", str(args.max_context), "--test-duration", str(args.duration),
                "--time-scale", str(args.time_scale), "--max-delay", "5", "--seed", str(args.seed),
                "--skip-graphs", "--no-color"]
-        client = subprocess.run(cmd, check=False, cwd=args.tester, capture_output=True, text=True, timeout=args.duration + 600)
+        cwd, results, label, summarize_results = args.tester, out_dir / "detailed_results.csv", "trace_replay_tester.py", summarize
+    try:
+        client = subprocess.run(cmd, check=False, cwd=cwd, capture_output=True, text=True, timeout=args.duration + 600)
         (work / f"client-{name}.log").write_text(client.stdout + client.stderr)
         if client.returncode != 0:
-            raise RuntimeError(f"trace_replay_tester.py exited with {client.returncode}; "
+            raise RuntimeError(f"{label} exited with {client.returncode}; "
                                f"last lines:\n{(client.stdout + client.stderr)[-2000:]}")
-        summary = summarize(out_dir / "detailed_results.csv", scrape(url))
+        summary = summarize_results(results, scrape(url))
     finally:
         stop_process_group(proc)
     summary["server_args"] = server_args

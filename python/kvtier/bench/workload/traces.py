@@ -103,7 +103,12 @@ def _get_hash_ids(obj: dict, n_tokens: int, block_size: int, path: Path, loc: st
 # kv-cache-tester
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
+    """The JSON document in ``path`` (gzip-compressed when its name ends in ``.gz``).
+
+    Raises:
+        TraceError: the file is not valid JSON (names the file and line).
+    """
     try:
         opener = gzip.open if path.name.endswith(".gz") else open
         with opener(path, "rt", encoding="utf-8") as f:
@@ -262,7 +267,7 @@ def _read_file(path: Path, ns: int) -> tuple[str, list[_RawSession]]:
     if path.name.endswith(".jsonl"):
         return MOONCAKE, _read_mooncake(path, ns)
     if path.name.endswith((".json", ".json.gz")):
-        doc = _read_json(path)
+        doc = read_json(path)
         if isinstance(doc, dict) and "requests" in doc:
             return KV_CACHE_TESTER, _read_kv_cache_tester(path, doc, ns)
         raise TraceError(f"{path}: unknown trace format: expected an object with 'requests' "
