@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from kvtier.bench.configs import BenchConfig
-from kvtier.bench.repeat import repeat_seeds
+from kvtier.bench.repeat import format_spread, repeat_seeds, spread
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, prepare, warm_up
 from kvtier.serve.api.resume import REASONS, miss_reason
@@ -114,10 +114,6 @@ def print_run(r: dict) -> None:
           f"  device evictions {r['device_evictions']}  wall {r['wall_s']:.1f} s", flush=True)
 
 
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3g} [{min(xs):.3g}-{max(xs):.3g}]"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=12)
@@ -160,10 +156,10 @@ def main() -> int:
     misses = {p: [sum(rep["runs"][i]["misses"].values()) for rep in repeats] for i, p in enumerate(POLICIES)}
     resumes = [rep["runs"][0]["resumes"] for rep in repeats]
     ratios = [rep["ratio"] for rep in repeats if rep["ratio"] == rep["ratio"]]
-    print(f"{len(repeats)} draws, resumes {spread(resumes)}; misses lru {spread(misses['lru'])}, "
-          f"tool-aware {spread(misses['tool-aware'])}")
+    print(f"{len(repeats)} draws, resumes {format_spread(spread(resumes))}; misses lru "
+          f"{format_spread(spread(misses['lru']))}, tool-aware {format_spread(spread(misses['tool-aware']))}")
     pooled = sum(misses["tool-aware"]) / sum(misses["lru"]) if sum(misses["lru"]) else float("nan")
-    print(f"tool-aware / lru misses: per draw {spread(ratios) if ratios else 'n/a'}, "
+    print(f"tool-aware / lru misses: per draw {format_spread(spread(ratios), fmt='{:.3g}')}, "
           f"over all draws {sum(misses['tool-aware'])} / {sum(misses['lru'])} = {pooled:.3f} (goal <= 0.25)")
     if args.json:
         with open(args.json, "w") as f:

@@ -136,7 +136,9 @@ def repeat_json(docs: list[dict], provenance: dict | None = None) -> dict:
             "summary": summarize_repeats(docs)}
 
 
-def _cell(s: dict | None, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+def format_spread(s: dict | None, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    """A :func:`spread` as ``median [min-max]``, each value times ``scale`` in ``fmt``; ``n/a``
+    for None."""
     if s is None:
         return "n/a"
     return f"{fmt.format(s['median'] * scale)} [{fmt.format(s['min'] * scale)}-{fmt.format(s['max'] * scale)}]"
@@ -158,11 +160,11 @@ def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
              " " * width + "  " + "  ".join(f"{n:>24}" for n in names)]
     for f in FIGURES:
         label, scale, fmt = _LABELS[f]
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{_cell(summary['configs'][n][f], scale, fmt):>24}"
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{format_spread(summary['configs'][n][f], scale, fmt):>24}"
                                                         for n in names))
     for n, c in summary["comparison"].items():
-        lines.append(f"{n} vs {baseline}: p99 TTFT ratio {_cell(c['ttft_p99_ratio'], fmt='{:.2f}x')}, "
-                     f"throughput ratio {_cell(c['throughput_ratio'], fmt='{:.2f}x')} (median [min-max])")
+        lines.append(f"{n} vs {baseline}: p99 TTFT ratio {format_spread(c['ttft_p99_ratio'], fmt='{:.2f}x')}, "
+                     f"throughput ratio {format_spread(c['throughput_ratio'], fmt='{:.2f}x')} (median [min-max])")
     return lines
 
 
@@ -206,4 +208,4 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
 
 
 __all__ = ["FIGURES", "RATIOS", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds", "run_repeats",
-           "spread", "summarize_repeats"]
+           "format_spread", "spread", "summarize_repeats"]
