@@ -33,8 +33,8 @@ import torch
 from kvtier.bench.configs import BenchConfig
 from kvtier.bench.repeat import format_spread, repeat_seeds, spread
 from kvtier.bench.replay import replay
+from kvtier.bench.resume import resume_misses
 from kvtier.bench.run import BenchOptions, prepare, warm_up
-from kvtier.serve.api.resume import REASONS, miss_reason
 from kvtier.serve.engine import Engine
 
 
@@ -56,49 +56,50 @@ def polling_sleep(engine: Engine, slice_s: float = 0.002):
     return sleep
 
 
-def resume_misses(workload, records, target_s: float) -> dict:
-    """Resumes (turns after a ``tool_use`` turn) of ``records`` and their misses of
-    ``target_s`` by reason, plus their TTFTs (seconds)."""
-    by_turn = {(r.session_id, r.turn): r for r in records}
-    out = {"resumes": 0, "misses": dict.fromkeys(REASONS, 0), "ttft_s": []}
-    bs = workload.block_size
-    for s in workload.sessions:
-        for k in range(1, len(s.turns)):
-            prev, turn, r = s.turns[k - 1], s.turns[k], by_turn.get((s.session_id, k))
-            if prev.stop != "tool_use" or r is None or r.error is not None:
-                continue
-            shared = 0
-            for a, b in zip(prev.block_ids[:prev.input_tokens // bs], turn.block_ids):
-                if a != b:
-                    break
-                shared += 1
-            out["resumes"] += 1
-            out["ttft_s"].append(r.ttft_s)
-            findable = min(shared * bs, (r.input_tokens - 1) // bs * bs)
-            found = "evicted" if r.cached_tokens < findable else \
-                "device" if r.cached_tokens_by_tier.get("device", 0) >= findable else "lower"
-            out.setdefault("found", []).append((found, r.ttft_s))
-            why = miss_reason(r.ttft_s, target_s, shared * bs, r.input_tokens, r.cached_tokens,
-                              r.cached_tokens_by_tier, bs)
-            if why is not None:
-                out["misses"][why] += 1
-    return out
-
-
-def run_policy(policy: str, prepared, opts: BenchOptions, target_s: float) -> dict:
+def run_policy(policy: str, prepared, opts: BenchOptions, target_s: float, declared_waits: bool = False) -> dict:
     model, model_id, workload, sizing, base, _ = prepared
     config = BenchConfig(f"tiered-{policy}", host=sizing.host_cache_bytes > 0, cache_policy=policy, tool_aware=True)
     engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, None, 0), model_id)
     engine.pool.set_resume_target(target_s)
     gc.collect()
     run = replay(engine, workload, config.name, concurrency=opts.concurrency, tool_aware=True, ramp_s=opts.ramp_s,
-                 sleep=polling_sleep(engine))
+                 sleep=polling_sleep(engine), declared_waits=declared_waits)
     engine.pool.poll(wait=True)
-    got = resume_misses(workload, run.records, target_s)
+    got = resume_misses(workload, run.records, target_s, engine.config.pool.page_size)
     st = engine.pool.stats()
     got.update(policy=policy, prefetched_blocks=st.prefetched_blocks, device_evictions=st.evictions["device"],
                requests=len(run.records), wall_s=run.wall_s)
     return got
+
+
+def run_sim(args, seed: int) -> tuple[int, list[dict]]:
+    """Both policies in the simulator (``--sim SCENARIO``): its ``tiered`` (LRU) and
+    ``tiered-tool-aware`` variants on the built-in workload drawn with ``seed``, the same sizes."""
+    from kvtier.bench.sim.run import SimOptions, run_scenario
+
+    opts = SimOptions(scenario=args.sim, configs="tiered,tiered-tool-aware", sessions=args.sessions,
+                      concurrency=args.concurrency, max_turns=args.max_turns, seed=seed,
+                      resume_ttft_s=args.resume_ttft_s, declared_waits=args.declared_waits,
+                      schedule_policy=args.schedule_policy)
+    _, workload, sizing, runs, _ = run_scenario(opts)
+    rows = []
+    for policy, sr in zip(POLICIES, runs):
+        got = resume_misses(workload, sr.run.records, args.resume_ttft_s, sizing.page_size)
+        got.update(policy=policy, prefetched_blocks=None, device_evictions=sr.run.evictions.get("device", 0),
+                   requests=len(sr.run.records), wall_s=sr.end_s)
+        rows.append(got)
+    print(f"seed {seed}: {args.sim}, device pages {sizing.device_pages} of a working set of "
+          f"{sizing.working_set_pages}; target {args.resume_ttft_s} s (virtual time)", flush=True)
+    return sizing.device_pages, rows
+
+
+def summarize_draw(seed: int, device_pages: int, rows: list[dict]) -> dict:
+    """One draw's figures for the JSON (prints its ratio)."""
+    lru, ta = (sum(r["misses"].values()) for r in rows)
+    ratio = ta / lru if lru else float("nan")
+    print(f"seed {seed}: tool-aware / lru misses: {ta} / {lru} = {ratio:.3f}", flush=True)
+    return {"seed": seed, "device_pages": device_pages, "ratio": ratio,
+            "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "found")} for r in rows]}
 
 
 def print_run(r: dict) -> None:
@@ -110,14 +111,19 @@ def print_run(r: dict) -> None:
                   f"{ts[len(ts) // 10] * 1e3:.0f}/{ts[len(ts) // 2] * 1e3:.0f}/{ts[len(ts) * 9 // 10] * 1e3:.0f} ms")
     print(f"{r['policy']:>10}: resumes {r['resumes']:3d}  misses {sum(r['misses'].values()):3d}  "
           + "  ".join(f"{k} {v}" for k, v in r["misses"].items())
-          + f"  median resume TTFT {med * 1e3:.1f} ms  prefetched blocks {r['prefetched_blocks']}"
+          + f"  median resume TTFT {med * 1e3:.1f} ms  prefetched blocks {r['prefetched_blocks'] or '-'}"
           f"  device evictions {r['device_evictions']}  wall {r['wall_s']:.1f} s", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sessions", type=int, default=12)
-    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--sessions", type=int, help="sessions (default 12; with --sim: the scenario's)")
+    ap.add_argument("--concurrency", type=int, help="sessions at once (default 6; with --sim: the scenario's)")
+    ap.add_argument("--sim", metavar="SCENARIO", help="run both policies in `kvtier simulate`'s SCENARIO (virtual "
+                    "time, the scenario's model, node and tier sizes) on the built-in workload instead of in process")
+    ap.add_argument("--declared-waits", action="store_true", help="the pool hears each tool wait's recorded length "
+                    "(a client sending expected_tool_wait_s) instead of the learned median")
+    ap.add_argument("--schedule-policy", help="with --sim: the engines' admission order (default: the scenario's)")
     ap.add_argument("--max-turns", type=int, default=8)
     ap.add_argument("--device-fraction", type=float, default=0.25,
                     help="device pages as a fraction of the working set (tight: the policy matters)")
@@ -132,27 +138,29 @@ def main() -> int:
                     help="workload draws (seeds SEED..SEED+N-1); prints the median [min-max] of each figure")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
-    opts = BenchOptions(sessions=args.sessions, concurrency=args.concurrency, max_turns=args.max_turns,
+    opts = BenchOptions(sessions=args.sessions or 12, concurrency=args.concurrency or 6, max_turns=args.max_turns,
                         device_fraction=args.device_fraction, host_fraction=args.host_fraction,
                         time_scale=args.time_scale, max_think_s=args.max_think_s, ramp_s=args.ramp_s,
                         seed=args.seed, configs="tiered")
     torch.set_num_threads(opts.threads)
     repeats = []
     for seed in repeat_seeds(opts, args.repeat):
+        if args.sim:
+            device_pages, rows = run_sim(args, seed)
+            for r in rows:
+                print_run(r)
+            repeats.append(summarize_draw(seed, device_pages, rows))
+            continue
         prepared = prepare(replace(opts, workload_seed=seed))
         warm_up(prepared[0], prepared[4])
         sizing = prepared[3]
         print(f"seed {seed}: device pages {sizing.device_pages} of a working set of {sizing.working_set_pages} "
               f"(floor applied: {sizing.device_floor_applied}); host {sizing.host_cache_bytes} bytes; "
               f"target {args.resume_ttft_s} s", flush=True)
-        rows = [run_policy(policy, prepared, opts, args.resume_ttft_s) for policy in POLICIES]
+        rows = [run_policy(policy, prepared, opts, args.resume_ttft_s, args.declared_waits) for policy in POLICIES]
         for r in rows:
             print_run(r)
-        lru, ta = (sum(r["misses"].values()) for r in rows)
-        ratio = ta / lru if lru else float("nan")
-        print(f"seed {seed}: tool-aware / lru misses: {ta} / {lru} = {ratio:.3f}", flush=True)
-        repeats.append({"seed": seed, "device_pages": sizing.device_pages, "ratio": ratio,
-                        "runs": [{k: v for k, v in r.items() if k not in ("ttft_s", "found")} for r in rows]})
+        repeats.append(summarize_draw(seed, sizing.device_pages, rows))
     misses = {p: [sum(rep["runs"][i]["misses"].values()) for rep in repeats] for i, p in enumerate(POLICIES)}
     resumes = [rep["runs"][0]["resumes"] for rep in repeats]
     ratios = [rep["ratio"] for rep in repeats if rep["ratio"] == rep["ratio"]]
@@ -161,6 +169,10 @@ def main() -> int:
     pooled = sum(misses["tool-aware"]) / sum(misses["lru"]) if sum(misses["lru"]) else float("nan")
     print(f"tool-aware / lru misses: per draw {format_spread(spread(ratios), fmt='{:.3g}')}, "
           f"over all draws {sum(misses['tool-aware'])} / {sum(misses['lru'])} = {pooled:.3f} (goal <= 0.25)")
+    acts = {p: sum(rep["runs"][i]["misses"]["evicted"] + rep["runs"][i]["misses"]["prefetch_late"] for rep in repeats)
+            for i, p in enumerate(POLICIES)}
+    print(f"misses the pool can act on (evicted + prefetch_late), all draws: lru {acts['lru']}, "
+          f"tool-aware {acts['tool-aware']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"options": vars(args), "repeats": repeats, "pooled_ratio": pooled}, f, indent=1)

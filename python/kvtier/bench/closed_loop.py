@@ -13,7 +13,9 @@ error and the session goes on with its next turn.
 Between a turn that stopped on ``tool_use`` and the next one the session waits on a tool: with
 ``tool_aware`` the pool hears of it with an *estimated* wait (the median of the tool waits
 observed so far in this run; before any, docs/workload.md's p50 of 9 s times the workload's time
-scale), never the trace's true wait, which a server cannot know; and of its end.
+scale), never the trace's true wait, which a server cannot know; and of its end. With
+``declared_waits`` the pool hears the recorded wait instead: what a client that declares how long
+its tool will run (``expected_tool_wait_s`` on kvtier serve's APIs) tells the server.
 
 A measurement window (``warmup_s``, ``duration_s``) makes a steady-state run of a long trace:
 turns due at or after ``duration_s`` are not submitted (their sessions stop, no new session
@@ -98,6 +100,8 @@ class ClosedLoop:
         concurrency: sessions active at once (>= 1).
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         tool_aware: tell the pools about tool waits.
+        declared_waits: with ``tool_aware``, tell each wait's recorded length (the client declares
+            it) instead of the running median (module docstring).
         warmup_s, duration_s: the measurement window (module docstring).
         keep_outputs: keep each request's generated tokens and logprobs in its record.
         num_homes: workers the sessions are dealt over.
@@ -114,7 +118,7 @@ class ClosedLoop:
     def __init__(self, workload: Workload, target: LoopTarget, clock: Callable[[], float], *, concurrency: int,
                  ramp_s: float = 0.0, tool_aware: bool = False, warmup_s: float = 0.0,
                  duration_s: float = math.inf, keep_outputs: bool = False, num_homes: int = 1,
-                 on_finish: Callable[[RequestRecord], None] | None = None):
+                 on_finish: Callable[[RequestRecord], None] | None = None, declared_waits: bool = False):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if not 0 <= ramp_s < math.inf:
@@ -123,6 +127,7 @@ class ClosedLoop:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got warmup_s={warmup_s}, duration_s={duration_s}")
         self.target, self.clock, self.concurrency, self.ramp_s = target, clock, concurrency, ramp_s
         self.tool_aware, self.warmup_s, self.duration_s = tool_aware, warmup_s, duration_s
+        self.declared_waits = declared_waits
         self.keep_outputs, self.num_homes, self.on_finish = keep_outputs, num_homes, on_finish
         self.queue = deque(s for s in workload.sessions if s.turns)
         self.active: list[ActiveSession] = []
@@ -199,7 +204,7 @@ class ClosedLoop:
         a.due_s = (record.finish_s if record.finish_s is not None else self.now()) + nxt.think_time_s
         a.waiting_on_tool = turn.stop == "tool_use"
         if self.tool_aware and a.waiting_on_tool and record.error is None:
-            self.target.tool_wait(a, self.tool_wait.value())
+            self.target.tool_wait(a, nxt.think_time_s if self.declared_waits else self.tool_wait.value())
         self._push(a)
 
     def record(self, a: ActiveSession, out: RequestOutput) -> RequestRecord:

@@ -82,7 +82,7 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
            keep_outputs: bool = False, ramp_s: float = 0.0, on_finish: Callable[[RequestRecord], None] | None = None,
            tokenizer: KimiTokenizer | None = None,
            clock: Callable[[], float] = time.perf_counter,
-           sleep: Callable[[float], None] = time.sleep) -> ConfigRun:
+           sleep: Callable[[float], None] = time.sleep, declared_waits: bool = False) -> ConfigRun:
     """Replay ``workload`` through ``engine``; returns the run's records and counters.
 
     Args:
@@ -97,6 +97,9 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         on_finish: called with each request's record as it finishes (progress display).
         tokenizer: encodes the turns of a text workload (required when a turn has ``chat``).
         clock, sleep: time source and sleep, in seconds (tests may pass fakes).
+        declared_waits: with ``tool_aware``, the pool hears each wait's recorded length (a client
+            that declares it) instead of the running median
+            (:class:`~kvtier.bench.closed_loop.ClosedLoop`).
 
     Raises:
         ValueError: ``concurrency`` < 1, ``ramp_s`` < 0, or a text workload without ``tokenizer``.
@@ -108,6 +111,6 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
         raise ValueError("a text workload needs tokenizer= (a KimiTokenizer) to encode its turns")
     target = _EngineTarget(engine, workload, tokenizer, keep_outputs, clock, sleep)
     loop = ClosedLoop(workload, target, clock, concurrency=concurrency, ramp_s=ramp_s, tool_aware=tool_aware,
-                      keep_outputs=keep_outputs, on_finish=on_finish)
+                      keep_outputs=keep_outputs, on_finish=on_finish, declared_waits=declared_waits)
     wall_s = loop.run()
     return run_result(name, loop, wall_s, workload, [engine])

@@ -164,7 +164,8 @@ class SimRun:
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
              ramp_s: float = 0.0, router: str = "sticky", warmup_s: float = 0.0, duration_s: float = math.inf,
-             on_finish: Callable[[RequestRecord], None] | None = None, shared_store: bool | None = None) -> SimRun:
+             on_finish: Callable[[RequestRecord], None] | None = None, shared_store: bool | None = None,
+             declared_waits: bool = False) -> SimRun:
     """Replay ``workload`` over ``workers`` in virtual time; returns the run as ``kvtier bench`` does.
 
     Args:
@@ -175,7 +176,7 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
         router: a routing policy of :data:`kvtier.cluster.router.policy.POLICIES` (module docstring).
         shared_store: the workers share a remote or disk tier (a moved session can load its
             prefix there); None: whether the first two workers' pools share a disk tier object.
-        concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish: as
+        concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish, declared_waits: as
             :class:`~kvtier.bench.closed_loop.ClosedLoop` (times in virtual seconds).
 
     Returns:
@@ -197,7 +198,7 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     target = _SimTarget(workers, workload, router, shared_store)
     loop = ClosedLoop(workload, target, lambda: target.now, concurrency=concurrency, ramp_s=ramp_s,
                       tool_aware=tool_aware, warmup_s=warmup_s, duration_s=duration_s, num_homes=len(workers),
-                      on_finish=on_finish)
+                      on_finish=on_finish, declared_waits=declared_waits)
     end_s = loop.run()
     run = run_result(name, loop, min(end_s, duration_s) - warmup_s, workload, [w.engine for w in workers],
                      [w.bytes_scale for w in workers])

@@ -53,6 +53,11 @@ class SimOptions:
         configs: comma-separated variant names to run (None = all of the scenario's).
         kernel_csv, kernel_device: ``perf/`` kernel-timing CSVs whose rates replace ``peak x
             efficiency`` (:meth:`KernelRates.from_csv`), and the ``device`` of the rows to use.
+        resume_ttft_s: the resume target every worker's pool plans for, seconds
+            (:meth:`~kvtier.cache.pool.KVPool.set_resume_target`; None: none).
+        declared_waits: tool-aware variants tell each tool wait's recorded length, as a client
+            that declares it does (:class:`~kvtier.bench.closed_loop.ClosedLoop`), instead of the
+            running median.
     """
 
     scenario: str
@@ -75,6 +80,8 @@ class SimOptions:
     kernel_csv: tuple[str, ...] = ()
     kernel_device: str | None = None
     schedule_policy: str | None = None
+    resume_ttft_s: float | None = None
+    declared_waits: bool = False
 
     def resolve(self) -> Scenario:
         """The scenario with the overrides applied.
@@ -104,6 +111,8 @@ class SimOptions:
             scn = dataclasses.replace(scn, schedule_policy=self.schedule_policy)
         if self.configs is not None:
             scn = scn.select(self.configs)
+        if self.resume_ttft_s is not None and not 0 < self.resume_ttft_s < math.inf:
+            raise ValueError(f"--resume-ttft-s must be a finite number > 0, got {self.resume_ttft_s!r}")
         return scn
 
 
@@ -173,9 +182,11 @@ def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig
     return v.cache.engine_config(base, host_bytes, None, store_bytes)
 
 
-def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node) -> list[SimWorker]:
+def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node,
+                  resume_ttft_s: float | None = None) -> list[SimWorker]:
     """Fresh workers for variant ``v``: each with its own clock, device and host tiers; the tier
-    below host memory (when the variant has one) shared or not as ``v`` says."""
+    below host memory (when the variant has one) shared or not as ``v`` says; each pool planning
+    for the resume target ``resume_ttft_s`` seconds (None: none)."""
     config = _engine_config(scn, v, sizing)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
     links = TierLinks(sizing.block_bytes, node.host_link, store_link)
@@ -187,6 +198,9 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     if shared is not None:
         for e in engines:
             e.share_store(shared)
+    if resume_ttft_s is not None:
+        for e in engines:
+            e.pool.set_resume_target(resume_ttft_s)
     return engines
 
 
@@ -225,10 +239,10 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
     for v in scn.variants:
         if on_start is not None:
             on_start(v.name)
-        engines, r = build_engines(scn, v, sizing, timer, node), scn.replay
+        engines, r = build_engines(scn, v, sizing, timer, node, opts.resume_ttft_s), scn.replay
         runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
-                             on_finish=on_finish, shared_store=v.shared_store))
+                             on_finish=on_finish, shared_store=v.shared_store, declared_waits=opts.declared_waits))
     return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))
 
 
