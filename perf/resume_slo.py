@@ -14,6 +14,16 @@ start while every session thinks.
 Prints resumes and misses by reason per policy and the ratio ``tool-aware / lru`` (the goal:
 at most 0.25). Timings depend on the machine: the ratio is the figure, not the seconds.
 
+``--sim SCENARIO`` runs both policies in ``kvtier simulate``'s scenario instead (virtual time:
+the scenario's model, node and tier sizes, the real engine, scheduler and pool; its ``tiered``
+and ``tiered-tool-aware`` variants) on the built-in workload; resumes are counted in the
+scenario's pages (:func:`kvtier.bench.resume.resume_misses`). ``--declared-waits`` tells the pool
+each wait's recorded length, as a client sending ``expected_tool_wait_s`` does, instead of the
+learned median.
+
+    python perf/resume_slo.py --sim kimi-mi355x-128 --resume-ttft-s 0.3 --declared-waits \
+        --schedule-policy cache-aware --repeat 3
+
     python perf/resume_slo.py --sessions 12 --concurrency 4 --host-fraction 0 --device-fraction 0.5 \
         --resume-ttft-s 0.2 --time-scale 0.1 --max-think-s 3
 """
