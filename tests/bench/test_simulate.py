@@ -12,6 +12,7 @@ import torch
 from kvtier.bench.calibrate import FEATURES, LinearTimer, fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
+from kvtier.bench.resume import resume_misses
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
 from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim import hardware
@@ -695,3 +696,23 @@ def test_the_simulator_routes_with_the_real_router_policy(monkeypatch, policy):
     assert set(router.sessions) == {s.session_id for s in wl.sessions}
     if policy == "sticky":
         assert sr.migrations == 0
+
+
+def test_cli_simulate_resume_target(tmp_path, capsys):
+    """--resume-ttft-s: each configuration's resumes and misses by why, on the console and in the
+    JSON, as kvtier.bench.resume counts them from the same run's records."""
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--scenario", "tiny", "--resume-ttft-s", "0.002", "--json", str(out), "--plot", ""]) == 0
+    shown = capsys.readouterr().out
+    assert "resumes after a tool wait against the 0.002 s target" in shown
+    per_variant = json.loads(out.read_text())["provenance"]["per_variant"]
+    opts = SimOptions("tiny", resume_ttft_s=0.002)
+    _, workload, sizing, runs, _ = run_scenario(opts)
+    for sr in runs:
+        got = resume_misses(workload, sr.run.records, 0.002, sizing.page_size)
+        written = per_variant[sr.run.name]["resume"]
+        assert written == {"target_s": 0.002, "resumes": got["resumes"], "misses": got["misses"]}
+        assert written["resumes"] > 0 and sum(written["misses"].values()) > 0  # 2 ms: below a step
+    assert "resume" not in run_scenario(SimOptions("tiny"))[4]["per_variant"]["tiered"]  # no target: not counted
+    assert main(["simulate", "--scenario", "tiny", "--resume-ttft-s", "0", "--plot", ""]) == 2
+    assert "--resume-ttft-s must be a finite number > 0" in capsys.readouterr().err

@@ -24,7 +24,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
         kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
-        kernel_device=args.kernel_device, schedule_policy=args.schedule_policy)
+        kernel_device=args.kernel_device, schedule_policy=args.schedule_policy,
+        resume_ttft_s=args.resume_ttft_s, declared_waits=args.declared_waits)
     return simulate(opts, console, json_path=args.json, plot=args.plot)
 
 
@@ -57,6 +58,10 @@ def add_parser(sub) -> None:
     m.add_argument("--seed", type=int, help="seed of the built-in workload")
     m.add_argument("--schedule-policy", choices=SCHEDULE_POLICIES,
                    help="admission order of the engines (default: the scenario's, fcfs, as calibrated)")
+    m.add_argument("--resume-ttft-s", type=float, metavar="S", help="resume target: every worker's pool plans tool "
+                   "waits for it (as kvtier serve --resume-ttft-s); resumes and misses by why are shown and written")
+    m.add_argument("--declared-waits", action="store_true", help="tool-aware configurations hear each tool wait's "
+                   "recorded length (a client sending expected_tool_wait_s) instead of the learned median")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
     m.set_defaults(func=cmd_simulate)

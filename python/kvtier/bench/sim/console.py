@@ -56,6 +56,17 @@ def simulate(opts, console: Console, *, json_path: str | None = None, plot: str 
                         title=f"kvtier simulate {scn.name}: per-configuration results (virtual time)")
     console.print("TTFT p99 of returning turns (after a session's first; the turns a cache can serve): "
                   + ", ".join(f"{name} {_ms(v['ttft_p99_returning_s'])}" for name, v in prov["per_variant"].items()))
+    resumed = {name: v["resume"] for name, v in prov["per_variant"].items() if "resume" in v}
+    if resumed:
+        table = Table(title=f"resumes after a tool wait against the {opts.resume_ttft_s:g} s target"
+                      + (" (declared waits)" if opts.declared_waits else " (learned median wait)"))
+        for col in ("configuration", "resumes", "misses", "evicted", "prefetch late", "queued"):
+            table.add_column(col, justify="left" if col == "configuration" else "right")
+        for name, got in resumed.items():
+            m = got["misses"]
+            table.add_row(name, str(got["resumes"]), str(sum(m.values())), str(m["evicted"]),
+                          str(m["prefetch_late"]), str(m["queued"]))
+        console.print(table)
     if scn.workers > 1:
         console.print("migrations (turns served by another worker than the previous turn): "
                       + ", ".join(f"{sr.run.name} {sr.migrations}" for sr in runs))

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from kvtier.bench.replay import working_set_pages
+from kvtier.bench.resume import resume_misses
 from kvtier.bench.sim import hardware
 from kvtier.bench.sim.copies import SimDisk, TierLinks
 from kvtier.bench.sim.engine import SimWorker
@@ -269,6 +270,11 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
                                  "end_s": sr.end_s, "busy_s": sr.busy_s,
                                  "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0)}
                    for sr in runs}  # returning turns: after a session's first (those a cache can serve)
+    if opts.resume_ttft_s is not None:  # resumes after a tool wait and their misses of the target, by why
+        for sr in runs:
+            got = resume_misses(workload, sr.run.records, opts.resume_ttft_s, sizing.page_size)
+            per_variant[sr.run.name]["resume"] = {"target_s": opts.resume_ttft_s, "resumes": got["resumes"],
+                                                  "misses": got["misses"]}
     return _json_safe(provenance(kind="simulation", scenario=scn.name, model=scn.model, node=scn.node,
                                  workers=scn.workers, baseline=scn.baseline, efficiency=asdict(scn.efficiency),
                                  kernel_rates=asdict(timer.rates), prefill_tok_s_16k=prefill_tok_s(timer, 16384),
