@@ -70,7 +70,7 @@ def run_policy(policy: str, prepared, opts: BenchOptions, target_s: float, decla
     model, model_id, workload, sizing, base, _ = prepared
     config = BenchConfig(f"tiered-{policy}", host=sizing.host_cache_bytes > 0, cache_policy=policy, tool_aware=True)
     engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, None, 0), model_id)
-    engine.pool.set_resume_target(target_s)
+    engine.set_resume_target(target_s)
     gc.collect()
     run = replay(engine, workload, config.name, concurrency=opts.concurrency, tool_aware=True, ramp_s=opts.ramp_s,
                  sleep=polling_sleep(engine), declared_waits=declared_waits)

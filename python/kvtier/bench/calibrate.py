@@ -38,6 +38,7 @@ from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
 from kvtier.options import check_real
 from kvtier.serve import Engine, EngineConfig
+from kvtier.serve.step_time import fit_nonnegative
 
 
 FEATURES = ("step", "prefill_tokens", "decodes", "extend_pairs", "decode_context", "sequences", "sampled")
@@ -114,10 +115,8 @@ def record_steps(engine: Engine, log: StepLog) -> None:
 
 
 def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str = "") -> LinearTimer:
-    """Least-squares :class:`LinearTimer` with non-negative coefficients.
-
-    Features whose unconstrained coefficient comes out negative are dropped one at a time (the
-    most negative first) and the rest refitted, until all are >= 0 (an active-set NNLS).
+    """Least-squares :class:`LinearTimer` with non-negative coefficients
+    (:func:`kvtier.serve.step_time.fit_nonnegative`).
 
     Raises:
         ValueError: fewer samples than features, or lengths that differ.
@@ -125,15 +124,8 @@ def fit_linear_timer(shapes: list[BatchShape], seconds: list[float], source: str
     if len(shapes) != len(seconds) or len(shapes) < len(FEATURES):
         raise ValueError(f"need as many seconds as shapes and >= {len(FEATURES)} samples, "
                          f"got {len(shapes)} shapes and {len(seconds)} seconds")
-    x = np.stack([features(s) for s in shapes])
-    y = np.asarray(seconds, dtype=np.float64)
-    active = list(range(len(FEATURES)))
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if coef.min() >= 0 or len(active) == 1:
-            break
-        del active[int(np.argmin(coef))]
-    return LinearTimer({FEATURES[i]: max(float(c), 0.0) for i, c in zip(active, coef)}, source)
+    w = fit_nonnegative(np.stack([features(s) for s in shapes]), np.asarray(seconds, dtype=np.float64))
+    return LinearTimer({f: float(c) for f, c in zip(FEATURES, w) if c > 0}, source)
 
 
 @dataclass(frozen=True)

@@ -310,6 +310,12 @@ class KVPool:
         """The session's tool returned; its blocks lose any special treatment."""
         self.prefetcher.tool_return(session_id)
 
+    def returns_within(self, before_s: float, after_s: float) -> int:
+        """Sessions waiting on a tool (:meth:`tool_wait`, under any policy) whose expected return
+        is at most ``before_s`` seconds ago or ``after_s`` seconds ahead (the pool's clock).
+        Sessions overdue by more than ``before_s`` are forgotten: they never count again."""
+        return self.prefetcher.returns_within(before_s, after_s)
+
     def set_resume_target(self, resume_ttft_s: float | None) -> None:
         """Plan later tool waits so the session's next turn has a TTFT within ``resume_ttft_s``
         seconds when capacity allows (None: no target). Under ``tool-aware`` a waiting session's

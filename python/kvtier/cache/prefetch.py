@@ -23,6 +23,7 @@ class Prefetcher:
     def __init__(self, tiers: PoolTiers, pages: DevicePages, loads: Loads):
         self.tiers, self.pages, self.loads = tiers, pages, loads
         self.pending: list[BlockLoad] = []
+        self.returns: dict[object, float] = {}  # waiting session -> its expected return (pool clock)
 
     def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
         """See :meth:`kvtier.cache.pool.KVPool.tool_wait`."""
@@ -36,6 +37,7 @@ class Prefetcher:
         hashes = checked_block_hashes("hashes", hashes)
         check_real("expected_wait_s", expected_wait_s, min_value=0.0)
         t = self.tiers
+        self.returns[session_id] = t.clock() + expected_wait_s
         if t.policy.resume_ttft_s is None:
             t.policy.tool_wait(session_id, hashes, expected_wait_s, t.clock())
         else:
@@ -56,7 +58,16 @@ class Prefetcher:
         return t.cost_model.prefix_load_s([below] * num_blocks, t.block_bytes)
 
     def tool_return(self, session_id) -> None:
+        self.returns.pop(session_id, None)
         self.tiers.policy.tool_return(session_id)
+
+    def returns_within(self, before_s: float, after_s: float) -> int:
+        """See :meth:`kvtier.cache.pool.KVPool.returns_within`."""
+        now = self.tiers.clock()
+        overdue = [sid for sid, t in self.returns.items() if t < now - before_s]
+        for sid in overdue:
+            del self.returns[sid]
+        return sum(t <= now + after_s for t in self.returns.values())
 
     def start_due(self) -> None:
         """Start loading the blocks the policy says are due and no longer on the device."""

@@ -25,6 +25,7 @@ from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.scheduler import ScheduledBatch, Scheduler
 from kvtier.serve.stats import EngineStats
+from kvtier.serve.step_time import batch_features
 from kvtier.tokenize.buffer import TokenBuffer
 
 
@@ -320,6 +321,18 @@ class Engine:
                              "another prompt?)")
         return own
 
+    def set_resume_target(self, resume_ttft_s: float | None) -> None:
+        """Serve turns that resume a session after a tool wait within ``resume_ttft_s`` seconds
+        when capacity allows (None: no target): the pool plans each declared wait for it
+        (:meth:`KVPool.set_resume_target`) and the scheduler keeps the steps around a first token
+        or an expected return short (:meth:`Scheduler.bound_step`).
+
+        Raises:
+            ValueError: a target that is not a finite number > 0.
+        """
+        self.pool.set_resume_target(resume_ttft_s)
+        self.scheduler.set_resume_target(resume_ttft_s)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed)
 
@@ -383,8 +396,9 @@ class Engine:
         (batch, masks, t0), self._pending = self._pending, None
         masks = masks.result() if masks is not None else {}
         self.num_prefill_tokens += sum(n for _, n in batch.extends)
+        seconds = result.seconds if result.seconds is not None else self.clock() - t0
+        self.scheduler.step_time.observe(batch_features(batch), seconds)
         if batch.extends:
-            seconds = result.seconds if result.seconds is not None else self.clock() - t0
             self.pool.observe_prefill(batch.num_tokens, seconds)
         steps = [(s, n) for s, n in batch.extends] + [(s, 1) for s in batch.decodes]
         tokens: dict[int, int | Exception] = {}  # by seq_id: the step's token, or what failed it

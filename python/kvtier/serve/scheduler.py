@@ -13,6 +13,7 @@ from kvtier.serve.policy import POLICIES, SchedulePolicy
 from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.stats import SchedulerStats
 from kvtier.serve.step_budget import ScheduledBatch, StepBudget, fit_tokens, pairs
+from kvtier.serve.step_time import RESUME_STEP_SHARE, StepTimeModel, batch_features
 
 
 class Scheduler:
@@ -26,6 +27,10 @@ class Scheduler:
     and preempts what ranks behind (or, when its blocks load back, decodes) - see
     :class:`~kvtier.serve.policy.CacheAware`. Bound: a request passed over in
     ``schedule_max_passes`` steps ranks first and is not preempted for others.
+
+    Resume target (:meth:`set_resume_target`): a step that gives a request its first token, or
+    that runs while a session is due back from a tool wait, is kept under
+    ``RESUME_STEP_SHARE`` of the target by its estimated time (:meth:`bound_step`).
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool, clock: Callable[[], float] = time.perf_counter):
@@ -41,6 +46,9 @@ class Scheduler:
         self._blocked: dict[int, tuple[int, int]] = {}
         self.policy: SchedulePolicy = POLICIES[config.schedule_policy](self)
         self.step = StepBudget()
+        self.step_time = StepTimeModel()  # fed by the engine with every step's measured seconds
+        self.resume_ttft_s: float | None = None
+        self.num_bounded_steps = 0  # steps bound_step shortened
 
     _pairs = staticmethod(pairs)
 
@@ -94,7 +102,70 @@ class Scheduler:
         num_loading = len(self.loading)
         budget = self._admit_waiting(batch, budget, self.policy.order())
         self.policy.end_step(batch, budget, self.loading[num_loading:])
+        self.bound_step(batch)
         return batch
+
+    # ---- the resume target --------------------------------------------------------------------
+    def set_resume_target(self, resume_ttft_s: float | None) -> None:
+        """Bound steps for a resume TTFT of ``resume_ttft_s`` seconds (None: no bound); see
+        :meth:`bound_step`.
+
+        Raises:
+            ValueError: a target that is not a finite number > 0.
+        """
+        if resume_ttft_s is not None and not (isinstance(resume_ttft_s, (int, float)) and not isinstance(
+                resume_ttft_s, bool) and 0 < resume_ttft_s < float("inf")):
+            raise ValueError(f"resume_ttft_s must be a finite number of seconds > 0 or None, got {resume_ttft_s!r}")
+        self.resume_ttft_s = resume_ttft_s
+
+    def bound_step(self, batch: ScheduledBatch) -> None:
+        """Shorten ``batch`` to ``RESUME_STEP_SHARE * resume_ttft_s`` seconds of estimated time
+        (:class:`~kvtier.serve.step_time.StepTimeModel`) when it gives a request its first token or
+        a session is due back from a tool wait (expected from ``resume_ttft_s`` ago to the step's
+        end, :meth:`KVPool.returns_within`): prefill chunks are cut, the largest first, to no less
+        than a page each (each keeps making progress). Never cut: decodes, and a chunk that ends its
+        prompt and, in a step with the decodes alone, would fit the bound or give its request its
+        first token within the target of its arrival. No target, no fit yet, or a step already
+        short: unchanged."""
+        target = self.resume_ttft_s
+        if target is None or not batch.extends:
+            return
+        est = self.step_time.estimate_s(batch_features(batch))
+        bound = RESUME_STEP_SHARE * target
+        if est is None or est <= bound:
+            return
+        ends = [s.num_computed_tokens + n >= s.num_tokens for s, n in batch.extends]
+        if not any(ends) and not self.pool.returns_within(target, est):
+            return
+        floor = self.config.pool.page_size
+        decodes = batch_features(ScheduledBatch(decodes=batch.decodes)) - batch_features(ScheduledBatch())
+
+        def alone_s(seq: Sequence, n: int) -> float:  # a step of this chunk and the decodes
+            return self.step_time.estimate_s(decodes + batch_features(ScheduledBatch(extends=[(seq, n)])))
+
+        now = self.clock()
+
+        def kept(seq: Sequence, n: int) -> bool:  # ends its prompt within the bound, or within its target
+            t = alone_s(seq, n)
+            return t <= bound or (not seq.output_token_ids and now - seq.metrics.arrival_time + t <= target)
+
+        order = sorted((i for i, ((s, n), end) in enumerate(zip(batch.extends, ends))
+                        if n > floor and not (end and kept(s, n))), key=lambda i: -batch.extends[i][1])
+        for i in order:
+            seq, n = batch.extends[i]
+            lo, hi = floor, n  # the largest chunk in [floor, n] within the bound, by bisection
+            batch.extends[i] = (seq, lo)
+            if self.step_time.estimate_s(batch_features(batch)) <= bound:
+                while hi - lo > floor:
+                    mid = lo + max(floor, (hi - lo) // 2 // floor * floor)
+                    batch.extends[i] = (seq, mid)
+                    if self.step_time.estimate_s(batch_features(batch)) <= bound:
+                        lo = mid
+                    else:
+                        hi = mid
+                batch.extends[i] = (seq, lo)
+                break
+        self.num_bounded_steps += 1
 
     # ---- running sequences --------------------------------------------------------------------
     def _schedule_running(self, batch: ScheduledBatch, budget: int, plan: dict[int, int] | None) -> int:

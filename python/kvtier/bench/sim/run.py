@@ -201,7 +201,7 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
             e.share_store(shared)
     if resume_ttft_s is not None:
         for e in engines:
-            e.pool.set_resume_target(resume_ttft_s)
+            e.engine.set_resume_target(resume_ttft_s)
     return engines
 
 
@@ -241,7 +241,7 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         if on_start is not None:
             on_start(v.name)
         engines, r = build_engines(scn, v, sizing, timer, node, opts.resume_ttft_s), scn.replay
-        runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware,
+        runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware or opts.resume_ttft_s is not None,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
                              on_finish=on_finish, shared_store=v.shared_store, declared_waits=opts.declared_waits))
     return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))

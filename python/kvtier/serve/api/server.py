@@ -33,8 +33,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
 
     ``resume_ttft_s``: the TTFT target of a session's turn after a tool wait; the pool plans its
-    tool waits for it (``KVPool.set_resume_target``), and resumes and misses (by why) are
-    counted in ``/metrics`` (:mod:`kvtier.serve.api.resume`).
+    tool waits for it and the scheduler keeps the steps around a first token or an expected
+    return short (``Engine.set_resume_target``), and resumes and misses (by why) are counted in
+    ``/metrics`` (:mod:`kvtier.serve.api.resume`).
 
     Raises:
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
@@ -72,7 +73,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         on_engine(engine)
     worker = holder["worker"] = worker_factory(engine, tok, session_ttl_s, metrics)
     worker.sessions.resumes.set_target(resume_ttft_s)  # counted in /metrics (kvtier_resume_slo_misses)
-    engine.pool.set_resume_target(resume_ttft_s)  # the pool keeps or prefetches for it (tool-aware)
+    engine.set_resume_target(resume_ttft_s)  # the pool keeps or prefetches for it, the steps stay short
     app = build_app(worker, options, metrics)
     if extend_app is not None:
         extend_app(app, worker, metrics)
