@@ -54,9 +54,10 @@ class SimOptions:
         configs: comma-separated variant names to run (None = all of the scenario's).
         kernel_csv, kernel_device: ``perf/`` kernel-timing CSVs whose rates replace ``peak x
             efficiency`` (:meth:`KernelRates.from_csv`), and the ``device`` of the rows to use.
-        resume_ttft_s: the resume target every worker's pool plans for, seconds
-            (:meth:`~kvtier.cache.pool.KVPool.set_resume_target`; None: none).
-        declared_waits: tool-aware variants tell each tool wait's recorded length, as a client
+        resume_ttft_s: the resume target every worker's pool and scheduler plan for, seconds
+            (:meth:`~kvtier.serve.engine.Engine.set_resume_target`; None: none); with one, every
+            variant's clients declare their tool waits (the scheduler uses them under any policy).
+        declared_waits: variants that tell tool waits tell each one's recorded length, as a client
             that declares it does (:class:`~kvtier.bench.closed_loop.ClosedLoop`), instead of the
             running median.
     """
@@ -186,7 +187,7 @@ def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig
 def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node,
                   resume_ttft_s: float | None = None) -> list[SimWorker]:
     """Fresh workers for variant ``v``: each with its own clock, device and host tiers; the tier
-    below host memory (when the variant has one) shared or not as ``v`` says; each pool planning
+    below host memory (when the variant has one) shared or not as ``v`` says; each engine planning
     for the resume target ``resume_ttft_s`` seconds (None: none)."""
     config = _engine_config(scn, v, sizing)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
@@ -241,7 +242,10 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         if on_start is not None:
             on_start(v.name)
         engines, r = build_engines(scn, v, sizing, timer, node, opts.resume_ttft_s), scn.replay
-        runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=v.cache.tool_aware or opts.resume_ttft_s is not None,
+        # with a resume target every configuration's clients declare their tool waits: the scheduler
+        # bounds steps around the expected returns under any cache policy (Scheduler.bound_step)
+        tool_aware = v.cache.tool_aware or opts.resume_ttft_s is not None
+        runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
                              on_finish=on_finish, shared_store=v.shared_store, declared_waits=opts.declared_waits))
     return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))
