@@ -26,6 +26,25 @@ def test_sim_counts_every_resume_once_and_each_miss_has_one_reason():
     assert sum(loose["misses"].values()) <= sum(got["misses"].values())
 
 
+def test_an_own_prefill_over_the_target_is_its_own_reason_and_moves_no_resume():
+    _, workload, sizing, runs, _ = _run()
+    records = runs[0].run.records
+    plain = resume_misses(workload, records, 0.002, sizing.page_size)
+    assert plain["misses"]["prefill"] == 0  # no estimate: never the reason
+    asked = []
+
+    def prefill_s(new_tokens, cached_tokens):  # a long own prefill for every other resume that missed
+        asked.append((new_tokens, cached_tokens))
+        return 1.0 if len(asked) % 2 else 0.0
+
+    got = resume_misses(workload, records, 0.002, sizing.page_size, prefill_s=prefill_s)
+    missed = sum(plain["misses"].values())
+    assert missed > 1 and len(asked) == missed  # asked once per miss, never for a met resume
+    assert got["resumes"] == plain["resumes"] and sum(got["misses"].values()) == missed
+    assert got["misses"]["prefill"] == (missed + 1) // 2
+    assert all(n >= 0 and c % sizing.page_size == 0 for n, c in asked)
+
+
 def test_declared_waits_reach_the_pool_as_recorded_waits(monkeypatch):
     seen = []
     from kvtier.cache.pool import KVPool

@@ -30,6 +30,7 @@ from kvtier.bench.sim.timing import (
     BatchShape,
     KernelRates,
     RooflineTimer,
+    own_prefill_s,
     prefill_tok_s,
 )
 from kvtier.bench.workload import Session, Turn, Workload
@@ -707,9 +708,11 @@ def test_cli_simulate_resume_target(tmp_path, capsys):
     assert "resumes after a tool wait against the 0.002 s target" in shown
     per_variant = json.loads(out.read_text())["provenance"]["per_variant"]
     opts = SimOptions("tiny", resume_ttft_s=0.002)
-    _, workload, sizing, runs, _ = run_scenario(opts)
+    scn, workload, sizing, runs, _ = run_scenario(opts)
+    timer = make_timer(scn, preset(scn.model), hardware.node(scn.node))
     for sr in runs:
-        got = resume_misses(workload, sr.run.records, 0.002, sizing.page_size)
+        got = resume_misses(workload, sr.run.records, 0.002, sizing.page_size,
+                            prefill_s=lambda n, c: own_prefill_s(timer, n, c))
         written = per_variant[sr.run.name]["resume"]
         assert written == {"target_s": 0.002, "resumes": got["resumes"], "misses": got["misses"]}
         assert written["resumes"] > 0 and sum(written["misses"].values()) > 0  # 2 ms: below a step

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.workload import Session, Turn, Workload, prompt_token_ids
+from kvtier.serve.api.resume import REASONS
 
 TOKEN_LOW = 256  # synthetic prompt ids start here, as in the in-process replay
 SAFE_VOCAB = 32000  # token ids below this exist in the vocabulary of every current LLM
@@ -57,7 +58,7 @@ def server_info(url: str, model: str, timeout_s: float = 30.0) -> dict:
     raise ValueError(f"--model {model!r} is not served by {url}; it serves {[m.get('id') for m in models]}")
 
 
-RESUME_REASONS = ("evicted", "prefetch_late", "queued")  # kvtier.serve.api.resume.REASONS
+RESUME_REASONS = REASONS  # the server's reasons (kvtier.serve.api.resume)
 
 
 def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:

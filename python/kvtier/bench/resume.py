@@ -2,19 +2,20 @@
 
 A *resume* is a turn after a turn that stopped on ``tool_use``; it misses the target when its
 TTFT is over it, classified as the server classifies its own resumes
-(:func:`kvtier.serve.api.resume.miss_reason`: ``evicted``, ``prefetch_late``, ``queued``) from
+(:func:`kvtier.serve.api.resume.miss_reason`: ``evicted``, ``prefetch_late``, ``queued``,
+``prefill``) from
 the whole pages it shares with the previous turn's prompt. ``kvtier bench --endpoint`` reads the
 server's counters instead (:func:`kvtier.bench.endpoint.resume_slo_delta`).
 """
 
 from __future__ import annotations
 
-from kvtier.serve.api.resume import REASONS, miss_reason
+from kvtier.serve.api.resume import REASONS, findable_tokens, miss_reason
 
 __all__ = ["resume_misses"]
 
 
-def resume_misses(workload, records, target_s: float, page_size: int | None = None) -> dict:
+def resume_misses(workload, records, target_s: float, page_size: int | None = None, prefill_s=None) -> dict:
     """Resumes of ``records`` and their misses of ``target_s`` by reason.
 
     Args:
@@ -26,6 +27,9 @@ def resume_misses(workload, records, target_s: float, page_size: int | None = No
         page_size: the engine's tokens per page, a multiple of the workload's block size (None:
             the block size); a hit is counted in whole pages, so only whole shared pages are
             findable.
+        prefill_s: ``prefill_s(new_tokens, cached_tokens)``, estimated seconds of a step that
+            prefills only a resume's tokens past those it can find (the ``prefill`` reason); None:
+            not counted.
 
     Returns:
         ``{"resumes": n, "misses": {reason: n}, "ttft_s": [...], "found": [(where, ttft_s)]}``;
@@ -56,11 +60,14 @@ def resume_misses(workload, records, target_s: float, page_size: int | None = No
             kept = shared * bs // page * page
             out["resumes"] += 1
             out["ttft_s"].append(r.ttft_s)
-            findable = min(kept, max(r.input_tokens - 1, 0) // page * page)
+            findable = findable_tokens(kept, r.input_tokens, page)
             found = "evicted" if r.cached_tokens < findable else \
                 "device" if r.cached_tokens_by_tier.get("device", 0) >= findable else "lower"
             out["found"].append((found, r.ttft_s))
-            why = miss_reason(r.ttft_s, target_s, kept, r.input_tokens, r.cached_tokens, r.cached_tokens_by_tier, page)
+            own_s = None if prefill_s is None or r.ttft_s is None or r.ttft_s <= target_s else \
+                prefill_s(r.input_tokens - findable, findable)
+            why = miss_reason(r.ttft_s, target_s, kept, r.input_tokens, r.cached_tokens, r.cached_tokens_by_tier, page,
+                              own_s)
             if why is not None:
                 out["misses"][why] += 1
     return out

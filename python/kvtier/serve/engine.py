@@ -25,7 +25,7 @@ from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.scheduler import ScheduledBatch, Scheduler
 from kvtier.serve.stats import EngineStats
-from kvtier.serve.step_time import batch_features
+from kvtier.serve.step_time import batch_features, step_features
 from kvtier.tokenize.buffer import TokenBuffer
 
 
@@ -332,6 +332,12 @@ class Engine:
         """
         self.pool.set_resume_target(resume_ttft_s)
         self.scheduler.set_resume_target(resume_ttft_s)
+
+    def prefill_time_s(self, new_tokens: int, cached_tokens: int) -> float | None:
+        """Estimated seconds of a step that only prefills ``new_tokens`` tokens after
+        ``cached_tokens`` cached ones (the scheduler's step-time model,
+        :class:`~kvtier.serve.step_time.StepTimeModel`); None before its first fit."""
+        return self.scheduler.step_time.estimate_s(step_features([(new_tokens, cached_tokens)], 0, 0))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._failed)

@@ -27,6 +27,36 @@ def _final(ttft_s=2.0, prompt=100, cached=64, tiers=None, error=None) -> Final:
 ])
 def test_miss_reasons(ttft, kept, cached, tiers, why):
     assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16) == why
+    # an own prefill within the target leaves the reason as it was
+    assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16, prefill_s=0.9) == why
+
+
+@pytest.mark.parametrize("cached, tiers", [(48, {"device": 48}), (64, {"device": 32, "host": 32}),
+                                           (64, {"device": 64})])
+def test_an_own_prefill_over_the_target_is_counted_before_the_pools_reasons(cached, tiers):
+    assert miss_reason(2.0, 1.0, 64, 100, cached, tiers, 16, prefill_s=1.5) == "prefill"
+    assert miss_reason(0.5, 1.0, 64, 100, cached, tiers, 16, prefill_s=1.5) is None  # met all the same
+
+
+def test_the_tracker_asks_the_own_prefill_of_the_tokens_past_those_it_can_find():
+    asked = []
+
+    def prefill_s(new_tokens, cached_tokens):
+        asked.append((new_tokens, cached_tokens))
+        return 5.0 if new_tokens > 40 else 0.1
+
+    t = ResumeTracker(16, target_s=1.0, prefill_s=prefill_s)
+    t.begin("a", list(range(70)))
+    t.accepted("a", list(range(60)) + [7] * 40)  # 48 shared in full pages: 52 of 100 tokens are its own
+    t.end("a", _final(ttft_s=3.0, cached=48))
+    t.begin("b", list(range(90)))
+    t.accepted("b", list(range(90)) + [7] * 10)  # 80 shared in full pages: 20 its own
+    t.end("b", _final(ttft_s=3.0, cached=80))
+    t.begin("c", list(range(90)))
+    t.accepted("c", list(range(90)) + [7] * 10)
+    t.end("c", _final(ttft_s=0.5, cached=80))  # within the target: no estimate asked
+    assert asked == [(52, 48), (20, 80)]
+    assert t.snapshot()["misses"] == {"evicted": 0, "prefetch_late": 0, "queued": 1, "prefill": 1}
 
 
 def test_shared_prefix():
@@ -48,7 +78,8 @@ def test_tracker_counts_resumes_and_misses_by_reason():
     t.begin("e", list(range(40)))
     t.accepted("e", list(range(50)))
     t.end("e", _final(ttft_s=0.2))  # within the target
-    assert t.snapshot() == {"resumes": 3, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 1}, "target_s": 1.0}
+    assert t.snapshot() == {"resumes": 3, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 1, "prefill": 0},
+                            "target_s": 1.0}
     with pytest.raises(ValueError, match="--resume-ttft-s"):
         t.set_target(0.0)
 
@@ -62,7 +93,8 @@ def test_serve_checks_the_target_before_loading(capsys):
 
 def test_a_resumed_turn_over_the_target_is_counted_in_metrics(tmp_path):
     """A target no turn can meet (1 us) with a pool that evicts nothing: the resumed turn finds
-    its whole shared prefix on the device, so it missed for time spent queued or computing."""
+    its whole shared prefix on the device, so it missed for time spent queued or computing, or for
+    its own prefill once the scheduler's step-time model has its first fit."""
     s = start_server(tmp_path, "--num-device-pages", "512", "--resume-ttft-s", "0.000001")
     try:
         client = s.client()
@@ -82,7 +114,8 @@ def test_a_resumed_turn_over_the_target_is_counted_in_metrics(tmp_path):
         assert settle(s, 0, expired0)
         got = s.metrics()
         assert got[("kvtier_resumes_total",)] == 1
-        assert {r: got[("kvtier_resume_slo_misses_total", ("reason", r))]
-                for r in ("evicted", "prefetch_late", "queued")} == {"evicted": 0, "prefetch_late": 0, "queued": 1}
+        misses = {r: got[("kvtier_resume_slo_misses_total", ("reason", r))]
+                  for r in ("evicted", "prefetch_late", "queued", "prefill")}
+        assert misses["evicted"] == misses["prefetch_late"] == 0 and misses["queued"] + misses["prefill"] == 1
     finally:
         stop_server(s)

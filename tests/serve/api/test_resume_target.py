@@ -1,5 +1,5 @@
 """The resume target end to end: the pool's keep/prefetch outcome classifies a resume's miss
-(evicted / prefetch late / queued), and ``kvtier bench --endpoint`` reads the server's counts."""
+(evicted / prefetch late / queued / own prefill), and ``kvtier bench --endpoint`` reads the server's counts."""
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ def test_the_pool_outcome_classifies_the_miss(policy, host, blocks, early_s, why
 
 
 def test_resume_slo_delta():
-    before = {"resumes": 2, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 0}}
-    after = {"resumes": 5, "misses": {"evicted": 1, "prefetch_late": 2, "queued": 1}}
-    assert resume_slo_delta(before, after) == {"resumes": 3, "misses": {"evicted": 0, "prefetch_late": 2,
-                                                                        "queued": 1}, "missed": 3}
+    before = {"resumes": 2, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 0, "prefill": 1}}
+    after = {"resumes": 6, "misses": {"evicted": 1, "prefetch_late": 2, "queued": 1, "prefill": 2}}
+    assert resume_slo_delta(before, after) == {"resumes": 4, "misses": {"evicted": 0, "prefetch_late": 2,
+                                                                        "queued": 1, "prefill": 1}, "missed": 4}
     assert resume_slo_delta(None, after) is None
     assert resume_counters("http://127.0.0.1:9") is None  # nothing listens there
 
@@ -67,7 +67,7 @@ def test_bench_reads_the_servers_resume_counts(tmp_path):
                      "--cache-policy", "tool-aware")
     try:
         before = resume_counters(s.url)
-        assert before == {"resumes": 0, "misses": {"evicted": 0, "prefetch_late": 0, "queued": 0}}
+        assert before == {"resumes": 0, "misses": {"evicted": 0, "prefetch_late": 0, "queued": 0, "prefill": 0}}
         client = s.client()
         tools = [{"type": "function", "function": {"name": "ls", "parameters": {
             "type": "object", "properties": {"path": {"type": "string", "maxLength": 8}}, "required": ["path"]}}}]

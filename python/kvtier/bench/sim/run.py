@@ -19,6 +19,7 @@ A CPU-scale scenario (``device_fraction`` set) is sized as ``kvtier bench`` size
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -31,7 +32,7 @@ from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim.hardware import Node
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import SCENARIOS, Scenario, Variant
-from kvtier.bench.sim.timing import KernelRates, RooflineTimer, prefill_tok_s
+from kvtier.bench.sim.timing import KernelRates, RooflineTimer, own_prefill_s, prefill_tok_s
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
@@ -276,7 +277,8 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
                    for sr in runs}  # returning turns: after a session's first (those a cache can serve)
     if opts.resume_ttft_s is not None:  # resumes after a tool wait and their misses of the target, by why
         for sr in runs:
-            got = resume_misses(workload, sr.run.records, opts.resume_ttft_s, sizing.page_size)
+            got = resume_misses(workload, sr.run.records, opts.resume_ttft_s, sizing.page_size,
+                                prefill_s=functools.partial(own_prefill_s, timer))
             per_variant[sr.run.name]["resume"] = {"target_s": opts.resume_ttft_s, "resumes": got["resumes"],
                                                   "misses": got["misses"]}
     return _json_safe(provenance(kind="simulation", scenario=scn.name, model=scn.model, node=scn.node,

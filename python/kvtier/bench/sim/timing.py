@@ -163,6 +163,13 @@ def prefill_tok_s(timer, chunk_tokens: int) -> float:
     return chunk_tokens / timer.step_s(BatchShape(((chunk_tokens, 0),), 0, 0, 1))
 
 
+def own_prefill_s(timer, new_tokens: int, cached_tokens: int) -> float:
+    """Seconds of a step that only prefills ``new_tokens`` tokens after ``cached_tokens`` cached
+    ones and samples its first token, under ``timer``: what a resume needs however it is served
+    (the resume target's ``prefill`` reason, :func:`kvtier.bench.resume.resume_misses`)."""
+    return timer.step_s(BatchShape(((new_tokens, cached_tokens),), 0, 0, 1))
+
+
 @dataclass
 class RooflineTimer:
     """Step time of a K2-class model on a :class:`Node` (module docstring has the formulas).

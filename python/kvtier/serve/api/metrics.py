@@ -100,7 +100,7 @@ def _grammar_families(g: dict):
 def _resume_families(r: dict):
     yield CounterMetricFamily("kvtier_resumes", "turns resuming a session after a tool wait", value=r["resumes"])
     fam = CounterMetricFamily("kvtier_resume_slo_misses", "resumed turns whose TTFT missed --resume-ttft-s, by why "
-                              "(evicted, prefetch_late, queued)", labels=["reason"])
+                              "(evicted, prefetch_late, queued, prefill)", labels=["reason"])
     for reason, v in sorted(r["misses"].items()):
         fam.add_metric([reason], v)
     yield fam

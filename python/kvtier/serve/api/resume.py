@@ -9,18 +9,23 @@ the session waits on a tool, with the turn's full pages). It misses when its TTF
   last token): blocks were dropped while the tool ran;
 - ``prefetch_late``: all were found, but some on the host, disk or remote tier, so they were
   loaded when the turn was admitted (the prefetch had not brought them back in time);
-- ``queued``: all were on the device: the time went to waiting for a slot and to computing.
+- ``queued``: all were on the device: the time went to waiting for a slot and to computing;
+- ``prefill``: counted before the others: the turn's own new tokens (its prompt past those it can
+  find, above) take longer than ``S`` to prefill in a step of their own, by the scheduler's
+  step-time model (:meth:`kvtier.serve.engine.Engine.prefill_time_s`): no cache policy or
+  scheduling could have met ``S``.
 
 Engine thread only (no locking).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-REASONS = ("evicted", "prefetch_late", "queued")
+REASONS = ("evicted", "prefetch_late", "queued", "prefill")
 
 
 @dataclass
@@ -31,13 +36,23 @@ class ResumeStats:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
 
+def findable_tokens(kept_tokens: int, prompt_tokens: int, page_size: int) -> int:
+    """Prompt tokens a resume can find cached: those it shares with the waiting turn in full pages
+    (``kept_tokens``), capped at the prompt's full pages before its last token."""
+    return min(kept_tokens, (max(prompt_tokens - 1, 0) // page_size) * page_size)
+
+
 def miss_reason(ttft_s: float | None, target_s: float, kept_tokens: int, prompt_tokens: int, cached_tokens: int,
-                cached_by_tier: dict, page_size: int) -> str | None:
+                cached_by_tier: dict, page_size: int, prefill_s: float | None = None) -> str | None:
     """Why a resumed turn missed ``target_s`` (one of :data:`REASONS`), None if it did not (or
-    it has no TTFT: it failed before its first token). Tokens are counts; times seconds."""
+    it has no TTFT: it failed before its first token). Tokens are counts; times seconds;
+    ``prefill_s``: the estimated seconds of prefilling its prompt past :func:`findable_tokens` in a
+    step of its own (None: not known, never ``prefill``)."""
     if ttft_s is None or ttft_s <= target_s:
         return None
-    findable = min(kept_tokens, (max(prompt_tokens - 1, 0) // page_size) * page_size)
+    if prefill_s is not None and prefill_s > target_s:
+        return "prefill"
+    findable = findable_tokens(kept_tokens, prompt_tokens, page_size)
     if cached_tokens < findable:
         return "evicted"
     if any(v for tier, v in cached_by_tier.items() if tier != "device"):
@@ -55,10 +70,13 @@ def shared_prefix(a, b) -> int:
 
 class ResumeTracker:
     """Resumes of the server's sessions against the target ``target_s`` (None: no target; resumes
-    are still counted)."""
+    are still counted). ``prefill_s(new_tokens, cached_tokens)``: estimated seconds of a prefill
+    chunk in a step of its own, or None (:meth:`kvtier.serve.engine.Engine.prefill_time_s`; None:
+    no ``prefill`` reason)."""
 
-    def __init__(self, page_size: int, target_s: float | None = None):
-        self.page_size = page_size
+    def __init__(self, page_size: int, target_s: float | None = None,
+                 prefill_s: Callable[[int, int], float | None] | None = None):
+        self.page_size, self.prefill_s = page_size, prefill_s
         self.target_s = None
         self.set_target(target_s)
         self.stats = ResumeStats()
@@ -91,8 +109,12 @@ class ResumeTracker:
         self.stats.resumes += 1
         if self.target_s is None:
             return
+        own_s = None
+        if self.prefill_s is not None and final.ttft_s is not None and final.ttft_s > self.target_s:
+            found = findable_tokens(kept, final.prompt_tokens, self.page_size)
+            own_s = self.prefill_s(final.prompt_tokens - found, found)
         why = miss_reason(final.ttft_s, self.target_s, kept, final.prompt_tokens, final.cached_tokens,
-                          final.cached_tokens_by_tier, self.page_size)
+                          final.cached_tokens_by_tier, self.page_size, own_s)
         if why is not None:
             self.stats.misses[why] += 1
 

@@ -58,7 +58,7 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         self.tool_waits: dict[str, ToolWaitEstimate] = {}
         self.num_expired = 0
-        self.resumes = ResumeTracker(engine.config.pool.page_size)  # the --resume-ttft-s target
+        self.resumes = ResumeTracker(engine.config.pool.page_size, prefill_s=engine.prefill_time_s)  # --resume-ttft-s
 
     def encoder(self, session_id: str | None, cache_salt: str = ""):
         """The session's encoder (created on first use), or a one-off encoder for None. A session
