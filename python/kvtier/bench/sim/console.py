@@ -8,6 +8,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.serve.api.resume import REASONS
+
 
 def list_scenarios(console: Console) -> None:
     """Print the table of ``kvtier simulate`` scenarios."""
@@ -60,12 +62,11 @@ def simulate(opts, console: Console, *, json_path: str | None = None, plot: str 
     if resumed:
         table = Table(title=f"resumes after a tool wait against the {opts.resume_ttft_s:g} s target"
                       + (" (declared waits)" if opts.declared_waits else " (learned median wait)"))
-        for col in ("configuration", "resumes", "misses", "evicted", "prefetch late", "queued", "prefill"):
+        for col in ("configuration", "resumes", "misses", *(r.replace("_", " ") for r in REASONS)):
             table.add_column(col, justify="left" if col == "configuration" else "right")
         for name, got in resumed.items():
             m = got["misses"]
-            table.add_row(name, str(got["resumes"]), str(sum(m.values())), str(m["evicted"]),
-                          str(m["prefetch_late"]), str(m["queued"]), str(m["prefill"]))
+            table.add_row(name, str(got["resumes"]), str(sum(m.values())), *(str(m[r]) for r in REASONS))
         console.print(table)
     if scn.workers > 1:
         console.print("migrations (turns served by another worker than the previous turn): "
