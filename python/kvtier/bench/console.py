@@ -111,9 +111,12 @@ def bench_endpoint(opts, endpoint: str, console: Console, *, json_path: str | No
                   f"{workload.block_size}-token blocks; replayed against {endpoint} (model {opts.model})")
     report.render_table([run], console=console, baseline=run.name)
     slo = prov.get("resume_slo")
-    if slo is not None:
-        console.print(f"resume target (server): {slo['resumes']} resumes, {slo['missed']} missed ("
-                      + ", ".join(f"{k} {v}" for k, v in slo["misses"].items()) + ")")
+    if slo is not None and slo.get("target_s") is None:
+        console.print(f"resume target (server): none set (kvtier serve --resume-ttft-s S); {slo['resumes']} "
+                      "resumes, misses not counted", soft_wrap=True)
+    elif slo is not None:
+        console.print(f"resume target (server): {slo['target_s']:g} s; {slo['resumes']} resumes, {slo['missed']} "
+                      "missed (" + ", ".join(f"{k} {v}" for k, v in slo["misses"].items()) + ")", soft_wrap=True)
     if plot:
         console.print(f"wrote {report.plot_ttft([run], plot)}")
     if json_path:

@@ -4,9 +4,13 @@ server, over HTTP with streaming, timed as a client sees it.
 The same sessions as the in-process replay (:mod:`kvtier.bench.replay`): up to ``concurrency``
 sessions at once, the first ones spread over ``ramp_s``, turn k due ``think_time_s`` after turn
 k-1 finished. Trace and built-in turns are sent as token-id prompts to ``/v1/completions``;
-text turns (``--conversations``) as messages (and tools) to ``/v1/chat/completions`` with the
-session id (``session_id`` body field and ``X-Session-Id`` header; servers that do not know them
-ignore them). Every request asks for ``max_tokens`` = the turn's output length with
+text turns (``--conversations``) as messages (and tools) to ``/v1/chat/completions``. Every
+request carries its session id (``session_id`` body field and ``X-Session-Id`` header), and a
+turn that stopped on ``tool_use`` in the workload declares the wait that follows it
+(``expected_tool_wait_s``: the next turn's think time, as a client that knows its tool's run time
+would): on kvtier a text completion that declares it ends in a tool wait, so the next turn is a
+resume (:class:`kvtier.serve.api.protocol.CompletionRequest`). Servers that do not know these
+fields ignore them. Every request asks for ``max_tokens`` = the turn's output length with
 ``ignore_eos`` (vLLM, SGLang and kvtier honour it), temperature 0, ``stream`` and
 ``stream_options.include_usage``.
 
@@ -62,8 +66,9 @@ RESUME_REASONS = REASONS  # the server's reasons (kvtier.serve.api.resume)
 
 
 def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:
-    """``{"resumes", "misses": {reason: n}}`` from the server's ``/metrics`` (Prometheus text),
-    None when it does not answer or exposes no ``kvtier_resumes`` counter."""
+    """``{"resumes", "misses": {reason: n}, "target_s"}`` from the server's ``/metrics``
+    (Prometheus text; ``target_s`` None when the server has no ``--resume-ttft-s``: its misses are
+    not counted), None when it does not answer or exposes no ``kvtier_resumes`` counter."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,31 +78,41 @@ def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:
         families = list(text_string_to_metric_families(r.text))
     except (httpx.HTTPError, ValueError):
         return None
-    out = {"resumes": None, "misses": dict.fromkeys(RESUME_REASONS, 0)}
+    out = {"resumes": None, "misses": dict.fromkeys(RESUME_REASONS, 0), "target_s": None}
     for fam in families:
         for sample in fam.samples:
             if sample.name == "kvtier_resumes_total":
                 out["resumes"] = int(sample.value)
             elif sample.name == "kvtier_resume_slo_misses_total" and sample.labels.get("reason") in out["misses"]:
                 out["misses"][sample.labels["reason"]] = int(sample.value)
+            elif sample.name == "kvtier_resume_ttft_target_seconds":
+                out["target_s"] = float(sample.value)
     return out if out["resumes"] is not None else None
 
 
 def resume_slo_delta(before: dict | None, after: dict | None) -> dict | None:
     """What a replay added to the server's resume counters: ``{"resumes", "misses": {reason: n},
-    "missed"}`` (``missed``: all reasons); None when either read failed."""
+    "missed", "target_s"}`` (``missed``: all reasons; ``target_s``: the server's target after the
+    replay, None without one: then ``missed`` is None too, as the server counts no miss); None
+    when either read failed."""
     if before is None or after is None:
         return None
     misses = {k: after["misses"][k] - before["misses"][k] for k in RESUME_REASONS}
-    return {"resumes": after["resumes"] - before["resumes"], "misses": misses, "missed": sum(misses.values())}
+    target = after.get("target_s")
+    return {"resumes": after["resumes"] - before["resumes"], "misses": misses,
+            "missed": sum(misses.values()) if target is not None else None, "target_s": target}
 
 
-def _body(model: str, turn: Turn, session: Session, block_size: int, vocab: int) -> tuple[str, dict]:
+def _body(model: str, session: Session, k: int, block_size: int, vocab: int) -> tuple[str, dict]:
+    """The path and body of turn ``k`` of ``session`` (module docstring)."""
+    turn = session.turns[k]
     common = {"model": model, "max_tokens": turn.output_tokens, "temperature": 0, "ignore_eos": True,
-              "stream": True, "stream_options": {"include_usage": True}}
+              "stream": True, "stream_options": {"include_usage": True}, "session_id": str(session.session_id)}
+    if turn.stop == "tool_use" and k + 1 < len(session.turns):  # declare the tool wait that follows
+        common["expected_tool_wait_s"] = session.turns[k + 1].think_time_s
     if turn.chat is None:
         return "/v1/completions", {**common, "prompt": prompt_token_ids(turn, block_size, vocab, low=TOKEN_LOW)}
-    body = {**common, "messages": list(turn.chat.messages), "session_id": str(session.session_id)}
+    body = {**common, "messages": list(turn.chat.messages)}
     if turn.chat.tools:
         body["tools"] = list(turn.chat.tools)
     return "/v1/chat/completions", body
@@ -183,7 +198,7 @@ async def replay_http(url: str, model: str, workload: Workload, name: str, *, co
         for k, turn in enumerate(session.turns):
             due = max(due, 0.0) if k == 0 else due + turn.think_time_s
             await asyncio.sleep(max(0.0, due - (time.perf_counter() - t0)))
-            path, body = _body(model, turn, session, workload.block_size, vocab_size)
+            path, body = _body(model, session, k, workload.block_size, vocab_size)
             res = await _send(client, url, path, body, str(session.session_id), t0)
             rec = _record(session, k, turn, due, res)
             records.append(rec)

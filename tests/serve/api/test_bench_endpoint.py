@@ -43,3 +43,25 @@ def test_bench_endpoint_replays_conversations_through_chat(server, tmp_path):
 def test_bench_endpoint_names_a_model_the_server_lacks(server, tmp_path, capsys):
     assert main(["bench", "--endpoint", server.url, "--model", "gpt-9", "--plot", ""]) == 2
     assert "'gpt-9' is not served" in capsys.readouterr().err
+
+
+def test_bench_endpoint_turns_that_stopped_on_a_tool_are_resumes_on_kvtier(tmp_path):
+    """Built-in turns that stopped on ``tool_use`` declare their wait on /v1/completions, so the
+    server counts the next turn of the session as a resume, and bench reports the server's count
+    (a 1 us target: every resume misses it)."""
+    from kvtier.bench.run import BenchOptions, prepare
+    from tests.serve.api.conftest import start_server, stop_server
+
+    s = start_server(tmp_path, "--num-device-pages", "1024", "--resume-ttft-s", "0.000001")
+    try:
+        data = _bench(tmp_path, s, "--max-turns", "4")
+    finally:
+        stop_server(s)
+    (run,) = data["configs"].values()
+    assert run["errors"] == 0
+    workload = prepare(BenchOptions(sessions=3, concurrency=2, max_turns=4, time_scale=0.001, ramp_s=0.0))[2]
+    expected = sum(1 for sess in workload.sessions for k in range(1, len(sess.turns))
+                   if sess.turns[k - 1].stop == "tool_use")
+    slo = data["provenance"]["resume_slo"]
+    assert expected > 0 and slo["resumes"] == expected
+    assert slo["target_s"] == 0.000001 and slo["missed"] == expected == sum(slo["misses"].values())

@@ -54,10 +54,13 @@ def test_the_pool_outcome_classifies_the_miss(policy, host, blocks, early_s, why
 
 
 def test_resume_slo_delta():
-    before = {"resumes": 2, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 0, "prefill": 1}}
-    after = {"resumes": 6, "misses": {"evicted": 1, "prefetch_late": 2, "queued": 1, "prefill": 2}}
+    before = {"resumes": 2, "misses": {"evicted": 1, "prefetch_late": 0, "queued": 0, "prefill": 1}, "target_s": 0.5}
+    after = {"resumes": 6, "misses": {"evicted": 1, "prefetch_late": 2, "queued": 1, "prefill": 2}, "target_s": 0.5}
     assert resume_slo_delta(before, after) == {"resumes": 4, "misses": {"evicted": 0, "prefetch_late": 2,
-                                                                        "queued": 1, "prefill": 1}, "missed": 4}
+                                                                        "queued": 1, "prefill": 1}, "missed": 4,
+                                               "target_s": 0.5}
+    no_target = {"resumes": 3, "misses": dict.fromkeys(before["misses"], 0), "target_s": None}
+    assert resume_slo_delta(no_target, {**no_target, "resumes": 5})["missed"] is None  # not counted, not 0
     assert resume_slo_delta(None, after) is None
     assert resume_counters("http://127.0.0.1:9") is None  # nothing listens there
 
@@ -67,7 +70,8 @@ def test_bench_reads_the_servers_resume_counts(tmp_path):
                      "--cache-policy", "tool-aware")
     try:
         before = resume_counters(s.url)
-        assert before == {"resumes": 0, "misses": {"evicted": 0, "prefetch_late": 0, "queued": 0, "prefill": 0}}
+        assert before == {"resumes": 0, "misses": {"evicted": 0, "prefetch_late": 0, "queued": 0, "prefill": 0},
+                          "target_s": 0.000001}
         client = s.client()
         tools = [{"type": "function", "function": {"name": "ls", "parameters": {
             "type": "object", "properties": {"path": {"type": "string", "maxLength": 8}}, "required": ["path"]}}}]
@@ -85,5 +89,63 @@ def test_bench_reads_the_servers_resume_counts(tmp_path):
                 break
             time.sleep(0.1)
         assert delta["resumes"] == 1 and delta["missed"] == 1  # 1 us: every resume misses
+    finally:
+        stop_server(s)
+
+
+def test_the_tool_wait_header_reaches_the_pool_on_every_api(tok_dir, monkeypatch):
+    """``X-Expected-Tool-Wait-S`` declares the wait a turn's tools will take on the Messages and
+    Responses APIs, as on chat (where the body field wins); a bad value is a 400 in each API's own
+    shape naming the header, and the server goes on serving."""
+    from fastapi.testclient import TestClient
+
+    from kvtier.serve.api.server import make_app
+
+    app = make_app("tiny", tokenizer=str(tok_dir), num_device_pages=256)
+    pool = app.state.kvtier.worker.engine.pool
+    told: list[tuple[str, float]] = []
+    real = pool.tool_wait_blocks
+    monkeypatch.setattr(pool, "tool_wait_blocks", lambda sid, hashes, s: (told.append((sid, s)), real(sid, hashes, s)))
+    ls = {"type": "object", "properties": {"path": {"type": "string", "maxLength": 8}}, "required": ["path"]}
+    ask = {"role": "user", "content": "list the repository"}
+    calls = {
+        "/v1/messages": {"model": "tiny", "max_tokens": 48, "messages": [ask], "temperature": 0,
+                         "tools": [{"name": "ls", "input_schema": ls}], "tool_choice": {"type": "any"}},
+        "/v1/responses": {"model": "tiny", "max_output_tokens": 48, "input": [{"type": "message", **ask}],
+                          "temperature": 0, "tools": [{"type": "function", "name": "ls", "parameters": ls}],
+                          "tool_choice": "required"},
+        "/v1/chat/completions": {"model": "tiny", "max_tokens": 48, "messages": [ask], "temperature": 0,
+                                 "tools": [{"type": "function", "function": {"name": "ls", "parameters": ls}}],
+                                 "tool_choice": "required", "expected_tool_wait_s": 2.5},
+    }
+    with TestClient(app) as client:
+        for i, (path, body) in enumerate(calls.items()):
+            headers = {"X-Session-Id": f"hint-{i}", "X-Expected-Tool-Wait-S": "7.5"}
+            r = client.post(path, json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            bad = client.post(path, json=body, headers={**headers, "X-Expected-Tool-Wait-S": "soon"})
+            assert bad.status_code == 400
+            err = bad.json()["error"]
+            assert "X-Expected-Tool-Wait-S" in err["message"]
+            if path == "/v1/messages":
+                assert bad.json()["type"] == "error" and err["type"] == "invalid_request_error"
+            else:
+                assert err["param"] == "expected_tool_wait_s"
+        for _ in range(200):  # each wait is told to the pool on the engine thread once its turn ends
+            if len(told) == len(calls):
+                break
+            time.sleep(0.02)
+        assert client.get("/health").status_code == 200
+    assert told == [("hint-0", 7.5), ("hint-1", 7.5), ("hint-2", 2.5)]
+
+
+def test_a_server_without_a_target_exposes_none(tmp_path):
+    """Without ``--resume-ttft-s`` resumes are counted but misses are not: /metrics has no target,
+    and a replay's delta says so (``missed`` None) rather than 0 misses."""
+    s = start_server(tmp_path, "--num-device-pages", "256")
+    try:
+        got = resume_counters(s.url)
+        assert got is not None and got["target_s"] is None and got["resumes"] == 0
+        assert resume_slo_delta(got, got)["missed"] is None
     finally:
         stop_server(s)

@@ -33,16 +33,24 @@ def test_tool_waits_estimates_ttl_and_end(llm, monkeypatch):
 
     enc = store.encoder("a")
     assert store.encoder("a") is enc and store.encoder(None) is not enc  # kept; None: a one-off encoder
+    store.accepted("a")
     store.turn_ended("a", None, [], None)
     store.turn_ended("a", list(range(40)), ["ls"], None)
     ps = llm.engine.config.pool.page_size
     assert waits == [("a", 40 // ps, DEFAULT_TOOL_WAIT_S)] and returns == []
-    clock.t += 3.0  # the tool took 3 s: the next request ends the wait and teaches the estimate
+    clock.t += 2.0
     store.encoder("a")
-    assert returns == ["a"] and list(store.tool_waits["ls"].observed) == [3.0]
+    store.refused("a")  # a refused request (over the context, say) does not end the wait
+    assert returns == [] and store.num_waiting == 1 and not store.tool_waits["ls"].observed
+    clock.t += 1.0  # the tool took 3 s: the next accepted request ends the wait and teaches the estimate
+    store.encoder("a")
+    assert returns == [] and store.num_waiting == 1  # not yet: taken, not accepted
+    store.accepted("a")
+    assert returns == ["a"] and list(store.tool_waits["ls"].observed) == [3.0] and store.num_waiting == 0
     store.turn_ended("a", list(range(40)), ["ls"], None)
     assert waits[-1][2] == 3.0
     store.encoder("a")
+    store.accepted("a")
     store.turn_ended("a", list(range(40)), ["ls"], 0.5)  # the client's hint wins
     assert waits[-1][2] == 0.5
 
@@ -83,3 +91,23 @@ def test_refused_requests_start_no_session(llm):
     store.refused("new")
     assert "new" in store.sessions and store.sessions["new"].in_flight == 0  # it had an accepted turn
     store.refused(None)  # no session: nothing to do
+
+
+def test_a_refused_resume_leaves_the_resume_to_the_retry(llm):
+    """A resume refused before the engine (its prompt over the context, say) ends neither the tool
+    wait nor the resume: the client's corrected retry is the one counted."""
+    from tests.serve.api.test_resume import _final
+
+    store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=Clock())
+    store.encoder("r")
+    store.accepted("r")
+    store.turn_ended("r", list(range(40)), ["ls"], 1.0, final=_final())
+    assert store.num_waiting == 1
+    store.encoder("r")
+    store.refused("r")
+    store.turn_ended("r", None, [], None, final=None)  # nothing more reaches the store for it
+    assert store.num_waiting == 1 and store.resumes.snapshot()["resumes"] == 0
+    store.encoder("r")
+    store.accepted("r")
+    store.turn_ended("r", list(range(60)), [], None, final=_final())
+    assert store.num_waiting == 0 and store.resumes.snapshot()["resumes"] == 1

@@ -26,8 +26,10 @@ from kvtier.serve.api.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    TOOL_WAIT_HEADER,
     json_body,
     parse,
+    tool_wait_hint,
 )
 from kvtier.serve.api.worker import EngineWorker
 
@@ -123,13 +125,14 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         req = parse(ChatRequest, await json_body(request))
         params = req.params()
         sid = req.session(request.headers.get(SESSION_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid,
-                            req.expected_tool_wait_s, tools=True)
+        hint = req.tool_wait(request.headers.get(TOOL_WAIT_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True)
 
     @app.post(messages.PATH)
     async def anthropic_messages(request: Request):
         req, params, sid, fmt = messages_stream.prepare(await json_body(request), request.headers.get(SESSION_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
+        hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
                             fmt=fmt)
 
     kept = responses_api.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
@@ -138,14 +141,17 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def openai_responses(request: Request):
         req, params, sid, fmt = responses_api_stream.prepare(await json_body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, None, tools=True,
+        hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
+        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
                             fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse(CompletionRequest, await json_body(request))
         prompt = req.single_prompt()
-        return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, None, None)
+        sid = req.session(request.headers.get(SESSION_HEADER))
+        return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, sid,
+                            req.tool_wait(request.headers.get(TOOL_WAIT_HEADER)))
 
     return app
 

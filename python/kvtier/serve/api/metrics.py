@@ -104,6 +104,9 @@ def _resume_families(r: dict):
     for reason, v in sorted(r["misses"].items()):
         fam.add_metric([reason], v)
     yield fam
+    if r.get("target_s") is not None:  # absent without --resume-ttft-s: resumes counted, misses not
+        yield GaugeMetricFamily("kvtier_resume_ttft_target_seconds", "the --resume-ttft-s target resumes are "
+                                "counted against", value=r["target_s"])
 
 
 def _remote_families(r):

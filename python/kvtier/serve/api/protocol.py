@@ -4,14 +4,16 @@ shape.
 Fields are typed strictly: a wrong type or a non-finite number (NaN, Infinity) is a 400 naming
 the field (``max_tokens: Input should be a valid integer``), never a silent conversion. Unknown
 fields are ignored, as OpenAI-style servers do (clients send vendor extensions). kvtier's
-extensions: ``session_id`` (or the header ``X-Session-Id``), ``expected_tool_wait_s`` (a hint
-of how long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: generate
+extensions: ``session_id`` (or the header ``X-Session-Id``), ``expected_tool_wait_s`` (or the
+header ``X-Expected-Tool-Wait-S``, which the Messages and Responses APIs take too: a hint of how
+long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: generate
 ``max_tokens`` tokens whatever the model says; what replay clients send) and ``cache_salt``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -20,6 +22,26 @@ from kvtier.serve.params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 SESSION_ID_MAX = 256  # characters of a session id (body field or header)
+TOOL_WAIT_HEADER = "x-expected-tool-wait-s"
+
+
+def tool_wait_hint(header: str | None) -> float | None:
+    """Seconds of the ``X-Expected-Tool-Wait-S`` header (how long the tools this turn calls will
+    run, as the body field ``expected_tool_wait_s``); None when absent or empty.
+
+    Raises:
+        ApiError: 400 naming ``expected_tool_wait_s`` when it is not a finite number >= 0.
+    """
+    if header is None or not header.strip():
+        return None
+    try:
+        seconds = float(header)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ApiError(400, f"expected_tool_wait_s: the X-Expected-Tool-Wait-S header must be a finite number of "
+                       f"seconds >= 0, got {header!r}", "expected_tool_wait_s")
+    return seconds
 
 
 class ApiError(Exception):
@@ -137,6 +159,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=SESSION_ID_MAX)
     cache_salt: str | None = Field(default=None, max_length=256)
+    expected_tool_wait_s: float | None = Field(default=None, ge=0)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -153,6 +176,13 @@ class _Common(BaseModel):
             raise ApiError(400, f"session_id: the X-Session-Id header has {len(header)} characters; "
                            f"at most {SESSION_ID_MAX}", "session_id")
         return header
+
+    def tool_wait(self, header: str | None) -> float | None:
+        """The client's tool-wait hint in seconds: the body's ``expected_tool_wait_s``, else the
+        ``X-Expected-Tool-Wait-S`` header (:func:`tool_wait_hint`, checked even where the body's
+        wins), else None."""
+        from_header = tool_wait_hint(header)
+        return self.expected_tool_wait_s if self.expected_tool_wait_s is not None else from_header
 
     def include_usage(self) -> bool:
         """``stream_options.include_usage``; ``stream_options`` without ``stream`` is a 400 (as
@@ -185,7 +215,6 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
-    expected_tool_wait_s: float | None = Field(default=None, ge=0)
 
     def max_new_tokens(self) -> int:
         if self.max_completion_tokens is not None:
@@ -206,7 +235,13 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
+    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request).
+
+    With a session (``session_id`` or ``X-Session-Id``), ``expected_tool_wait_s`` declares that the
+    session waits on a tool for about that long once this turn ends (a client that parses the text
+    itself knows it called one): the next request of the session ends the wait and is a resume, as
+    on chat (:class:`kvtier.serve.api.sessions.SessionStore`).
+    """
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=0)

@@ -1,4 +1,4 @@
-"""Chat sessions of the server: one incremental encoder per session id, tool waits told to the
+"""Sessions of the server: one incremental encoder per session id (chat), tool waits told to the
 pool, an idle TTL. Used on the engine thread only (no locking). A session, and the
 ``cache_salt`` it keeps, starts with its first request the engine accepts: a refused request
 leaves none behind.
@@ -7,8 +7,10 @@ When a session's turn ends in tool calls, the pool is told the session is waitin
 (``KVPool.tool_wait`` with the turn's prompt and output tokens) for an expected time: the
 client's hint (``expected_tool_wait_s``) if it gave one, else the largest running estimate of
 the called tools (median of the waits seen for that tool name on this server, 9 s before any,
-docs/workload.md's p50). The wait ends when the session's next request arrives (the wait is then
-observed for those tools), when it is deleted, or when it expires.
+docs/workload.md's p50). A text completion of a session that carries ``expected_tool_wait_s``
+declares such a wait itself (tool name :data:`DECLARED_WAIT`). The wait ends when the session's
+next request is accepted by the engine (the wait is then observed for those tools; a refused
+request leaves it waiting), when it is deleted, or when it expires.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvtier.serve.chat import new_encoder
 from kvtier.serve.engine import Engine, request_salt
 
 DEFAULT_TOOL_WAIT_S = 9.0  # docs/workload.md: think time after tool_use, p50
+DECLARED_WAIT = "(declared)"  # the tool name of a wait a text completion's client declared
 
 
 @dataclass
@@ -62,7 +65,8 @@ class SessionStore:
 
     def encoder(self, session_id: str | None, cache_salt: str = ""):
         """The session's encoder (created on first use), or a one-off encoder for None. A session
-        waiting on a tool stops waiting: the pool is told and the wait is observed.
+        waiting on a tool goes on waiting until a request of it is :meth:`accepted` (a refused
+        one, say over the context, leaves the wait, its blocks' plan and the resume to the retry).
 
         Raises:
             ApiError: 400 when ``cache_salt`` differs from the one the session started with.
@@ -77,12 +81,6 @@ class SessionStore:
         elif s.cache_salt != cache_salt:
             raise ApiError(400, f"cache_salt: session {session_id!r} was started with another cache_salt; "
                            "a session keeps one", "cache_salt")
-        if s.waiting_since_s is not None:
-            for name in s.waiting_tools:
-                self._estimate(name).observed.append(now - s.waiting_since_s)
-            self.resumes.begin(session_id, s.waiting_ids)
-            s.waiting_ids = None
-            self._end_wait(session_id, s)
         s.last_used_s = now
         s.in_flight += 1
         return s.encoder
@@ -99,12 +97,23 @@ class SessionStore:
         if not s.accepted and not s.in_flight:
             del self.sessions[session_id]
 
-    def accepted(self, session_id: str | None) -> None:
-        """A request of ``session_id`` taken by :meth:`encoder` reached the engine."""
+    def accepted(self, session_id: str | None, prompt_ids=None) -> None:
+        """A request of ``session_id`` taken by :meth:`encoder` reached the engine with
+        ``prompt_ids`` (None: the session encoder's ids, a chat request's). A session waiting on a
+        tool stops waiting: the pool is told, the wait is observed for the tool's estimate, and the
+        request is the resume the target counts."""
         s = self.sessions.get(session_id) if session_id is not None else None
-        if s is not None:
-            s.accepted = True
-            self.resumes.accepted(session_id, s.encoder.ids)
+        if s is None:
+            return
+        s.accepted = True
+        if s.waiting_since_s is not None:
+            now = self.clock()
+            for name in s.waiting_tools:
+                self._estimate(name).observed.append(now - s.waiting_since_s)
+            self.resumes.begin(session_id, s.waiting_ids)
+            s.waiting_ids = None
+            self._end_wait(session_id, s)
+        self.resumes.accepted(session_id, s.encoder.ids if prompt_ids is None else prompt_ids)
 
     def turn_ended(self, session_id: str | None, token_ids, tool_names: list[str], hint_s: float | None,
                    final=None, block_hashes: list[bytes] | None = None) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.protocol import ApiError, value_error
-from kvtier.serve.api.sessions import SessionStore
+from kvtier.serve.api.sessions import DECLARED_WAIT, SessionStore
 from kvtier.serve.chat import add_chat_request
 from kvtier.serve.engine import Engine
 from kvtier.serve.stats import EngineStats
@@ -219,7 +219,14 @@ class EngineWorker:
             else:
                 prompt = job.payload["prompt"]
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-                rid = self.engine.add_request(ids, job.params, cache_salt=job.cache_salt)
+                if job.session_id is not None:
+                    self.sessions.encoder(job.session_id, job.cache_salt)  # the session, for its tool waits
+                try:
+                    rid = self.engine.add_request(ids, job.params, cache_salt=job.cache_salt)
+                except BaseException:
+                    self.sessions.refused(job.session_id)
+                    raise
+                self.sessions.accepted(job.session_id, ids)
         except ApiError as e:
             job.emit("error", e)
             return
@@ -270,6 +277,8 @@ class EngineWorker:
     def _finish(self, job: Job, final: Final) -> None:
         self._jobs.pop(job.request_id, None)
         tools = [c["name"] for c in final.tool_calls] if final.finish_reason == "tool_calls" else []
+        if job.kind == "completion" and job.expected_tool_wait_s is not None and final.error is None:
+            tools = [DECLARED_WAIT]  # a text completion's client declared its tool wait
         ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
         self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final, job.block_hashes)
         if self.metrics is not None:
