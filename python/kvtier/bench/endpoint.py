@@ -62,9 +62,6 @@ def server_info(url: str, model: str, timeout_s: float = 30.0) -> dict:
     raise ValueError(f"--model {model!r} is not served by {url}; it serves {[m.get('id') for m in models]}")
 
 
-RESUME_REASONS = REASONS  # the server's reasons (kvtier.serve.api.resume)
-
-
 def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:
     """``{"resumes", "misses": {reason: n}, "target_s"}`` from the server's ``/metrics``
     (Prometheus text; ``target_s`` None when the server has no ``--resume-ttft-s``: its misses are
@@ -78,7 +75,7 @@ def resume_counters(url: str, timeout_s: float = 10.0) -> dict | None:
         families = list(text_string_to_metric_families(r.text))
     except (httpx.HTTPError, ValueError):
         return None
-    out = {"resumes": None, "misses": dict.fromkeys(RESUME_REASONS, 0), "target_s": None}
+    out = {"resumes": None, "misses": dict.fromkeys(REASONS, 0), "target_s": None}
     for fam in families:
         for sample in fam.samples:
             if sample.name == "kvtier_resumes_total":
@@ -97,7 +94,7 @@ def resume_slo_delta(before: dict | None, after: dict | None) -> dict | None:
     when either read failed."""
     if before is None or after is None:
         return None
-    misses = {k: after["misses"][k] - before["misses"][k] for k in RESUME_REASONS}
+    misses = {k: after["misses"][k] - before["misses"][k] for k in REASONS}
     target = after.get("target_s")
     return {"resumes": after["resumes"] - before["resumes"], "misses": misses,
             "missed": sum(misses.values()) if target is not None else None, "target_s": target}

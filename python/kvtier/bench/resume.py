@@ -64,10 +64,8 @@ def resume_misses(workload, records, target_s: float, page_size: int | None = No
             found = "evicted" if r.cached_tokens < findable else \
                 "device" if r.cached_tokens_by_tier.get("device", 0) >= findable else "lower"
             out["found"].append((found, r.ttft_s))
-            own_s = None if prefill_s is None or r.ttft_s is None or r.ttft_s <= target_s else \
-                prefill_s(r.input_tokens - findable, findable)
             why = miss_reason(r.ttft_s, target_s, kept, r.input_tokens, r.cached_tokens, r.cached_tokens_by_tier, page,
-                              own_s)
+                              prefill_s)
             if why is not None:
                 out["misses"][why] += 1
     return out

@@ -28,14 +28,23 @@ def _final(ttft_s=2.0, prompt=100, cached=64, tiers=None, error=None) -> Final:
 def test_miss_reasons(ttft, kept, cached, tiers, why):
     assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16) == why
     # an own prefill within the target leaves the reason as it was
-    assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16, prefill_s=0.9) == why
+    assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16, prefill_s=lambda n, c: 0.9) == why
+    assert miss_reason(ttft, 1.0, kept, 100, cached, tiers, 16, prefill_s=lambda n, c: None) == why  # no fit yet
 
 
 @pytest.mark.parametrize("cached, tiers", [(48, {"device": 48}), (64, {"device": 32, "host": 32}),
                                            (64, {"device": 64})])
 def test_an_own_prefill_over_the_target_is_counted_before_the_pools_reasons(cached, tiers):
-    assert miss_reason(2.0, 1.0, 64, 100, cached, tiers, 16, prefill_s=1.5) == "prefill"
-    assert miss_reason(0.5, 1.0, 64, 100, cached, tiers, 16, prefill_s=1.5) is None  # met all the same
+    asked = []
+
+    def prefill_s(new_tokens, cached_tokens):
+        asked.append((new_tokens, cached_tokens))
+        return 1.5
+
+    assert miss_reason(2.0, 1.0, 64, 100, cached, tiers, 16, prefill_s=prefill_s) == "prefill"
+    assert asked == [(36, 64)]  # the prompt past the 64 tokens it can find in full pages
+    assert miss_reason(0.5, 1.0, 64, 100, cached, tiers, 16, prefill_s=prefill_s) is None  # met all the same
+    assert len(asked) == 1  # a met resume asks for no estimate
 
 
 def test_the_tracker_asks_the_own_prefill_of_the_tokens_past_those_it_can_find():

@@ -43,16 +43,21 @@ def findable_tokens(kept_tokens: int, prompt_tokens: int, page_size: int) -> int
 
 
 def miss_reason(ttft_s: float | None, target_s: float, kept_tokens: int, prompt_tokens: int, cached_tokens: int,
-                cached_by_tier: dict, page_size: int, prefill_s: float | None = None) -> str | None:
+                cached_by_tier: dict, page_size: int,
+                prefill_s: Callable[[int, int], float | None] | None = None) -> str | None:
     """Why a resumed turn missed ``target_s`` (one of :data:`REASONS`), None if it did not (or
-    it has no TTFT: it failed before its first token). Tokens are counts; times seconds;
-    ``prefill_s``: the estimated seconds of prefilling its prompt past :func:`findable_tokens` in a
-    step of its own (None: not known, never ``prefill``)."""
+    it has no TTFT: it failed before its first token). Tokens are counts; times seconds.
+
+    ``prefill_s(new_tokens, cached_tokens)``: estimated seconds of a step that prefills only
+    ``new_tokens`` after ``cached_tokens`` (asked only for a miss, with the prompt past
+    :func:`findable_tokens`); None, or an estimate of None (no fit yet): never ``prefill``.
+    """
     if ttft_s is None or ttft_s <= target_s:
         return None
-    if prefill_s is not None and prefill_s > target_s:
-        return "prefill"
     findable = findable_tokens(kept_tokens, prompt_tokens, page_size)
+    own_s = prefill_s(prompt_tokens - findable, findable) if prefill_s is not None else None
+    if own_s is not None and own_s > target_s:
+        return "prefill"
     if cached_tokens < findable:
         return "evicted"
     if any(v for tier, v in cached_by_tier.items() if tier != "device"):
@@ -109,12 +114,8 @@ class ResumeTracker:
         self.stats.resumes += 1
         if self.target_s is None:
             return
-        own_s = None
-        if self.prefill_s is not None and final.ttft_s is not None and final.ttft_s > self.target_s:
-            found = findable_tokens(kept, final.prompt_tokens, self.page_size)
-            own_s = self.prefill_s(final.prompt_tokens - found, found)
         why = miss_reason(final.ttft_s, self.target_s, kept, final.prompt_tokens, final.cached_tokens,
-                          final.cached_tokens_by_tier, self.page_size, own_s)
+                          final.cached_tokens_by_tier, self.page_size, self.prefill_s)
         if why is not None:
             self.stats.misses[why] += 1
 
