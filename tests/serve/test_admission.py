@@ -120,3 +120,62 @@ def test_write_back_never_evicts_the_host_copies_a_prefix_is_loading():
     out = llm.generate(prompt_token_ids=[a], sampling_params=ONE)[0]
     assert out.num_cached_tokens == 8 * PS and out.cached_tokens_by_tier["host"] >= 7 * PS
     assert llm.engine.pool.stats().copy_errors == 0
+
+
+class _HeldJob:
+    """A copy job that ends only once the test releases it (or after ``safety_s``, so that a
+    scheduler waiting without a bound makes the test fail instead of hang)."""
+
+    def __init__(self, job, release, safety_s=3.0):
+        self.job, self.release, self.safety_s = job, release, safety_s
+
+    def done(self):
+        return self.release.is_set() and self.job.done()
+
+    def wait(self, timeout_s=None):
+        limit = self.safety_s if timeout_s is None else min(timeout_s, self.safety_s)
+        if not self.release.wait(limit) and timeout_s is not None:
+            return False
+        self.release.set()
+        return self.job.wait(timeout_s)
+
+    def result(self):
+        self.wait()
+        return self.job.result()
+
+    @property
+    def run_s(self):
+        return self.job.run_s
+
+
+def test_a_load_waited_for_at_admission_is_bounded_and_goes_on_as_a_load(monkeypatch):
+    """After SGLang #32724: a load the cost model estimates at microseconds is waited for inline,
+    but when its copy really takes long the step must not wait for it: the request goes on in
+    ``loading`` and a cold request behind it is served in the same step."""
+    import threading
+
+    b = prompt(N, 2)
+    llm = host_cached(b, num_device_pages=12)
+    engine, pool, sched = llm.engine, llm.engine.pool, llm.engine.scheduler
+    release = threading.Event()
+    copies = pool.tiers.copy_engine
+    real_scatter = copies.scatter
+    monkeypatch.setattr(copies, "scatter", lambda *a, **kw: _HeldJob(real_scatter(*a, **kw), release))
+    taken = []
+    real_load_inline = sched.policy.load_inline
+    monkeypatch.setattr(sched.policy, "load_inline", lambda seq: taken.append(real_load_inline(seq)) or taken[-1])
+    rid = engine.add_request(b, ONE)
+    cold = engine.add_request(prompt(2 * PS, 7), ONE)
+    seq = engine._sequences[rid]
+    first = engine.step()
+    assert taken and taken[0] is not None, "the cost model let the load be waited for inline"
+    assert not release.is_set(), "the step waited for the held copy until its safety limit"
+    assert seq in sched.loading  # left running, placed when it ends
+    # the cold request is served in that same step (its one token, or its chunk placed)
+    assert cold in {o.request_id for o in first} or any(s.seq_id == cold for s in sched.running)
+    release.set()
+    outs = {o.request_id: o for o in first}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs[rid].num_cached_tokens == 8 * PS and outs[rid].cached_tokens_by_tier["host"] > 0
+    assert set(outs) == {rid, cold}

@@ -142,11 +142,24 @@ class Loads:
         self._end_shared_jobs(loads, wait=False)
         return all([self.advance(b, wait=False) for b in loads if b.ok is None])
 
-    def wait_all(self, loads: list[BlockLoad]) -> None:
-        """Block until every load of ``loads`` ended."""
-        self._end_shared_jobs(loads, wait=True)
-        while not all(self.advance(b, wait=True) for b in loads):
-            pass
+    def wait_all(self, loads: list[BlockLoad], timeout_s: float | None = None) -> bool:
+        """Block until every load of ``loads`` ended, or at most ``timeout_s`` seconds of the
+        tiers' clock (None: no limit); True once all ended. A load still running at the limit
+        is left running (:meth:`advance_all` moves it on later)."""
+        if timeout_s is None:
+            self._end_shared_jobs(loads, wait=True)
+            while not all(self.advance(b, wait=True) for b in loads):
+                pass
+            return True
+        clock = self.tiers.clock
+        deadline = clock() + timeout_s
+        while not self.advance_all(loads):
+            left = deadline - clock()
+            if left <= 0:
+                return False
+            pending = next(b for b in loads if b.ok is None)
+            pending.handle.wait(left)
+        return True
 
     def _end_shared_jobs(self, loads: list[BlockLoad], wait: bool) -> None:
         """End the loads of each device copy job among ``loads`` (:meth:`start_all` copies the

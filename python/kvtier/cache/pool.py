@@ -202,16 +202,21 @@ class KVPool:
         (``KVState.num_prefix_tokens``), by tier in ``kv.prefix_tokens_by_tier``."""
         return self.reuse.finish(kv)
 
-    def wait_prefix(self, kv: KVState) -> int:
+    def wait_prefix(self, kv: KVState, timeout_s: float | None = None) -> int | None:
         """Block (GIL released while copies run) until ``kv``'s prefix loads ended, then place
         them as :meth:`finish_prefix` does.
+
+        Args:
+            timeout_s: the longest wait in seconds of the pool's clock (None: no limit); loads
+                still running then are left running, as after :meth:`begin_prefix`.
 
         Returns:
             the tokens of its cached prefix now in its pages (``KVState.num_prefix_tokens``); a
             block whose load failed and the blocks after it are not counted (they are
-            recomputed). Returns at once for a request with no loads running.
+            recomputed). None when ``timeout_s`` passed first. Returns at once for a request
+            with no loads running.
         """
-        return self.reuse.finish(kv, wait=True)
+        return self.reuse.finish(kv, wait=True, timeout_s=timeout_s)
 
     def estimate_prefix(self, kv: KVState) -> tuple[int, float]:
         """What :meth:`begin_prefix` would reuse for page-less ``kv`` now, taking nothing.

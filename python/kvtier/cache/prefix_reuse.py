@@ -146,12 +146,13 @@ class PrefixReuse:
                 return i
         return take
 
-    def finish(self, kv: KVState, wait: bool = False) -> int | None:
-        """None while ``kv``'s loads run; else the tokens of its prefix now in its pages."""
+    def finish(self, kv: KVState, wait: bool = False, timeout_s: float | None = None) -> int | None:
+        """None while ``kv``'s loads run; else the tokens of its prefix now in its pages. With
+        ``wait``, block for them first (at most ``timeout_s`` seconds; None: no limit)."""
         if kv.loads is None:
             return kv.num_prefix_tokens
         if wait:
-            self.loads.wait_all(kv.loads)
+            self.loads.wait_all(kv.loads, timeout_s)
         if not self.loads.advance_all(kv.loads):
             return None
         loads, kv.loads = kv.loads, None

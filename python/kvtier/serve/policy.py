@@ -71,8 +71,10 @@ class SchedulePolicy:
     def running_victim(self, seq: Sequence) -> Sequence:
         return self.sched.running[-1]
 
-    def load_inline(self, seq: Sequence) -> bool:
-        return False
+    def load_inline(self, seq: Sequence) -> float | None:
+        """The longest ``seq``'s prefix loads may be waited for at admission (seconds), or None:
+        they run while other work goes on."""
+        return None
 
     def urgent(self, seq: Sequence) -> bool:
         return False
@@ -204,7 +206,7 @@ class CacheAware(SchedulePolicy):
         head = self._displaced.get(seq.seq_id)
         return head is not None and not self.urgent(seq) and not self.waits_for_chunk(head)
 
-    def load_inline(self, seq: Sequence) -> bool:
+    def load_inline(self, seq: Sequence) -> float | None:
         s = self.sched
         return s.step.take_inline(self.estimate(seq)[2], s.pool.recompute_s(s.config.max_num_batched_tokens))
 

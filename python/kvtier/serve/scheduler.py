@@ -281,10 +281,14 @@ class Scheduler:
             if start is PrefixStart.NO_ROOM:
                 self._block(seq, 0)  # its loads need the pages whatever the budget
                 return None
-            if start is PrefixStart.LOADING and self.policy.load_inline(seq):
+            limit = self.policy.load_inline(seq) if start is PrefixStart.LOADING else None
+            if limit is not None:
+                # Bounded: a load slower than its estimate goes on as any other (``loading``).
                 self._mark(seq, "admitted_time")
-                self.pool.wait_prefix(seq.kv)
-                start = PrefixStart.READY
+                began = self.clock()
+                if self.pool.wait_prefix(seq.kv, timeout_s=limit) is not None:
+                    start = PrefixStart.READY
+                self.step.waited_inline(self.clock() - began)
             if start is PrefixStart.LOADING:
                 self._mark(seq, "admitted_time")
                 self.waiting.remove(seq)

@@ -51,6 +51,7 @@ class StepBudget:
     def __init__(self, pairs_budget: int | None = None, inline_share: float = 0.0):
         self.pairs_budget = self.pairs_left = pairs_budget
         self.inline_left = inline_share
+        self._inline_taken = (0.0, 1.0)  # (estimate, step) of the last load let in
 
     def cap(self, seq: Sequence, n: int, have: int = 0, share: float = 1.0) -> int:
         """``n`` prefill tokens of ``seq`` (``have`` of them already placed this step) cut so the
@@ -71,13 +72,28 @@ class StepBudget:
         if self.pairs_left is not None:
             self.pairs_left -= pairs(seq.num_computed_tokens + have, n)
 
-    def take_inline(self, load_s: float, step_s: float) -> bool:
+    def take_inline(self, load_s: float, step_s: float) -> float | None:
         """Whether a prefix load estimated at ``load_s`` fits in the inline share left of a step
-        estimated at ``step_s`` (seconds); when it does, it takes that share."""
+        estimated at ``step_s`` (seconds); when it does, it takes that share.
+
+        Returns:
+            None when it does not fit; else the longest the caller may wait for it, in seconds:
+            the whole share left before it (an estimate that was too low is cut off there, and
+            :meth:`waited_inline` charges what the wait really took).
+        """
         if step_s <= 0 or load_s > self.inline_left * step_s:
-            return False
+            return None
+        limit = self.inline_left * step_s
         self.inline_left -= load_s / step_s
-        return True
+        self._inline_taken = (load_s, step_s)
+        return limit
+
+    def waited_inline(self, waited_s: float) -> None:
+        """Charge the wait for the load :meth:`take_inline` last let in: ``waited_s`` seconds,
+        beyond the estimate it already took."""
+        load_s, step_s = self._inline_taken
+        if waited_s > load_s:
+            self.inline_left = max(0.0, self.inline_left - (waited_s - load_s) / step_s)
 
 
 def fit_tokens(pool: KVPool, seq: Sequence) -> int:
