@@ -1,0 +1,250 @@
+"""KDA and the causal short conv: the fp32 references against transformers' KimiLinear pure-torch
+fallback and fla-core's naive KDA, and against themselves (chunked == recurrent token by token,
+state carried across chunk and request boundaries, interior checkpoints == the prefix alone,
+mixed-length batches with empty and one-token sequences, the gate at K3's lower bound)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.reference import kda as ref
+from tests.ops._compare import assert_close
+
+GATE_LOWER_BOUND = -5.0  # K3's linear_attn_config.gate_lower_bound
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _cu(lengths) -> torch.Tensor:
+    return _i32([0, *torch.tensor(lengths).cumsum(0).tolist()]) if lengths else _i32([0])
+
+
+def kda_inputs(num_tokens, num_heads, head_k_dim, head_v_dim, dtype=torch.float32, *, seed=0, gate="random"):
+    """q, k, v, g, beta as the model hands them over: g <= 0 (lower-bound gate), beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, num_heads, head_k_dim, generator=gen)
+    k = torch.randn(num_tokens, num_heads, head_k_dim, generator=gen)
+    v = torch.randn(num_tokens, num_heads, head_v_dim, generator=gen)
+    if gate == "lower_bound":
+        g = torch.full((num_tokens, num_heads, head_k_dim), GATE_LOWER_BOUND)
+    else:  # lower_bound * sigmoid(x): K3's gate activation, spread over (-5, 0)
+        g = GATE_LOWER_BOUND * torch.sigmoid(torch.randn(num_tokens, num_heads, head_k_dim, generator=gen) * 2 - 3)
+    beta = torch.sigmoid(torch.randn(num_tokens, num_heads, generator=gen))
+    return [x.to(dtype) for x in (q, k, v, g, beta)]
+
+
+def random_state(batch, num_heads, head_k_dim, head_v_dim, *, seed=1):
+    return torch.randn(batch, num_heads, head_k_dim, head_v_dim, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+def _transformers_kda():
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+# dtype -> (atol, rtol) on o (in the input dtype) and on the fp32 state
+REF_TOL = [
+    pytest.param(torch.float32, 2e-5, 1e-5, 2e-5, id="fp32"),
+    pytest.param(torch.bfloat16, 1.6e-2, 1e-2, 2e-5, id="bf16"),
+]
+
+
+@pytest.mark.parametrize("dtype, o_atol, o_rtol, s_atol", REF_TOL)
+@pytest.mark.parametrize("num_tokens, chunk_size", [(1, 16), (16, 16), (37, 16), (70, 64)])
+@pytest.mark.parametrize("gate", ["random", "lower_bound"])
+def test_prefill_matches_transformers_kimi_linear(dtype, o_atol, o_rtol, s_atol, num_tokens, chunk_size, gate):
+    tf = _transformers_kda()
+    H, K, V = 2, 16, 12
+    q, k, v, g, beta = kda_inputs(num_tokens, H, K, V, dtype, seed=num_tokens, gate=gate)
+    s0 = random_state(1, H, K, V)
+    o, s, ckpt = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([num_tokens]), chunk_size=chunk_size)
+    assert o.dtype == dtype and s.dtype == torch.float32 and ckpt.shape == (0, H, K, V)
+    args = (q[None], k[None], v[None], g[None], beta[None])
+    o_chunk, s_chunk = tf.chunk_kimi_delta_attention(*args, chunk_size=chunk_size, initial_state=s0,
+                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o_rec, s_rec = tf.recurrent_kimi_delta_attention(*args, s0, True, use_qk_l2norm_in_kernel=True)
+    for name, o_want, s_want in (("chunk", o_chunk, s_chunk), ("recurrent", o_rec, s_rec)):
+        assert_close(o, o_want[0], atol=o_atol, rtol=o_rtol, name=f"o vs transformers {name}")
+        assert_close(s, s_want, atol=s_atol, rtol=1e-5, name=f"state vs transformers {name}")
+
+
+@pytest.mark.parametrize("num_tokens", [5, 32])
+@pytest.mark.parametrize("scale", [None, 0.37])
+def test_prefill_matches_fla_naive_kda(num_tokens, scale):
+    naive = pytest.importorskip("fla.ops.kda.naive")
+    H, K, V = 3, 8, 16
+    q, k, v, g, beta = kda_inputs(num_tokens, H, K, V, seed=7)
+    s0 = random_state(1, H, K, V, seed=3)
+    o, s, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([num_tokens]), scale=scale, chunk_size=16)
+    # fla's naive KDA takes q and k already normalised (its kernels do it with use_qk_l2norm_in_kernel)
+    args = (ref.l2norm(q)[None], ref.l2norm(k)[None], v[None], g[None], beta[None])
+    o_rec, s_rec = naive.naive_recurrent_kda(*args, scale=scale, initial_state=s0, output_final_state=True)
+    assert_close(o, o_rec[0], atol=2e-5, rtol=1e-5, name="o vs fla naive_recurrent_kda")
+    assert_close(s, s_rec, atol=2e-5, rtol=1e-5, name="state vs fla naive_recurrent_kda")
+    if num_tokens % 16 == 0:  # naive_chunk_kda takes whole chunks only
+        o_ch, s_ch = naive.naive_chunk_kda(*args, scale=scale, initial_state=s0, output_final_state=True,
+                                           chunk_size=16)
+        assert_close(o, o_ch[0], atol=2e-5, rtol=1e-5, name="o vs fla naive_chunk_kda")
+        assert_close(s, s_ch, atol=2e-5, rtol=1e-5, name="state vs fla naive_chunk_kda")
+
+
+@pytest.mark.parametrize("gate", ["random", "lower_bound"])
+def test_chunked_prefill_equals_recurrent_decode_token_by_token(gate):
+    H, K, V, T = 2, 16, 8, 23
+    q, k, v, g, beta = kda_inputs(T, H, K, V, seed=11, gate=gate)
+    s0 = random_state(1, H, K, V)
+    o, s, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([T]), chunk_size=8)
+    slots = torch.full((3, H, K, V), float("nan"))
+    slots[1] = s0[0]
+    steps = [ref.kda_recurrent_decode(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], slots,
+                                      _i32([1])) for t in range(T)]
+    assert_close(o, torch.cat(steps), atol=2e-5, rtol=1e-5, name="o chunked vs token by token")
+    assert_close(s[0], slots[1], atol=2e-5, rtol=1e-5, name="state chunked vs token by token")
+    assert torch.isnan(slots[[0, 2]]).all(), "decode touched a slot it was not given"
+
+
+@pytest.mark.parametrize("cuts", [(5, 19), (16, 32), (1, 2)])
+def test_prefill_in_three_pieces_carrying_state_equals_one_prefill(cuts):
+    H, K, V, T = 2, 16, 8, 41
+    q, k, v, g, beta = kda_inputs(T, H, K, V, seed=5)
+    s0 = random_state(1, H, K, V)
+    o, s, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([T]), chunk_size=16)
+    state, pieces = s0, []
+    for lo, hi in zip((0, *cuts), (*cuts, T)):
+        part = [x[lo:hi] for x in (q, k, v, g, beta)]
+        o_part, state, _ = ref.kda_chunk_prefill(*part, state, _cu([hi - lo]), chunk_size=16)
+        pieces.append(o_part)
+    assert_close(torch.cat(pieces), o, atol=2e-5, rtol=1e-5, name="o in pieces")
+    assert_close(state, s, atol=2e-5, rtol=1e-5, name="final state in pieces")
+
+
+def test_mixed_length_batch_equals_each_sequence_alone():
+    H, K, V = 2, 16, 8
+    lengths = [7, 0, 1, 33, 16]
+    q, k, v, g, beta = kda_inputs(sum(lengths), H, K, V, seed=9)
+    s0 = random_state(len(lengths), H, K, V)
+    cu = _cu(lengths)
+    o, s, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, cu, chunk_size=16)
+    for b, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        part = [x[lo:hi] for x in (q, k, v, g, beta)]
+        o_b, s_b, _ = ref.kda_chunk_prefill(*part, s0[b:b + 1], _cu([hi - lo]), chunk_size=16)
+        assert_close(o[lo:hi], o_b, atol=2e-5, rtol=1e-5, name=f"o of sequence {b}")
+        assert_close(s[b], s_b[0], atol=2e-5, rtol=1e-5, name=f"state of sequence {b}")
+    assert torch.equal(s[1], s0[1]), "an empty sequence's final state is its initial state"
+
+
+def test_checkpoint_states_equal_running_the_prefix_alone():
+    H, K, V = 2, 16, 8
+    lengths = [37, 0, 20]
+    q, k, v, g, beta = kda_inputs(sum(lengths), H, K, V, seed=13)
+    s0 = random_state(len(lengths), H, K, V)
+    cu = _cu(lengths)
+    seq, pos = [0, 0, 2, 0, 1, 2, 0, 2], [16, 5, 0, 37, 0, 20, 5, 13]  # interior, chunk edge, 0, end, repeats
+    o, s, ckpt = ref.kda_chunk_prefill(q, k, v, g, beta, s0, cu, chunk_size=16, checkpoint_seq=_i32(seq),
+                                       checkpoint_len=_i32(pos))
+    o_plain, s_plain, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, cu, chunk_size=16)
+    assert_close(o, o_plain, atol=2e-5, rtol=1e-5, name="o with checkpoints")
+    assert_close(s, s_plain, atol=2e-5, rtol=1e-5, name="final state with checkpoints")
+    assert ckpt.shape == (len(seq), H, K, V) and ckpt.dtype == torch.float32
+    for row, (b, n) in enumerate(zip(seq, pos)):
+        lo = int(cu[b])
+        part = [x[lo:lo + n] for x in (q, k, v, g, beta)]
+        _, want, _ = ref.kda_chunk_prefill(*part, s0[b:b + 1], _cu([n]), chunk_size=16)
+        assert_close(ckpt[row], want[0], atol=2e-5, rtol=1e-5, name=f"checkpoint {row} (seq {b}, {n} tokens)")
+
+
+@pytest.mark.parametrize("seq, pos, match", [
+    ([3], [0], r"checkpoint_seq\[0\] must be in \[0, batch=2\)"),
+    ([1], [6], r"checkpoint_len\[0\] must be in \[0, 5\]"),
+])
+def test_checkpoint_out_of_range_is_an_error(seq, pos, match):
+    q, k, v, g, beta = kda_inputs(9, 1, 4, 4)
+    with pytest.raises(ValueError, match=match):
+        ref.kda_chunk_prefill(q, k, v, g, beta, None, _cu([4, 5]), checkpoint_seq=_i32(seq),
+                              checkpoint_len=_i32(pos))
+
+
+def test_recurrent_decode_matches_transformers_and_skips_negative_slots():
+    tf = _transformers_kda()
+    H, K, V = 2, 16, 8
+    q, k, v, g, beta = kda_inputs(4, H, K, V, seed=21)
+    states = random_state(6, H, K, V)
+    before = states.clone()
+    idx = _i32([4, -1, 0, 2])
+    o = ref.kda_recurrent_decode(q, k, v, g, beta, states, idx)
+    assert torch.equal(o[1], torch.zeros_like(o[1]))
+    assert torch.equal(states[[1, 3, 5]], before[[1, 3, 5]])
+    for row, slot in ((0, 4), (2, 0), (3, 2)):
+        o_tf, s_tf = tf.recurrent_kimi_delta_attention(q[None, row:row + 1], k[None, row:row + 1],
+                                                       v[None, row:row + 1], g[None, row:row + 1],
+                                                       beta[None, row:row + 1], before[slot:slot + 1], True,
+                                                       use_qk_l2norm_in_kernel=True)
+        assert_close(o[row], o_tf[0, 0], atol=2e-6, rtol=1e-5, name=f"o of row {row}")
+        assert_close(states[slot], s_tf[0], atol=2e-6, rtol=1e-5, name=f"slot {slot}")
+
+
+# ---- causal short conv -------------------------------------------------------------------------
+
+def conv_inputs(num_tokens, dim, width, batch, dtype=torch.float32, *, seed=0, with_bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, dim, generator=gen).to(dtype)
+    weight = (torch.randn(dim, width, generator=gen) * 0.5).to(dtype)
+    bias = (torch.randn(dim, generator=gen) * 0.1).to(dtype) if with_bias else None
+    state = torch.randn(batch, dim, width - 1, generator=gen).to(dtype)
+    return x, weight, bias, state
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("num_tokens", [1, 2, 9])
+def test_conv_prefill_matches_transformers(activation, num_tokens):
+    tf = _transformers_kda()
+    dim, width = 12, 4
+    x, weight, bias, state = conv_inputs(num_tokens, dim, width, 1, seed=num_tokens)
+    y, final = ref.causal_conv1d_prefill(x, weight, bias, state, _cu([num_tokens]), activation=activation)
+    window = torch.cat([state, x.T[None]], dim=2)
+    want = tf.causal_conv1d_fn(window, weight, bias, activation=activation)[:, :, -num_tokens:]
+    assert_close(y, want[0].T, atol=1e-6, rtol=1e-6, name="conv y")
+    want_state = state.clone()
+    want_y = tf.causal_conv1d_update(x.T[None], want_state, weight, bias, activation=activation)
+    assert_close(y, want_y[0].T, atol=1e-6, rtol=1e-6, name="conv y vs update form")
+    assert torch.equal(final, want_state)
+
+
+def test_conv_mixed_batch_pieces_and_token_updates_agree():
+    dim, width = 10, 4
+    lengths = [5, 0, 1, 2, 8]
+    x, weight, bias, state = conv_inputs(sum(lengths), dim, width, len(lengths), seed=3)
+    cu = _cu(lengths)
+    y, final = ref.causal_conv1d_prefill(x, weight, bias, state, cu)
+    assert torch.equal(final[1], state[1]) and torch.equal(final[2], torch.cat([state[2, :, 1:], x[5:6].T], 1))
+    slots = torch.full((7, dim, width - 1), float("nan"))
+    for b, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        slots[b + 2] = state[b]
+        steps = [ref.causal_conv1d_update(x[t:t + 1], weight, bias, slots, _i32([b + 2])) for t in range(lo, hi)]
+        if steps:
+            assert_close(torch.cat(steps), y[lo:hi], atol=1e-6, rtol=1e-6, name=f"conv updates of sequence {b}")
+        assert torch.equal(slots[b + 2], final[b])
+        # the same sequence in two pieces, carrying the conv state
+        mid = (lo + hi) // 2
+        y1, s1 = ref.causal_conv1d_prefill(x[lo:mid], weight, bias, state[b:b + 1], _cu([mid - lo]))
+        y2, s2 = ref.causal_conv1d_prefill(x[mid:hi], weight, bias, s1, _cu([hi - mid]))
+        assert_close(torch.cat([y1, y2]), y[lo:hi], atol=1e-6, rtol=1e-6, name=f"conv pieces of sequence {b}")
+        assert torch.equal(s2[0], final[b])
+    assert torch.isnan(slots[[0, 1]]).all()
+
+
+def test_conv_update_skips_negative_slots_and_fresh_state_is_zero_padding():
+    dim, width = 6, 4
+    x, weight, bias, _ = conv_inputs(3, dim, width, 1, seed=4)
+    y, final = ref.causal_conv1d_prefill(x, weight, None, None, _cu([3]))
+    padded = torch.cat([torch.zeros(width - 1, dim), x])
+    want = torch.nn.functional.silu(torch.stack([(padded[t:t + width].T * weight).sum(-1) for t in range(3)]))
+    assert_close(y, want, atol=1e-6, rtol=1e-6, name="conv from zeros")
+    assert torch.equal(final[0], x.T)
+    slots = torch.ones(2, dim, width - 1)
+    out = ref.causal_conv1d_update(x[:2], weight, bias, slots, _i32([-1, 0]))
+    assert torch.equal(out[0], torch.zeros(dim)) and torch.equal(slots[1], torch.ones(dim, width - 1))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ref.causal_conv1d_update(x[:2], weight, bias, slots, _i32([0, 1]), activation="gelu")
