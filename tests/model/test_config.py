@@ -91,6 +91,6 @@ def test_invalid_fields_are_named(changes, match):
 
 def test_unknown_preset_and_bad_rope_scaling():
     with pytest.raises(ValueError, match="preset"):
-        preset("kimi-k3")
+        preset("kimi-k9")
     with pytest.raises(ValueError, match="rope_scaling"):
         YarnScaling.from_dict({"type": "linear", "factor": 2.0, "original_max_position_embeddings": 4})

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvtier.model.config import KimiK2Config, preset
+from kvtier.model.kimi_linear_config import KimiLinearConfig
 from kvtier.model.formats import (
     DEEPSEEK_FP8_QUANTIZATION_CONFIG,
     KIMI_K2_THINKING_QUANTIZATION_CONFIG,
@@ -98,14 +99,33 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
             yield name, value.to(dense)
 
 
-def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config = "tiny", seed: int = 0,
+def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: str, max_shard_bytes: int,
+                              max_total_bytes: int) -> Path:
+    """A random hybrid (``kimi_linear`` / ``kimi_k3``) checkpoint: dense ``float32`` or ``bfloat16``."""
+    from kvtier.model.kimi_linear_loader import hybrid_checkpoint_specs, write_random_hybrid_checkpoint
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be 'float32' or 'bfloat16' for a {config.model_type} checkpoint, got {dtype!r}")
+    width = 4 if dtype == "float32" else 2
+    size = sum(math.prod(s.shape) for s in hybrid_checkpoint_specs(config).values()) * width
+    if size > max_total_bytes:
+        raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
+                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    return write_random_hybrid_checkpoint(out, config, seed, CHECKPOINT_DTYPES[dtype], max_shard_bytes)
+
+
+def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config | KimiLinearConfig = "tiny",
+                             seed: int = 0,
                              dtype: str = "bfloat16", max_shard_bytes: int = 64 << 20,
                              max_total_bytes: int = 8 << 30) -> Path:
     """Write a deterministic random checkpoint (config.json + sharded safetensors + index).
 
     Args:
         path: output directory (created if missing).
-        preset_or_config: a preset name (``tiny``) or a :class:`KimiK2Config`.
+        preset_or_config: a preset name (``tiny``, ``tiny-k3``) or a :class:`KimiK2Config` or
+            :class:`KimiLinearConfig` (hybrid models: ``float32`` or ``bfloat16`` only).
         seed: generator seed; the same seed writes the same tensors.
         dtype: ``float32`` | ``bfloat16`` | ``fp8`` (linear weights as e4m3 with 128x128
             ``weight_scale_inv`` block scales, other tensors bf16/fp32 as in DeepSeek-V3 releases)
@@ -123,6 +143,8 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
     config = preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    if isinstance(config, KimiLinearConfig):
+        return _create_hybrid_checkpoint(path, config, seed, dtype, max_shard_bytes, max_total_bytes)
     formats = {"int4": "int4", "fp8": "fp8"}.get(dtype, "bf16")
     if dtype == "int4":
         PRESET_FORMATS["int4"].check(config)

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
+
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
 
@@ -302,12 +304,14 @@ def _k2_gpu() -> KimiK2Config:
                                vocab_size=32768)
 
 
-PRESETS = {"kimi-k2": _k2, "k2-gpu": _k2_gpu, "tiny": _tiny}
+PRESETS = {"kimi-k2": _k2, "k2-gpu": _k2_gpu, "tiny": _tiny, **HYBRID_PRESETS}
 
 
-def preset(name: str) -> KimiK2Config:
+def preset(name: str) -> KimiK2Config | KimiLinearConfig:
     """A named configuration: ``kimi-k2`` (full size, for sizing/simulation), ``k2-gpu`` (K2's
-    layers at one-GPU size, random weights; see :func:`_k2_gpu`) or ``tiny`` (CPU).
+    layers at one-GPU size, random weights; see :func:`_k2_gpu`) or ``tiny`` (CPU); the hybrid
+    KDA + MLA models ``kimi-k3``, ``kimi-linear-48b`` (real sizes) and ``tiny-k3`` (CPU) are
+    :class:`kvtier.model.kimi_linear_config.KimiLinearConfig`.
 
     Raises:
         ValueError: unknown preset name.

@@ -74,13 +74,20 @@ def _linear(owner: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
 class MLAttention(nn.Module):
     """Weight-absorbed MLA over the paged cache; its paged attention runs on the step's plans
     (:meth:`KimiK2ForCausalLM.plan`), which carry the model's backend. The projections are held
-    in ``formats.attention`` (see :func:`_weight`), ``kv_b_proj`` always in ``dtype``."""
+    in ``formats.attention`` (see :func:`_weight`), ``kv_b_proj`` always in ``dtype``.
+
+    The hybrid Kimi models (:mod:`kvtier.model.kimi_linear`) reuse it with ``rope=False`` (the
+    ``qk_rope_head_dim`` dims of q and of the cached key are used unrotated; ``cos_sin_cache`` is
+    then ignored) and ``output_gate=True`` (``g_proj`` [NH*V, H]: the attention output is
+    multiplied by ``sigmoid(g_proj(x))`` before ``o_proj``). ``config`` needs only the MLA fields
+    and ``sm_scale``."""
 
     def __init__(self, config: KimiK2Config, dtype: torch.dtype, formats: WeightFormats = DEFAULT_FORMATS,
-                 backend: str = "auto"):
+                 backend: str = "auto", *, rope: bool = True, output_gate: bool = False):
         super().__init__()
         c = config
         self.config = c
+        self.rope, self.output_gate = rope, output_gate
         self.formats, self.fmt, self.backend = formats, formats.attention, backend
         nh, qk = c.num_attention_heads, c.qk_head_dim
         w = lambda name, *shape: _weight(self, name, shape, self.fmt, formats, dtype)
@@ -94,6 +101,8 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = _param(c.kv_lora_rank, dtype=dtype)
         self.kv_b_proj = _param(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype=dtype)
         w("o_proj", c.hidden_size, nh * c.v_head_dim)
+        if output_gate:
+            w("g_proj", nh * c.v_head_dim, c.hidden_size)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [NH, N, R], W_UV [NH, V, R]) views of kv_b_proj."""
@@ -114,8 +123,9 @@ class MLAttention(nn.Module):
         kv_c, k_pe = _linear(self, "kv_a_proj_with_mqa", x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         kv_c = ops.rms_norm(kv_c, self.kv_a_layernorm, LATENT_NORM_EPS)
         # values (positions, slots, lengths) were checked once per step by KimiK2ForCausalLM.plan
-        q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache, validate=False)
-        k_pe = ops.rope_interleaved(k_pe, positions, cos_sin_cache, validate=False)
+        if self.rope:
+            q_pe = ops.rope_interleaved(q_pe, positions, cos_sin_cache, validate=False)
+            k_pe = ops.rope_interleaved(k_pe, positions, cos_sin_cache, validate=False)
         ops.concat_and_cache_mla(kv_c, k_pe, kv_cache, batch.slot_mapping, validate=False)
 
         w_uk, w_uv = self.absorbed_weights()
@@ -127,22 +137,26 @@ class MLAttention(nn.Module):
         if batch.num_decode_tokens:
             ops.mla_decode_run(q_abs[npf:], kv_cache, batch.decode_plan, c.sm_scale, out=latent[npf:])
         attn = torch.einsum("thr,hvr->thv", latent, w_uv).reshape(num_tokens, -1)
+        if self.output_gate:
+            attn = attn * torch.sigmoid(_linear(self, "g_proj", x))
         return _linear(self, "o_proj", attn)
 
 
 class DenseMLP(nn.Module):
     """SiLU-gated MLP with fused ``gate_up_proj`` [2I, H] (gate rows first) and ``down_proj`` [H, I],
-    held in ``fmt`` (see :func:`_weight`)."""
+    held in ``fmt`` (see :func:`_weight`). ``activation`` ([T, 2I] -> [T, I]) replaces
+    :func:`kvtier.ops.silu_and_mul` (the hybrid models' SiTU-GLU)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, fmt: str = DENSE,
-                 formats: WeightFormats = DEFAULT_FORMATS, backend: str = "auto"):
+                 formats: WeightFormats = DEFAULT_FORMATS, backend: str = "auto", activation=None):
         super().__init__()
         self.formats, self.fmt, self.backend = formats, fmt, backend
+        self.activation = activation or ops.silu_and_mul
         _weight(self, "gate_up_proj", (2 * intermediate_size, hidden_size), fmt, formats, dtype)
         _weight(self, "down_proj", (hidden_size, intermediate_size), fmt, formats, dtype)
 
     def forward(self, x):
-        return _linear(self, "down_proj", ops.silu_and_mul(_linear(self, "gate_up_proj", x)))
+        return _linear(self, "down_proj", self.activation(_linear(self, "gate_up_proj", x)))
 
 
 class MoE(nn.Module):

@@ -44,6 +44,7 @@ from kvtier.model.formats import (
     weight_class,
 )
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.kimi_linear_config import HYBRID_MODEL_TYPES
 from kvtier.model.weights import TensorSpec, checkpoint_specs
 from kvtier.ops.quant import fp8_e4m3_dtype, fp8_e4m3fn_to_fnuz
 from kvtier.reference import quant as ref_quant
@@ -147,6 +148,13 @@ def read_config(model_dir: str | Path) -> tuple[KimiK2Config, dict]:
         raise ValueError(f"{path}: {e}") from None
 
 
+
+
+def _model_type(model_dir: Path) -> str | None:
+    try:
+        return json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return None  # read_config says why
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -421,6 +429,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                dequantize: bool = False) -> KimiK2ForCausalLM:
     """Build and load a model from a HF-layout directory (config.json + safetensors).
 
+    A ``kimi_linear`` / ``kimi_k3`` checkpoint gives a hybrid
+    :class:`kvtier.model.kimi_linear.KimiLinearForCausalLM`
+    (:func:`kvtier.model.kimi_linear_loader.load_hybrid_model`, dense weights only).
+
     Args:
         model_dir: directory with ``config.json`` and ``*.safetensors`` (optionally an index).
         dtype: compute dtype and that of dense parameters (fp32, bf16 or fp16); the router stays fp32.
@@ -434,6 +446,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
             missing/misshaped/unexpected tensor (naming the tensor and the field).
     """
     model_dir = Path(model_dir)
+    if _model_type(model_dir) in HYBRID_MODEL_TYPES:
+        from kvtier.model.kimi_linear_loader import load_hybrid_model
+
+        return load_hybrid_model(model_dir, dtype, device)
     config, raw = read_config(model_dir)
     try:
         quant = quantization_config_of(raw)
