@@ -1,4 +1,6 @@
-"""Blocks reloaded from a lower tier after a preemption are hits of that tier."""
+"""A request's blocks are hits once, at the tier that first served them: a block reloaded from a
+lower tier after a preemption is credited to that tier in the request's breakdown but is not a
+second hit in the pool's counters, and a block the request computed itself is never a hit."""
 
 import torch
 
@@ -30,7 +32,7 @@ def _place(pool: KVPool, seq: KVState) -> int:
     return seq.num_computed_tokens
 
 
-def test_reload_from_host_after_preemption_is_a_host_hit():
+def test_reload_from_host_after_preemption_is_credited_to_host_and_not_counted_twice():
     pool = _pool()
     tokens = list(range(100, 100 + 3 * PS + 1))
     writer = _seq(0, tokens)
@@ -53,8 +55,9 @@ def test_reload_from_host_after_preemption_is_a_host_hit():
 
     assert _place(pool, seq) == 3 * PS  # re-admission loads them back from host
     assert pool.stats().bytes_loaded["host"] == 3 * 64
-    assert pool.stats().hit_tokens["host"] == 3 * PS and seq.prefix_tokens_by_tier["host"] == 3 * PS
-    assert pool.stats().hit_tokens["device"] == 3 * PS  # the first admission's hits are not taken back
+    assert seq.prefix_tokens_by_tier["host"] == 3 * PS
+    # the first admission's hits stand and are not counted again (kvtier_hit_tokens_total)
+    assert pool.stats().hit_tokens == {"device": 3 * PS, "host": 0, "disk": 0}
 
 
 def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
@@ -77,3 +80,18 @@ def test_blocks_loaded_earlier_and_still_on_device_are_not_counted_again():
     assert _place(pool, seq) == 2 * PS
     assert pool.stats().hit_tokens == {"device": 0, "host": 2 * PS, "disk": 0}
     assert seq.prefix_tokens_by_tier["host"] == 2 * PS
+
+
+def test_blocks_a_request_computed_itself_are_not_its_hits_after_a_preemption():
+    pool = _pool()
+    tokens = list(range(300, 300 + 3 * PS + 1))
+    seq = _seq(0, tokens)
+    assert _place(pool, seq) == 0  # nothing cached: it computes its 3 blocks
+    assert pool.allocate(seq, 3 * PS)
+    seq.num_computed_tokens = 3 * PS
+    pool.register_computed(seq)
+    pool.free(seq)  # preempted; its blocks stay cached on the device
+    seq.num_computed_tokens = 0
+    assert _place(pool, seq) == 3 * PS  # re-admitted: its own blocks placed again
+    assert pool.stats().hit_tokens == {"device": 0, "host": 0, "disk": 0}
+    assert sum(seq.prefix_tokens_by_tier.values()) == 0

@@ -255,3 +255,32 @@ def test_stepping_an_idle_engine_does_nothing(llm):
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=two)
     assert len(out[0].token_ids) == 2 and engine.step() == []
+
+
+def test_prompt_logprobs_stay_none_for_positions_reported_cached_after_a_preemption():
+    """After vLLM #47282 / #26329: a request admitted with 48 cached tokens and preempted, its
+    blocks evicted meanwhile, recomputes them when re-admitted; what it reports stays the first
+    admission's (48 cached) and exactly the first 48 prompt log-probs are None, as the contract
+    of ``RequestOutput.prompt_logprobs`` says."""
+    from kvtier.cache.kv_state import KVState, TokenList
+
+    llm = LLM("tiny", page_size=16, num_device_pages=8)
+    engine, pool = llm.engine, llm.engine.pool
+    p = prompt(3 * 16 + 5, 31)
+    llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
+    rid = engine.add_request(p, params)
+    seq = engine._sequences[rid]
+    engine.step()  # admitted with its 3 cached blocks; its last 5 tokens computed
+    assert seq.num_cached_tokens == 48 and seq.prompt_logprobs[:48] == [None] * 48
+    engine.scheduler.preempt(seq)
+    filler = KVState(TokenList(range(pool.num_free_pages * 16)))
+    assert pool.allocate(filler, pool.num_free_pages * 16)  # evicts the cached blocks
+    pool.free(filler)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    out = outs[rid]
+    assert engine.scheduler.num_preemptions == 1 and out.metrics.num_preemptions == 0  # after its first token
+    assert out.num_cached_tokens == 48
+    assert out.prompt_logprobs[:48] == [None] * 48 and None not in out.prompt_logprobs[48:]

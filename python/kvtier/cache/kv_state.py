@@ -72,7 +72,9 @@ class KVState:
         num_prefix_tokens: tokens of the cached prefix the last placement put in ``page_ids``.
         prefix_tokens_by_tier: those tokens per tier they came from (``{"device", "host",
             "disk", ...}``).
-        hit_tiers: block hash -> tier name each reused block was first served from.
+        hit_tiers: block hash -> tier name each reused block was first served from, or
+            ``"computed"`` for a block the request computed itself; the pool counts each block
+            as a hit once per request (a reload after a preemption is not a second hit).
         loads: the block loads in flight into ``page_ids`` (None when none run).
     """
 

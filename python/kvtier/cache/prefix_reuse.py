@@ -18,6 +18,7 @@ from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.writes import Writes
 
 _TIER_NAMES = {tier: tier.name.lower() for tier in Tier}  # as PoolStats.hit_tokens names them
+COMPUTED = "computed"  # KVState.hit_tiers: a block the request computed itself (never its hit)
 _REMOTE_LOOKUP_BLOCKS = 256  # blocks past the local match asked of the remote store at most
 
 
@@ -177,18 +178,21 @@ class PrefixReuse:
         by_tier = kv.prefix_tokens_by_tier = dict.fromkeys(stats.hit_tokens, 0)
         hit_tiers, loaded = kv.hit_tiers, []
         for b in loads[:keep]:
-            # A block this request loaded from a lower tier in an earlier lookup (it was sent
-            # back to wait after its loads ended) is now a device copy: keep crediting the tier
-            # it came from, and count its hit once. A block loaded from a lower tier now (e.g.
-            # again after a preemption) is a hit of that tier, whatever an earlier lookup found.
+            # Each block is a hit of the request once, at the tier that first served it (the
+            # pool's counters); a block it computed itself (re-placed after a preemption) never
+            # is. Its breakdown credits where each block came from this time: a block loaded in
+            # an earlier lookup and now a device copy keeps the tier it was loaded from.
+            first = hit_tiers.get(b.hash)
             if b.source != Tier.DEVICE:
                 loaded.append(b)
-                tier = hit_tiers[b.hash] = _TIER_NAMES[b.source]
+                tier = _TIER_NAMES[b.source]
+            else:
+                tier = "device" if first in (None, COMPUTED) else first
+            if first is None:
+                hit_tiers[b.hash] = tier
                 stats.hit_tokens[tier] += self.page_size
-            elif (tier := hit_tiers.get(b.hash)) is None:
-                tier = hit_tiers[b.hash] = "device"
-                stats.hit_tokens[tier] += self.page_size
-            by_tier[tier] += self.page_size
+            if first != COMPUTED:
+                by_tier[tier] += self.page_size
         self.pages.register_many([b.page for b in loaded], [b.hash for b in loaded])
         self.tiers.index.touch([b.hash for b in loads[:keep]])
         kv.num_prefix_tokens = keep * self.page_size
@@ -223,4 +227,5 @@ class PrefixReuse:
         self.pages.register_many([kv.page_ids[b] for b in new], [kv.block_hashes[b] for b in new])
         for b in new:
             self.writes.computed(kv.block_hashes[b], kv.page_ids[b])
+            kv.hit_tiers.setdefault(kv.block_hashes[b], COMPUTED)
         kv.num_registered_blocks = full

@@ -518,8 +518,11 @@ class Engine:
         if res is not None and res.prompt_logits is not None:
             targets = torch.tensor([seq.prompt_token_ids[p + 1] for p in res.prompt_positions])
             lp = torch.log_softmax(res.prompt_logits, -1).gather(1, targets[:, None].to(res.prompt_logits.device))
+            # Positions it reports as cached stay None, also when a preemption made it recompute
+            # them (``num_cached_tokens`` is its first admission's; RequestOutput's contract).
             for p, v in zip(res.prompt_positions, lp.squeeze(1).tolist()):
-                seq.prompt_logprobs[p] = v
+                if p >= seq.num_cached_tokens:
+                    seq.prompt_logprobs[p] = v
 
     def _sample(self, rows: list[tuple[Sequence, torch.Tensor, object]]) -> dict[int, int | Exception]:
         """The step's tokens of the sequences that sample, in one :func:`kvtier.ops.sample` call.
