@@ -42,6 +42,11 @@ def kda_ops():
         return importlib.import_module("kvtier.reference.kda"), False
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or in its own dtype when that is wider (fp64 in tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 # ---- the K3-only pieces, as plain functions (tests check each against its formula) ------------------
 def situ_and_mul(x: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
     """SiTU-GLU: ``beta * tanh(gate / beta) * sigmoid(gate) * up'`` with ``up' = linear_beta *
@@ -54,7 +59,7 @@ def situ_and_mul(x: torch.Tensor, beta: float | None, linear_beta: float | None)
         x: [..., 2I], gate half first. Returns [..., I] in x's dtype (fp32 math).
     """
     b = 1.0 if beta is None else float(beta)
-    gate, up = x.float().chunk(2, dim=-1)
+    gate, up = _wide(x).chunk(2, dim=-1)
     gate = b * torch.tanh(gate / b) * torch.sigmoid(gate)
     if linear_beta is not None:
         up = float(linear_beta) * torch.tanh(up / float(linear_beta))
@@ -69,12 +74,12 @@ def glu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weigh
     x [T, K]; w13 [E, 2I, K]; w2 [E, K, I]; topk_weights [T, k] fp32; topk_ids [T, k] int32;
     activation [n, 2I] -> [n, I]. Returns [T, K] in x's dtype.
     """
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape, dtype=_wide(x).dtype, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = F.linear(activation(F.linear(x[token_idx], w13[e])), w2[e]).float()
-        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
+        y = _wide(F.linear(activation(F.linear(x[token_idx], w13[e])), w2[e]))
+        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].to(out.dtype))
     return out.to(x.dtype)
 
 
@@ -92,9 +97,9 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_we
     Returns:
         [T, H] in the sources' dtype (fp32 math).
     """
-    v = torch.stack([s.float() for s in sources])  # [S, T, H]
-    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    weights = torch.softmax(normed @ proj_weight.float(), dim=0)  # [S, T]
+    v = torch.stack([_wide(s) for s in sources])  # [S, T, H]
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.to(v.dtype)
+    weights = torch.softmax(normed @ proj_weight.to(v.dtype), dim=0)  # [S, T]
     return (weights[..., None] * v).sum(0).to(sources[0].dtype)
 
 
