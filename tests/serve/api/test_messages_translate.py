@@ -96,7 +96,7 @@ def test_session_comes_from_the_header_then_metadata_user_id():
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "colour": 1}]}]},
      "messages[0].content[0].colour", "Extra inputs are not permitted"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "Extra inputs"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "Input should be"),
+    ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role", "Input should be"),
     ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content", "empty"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "The answer is"}]},
      "messages[1]", "prefill"),

@@ -1,9 +1,10 @@
 """Anthropic Messages requests (``POST /v1/messages``) translated into the chat request the
 OpenAI chat endpoint builds, and Anthropic's error shape.
 
-The translation is pure (:func:`to_chat`): ``system`` becomes a system turn; ``tool_use``
-blocks become the assistant turn's ``tool_calls`` (their ``input`` as compact JSON, as the model
-writes arguments, so a replayed turn renders as it was generated); each ``tool_result`` block
+The translation is pure (:func:`to_chat`): ``system`` becomes a system turn (so does a message of
+role ``system``, text only, where it stands); ``tool_use`` blocks become the assistant turn's
+``tool_calls`` (their ``input`` as compact JSON, as the model writes arguments, so a replayed
+turn renders as it was generated); each ``tool_result`` block
 becomes a ``tool`` turn; tools with ``input_schema`` become function tools, whose calls are
 schema-constrained as chat tool calls are (a root ``$schema``, the dialect's name, is dropped).
 ``tool_choice``: ``auto`` -> ``auto``, ``any`` ->
@@ -13,11 +14,19 @@ back unchanged.
 
 Validated as Anthropic's API does: unknown fields are a 400 (a few fields kvtier has no use for
 are accepted and ignored: ``thinking``, ``service_tier``, ``cache_control``,
-``context_management``, ``inference_geo``, ``speed``, ``output_config`` without ``format``), and
+``context_management``, ``inference_geo``, ``speed``, ``container``, ``diagnostics``,
+``user_profile_id``, ``workspace_id``, ``output_config`` without ``format``), and
 so are content blocks in the wrong place (``tool_use`` from the user, ``tool_result`` from the
 assistant), a ``tool_result`` with no ``tool_use`` of that id in the message before, and a
 ``tool_use`` with no ``tool_result`` in the message after. Images and documents are refused (a
-text model). A final assistant turn (prefill) is refused: K2's template opens a new turn.
+text model).
+
+What the official SDK returns is accepted back as it gives it (``model_dump()``, with or without
+``None`` fields, its objects, or their JSON): every field of its content blocks (``toolset_name``,
+``caller``, ``citations``, ``parsed_output``; what does not change the prompt is ignored), and an
+assistant turn that is a whole returned message (``messages.append(message.model_dump())``: its
+``id``, ``model``, ``stop_reason``, ``usage`` ... are ignored). ``tests/serve/api/test_sdk_fields.py``
+checks these field sets against the installed SDK's types. A final assistant turn (prefill) is refused: K2's template opens a new turn.
 ``temperature`` and ``top_p`` (which the newest SDKs send only as extra body fields) are
 honoured; ``top_k`` is refused.
 
@@ -56,6 +65,7 @@ class TextBlock(_Strict):
     text: str
     cache_control: dict[str, Any] | None = None
     citations: list[dict[str, Any]] | None = None
+    parsed_output: Any = None  # the SDK's ParsedTextBlock (structured outputs): not sent to the model
 
 
 class ToolUseBlock(_Strict):
@@ -65,14 +75,16 @@ class ToolUseBlock(_Strict):
     input: dict[str, Any]
     cache_control: dict[str, Any] | None = None
     caller: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[dict[str, Any]] = ""
-    is_error: bool = False
+    is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
+    toolset_name: str | None = None
 
 
 class ThinkingBlock(_Strict):
@@ -86,15 +98,31 @@ class RedactedThinkingBlock(_Strict):
     data: str
 
 
-_BLOCKS = {"user": {"text": TextBlock, "tool_result": ToolResultBlock},
+_BLOCKS = {"user": {"text": TextBlock, "tool_result": ToolResultBlock}, "system": {"text": TextBlock},
            "assistant": {"text": TextBlock, "tool_use": ToolUseBlock, "thinking": ThinkingBlock,
                          "redacted_thinking": RedactedThinkingBlock}}
 _UNSUPPORTED = ("image", "document", "search_result", "container_upload")
 
 
 class Message(_Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Any]
+
+
+class ReturnedMessage(Message):
+    """An assistant turn sent back as the whole message the API returned: the fields besides
+    ``role`` and ``content`` are ignored."""
+
+    role: Literal["assistant"]
+    id: str | None = None
+    type: Literal["message"] | None = None
+    model: str | None = None
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    stop_details: dict[str, Any] | None = None
+    usage: dict[str, Any] | None = None
+    container: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
 
 
 class Metadata(_Strict):
@@ -116,6 +144,8 @@ class Tool(_Strict):
     strict: bool | None = None
     input_examples: list[dict[str, Any]] | None = None
     eager_input_streaming: bool | None = None
+    allowed_callers: list[str] | None = None
+    defer_loading: bool | None = None
 
 
 class MessagesRequest(_Strict):
@@ -141,6 +171,10 @@ class MessagesRequest(_Strict):
     inference_geo: str | None = None
     speed: str | None = None
     output_config: dict[str, Any] | None = None
+    container: str | dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     def session(self, header: str | None) -> str | None:
         """The ``X-Session-Id`` header (1-256 characters), else ``metadata.user_id``."""
@@ -242,7 +276,8 @@ def _messages(raw: list[dict], system) -> tuple[list[dict], bool]:
     pending: dict[str, int] = {}  # tool_use ids of the last assistant message -> its index
     used_tools = False
     for i, item in enumerate(raw):
-        m = _validate(Message, item, f"messages[{i}]")
+        whole = isinstance(item, dict) and item.get("role") == "assistant" and set(item) - {"role", "content"}
+        m = _validate(ReturnedMessage if whole else Message, item, f"messages[{i}]")
         content = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         if not content or (isinstance(m.content, str) and not m.content):
             raise ApiError(400, f"messages[{i}].content: empty; every message needs non-empty content",
@@ -251,6 +286,10 @@ def _messages(raw: list[dict], system) -> tuple[list[dict], bool]:
         if m.role == "user":
             out.extend(_user(blocks, i, pending))
             pending = {}
+        elif m.role == "system":  # text only, between turns (never between a tool_use and its result)
+            if pending:
+                raise _tool_pairing_error(next(iter(pending.values())), list(pending))
+            out.append({"role": "system", "content": [{"type": "text", "text": b.text} for b in blocks]})
         else:
             if pending:
                 raise _tool_pairing_error(next(iter(pending.values())), list(pending))

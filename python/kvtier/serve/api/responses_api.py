@@ -13,10 +13,18 @@ assistant turn's reasoning. Function tools are flat (``{"type": "function", "nam
 
 Validated as OpenAI's API does: unknown fields are a 400 (fields kvtier has no use for are
 accepted and ignored: ``user``, ``safety_identifier``, ``service_tier``, ``truncation``,
-``reasoning``, ``include``, ``stream_options``, ``prompt_cache_retention``, ``max_tool_calls``),
+``reasoning``, ``include``, ``stream_options``, ``prompt_cache_retention``, ``prompt_cache_options``,
+``max_tool_calls``, ``context_management``, ``background_options``, ``access_programs``,
+``image``, ``moderation``),
 and so are a ``function_call_output`` whose ``call_id`` no earlier ``function_call`` has, a
 ``function_call`` left without output, non-function tools, images and files (a text model),
 ``item_reference`` items, ``conversation``, ``prompt``, background mode and structured outputs.
+
+The output items the official SDK returns are accepted back as it gives them (``model_dump()``,
+with or without ``None`` fields, by alias or not, its objects, or their JSON): every field of its
+items and parts (``caller``, ``namespace``, ``phase``, ``parsed_arguments``, ``async`` (or its
+Python name ``async_``, one of the two) ...; what does not change the prompt is ignored).
+``tests/serve/api/test_sdk_fields.py`` checks these field sets against the installed SDK's types.
 
 Conversation state: a response the server keeps (``store``, default true) can be continued with
 ``previous_response_id``: its turns (input and output, not its instructions, as OpenAI's API
@@ -79,6 +87,12 @@ class ResponsesRequest(_Strict):
     stream_options: dict[str, Any] | None = None
     prompt_cache_retention: str | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)
+    prompt_cache_options: dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    background_options: dict[str, Any] | None = None
+    access_programs: Any = None
+    image: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
     def echo(self) -> dict:
         """The request's settings as a response object repeats them."""
@@ -99,6 +113,8 @@ class _Part(_Strict):
     refusal: str | None = None
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: dict[str, Any] | None = None
+    parsed: Any = None  # the SDK's ParsedResponseOutputText (structured outputs): not sent to the model
 
 
 class MessageItem(_Strict):
@@ -111,6 +127,9 @@ class MessageItem(_Strict):
 
 
 class FunctionCallItem(_Strict):
+    # "async" on the wire; "async_" (the SDK's Python name) in a model_dump() without by_alias
+    model_config = ConfigDict(validate_by_name=True, validate_by_alias=True)
+
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -118,6 +137,9 @@ class FunctionCallItem(_Strict):
     id: str | None = None
     status: str | None = None
     namespace: str | None = None
+    caller: dict[str, Any] | None = None
+    async_: bool | None = Field(default=None, alias="async")
+    parsed_arguments: Any = None  # the SDK's ParsedResponseFunctionToolCall: ``arguments`` decoded
 
 
 class FunctionCallOutputItem(_Strict):
@@ -126,6 +148,10 @@ class FunctionCallOutputItem(_Strict):
     output: str | list[dict[str, Any]]
     id: str | None = None
     status: str | None = None
+    caller: dict[str, Any] | None = None
+    name: str | None = None
+    namespace: str | None = None
+    created_by: str | None = None
 
 
 class ReasoningItem(_Strict):
@@ -244,6 +270,11 @@ def input_turns(req: ResponsesRequest, history: list[dict]) -> list[dict]:
     return turns.turns
 
 
+# a function tool's fields (others are a 400); only name, description and parameters are used
+TOOL_FIELDS = frozenset({"type", "name", "description", "parameters", "strict", "defer_loading", "output_schema",
+                         "allowed_callers", "async"})
+
+
 def _tools(raw: list[dict]) -> list[dict]:
     out = []
     for i, t in enumerate(raw):
@@ -251,7 +282,7 @@ def _tools(raw: list[dict]) -> list[dict]:
         if kind != "function":
             raise ApiError(400, f"tools[{i}].type: {kind!r} tools are not supported; only 'function' tools",
                            f"tools[{i}].type")
-        extra = set(t) - {"type", "name", "description", "parameters", "strict", "defer_loading", "output_schema"}
+        extra = set(t) - TOOL_FIELDS
         if extra:
             raise ApiError(400, f"tools[{i}].{min(extra)}: unknown parameter", f"tools[{i}].{min(extra)}")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
