@@ -33,6 +33,9 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "scoring_func": ("moe_router_activation_func", "scoring_func"),
     "max_position_embeddings": ("max_position_embeddings", "model_max_length"),
 }
+# the config.json name of each field, for error messages
+_FIELD_NAMES = {"linear_num_heads": "linear_attn_config.num_heads", "linear_head_dim": "linear_attn_config.head_dim",
+                **{name: keys[0] for name, keys in _ALIASES.items()}}
 _KDA_KEYS = ("kda_layers", "full_attn_layers", "num_heads", "head_dim", "short_conv_kernel_size")
 
 
@@ -115,7 +118,7 @@ class KimiLinearConfig:
                      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "n_group", "topk_group",
                      "vocab_size", "max_position_embeddings", "moe_layer_freq"):
-            _positive_int(name, getattr(self, name))
+            _positive_int(_FIELD_NAMES.get(name, name), getattr(self, name))
         for name in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
             value = getattr(self, name)
             if value is not None:
