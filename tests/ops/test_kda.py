@@ -248,3 +248,250 @@ def test_conv_update_skips_negative_slots_and_fresh_state_is_zero_padding():
     assert torch.equal(out[0], torch.zeros(dim)) and torch.equal(slots[1], torch.ones(dim, width - 1))
     with pytest.raises(ValueError, match="activation must be one of"):
         ref.causal_conv1d_update(x[:2], weight, bias, slots, _i32([0, 1]), activation="gelu")
+
+
+# ---- the ops: Triton kernels under the interpreter, registered ops, checks -----------------------
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.fixture
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# dtype of q/k/v/beta -> tolerances on o (in that dtype) and on the fp32 states; g stays fp32 as the
+# gate hands it over. Both sides upcast the same bf16 values, so the states agree to fp32 rounding.
+TRITON_TOL = [
+    pytest.param(torch.float32, 3e-5, 1e-5, 3e-5, id="fp32"),
+    pytest.param(torch.bfloat16, 1.6e-2, 1e-2, 3e-5, id="bf16"),
+]
+
+
+def _kda_case(lengths, dtype, *, seed, gate="random", H=2, K=16, V=16):
+    q, k, v, g, beta = kda_inputs(sum(lengths), H, K, V, seed=seed, gate=gate)
+    return [q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)], random_state(len(lengths), H, K, V, seed=seed)
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("dtype, o_atol, o_rtol, s_atol", TRITON_TOL)
+@pytest.mark.parametrize("lengths, gate, with_state", [
+    ((17,), "random", True),          # not a multiple of the chunk
+    ((7, 0, 1, 20), "random", True),  # mixed lengths with an empty and a one-token sequence
+    ((16, 5), "lower_bound", False),  # the gate at K3's lower bound, fresh sequences
+])
+def test_triton_prefill_matches_reference(dtype, o_atol, o_rtol, s_atol, lengths, gate, with_state):
+    from kvtier import ops
+
+    inputs, s0 = _kda_case(lengths, dtype, seed=len(lengths) * 7, gate=gate)
+    s0 = s0 if with_state else None
+    cu = _cu(list(lengths))
+    seqs = [b for b, n in enumerate(lengths) for _ in range(2)]
+    poss = [p for n in lengths for p in (n // 2, n)]  # an interior token and the end of each sequence
+    ck = dict(checkpoint_seq=_i32(seqs), checkpoint_len=_i32(poss))
+    o, s, c = ops.kda_chunk_prefill(*inputs, s0, cu, backend="triton", **ck)
+    o_ref, s_ref, c_ref = ref.kda_chunk_prefill(*inputs, s0, cu, chunk_size=16, **ck)
+    assert o.dtype == dtype and s.dtype == torch.float32 and c.dtype == torch.float32
+    assert_close(o, o_ref, atol=o_atol, rtol=o_rtol, name="o", max_cos_diff=1e-4)
+    assert_close(s, s_ref, atol=s_atol, rtol=1e-5, name="final_state")
+    assert_close(c, c_ref, atol=s_atol, rtol=1e-5, name="checkpoint_states")
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_state_carried_across_chunk_and_request_boundaries(dtype):
+    """One request of 37 tokens == three requests (16 + 9 + 11 tokens, the state carried in fp32) ==
+    the first two as prefills and the last 11 as Triton decode steps on a state slot."""
+    from kvtier import ops
+
+    (q, k, v, g, beta), s0 = _kda_case([37], dtype, seed=3)
+    o_ref, s_ref, _ = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([37]), chunk_size=16)
+    state, pieces = s0, []
+    for lo, hi in ((0, 16), (16, 25)):
+        o_p, state, _ = ops.kda_chunk_prefill(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state,
+                                              _cu([hi - lo]), backend="triton")
+        pieces.append(o_p)
+    slots = torch.full((3, *state.shape[1:]), float("nan"))
+    slots[2] = state[0]
+    for t in range(25, 37):
+        sl = slice(t, t + 1)
+        pieces.append(ops.kda_recurrent_decode(q[sl], k[sl], v[sl], g[sl], beta[sl], slots, _i32([2]),
+                                               backend="triton"))
+    tol = 1.6e-2 if dtype == torch.bfloat16 else 3e-5
+    assert_close(torch.cat(pieces), o_ref, atol=tol, rtol=1e-2, name="o across requests")
+    assert_close(slots[2], s_ref[0], atol=5e-5, rtol=1e-5, name="state after the last decode")
+    assert torch.isnan(slots[:2]).all()
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("state_dtype, s_atol", [(torch.float32, 3e-5), (torch.bfloat16, 2e-2)],
+                         ids=["fp32-state", "bf16-state"])
+@pytest.mark.parametrize("gate", ["random", "lower_bound"])
+def test_triton_decode_matches_reference_and_skips_negative_slots(state_dtype, s_atol, gate):
+    from kvtier import ops
+
+    (q, k, v, g, beta), _ = _kda_case([4], torch.bfloat16, seed=5, gate=gate, V=24)
+    slots = random_state(6, 2, 16, 24, seed=2).to(state_dtype)
+    want_slots = slots.clone()
+    idx = _i32([5, -1, 0, 3])
+    o = ops.kda_recurrent_decode(q, k, v, g, beta, slots, idx, backend="triton")
+    o_ref = ref.kda_recurrent_decode(q, k, v, g, beta, want_slots, idx)
+    assert o.dtype == torch.bfloat16 and torch.equal(o[1], torch.zeros_like(o[1]))
+    assert_close(o, o_ref, atol=1.6e-2, rtol=1e-2, name="o")
+    assert_close(slots.float(), want_slots.float(), atol=s_atol, rtol=1e-2, name="slots")
+    assert torch.equal(slots[[1, 2, 4]], want_slots[[1, 2, 4]]), "untouched slots changed"
+
+
+@pytest.mark.usefixtures("_interpreter")
+def test_triton_kda_takes_views_of_a_fused_projection():
+    """q, k, v as column slices of one [tokens, 3 * H * K] tensor (token stride 3 * H * K)."""
+    from kvtier import ops
+
+    H, K, T = 2, 16, 9
+    fused = torch.randn(T, 3 * H * K, generator=torch.Generator().manual_seed(4))
+    q, k, v = (fused[:, i * H * K:(i + 1) * H * K].view(T, H, K) for i in range(3))
+    _, _, _, g, beta = kda_inputs(T, H, K, K, seed=4)
+    o, s, _ = ops.kda_chunk_prefill(q, k, v, g, beta, None, _cu([4, 5]), backend="triton")
+    o_ref, s_ref, _ = ref.kda_chunk_prefill(q.contiguous(), k.contiguous(), v.contiguous(), g, beta, None,
+                                            _cu([4, 5]))
+    assert_close(o, o_ref, atol=3e-5, rtol=1e-5, name="o from views")
+    assert_close(s, s_ref, atol=3e-5, rtol=1e-5, name="state from views")
+    slots = torch.zeros(2, H, K, K)
+    want = slots.clone()
+    o = ops.kda_recurrent_decode(q[:2], k[:2], v[:2], g[:2], beta[:2], slots, _i32([1, 0]), backend="triton")
+    assert_close(o, ref.kda_recurrent_decode(q[:2], k[:2], v[:2], g[:2], beta[:2], want, _i32([1, 0])),
+                 atol=3e-5, rtol=1e-5, name="decode o from views")
+
+
+CONV_TOL = [pytest.param(torch.float32, 1e-5, id="fp32"), pytest.param(torch.bfloat16, 1.6e-2, id="bf16")]
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("dtype, atol", CONV_TOL)
+@pytest.mark.parametrize("lengths, with_state, with_bias, activation", [
+    ((5, 0, 1, 2, 19), True, True, "silu"),
+    ((3,), False, False, None),
+    ((1, 1), True, False, "silu"),
+])
+def test_triton_conv_prefill_matches_reference(dtype, atol, lengths, with_state, with_bias, activation):
+    from kvtier import ops
+
+    dim = 20
+    x, weight, bias, state = conv_inputs(sum(lengths), dim, 4, len(lengths), dtype, seed=sum(lengths),
+                                         with_bias=with_bias)
+    state = state if with_state else None
+    wide = torch.zeros(x.shape[0], dim + 6, dtype=dtype)
+    wide[:, 3:3 + dim] = x
+    x_view = wide[:, 3:3 + dim]  # token stride dim + 6
+    cu = _cu(list(lengths))
+    y, final = ops.causal_conv1d_prefill(x_view, weight, bias, state, cu, activation=activation, backend="triton")
+    y_ref, final_ref = ref.causal_conv1d_prefill(x, weight, bias, state, cu, activation=activation)
+    assert y.dtype == dtype and final.dtype == final_ref.dtype
+    assert_close(y, y_ref, atol=atol, rtol=1e-2, name="y")
+    assert torch.equal(final, final_ref), "the final conv state is a copy of inputs, bit for bit"
+
+
+@pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("dtype, atol", CONV_TOL)
+def test_triton_conv_update_matches_reference_and_skips_negative_slots(dtype, atol):
+    from kvtier import ops
+
+    dim = 20
+    x, weight, bias, _ = conv_inputs(4, dim, 4, 1, dtype, seed=8)
+    slots = torch.randn(6, dim, 3, generator=torch.Generator().manual_seed(9)).to(dtype)
+    want = slots.clone()
+    idx = _i32([2, -1, 5, 0])
+    y = ops.causal_conv1d_update(x, weight, bias, slots, idx, backend="triton")
+    y_ref = ref.causal_conv1d_update(x, weight, bias, want, idx)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    assert_close(y, y_ref, atol=atol, rtol=1e-2, name="y")
+    assert torch.equal(slots, want)
+
+
+def test_auto_on_cpu_runs_the_reference_through_the_registered_ops():
+    from kvtier import ops
+    from kvtier.ops.dispatch import resolve_backend
+
+    assert all(resolve_backend(op, "auto", "cpu", torch.bfloat16) == "torch" for op in
+               ("kda_chunk_prefill", "kda_recurrent_decode", "causal_conv1d_prefill", "causal_conv1d_update"))
+    (q, k, v, g, beta), s0 = _kda_case([3, 6], torch.float32, seed=6)
+    got = ops.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([3, 6]), chunk_size=4)
+    want = ref.kda_chunk_prefill(q, k, v, g, beta, s0, _cu([3, 6]), chunk_size=4)
+    for name, a, e in zip(("o", "final_state", "checkpoint_states"), got, want):
+        assert torch.equal(a, e), name
+
+
+def test_opcheck_kda_ops():
+    (q, k, v, g, beta), s0 = _kda_case([3, 0, 5], torch.float32, seed=12, H=2, K=8, V=4)
+    cu = _cu([3, 0, 5])
+    torch.library.opcheck(torch.ops.kvtier.kda_chunk_prefill.default,
+                          (q, k, v, g, beta, s0, cu, 0.3, 4, True, _i32([2, 0]), _i32([4, 3])),
+                          test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(torch.ops.kvtier.kda_chunk_prefill.default,
+                          (q, k, v, g, beta, None, cu, 0.3, 4, False, None, None), test_utils=OPCHECK_UTILS)
+    slots = random_state(4, 2, 8, 4)
+    torch.library.opcheck(torch.ops.kvtier.kda_recurrent_decode.default,
+                          (q[:3], k[:3], v[:3], g[:3], beta[:3], slots, _i32([3, -1, 0]), 0.3, True),
+                          test_utils=OPCHECK_UTILS)
+    x, weight, bias, state = conv_inputs(8, 6, 4, 3, seed=2)
+    torch.library.opcheck(torch.ops.kvtier.causal_conv1d_prefill.default, (x, weight, bias, state, cu, True),
+                          test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(torch.ops.kvtier.causal_conv1d_prefill.default, (x, weight, None, None, cu, False),
+                          test_utils=OPCHECK_UTILS)
+    torch.library.opcheck(torch.ops.kvtier.causal_conv1d_update.default,
+                          (x[:2], weight, bias, state.clone(), _i32([1, -1]), True), test_utils=OPCHECK_UTILS)
+
+
+def _bad_prefill(**override):
+    from kvtier import ops
+
+    (q, k, v, g, beta), s0 = _kda_case([3, 2], torch.float32, seed=0, H=2, K=8, V=4)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0, cu_seqlens=_cu([3, 2]))
+    kwargs = {key: override.pop(key) for key in list(override) if key not in args}
+    args.update(override)
+    return ops.kda_chunk_prefill(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize("override, error, match", [
+    (dict(k=torch.zeros(5, 2, 7)), ValueError, r"k must have shape \(5, 2, 8\), got \(5, 2, 7\)"),
+    (dict(k=torch.zeros(5, 2, 8, dtype=torch.bfloat16)), ValueError, r"k must have dtype in \['torch.float32'\]"),
+    (dict(beta=torch.zeros(5, 3)), ValueError, r"beta must have shape \(5, 2\)"),
+    (dict(initial_state=torch.zeros(2, 2, 8, 5)), ValueError, r"initial_state must have shape \(2, 2, 8, 4\)"),
+    (dict(cu_seqlens=torch.tensor([0, 3, 5])), ValueError, r"cu_seqlens must have dtype in \['torch.int32'\]"),
+    (dict(cu_seqlens=_i32([0, 4, 3])), ValueError, r"cu_seqlens must start at 0, never decrease and end at"),
+    (dict(cu_seqlens=_i32([0, 3, 4])), ValueError, r"end at num_tokens=5, got \[0, 3, 4\]"),
+    (dict(checkpoint_seq=_i32([0])), ValueError, "checkpoint_seq and checkpoint_len must be given together"),
+    (dict(checkpoint_seq=_i32([1]), checkpoint_len=_i32([3])), ValueError, r"checkpoint_len\[0\] must be in \[0, 2\]"),
+    (dict(chunk_size=0), ValueError, "chunk_size must be an int >= 1, got 0"),
+    (dict(backend="cuda"), ValueError, "backend must be one of"),
+])
+def test_prefill_bad_input_names_the_argument(override, error, match):
+    with pytest.raises(error, match=match):
+        _bad_prefill(**override)
+
+
+def test_decode_and_conv_bad_input_names_the_argument():
+    from kvtier import ops
+    from kvtier.ops.dispatch import BackendUnavailableError
+
+    (q, k, v, g, beta), _ = _kda_case([3], torch.float32, seed=0, H=2, K=8, V=4)
+    slots = torch.zeros(4, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"state_indices must be < num_slots=4"):
+        ops.kda_recurrent_decode(q, k, v, g, beta, slots, _i32([0, 4, -1]))
+    with pytest.raises(ValueError, match="state_indices must be distinct where >= 0"):
+        ops.kda_recurrent_decode(q, k, v, g, beta, slots, _i32([1, -1, 1]))
+    with pytest.raises(ValueError, match="recurrent_state must be contiguous"):
+        ops.kda_recurrent_decode(q, k, v, g, beta, torch.zeros(4, 2, 4, 8).transpose(2, 3), _i32([0, 1, 2]))
+    big = [torch.zeros(1, 1, 512)] * 2
+    with pytest.raises(BackendUnavailableError, match="head_k_dim <= 256, got 512"):
+        ops.kda_recurrent_decode(*big, torch.zeros(1, 1, 4), big[0], torch.zeros(1, 1), torch.zeros(1, 1, 512, 4),
+                                 _i32([0]), backend="triton")
+    x, weight, bias, state = conv_inputs(4, 6, 4, 2, seed=1)
+    with pytest.raises(ValueError, match=r"weight must have shape \(6, kernel_size >= 1\), got \(5, 4\)"):
+        ops.causal_conv1d_prefill(x, weight[:5], bias, state, _cu([1, 3]))
+    with pytest.raises(ValueError, match=r"conv_state must have shape \(2, 6, 3\)"):
+        ops.causal_conv1d_prefill(x, weight, bias, state[..., :2], _cu([1, 3]))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ops.causal_conv1d_update(x[:2], weight, bias, state, _i32([0, 1]), activation="relu")
+    with pytest.raises(ValueError, match="state_indices must be distinct"):
+        ops.causal_conv1d_update(x[:2], weight, bias, state, _i32([1, 1]))

@@ -189,7 +189,7 @@ def kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None
             for row in marks.get(hi, ()):
                 ckpts[row] = state
         states[b] = state
-    return out.transpose(0, 1).to(q.dtype), states, ckpts
+    return out.transpose(0, 1).to(q.dtype).contiguous(), states, ckpts
 
 
 def kda_recurrent_decode(q, k, v, g, beta, recurrent_state, state_indices, *, scale=None, use_qk_l2norm=True):
