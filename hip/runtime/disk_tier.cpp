@@ -392,6 +392,14 @@ DiskStatus DiskTier::write_file(const BlockHash& hash, const BlockMeta& meta, co
 
   const std::string tmp = temp_path(hash);
   Fd fd(::open(tmp.c_str(), open_flags(O_WRONLY | O_CREAT | O_EXCL), 0644));
+  if (fd.fd < 0 && errno == ENOENT) {
+    // The directory was removed behind the tier's back (an operator who restores the cache
+    // directory by emptying and recreating it): make it again and go on storing. Blocks that
+    // were in it read as missing and are dropped then.
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (!ec) fd.fd = ::open(tmp.c_str(), open_flags(O_WRONLY | O_CREAT | O_EXCL), 0644);
+  }
   if (fd.fd < 0) {
     const DiskStatus st = status_of_errno(errno);
     return st == DiskStatus::kMissing ? DiskStatus::kIoError : st;  // the directory vanished

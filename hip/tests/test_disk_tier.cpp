@@ -529,6 +529,26 @@ void test_direct_io_fallback() {
 
 }  // namespace
 
+// After LMCache #559: the tier's own directory removed behind its back (an operator restoring
+// the cache directory with `rm -rf d; mkdir d`) is made again by the next write, and stores go on;
+// the blocks that were in it read as missing and are dropped.
+void test_directory_recreated() {
+  TempDir dir;
+  DiskTier t(dir.sub("ns"), std::uint64_t{1} << 20);
+  const BlockHash old_block = make_hash(1);
+  CHECK(put(t, old_block, 3000) == DiskStatus::kOk);
+  std::filesystem::remove_all(t.dir());
+  CHECK(!exists(t.dir()));
+  const BlockHash fresh = make_hash(2);
+  CHECK(put(t, fresh, 3000) == DiskStatus::kOk);
+  CHECK(exists(t.block_path(fresh)));
+  CHECK(read_matches(t, fresh, 3000));
+  std::vector<std::uint8_t> out(3000);
+  CHECK(t.read(old_block, make_meta(3000), out.data(), out.size()) == DiskStatus::kMissing);
+  CHECK(!t.contains(old_block));
+  check_consistent(t);
+}
+
 int main() {
   {
     TempDir dir;
@@ -546,6 +566,7 @@ int main() {
   test_concurrent(32 * 4096);  // tight: many kFull refusals
   test_full_filesystem();
   test_direct_io_fallback();
+  test_directory_recreated();
   std::printf("disk_tier: ok\n");
   return 0;
 }

@@ -209,3 +209,31 @@ def test_disk_budget_evicts_least_recently_used(tmp_path):
     assert pool.tiers.disk.used_bytes <= blocks_budget
     assert pool.stats().evictions["disk"] > 0
     pool.tiers.index.check_invariants()
+
+
+def test_disk_tier_stores_again_after_its_directory_is_restored(shared, tmp_path):
+    """After LMCache #559: an operator restores ``disk_cache_dir`` (``rm -rf d; mkdir d``); the
+    tier's own (namespaced) subdirectory is made again by its next write, so stores go on
+    instead of failing for ever (copy errors climbing, bytes written flat)."""
+    import shutil
+
+    first, second, want = shared
+    cache_dir = tmp_path / "d"
+    llm = disk_llm(cache_dir)
+    warm(llm, first)
+    written = llm.engine.pool.stats().bytes_written["disk"]
+    assert written > 0
+    shutil.rmtree(cache_dir)
+    cache_dir.mkdir()
+    warm(llm, prompt(200, 21))  # new blocks written through to disk
+    stats = llm.engine.pool.stats()
+    assert stats.bytes_written["disk"] > written
+    assert any(cache_dir.rglob("*.kvb"))
+    # the files that went with the directory were looked up once each (the flush prompts'),
+    # counted and dropped; after that no error climbs and every write lands
+    lost = stats.copy_errors
+    warm(llm, prompt(200, 22))
+    again = llm.engine.pool.stats()
+    assert again.copy_errors == lost and again.bytes_written["disk"] > stats.bytes_written["disk"]
+    out = llm.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]  # the lost blocks: recomputed
+    assert out.token_ids == want.token_ids
