@@ -495,3 +495,29 @@ def test_decode_and_conv_bad_input_names_the_argument():
         ops.causal_conv1d_update(x[:2], weight, bias, state, _i32([0, 1]), activation="relu")
     with pytest.raises(ValueError, match="state_indices must be distinct"):
         ops.causal_conv1d_update(x[:2], weight, bias, state, _i32([1, 1]))
+
+
+KDA_KERNELS = ["kda_prefill", "kda_decode", "causal_conv1d_prefill", "causal_conv1d_final_state",
+               "causal_conv1d_update"]
+
+
+@pytest.mark.slow
+def test_compile_gate_builds_the_kda_kernels_at_k3_shapes_without_spills(tmp_path):
+    """perf/compile_gate.py at K3 shapes (96 heads x 128, conv dim 36,864) for gfx950, gfx942 and
+    sm_90, in a subprocess (it needs compiled, not interpreted, kernels); about 10 s on two cores."""
+    import csv
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "perf" / "compile_gate.py"), "--out-dir", str(tmp_path),
+                           "--kernels", *KDA_KERNELS], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "kernel_resources.csv")))
+    assert {(r["kernel"], r["target"]) for r in rows} == {(k, t) for k in KDA_KERNELS
+                                                          for t in ("gfx950", "gfx942", "sm_90")}
+    for r in rows:
+        assert not r["error"] and r["spill_bytes"] == "0" and int(r["vgprs"]) > 0, r
+        assert r["target"] == "sm_90" or int(r["vgpr_spills"]) == 0, r
