@@ -5,7 +5,8 @@ decoding of whole assistant turns.
 - :func:`normalize_tools`, :func:`normalize_tool_choice`: request tools checked for grammars.
 - :class:`ToolCallParser`: content, reasoning and each call as soon as it ends.
 - :func:`turn_grammar`, :class:`GrammarCompiler`: llguidance grammars of a turn with tools,
-  compiled under :class:`GrammarLimits` (a schema over a limit is traced to its keyword).
+  compiled under :class:`GrammarLimits` (a schema over a limit is traced to its keyword;
+  :func:`pattern_size` bounds each ``pattern`` before compiling).
 - :class:`ToolCallConstraint`, :func:`fill_bitmasks`: per-request masks, closing before max_tokens.
 """
 
@@ -32,6 +33,7 @@ from kvtier.toolcall.parser import (
     ToolCallProblem,
     parse_call,
 )
+from kvtier.toolcall.pattern_size import pattern_size
 from kvtier.toolcall.schema import (
     SchemaLimits,
     ToolSchemaError,
@@ -63,6 +65,7 @@ __all__ = [
     "normalize_tools",
     "parse_call",
     "parse_schema",
+    "pattern_size",
     "turn_grammar",
     "validate_schema",
 ]

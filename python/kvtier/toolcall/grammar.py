@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, fields
 
+from kvtier.toolcall.pattern_size import check_pattern_sizes
 from kvtier.toolcall.tools import ToolSpec
 
 IM_END = "<|im_end|>"
@@ -82,6 +83,11 @@ class GrammarLimits:
             (tests/toolcall/test_sweep.py) need at most about 6,000; one call is 1-20 us.
         locate_compiles: trial compiles spent finding the schema keyword of a grammar that does
             not compile (within ``compile_timeout_s`` in all).
+        max_pattern_size: positions a ``pattern`` keyword may have with its counted repetitions
+            unrolled (:func:`kvtier.toolcall.pattern_size.pattern_size`), checked before compiling;
+            more is a :class:`GrammarLimitError` naming the keyword. One llguidance call walks a
+            pattern's positions holding the GIL (``^(a{1000}){1000}$`` stalled every request for
+            about 90 s); at 10,000 a forced pattern costs at most about 0.07 s per token.
 
     Raises:
         ValueError: a limit that is not a positive number.
@@ -97,13 +103,14 @@ class GrammarLimits:
     mask_deadline_s: float = 2.0
     closing_fuel: int = 32_768
     locate_compiles: int = 48
+    max_pattern_size: int = 10_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name in _PARSER_FIELDS:
                 continue
-            integer = f.name in _PARSER_FIELDS or f.name in ("closing_fuel", "locate_compiles")
+            integer = f.name in _PARSER_FIELDS or f.name in ("closing_fuel", "locate_compiles", "max_pattern_size")
             ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and v == v
             if not ok or isinstance(v, bool) or v <= 0:
                 kind = "an int" if integer else "a number"
@@ -273,9 +280,16 @@ class GrammarCompiler:
 
         Raises:
             GrammarError: llguidance rejected the grammar or a limit was exceeded
-                (:class:`GrammarLimitError` for the compile timeout); the message starts with
-                the keyword's path when ``specs`` locate it.
+                (:class:`GrammarLimitError` for the compile timeout, and for a ``pattern`` of
+                ``specs`` over ``limits.max_pattern_size``, refused before compiling); the message
+                starts with the keyword's path when ``specs`` locate it.
         """
+        if specs:
+            try:
+                check_pattern_sizes(specs, self.limits.max_pattern_size)
+            except GrammarLimitError:
+                self.stats.add(compiles=1, compile_errors=1)
+                raise
         matcher, reason = self._timed(lark, self.limits.compile_timeout_s)
         if matcher is not None:
             return matcher
