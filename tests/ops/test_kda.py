@@ -521,3 +521,65 @@ def test_compile_gate_builds_the_kda_kernels_at_k3_shapes_without_spills(tmp_pat
     for r in rows:
         assert not r["error"] and r["spill_bytes"] == "0" and int(r["vgprs"]) > 0, r
         assert r["target"] == "sm_90" or int(r["vgpr_spills"]) == 0, r
+
+
+# ---- compiled kernels on a GPU (pytest -m gpu; perf/gpu_check.sh runs them) ----------------------
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
+
+
+def _on_gpu(*tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_heads", [8, 96])
+@pytest.mark.parametrize("gate", ["random", "lower_bound"])
+def test_gpu_kda_prefill_and_decode_at_k3_head_dim(num_heads, gate):
+    """Head dim 128 (K3's), bf16 q/k/v/beta, fp32 g and states, a mixed-length batch with interior
+    checkpoints, then decode steps on the final states in shuffled slots."""
+    from kvtier import ops
+
+    lengths = [1, 0, 130, 64]
+    (q, k, v, g, beta), s0 = _kda_case(lengths, torch.bfloat16, seed=num_heads, gate=gate, H=num_heads, K=128,
+                                       V=128)
+    q, k, v, g, beta, s0 = _on_gpu(q, k, v, g, beta, s0)
+    cu = _cu(lengths).cuda()
+    ck = dict(checkpoint_seq=_i32([2, 2, 3, 0]).cuda(), checkpoint_len=_i32([65, 130, 0, 1]).cuda())
+    o, s, c = ops.kda_chunk_prefill(q, k, v, g, beta, s0, cu, backend="triton", **ck)
+    o_ref, s_ref, c_ref = ops.kda_chunk_prefill(q, k, v, g, beta, s0, cu, backend="torch", **ck)
+    assert_close(o, o_ref, atol=2e-2, rtol=2e-2, name="o", max_cos_diff=1e-4)
+    assert_close(s, s_ref, atol=1e-4, rtol=1e-4, name="final_state")
+    assert_close(c, c_ref, atol=1e-4, rtol=1e-4, name="checkpoint_states")
+    slots = torch.full((6, num_heads, 128, 128), float("nan"), device="cuda")
+    idx = _i32([5, 2, -1, 0]).cuda()
+    slots[idx[idx >= 0].long()] = s[[0, 1, 3]]
+    want = slots.clone()
+    step = _kda_case([4], torch.bfloat16, seed=1, gate=gate, H=num_heads, K=128, V=128)[0]
+    step = _on_gpu(*step)
+    o = ops.kda_recurrent_decode(*step, slots, idx, backend="triton")
+    o_ref = ops.kda_recurrent_decode(*step, want, idx, backend="torch")
+    assert_close(o, o_ref, atol=2e-2, rtol=2e-2, name="decode o")
+    assert_close(slots, want, atol=1e-4, rtol=1e-4, name="slots")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_conv_at_k3_width():
+    from kvtier import ops
+
+    dim, lengths = 3 * 96 * 128, [1, 0, 70, 3]
+    x, weight, bias, state = _on_gpu(*conv_inputs(sum(lengths), dim, 4, len(lengths), torch.bfloat16, seed=1))
+    cu = _cu(lengths).cuda()
+    y, final = ops.causal_conv1d_prefill(x, weight, None, state, cu, backend="triton")
+    y_ref, final_ref = ops.causal_conv1d_prefill(x, weight, None, state, cu, backend="torch")
+    assert_close(y, y_ref, atol=1.6e-2, rtol=1e-2, name="conv y")
+    assert torch.equal(final, final_ref)
+    slots = torch.randn(5, dim, 3, device="cuda").to(torch.bfloat16)
+    want = slots.clone()
+    idx = _i32([4, -1, 1]).cuda()
+    y = ops.causal_conv1d_update(x[:3], weight, bias, slots, idx, backend="triton")
+    y_ref = ops.causal_conv1d_update(x[:3], weight, bias, want, idx, backend="torch")
+    assert_close(y, y_ref, atol=1.6e-2, rtol=1e-2, name="conv update y")
+    assert torch.equal(slots, want)
