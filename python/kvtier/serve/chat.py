@@ -36,6 +36,29 @@ def chat_sampling_params(params: SamplingParams | None, tools: Seq[dict] | None 
     return dataclasses.replace(params, **changes) if changes else params
 
 
+def check_tool_results(messages: Seq[dict]) -> None:
+    """Each ``tool`` message answers a call of an earlier assistant message, as OpenAI's chat API
+    requires (it refuses a ``tool_call_id`` found in no earlier ``tool_calls``); a result of no
+    call would otherwise be rendered, and counted as a session's resume after a tool wait.
+
+    Raises:
+        ValueError: naming ``messages[i].tool_call_id`` when it matches no earlier call.
+    """
+    if not isinstance(messages, Seq) or isinstance(messages, (str, bytes)):
+        return  # the renderer names what is wrong with it
+    calls: set = set()
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls.update(c.get("id") for c in m["tool_calls"] if isinstance(c, dict))
+        elif m.get("role") == "tool":
+            call_id = m.get("tool_call_id")
+            if isinstance(call_id, str) and call_id not in calls:
+                raise ValueError(f"messages[{i}].tool_call_id: {call_id!r} matches no tool call of an earlier "
+                                 "assistant message (each tool message answers one of its tool_calls[].id)")
+
+
 def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
     """A :class:`kvtier.tokenize.SessionEncoder` whose token buffer hashes pages as ``engine`` does
     for requests with ``cache_salt``."""
@@ -58,6 +81,7 @@ def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: Sampl
     """
     if isinstance(messages, Seq) and not isinstance(messages, (str, bytes)) and not messages:
         raise ValueError("messages: empty; a conversation needs at least one message")
+    check_tool_results(messages)
     encoder.append(messages, params.tools)
     # The encoder's token buffer hashed each page once as it was appended: the engine reads them
     # from it (no hashing again), and the pool hashes only the pages past them.

@@ -3,6 +3,7 @@ why, counted by the session store and exposed in ``/metrics``."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from kvtier.serve.api.jobs import Final
@@ -116,8 +117,13 @@ def test_a_resumed_turn_over_the_target_is_counted_in_metrics(tmp_path):
         assert m.tool_calls
         before, expired0 = tool_waits(s)
         assert before == 1
-        msgs += [m.model_dump(exclude_none=True)] + [
-            {"role": "tool", "tool_call_id": c.id, "content": "a.py"} for c in m.tool_calls]
+        msgs += [m.model_dump(exclude_none=True)]
+        # a tool result answering no call is refused (as OpenAI does) and is not the resume
+        with pytest.raises(openai.BadRequestError, match=r"messages\[2\]\.tool_call_id"):
+            client.chat.completions.create(messages=msgs + [{"role": "tool", "tool_call_id": "call_none",
+                                                             "content": "a.py"}], max_tokens=4, **kw)
+        assert tool_waits(s)[0] == 1
+        msgs += [{"role": "tool", "tool_call_id": c.id, "content": "a.py"} for c in m.tool_calls]
         second = client.chat.completions.create(messages=msgs, tool_choice="none", max_tokens=4, **kw)
         assert second.usage.prompt_tokens_details.cached_tokens > 0
         assert settle(s, 0, expired0)

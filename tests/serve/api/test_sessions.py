@@ -111,3 +111,32 @@ def test_a_refused_resume_leaves_the_resume_to_the_retry(llm):
     store.accepted("r")
     store.turn_ended("r", list(range(60)), [], None, final=_final())
     assert store.num_waiting == 0 and store.resumes.snapshot()["resumes"] == 1
+
+
+def test_a_resume_aborted_after_it_was_accepted_gives_the_wait_back(llm):
+    """A resume the engine accepted and that was then aborted (its client disconnected) leaves
+    the session waiting on its tool as before: the pool is told again, the wait it observed is
+    taken back from the tool's estimate, and the client's retry is the resume counted."""
+    from tests.serve.api.test_resume import _final
+
+    clock = Clock()
+    store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=clock)
+    pool = llm.engine.pool
+    store.encoder("r")
+    store.accepted("r")
+    store.turn_ended("r", list(range(40)), ["ls"], 5.0, final=_final())
+    assert store.num_waiting == 1 and pool.returns_within(0.0, 10.0) == 1
+    clock.t += 2.0
+    store.encoder("r")
+    store.accepted("r")  # the resume reached the engine: the wait ended
+    assert store.num_waiting == 0 and pool.returns_within(0.0, 10.0) == 0
+    assert list(store.tool_waits["ls"].observed) == [2.0]
+    store.aborted("r")  # the client went away
+    assert store.num_waiting == 1 and store.resumes.snapshot()["resumes"] == 0
+    assert pool.returns_within(0.0, 10.0) == 1 and list(store.tool_waits["ls"].observed) == []
+    clock.t += 1.0
+    store.encoder("r")
+    store.accepted("r")  # the retry
+    assert list(store.tool_waits["ls"].observed) == [3.0]
+    store.turn_ended("r", list(range(60)), [], None, final=_final())
+    assert store.num_waiting == 0 and store.resumes.snapshot()["resumes"] == 1

@@ -10,7 +10,8 @@ the called tools (median of the waits seen for that tool name on this server, 9 
 docs/workload.md's p50). A text completion of a session that carries ``expected_tool_wait_s``
 declares such a wait itself (tool name :data:`DECLARED_WAIT`). The wait ends when the session's
 next request is accepted by the engine (the wait is then observed for those tools; a refused
-request leaves it waiting), when it is deleted, or when it expires.
+request leaves it waiting, and one aborted after it was accepted, a client that disconnected,
+gives it back), when it is deleted, or when it expires.
 """
 
 from __future__ import annotations
@@ -42,6 +43,21 @@ class Session:
     cache_salt: str = ""
     accepted: bool = False  # a request of the session reached the engine
     waiting_ids: list | None = None  # prompt and output of the turn it waits after (for the resume target)
+    waiting_hashes: list = field(default_factory=list)  # that turn's full pages, as told to the pool
+    waiting_expected_s: float = 0.0  # the wait the pool was told to expect
+    resumed: _Wait | None = None  # the wait its request in flight ended (given back if that one is aborted)
+
+
+@dataclass
+class _Wait:
+    """A tool wait a resuming request ended, kept until that request's turn ends."""
+
+    since_s: float
+    tools: list[str]
+    ids: list | None
+    hashes: list
+    expected_s: float
+    observed: list[tuple[str, float]]  # (tool, seconds) appended to the tools' estimates
 
 
 class SessionStore:
@@ -108,8 +124,11 @@ class SessionStore:
         s.accepted = True
         if s.waiting_since_s is not None:
             now = self.clock()
-            for name in s.waiting_tools:
-                self._estimate(name).observed.append(now - s.waiting_since_s)
+            observed = [(name, now - s.waiting_since_s) for name in s.waiting_tools]
+            for name, waited in observed:
+                self._estimate(name).observed.append(waited)
+            s.resumed = _Wait(s.waiting_since_s, list(s.waiting_tools), s.waiting_ids, s.waiting_hashes,
+                              s.waiting_expected_s, observed)
             self.resumes.begin(session_id, s.waiting_ids)
             s.waiting_ids = None
             self._end_wait(session_id, s)
@@ -129,13 +148,34 @@ class SessionStore:
             return
         s.in_flight = max(s.in_flight - 1, 0)
         s.last_used_s = self.clock()
+        s.resumed = None
         if not tool_names:
             return
         expected = hint_s if hint_s is not None else max(self._estimate(n).value() for n in tool_names)
         hashes = self._chain(token_ids, s.cache_salt, block_hashes or [])
         self.engine.pool.tool_wait_blocks(session_id, hashes, expected)
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
-        s.waiting_ids = list(token_ids)
+        s.waiting_ids, s.waiting_hashes, s.waiting_expected_s = list(token_ids), hashes, expected
+
+    def aborted(self, session_id: str | None) -> None:
+        """A request of ``session_id`` the engine accepted was aborted before it finished (its
+        client disconnected, or the engine failed). If it was a resume, the session waits on its
+        tools again as if that request had never come: the pool is told again (the time left of
+        the expected wait), the wait it observed is taken back from the tools' estimates, and the
+        client's retry is the resume the target counts."""
+        s = self.sessions.get(session_id) if session_id is not None else None
+        w = s.resumed if s is not None else None
+        self.turn_ended(session_id, None, [], None)
+        if w is None or s.waiting_since_s is not None:
+            return
+        for name, waited in w.observed:
+            observed = self._estimate(name).observed
+            if waited in observed:
+                observed.remove(waited)
+        left = max(w.expected_s - (self.clock() - w.since_s), 0.0)
+        self.engine.pool.tool_wait_blocks(session_id, w.hashes, left)
+        s.waiting_since_s, s.waiting_tools = w.since_s, w.tools
+        s.waiting_ids, s.waiting_hashes, s.waiting_expected_s = w.ids, w.hashes, w.expected_s
 
     def _chain(self, token_ids, cache_salt: str, known: list[bytes]) -> list[bytes]:
         """The hashes of every full page of ``token_ids``: ``known``'s first ones, the rest hashed."""

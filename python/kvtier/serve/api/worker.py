@@ -191,7 +191,7 @@ class EngineWorker:
             job = cmd[1]
             if job.request_id is not None and self._jobs.pop(job.request_id, None) is not None:
                 self.engine.abort([job.request_id])
-                self.sessions.turn_ended(job.session_id, None, [], None)
+                self.sessions.aborted(job.session_id)
         elif kind == "call":
             _, fn, loop, fut = cmd
             try:
@@ -289,7 +289,7 @@ class EngineWorker:
         self.engine.abort(list(self._jobs))
         for job in list(self._jobs.values()):
             job.emit("error", ApiError(500, f"engine error: {message}"))
-            self.sessions.turn_ended(job.session_id, None, [], None)
+            self.sessions.aborted(job.session_id)
         self._jobs.clear()
 
     def _publish(self) -> None:
