@@ -17,6 +17,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 < args.session_ttl_s < float("inf"):
         raise ValueError(f"--session-ttl-s must be a finite number > 0, got {args.session_ttl_s}")
     if args.resume_ttft_s is not None and not 0 < args.resume_ttft_s < float("inf"):
@@ -47,7 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
                           decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s,
                           health_stall_s=args.health_stall_s, grammar_limits=grammar_limits,
-                          resume_ttft_s=args.resume_ttft_s, **engine_args)
+                          resume_ttft_s=args.resume_ttft_s, max_request_bytes=args.max_request_bytes, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -82,6 +84,8 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="port (0 = a free port, printed at start)")
     s.add_argument("--served-model-name", help="the model name clients send (default: MODEL as given)")
     s.add_argument("--max-queue", type=int, default=256, help="requests in flight at once; more get 503")
+    s.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                   help="larger request bodies get 413 before they are decoded (default 32 MiB: a 1M-token prompt)")
     s.add_argument("--session-ttl-s", type=float, default=600.0, help="idle seconds before a session is dropped")
     s.add_argument("--resume-ttft-s", type=float, default=None, metavar="S",
                    help="TTFT target of a session's turn after a tool wait; misses are counted by why in /metrics")

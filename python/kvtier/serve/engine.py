@@ -21,6 +21,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.options import is_int
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
+from kvtier.serve.penalties import apply_penalties
 from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.scheduler import ScheduledBatch, Scheduler
@@ -171,6 +172,10 @@ class Engine:
             raise ValueError(f"{where} is empty; a prompt needs at least one token")
         if num_tokens > max_pos:
             raise ValueError(f"{where} has {num_tokens} tokens, more than max_position_embeddings={max_pos}")
+        if params.refuse_past_context and num_tokens + params.max_tokens > max_pos:  # sampling-parameter plumbing
+            raise ValueError(f"max_tokens: {where} has {num_tokens} tokens and max_tokens is {params.max_tokens}: "
+                             f"{num_tokens + params.max_tokens} tokens in all, more than the context "
+                             f"(max_position_embeddings={max_pos}); lower max_tokens or shorten the prompt")
         ps = self.config.pool.page_size
         pages = -(-(min(num_tokens + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
         if pages > self.config.pool.num_device_pages:
@@ -594,6 +599,9 @@ class Engine:
             token_bitmask[torch.tensor(masked, device=dev)] = torch.cat(
                 [live[i][2] for i in masked]).to(dev, non_blocking=True)
         generators = [seq.generator or self.generator for seq, _, _ in live]
+        # sampling-parameter plumbing: presence / frequency penalties (a copy; logprobs read the model's)
+        logits = apply_penalties(logits, [(seq.output_token_ids, seq.params.presence_penalty,
+                                           seq.params.frequency_penalty) for seq, _, _ in live])
         tokens = ops.sample(logits, temperature.to(dev), top_p.to(dev), token_bitmask=token_bitmask,
                             generator=generators, backend=self._sample_backend())
         return tokens.tolist()

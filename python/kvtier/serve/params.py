@@ -8,6 +8,7 @@ from typing import Any
 from kvtier.options import check_bool, check_int, check_real
 
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most (OpenAI's range)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,16 @@ class SamplingParams:
         tool_choice: ``"auto"`` (text and/or calls), ``"none"`` (text only), ``"required"``
             (one or more calls, no text) or ``{"type": "function", "function": {"name": NAME}}``.
         parallel_tool_calls: allow several calls in one turn.
+        presence_penalty: subtracted from the logit of every token already generated in this
+            request (OpenAI's definition), in [-2, 2]; 0 = off.
+        frequency_penalty: subtracted from a token's logit once per time it was generated, in
+            [-2, 2]; 0 = off. Both change what is sampled, not the returned logprobs
+            (:func:`kvtier.serve.penalties.apply_penalties`).
+        refuse_past_context: True: a prompt whose length plus ``max_tokens`` exceeds the
+            model's context (``max_position_embeddings``) is refused (ValueError naming
+            ``max_tokens`` and both numbers), as vLLM's server refuses it; the HTTP server sets
+            it when the client gave a maximum. False (the default): generation stops at the
+            context's end with finish reason ``"length"``.
 
     A constrained turn ends when its grammar is complete (``ignore_eos`` does not apply), and
     when the shortest completion needs all remaining tokens of ``max_tokens`` that completion
@@ -51,6 +62,9 @@ class SamplingParams:
     tools: Any = None
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    refuse_past_context: bool = False
     # Derived from the tool fields: the turn grammar (None: unconstrained).
     tool_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
     tool_specs: tuple = field(default=(), init=False, repr=False, compare=False)  # ToolSpecs it was built from
@@ -66,8 +80,10 @@ class SamplingParams:
         if not isinstance(self.logprobs, bool):
             raise ValueError(f"logprobs must be True or False (top-N alternatives are not returned), "
                              f"got {self.logprobs!r}")
-        for name in ("ignore_eos", "prompt_logprobs", "parallel_tool_calls"):
+        for name in ("ignore_eos", "prompt_logprobs", "parallel_tool_calls", "refuse_past_context"):
             check_bool(name, getattr(self, name))
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_real(name, getattr(self, name), min_value=-MAX_PENALTY, max_value=MAX_PENALTY)
         self._check_tools()
 
     def _check_tools(self) -> None:

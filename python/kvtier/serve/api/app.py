@@ -23,6 +23,7 @@ from kvtier.serve.api import messages, messages_stream, responses, responses_api
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.serve.api.protocol import (
+    DEFAULT_MAX_REQUEST_BYTES,
     ApiError,
     ChatRequest,
     CompletionRequest,
@@ -49,6 +50,8 @@ class ServerOptions:
             ``/health``; the events' worker id is this endpoint), or None.
         health_stall_s: ``/health`` answers 503 once the engine thread has not completed a step
             for this many seconds while requests wait.
+        max_request_bytes: a request body over this many bytes is a 413 (in the API's error
+            shape) before it is read further, decoded or tokenized.
     """
 
     model_name: str
@@ -56,10 +59,14 @@ class ServerOptions:
     max_model_len: int | None = None
     kv_events: str | None = None
     health_stall_s: float = 30.0
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_queue, int) or self.max_queue < 1:
             raise ValueError(f"max_queue must be an int >= 1, got {self.max_queue!r}")
+        b = self.max_request_bytes
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"max_request_bytes must be an int >= 1, got {b!r}")
         s = self.health_stall_s
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not s > 0 or s == float("inf"):
             raise ValueError(f"health_stall_s must be a number of seconds > 0, got {s!r}")
@@ -96,6 +103,10 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         err = ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
         return JSONResponse(_error_body(request.url.path, err), status_code=e.status_code)
 
+    async def body(request: Request):
+        """The JSON body; a 413 over ``options.max_request_bytes`` before it is decoded."""
+        return await json_body(request, options.max_request_bytes)
+
     @app.get("/health")
     async def health():
         if not worker.alive:
@@ -122,7 +133,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse(ChatRequest, await json_body(request))
+        req = parse(ChatRequest, await body(request))
         params = req.params()
         sid = req.session(request.headers.get(SESSION_HEADER))
         hint = req.tool_wait(request.headers.get(TOOL_WAIT_HEADER))
@@ -130,7 +141,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post(messages.PATH)
     async def anthropic_messages(request: Request):
-        req, params, sid, fmt = messages_stream.prepare(await json_body(request), request.headers.get(SESSION_HEADER))
+        req, params, sid, fmt = messages_stream.prepare(await body(request), request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
                             fmt=fmt)
@@ -139,7 +150,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post(responses_api.PATH)
     async def openai_responses(request: Request):
-        req, params, sid, fmt = responses_api_stream.prepare(await json_body(request), kept,
+        req, params, sid, fmt = responses_api_stream.prepare(await body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
@@ -147,7 +158,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await json_body(request))
+        req = parse(CompletionRequest, await body(request))
         prompt = req.single_prompt()
         sid = req.session(request.headers.get(SESSION_HEADER))
         return await _serve(st, request, "completion", req, req.params(), {"prompt": prompt}, sid,
@@ -199,9 +210,9 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
         st.worker.abort(job)
         release()
         raise
-    if event == "error":
+    if event == "error":  # refused on the engine thread (the prompt over the context, ...): in this API's names
         release()
-        raise value
+        raise fmt.rename(value) if hasattr(fmt, "rename") else value
     endpoint = request.url.path
     rid = fmt.new_id()
     created = int(time.time())

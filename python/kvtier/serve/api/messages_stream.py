@@ -137,6 +137,8 @@ def prepare(body, header: str | None):
 class MessagesFormat:
     """The Messages API's answers for ``app._serve`` (see :class:`kvtier.serve.api.responses.OpenAIFormat`)."""
 
+    rename = staticmethod(rename_fields)  # an error of the chat request in this API's field names
+
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex}"
 

@@ -8,6 +8,11 @@ extensions: ``session_id`` (or the header ``X-Session-Id``), ``expected_tool_wai
 header ``X-Expected-Tool-Wait-S``, which the Messages and Responses APIs take too: a hint of how
 long the tools of this turn will run), ``ignore_eos`` (as vLLM has it: generate
 ``max_tokens`` tokens whatever the model says; what replay clients send) and ``cache_salt``.
+
+``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]) are applied as OpenAI defines them,
+over the tokens this request generated. A ``max_tokens`` (or ``max_completion_tokens``) that with
+the prompt exceeds the model's context is a 400 naming both numbers (as vLLM answers); without
+one, the output is at most 256 tokens and stops at the context's end.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvtier.serve.params import SamplingParams
+from kvtier.serve.params import MAX_PENALTY, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
 SESSION_ID_MAX = 256  # characters of a session id (body field or header)
@@ -152,10 +157,12 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # null (OpenAI allows it here, on n, logprobs, echo): the default
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int | None = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
     session_id: str | None = Field(default=None, min_length=1, max_length=SESSION_ID_MAX)
     cache_salt: str | None = Field(default=None, max_length=256)
@@ -194,13 +201,20 @@ class _Common(BaseModel):
     def max_new_tokens(self) -> int:
         return self.max_tokens if self.max_tokens is not None else DEFAULT_MAX_TOKENS
 
+    def max_tokens_given(self) -> bool:
+        """Whether the client set the output's maximum (then prompt + maximum over the context
+        is a 400, as vLLM answers; else the output stops at the context's end)."""
+        return self.max_tokens is not None
+
     def sampling(self, **extra) -> SamplingParams:
         """The engine's :class:`SamplingParams`; bad combinations are a 400 naming the field."""
         try:
             return SamplingParams(max_tokens=self.max_new_tokens(),
                                   temperature=1.0 if self.temperature is None else self.temperature,
                                   top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed,
-                                  ignore_eos=self.ignore_eos, **extra)
+                                  ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty or 0.0,
+                                  frequency_penalty=self.frequency_penalty or 0.0,
+                                  refuse_past_context=self.max_tokens_given(), **extra)
         except ValueError as e:
             raise value_error(e) from None
 
@@ -213,7 +227,7 @@ class ChatRequest(_Common):
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
 
     def max_new_tokens(self) -> int:
@@ -221,11 +235,14 @@ class ChatRequest(_Common):
             return self.max_completion_tokens
         return super().max_new_tokens()
 
+    def max_tokens_given(self) -> bool:
+        return self.max_completion_tokens is not None or super().max_tokens_given()
+
     def params(self) -> SamplingParams:
         """Sampling parameters with this request's tools, ``tool_choice`` and parallelism."""
         from kvtier.serve.chat import chat_sampling_params
 
-        base = self.sampling(logprobs=self.logprobs, parallel_tool_calls=self.parallel_tool_calls)
+        base = self.sampling(logprobs=bool(self.logprobs), parallel_tool_calls=self.parallel_tool_calls)
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise ApiError(400, f"tool_choice: {self.tool_choice!r:.60} needs tools", "tool_choice")
         try:
@@ -245,7 +262,7 @@ class CompletionRequest(_Common):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=0)
-    echo: bool = False
+    echo: bool | None = False
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -263,11 +280,43 @@ class CompletionRequest(_Common):
         return self.sampling(logprobs=self.logprobs is not None)
 
 
-async def json_body(request) -> Any:
-    """The body of ``request`` (a starlette/FastAPI ``Request``) decoded as JSON; a 400 on
-    ``body`` when it is not valid JSON (nesting too deep for the decoder included)."""
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # room for a 1M-token prompt as JSON text (about 4 bytes a token)
+
+
+def _too_large(size: int, max_bytes: int, at_least: bool) -> ApiError:
+    return ApiError(413, f"body: the request body has {'more than ' if at_least else ''}{size} bytes; this server "
+                    f"takes at most {max_bytes} (kvtier serve --max-request-bytes)", "body")
+
+
+async def read_body(request, max_bytes: int | None = None) -> bytes:
+    """The raw body of ``request`` (a starlette/FastAPI ``Request``), refused before it is
+    decoded when over ``max_bytes`` (None: no limit).
+
+    Raises:
+        ApiError: 413 on ``body`` as soon as the declared ``Content-Length`` or the bytes
+            received so far exceed ``max_bytes``; the rest is not read.
+    """
+    if max_bytes is None:
+        return await request.body()
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes, False)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes, max_bytes, True)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def json_body(request, max_bytes: int | None = None) -> Any:
+    """The body of ``request`` (see :func:`read_body`: a 413 over ``max_bytes``) decoded as
+    JSON; a 400 on ``body`` when it is not valid JSON (nesting too deep for the decoder
+    included)."""
+    raw = await read_body(request, max_bytes)
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}", "body") from None
 

@@ -95,6 +95,8 @@ class ResponsesFormat:
         self.rid, self.echo, self.store = rid, echo, store
         self.session_id, self.parent, self.new_turns = session_id, parent, new_turns
 
+    rename = staticmethod(rename_fields)  # an error of the chat request in this API's field names
+
     def new_id(self) -> str:
         return self.rid
 

@@ -8,14 +8,15 @@ from pathlib import Path
 
 from kvtier.serve.api.app import ServerOptions, build_app
 from kvtier.serve.api.metrics import ServerMetrics
+from kvtier.serve.api.protocol import DEFAULT_MAX_REQUEST_BYTES
 from kvtier.serve.api.worker import EngineWorker
 
 
 def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None = None, max_queue: int = 256,
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
              kv_events_endpoint: str | None = None, health_stall_s: float = 30.0, grammar_limits=None,
-             resume_ttft_s: float | None = None, worker_factory=EngineWorker, on_engine=None, extend_app=None,
-             **engine_args):
+             resume_ttft_s: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+             worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
@@ -31,6 +32,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``health_stall_s``: ``/health`` answers 503 once the engine thread has not completed a step
     for this long while requests wait. ``grammar_limits``: a :class:`kvtier.toolcall.GrammarLimits`
     (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
+
+    ``max_request_bytes``: a larger request body is a 413 before it is decoded (default 32 MiB,
+    room for a 1M-token prompt).
 
     ``resume_ttft_s``: the TTFT target of a session's turn after a tool wait; the pool plans its
     tool waits for it and the scheduler keeps the steps around a first token or an expected
@@ -49,7 +53,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     from kvtier.toolcall import GrammarLimits
 
     options = ServerOptions(served_model_name or str(model), max_queue,  # checks the limits first
-                            health_stall_s=health_stall_s)
+                            health_stall_s=health_stall_s, max_request_bytes=max_request_bytes)
     if isinstance(grammar_limits, dict):
         grammar_limits = GrammarLimits.from_dict(grammar_limits)
     if grammar_limits is not None and not isinstance(grammar_limits, GrammarLimits):

@@ -307,4 +307,4 @@ def _prompt_error(e: ValueError, kind: str) -> ApiError:
     if msg.startswith("prompt_token_ids[0]"):
         field = "messages" if kind == "chat" else "prompt"
         return ApiError(400, f"{field}: the prompt{msg[len('prompt_token_ids[0]'):]}", field)
-    return value_error(e)
+    return value_error(ValueError(msg.replace("prompt_token_ids[0]", "the prompt")))
