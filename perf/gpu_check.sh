@@ -24,7 +24,9 @@
 #      copy bandwidth) and perf/bench_moe.py (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048,
 #      bf16, INT4 group-32 and FP8-block weights with % of HBM and matrix peak; moe_align_block_size
 #      and the page gather on torch, triton and hip), then perf/bench_linear.py (FP8-block and INT4
-#      linears at K2 projection shapes vs the bf16 vendor GEMM; LINEAR_S, default 40 s);
+#      linears at K2 projection shapes vs the bf16 vendor GEMM; LINEAR_S, default 40 s), then
+#      perf/bench_kda.py (K3's KDA: prefill tokens/s from a given state, decode step time at batch
+#      1-128 with % of HBM peak, the short conv; triton vs the torch reference; KDA_S, default 40 s);
 #   4b. perf/bench_decode_graph.py: decode step time eager vs replayed from a CUDA/HIP graph, batch
 #      1-64 (tiny model; 90 s at most);
 #   5. serving on the GPU preset k2-gpu (K2's layers at one-GPU size; kvtier.model.config): the
@@ -38,8 +40,8 @@
 # preset on the CPU, CPU streams), so CI checks every command line of the script; its budget and
 # step limits are 4x (a CPU is slower than the GPU it stands for).
 # Files: gpu_check.log, gpu_check_build.log, gpu_check_build_hip.log, gpu_check_pytest.log, bench_mla.csv, bench_moe.csv,
-# bench_linear.csv, bench_decode_graph.csv, bench_serving.json, bench_serving.log, bench_copy_path.csv, serving_summary.md,
-# gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
+# bench_linear.csv, bench_kda.csv, bench_kda.md, bench_decode_graph.csv, bench_serving.json, bench_serving.log,
+# bench_copy_path.csv, serving_summary.md, gpu_check_summary.md. Exit status: 0 when every step ran and passed, else 1.
 set -uo pipefail
 DRY=""
 [ "${1:-}" = "--dry-run" ] && DRY="--dry-run"
@@ -56,6 +58,7 @@ SLOW=1
 BUDGET="${GPU_CHECK_BUDGET_S:-$((450 * SLOW))}"
 SERVING_S="${SERVING_S:-200}"
 LINEAR_S="${LINEAR_S:-$((40 * SLOW))}"
+KDA_S="${KDA_S:-$((40 * SLOW))}"
 T0=$SECONDS
 status=0
 left() { echo $((BUDGET - (SECONDS - T0))); }
@@ -139,7 +142,7 @@ else
 fi
 
 step "MoE benchmarks"
-share=$(( $(left) - 30 - SERVING_S - LINEAR_S ))
+share=$(( $(left) - 30 - SERVING_S - LINEAR_S - KDA_S ))
 if [ "$share" -gt 20 ]; then
   timeout $((share + 20)) "$PY" perf/bench_moe.py $DRY --budget-s "$share" --repeats 5 --csv "$DEST/bench_moe.csv" \
     || { echo "bench_moe.py failed"; status=1; }
@@ -155,6 +158,16 @@ if [ "$share" -gt 15 ]; then
     --csv "$DEST/bench_linear.csv" || { echo "bench_linear.py failed"; status=1; }
 else
   echo "no time left for the linear benchmarks"; status=1
+fi
+
+step "KDA benchmarks (prefill, decode, short conv)"
+share=$(( $(left) - 20 - SERVING_S ))
+[ "$share" -gt "$KDA_S" ] && share=$KDA_S
+if [ "$share" -gt 15 ]; then
+  timeout $((share + 20)) "$PY" perf/bench_kda.py $DRY --budget-s "$share" --repeats 5 --csv "$DEST/bench_kda.csv" \
+    --summary "$DEST/bench_kda.md" || { echo "bench_kda.py failed"; status=1; }
+else
+  echo "no time left for the KDA benchmarks"; status=1
 fi
 
 step "serving on the GPU preset: device-only vs tiered; copy path vs pinned bandwidth"
@@ -210,6 +223,10 @@ step "summary"
     echo "Quantized linears (op, shape, backend, median µs, GB/s, TFLOP/s, % HBM peak, % matrix peak):"
     echo
     cut -d, -f1,2,4,7,10,11,12,13 "$DEST/bench_linear.csv" | sed 's/^/    /'
+  fi
+  if [ -f "$DEST/bench_kda.md" ]; then
+    echo
+    cat "$DEST/bench_kda.md"
   fi
   if [ -f "$DEST/bench_decode_graph.csv" ]; then
     echo

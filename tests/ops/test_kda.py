@@ -583,3 +583,29 @@ def test_gpu_conv_at_k3_width():
     y_ref = ops.causal_conv1d_update(x[:3], weight, bias, want, idx, backend="torch")
     assert_close(y, y_ref, atol=1.6e-2, rtol=1e-2, name="conv update y")
     assert torch.equal(slots, want)
+
+
+def test_bench_kda_dry_run_writes_rows_and_summary(tmp_path):
+    """perf/bench_kda.py --dry-run (tiny CPU shapes, torch backend): every op has a row with a time,
+    and the summary gives tokens/s; perf/gpu_check.sh runs it with these options."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "perf/bench_kda.py", "--dry-run", "--budget-s", "60", "--repeats", "1",
+                           "--csv", str(tmp_path / "kda.csv"), "--summary", str(tmp_path / "kda.md")],
+                          capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "kda.csv")))
+    assert {r["op"] for r in rows} == {"kda_chunk_prefill", "kda_recurrent_decode", "causal_conv1d_prefill",
+                                       "causal_conv1d_update"}
+    assert all(float(r["median_us"]) > 0 and r["resolved_backend"] == "torch" for r in rows)
+    summary = (tmp_path / "kda.md").read_text()
+    assert "| kda_chunk_prefill | B3xT16-H2-K16 | torch |" in summary and "tokens/s" in summary
+    bad = subprocess.run([sys.executable, "perf/bench_kda.py", "--dry-run", "--summary", "x.md"],
+                         capture_output=True, text=True, timeout=120, cwd=root, env=env)
+    assert bad.returncode == 2 and "--summary needs --csv PATH" in bad.stderr
