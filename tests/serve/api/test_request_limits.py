@@ -165,3 +165,17 @@ def test_max_tokens_past_the_context_is_the_same_400_on_every_api(server, path, 
     if param is not None:
         assert r.json()["error"]["param"] == param
     _still_serving(server)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 9000}]}, "messages"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "x " * 9000}], "max_tokens": 4}, None),
+    ("/v1/responses", {"input": "x " * 9000}, "input"),
+])
+def test_a_prompt_over_the_context_is_a_400_in_the_apis_names(server, path, body, param):
+    r = _post(server, path, {"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(f"{param or 'messages'}: the prompt has ") and "max_position_embeddings" in message
+    if param is not None:
+        assert r.json()["error"]["param"] == param
