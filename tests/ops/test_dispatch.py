@@ -29,6 +29,8 @@ def _calls():
     w13p, w13s = torch.zeros(3, 16, 4, dtype=torch.int32), torch.ones(3, 16, 4)
     w13f, s13f = torch.ones(3, 16, 32).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
     w2f, s2f = torch.ones(3, 32, 8).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
+    kq, kv_, kg, kb = torch.randn(3, 2, 4), torch.randn(3, 2, 5), -torch.rand(3, 2, 4), torch.rand(3, 2)  # KDA, H=2
+    cu3, i32 = torch.tensor([0, 1, 3], dtype=torch.int32), torch.int32
     return {
         "mla_decode": lambda b: ops.mla_decode(q, kv, bt, lens, 0.2, 16, backend=b),
         "mla_extend": lambda b: ops.mla_extend(q, kv, bt, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 0.2, 16,
@@ -54,7 +56,20 @@ def _calls():
         "fused_moe_w4a16": lambda b: ops.fused_moe_w4a16(moe_x, w13p, w13s, w2p, w2s, moe_w, moe_ids, 8, backend=b),
         "fused_moe_fp8_block": lambda b: ops.fused_moe_fp8_block(moe_x, w13f, s13f, w2f, s2f, moe_w, moe_ids,
                                                                  backend=b),
+        "kda_chunk_prefill": lambda b: ops.kda_chunk_prefill(kq, kq, kv_, kg, kb, torch.ones(2, 2, 4, 5), cu3,
+                                                             backend=b),
+        "kda_recurrent_decode": lambda b: _with_state(torch.ones(3, 2, 4, 5), lambda s: ops.kda_recurrent_decode(
+            kq, kq, kv_, kg, kb, s, torch.tensor([2, -1, 0], dtype=i32), backend=b)),
+        "causal_conv1d_prefill": lambda b: ops.causal_conv1d_prefill(kq[:, 0], torch.ones(4, 3), None, None, cu3,
+                                                                     backend=b),
+        "causal_conv1d_update": lambda b: _with_state(torch.ones(2, 4, 2), lambda s: ops.causal_conv1d_update(
+            kq[:, 0], torch.ones(4, 3), None, s, torch.tensor([1, -1, 0], dtype=i32), backend=b)),
     }
+
+
+def _with_state(state, step):
+    """Run an op that also updates ``state`` in place; return (its output, the state)."""
+    return step(state), state
 
 
 OPS = sorted(_calls())
