@@ -9,8 +9,16 @@ from kvtier.model import PRESETS, create_random_checkpoint
 
 
 def cmd_create_checkpoint(args: argparse.Namespace) -> int:
+    if args.tokenizer is not None:
+        from kvtier.tokenize import copy_tokenizer, load_tokenizer
+
+        load_tokenizer(args.tokenizer)  # a bad directory is refused before anything is written
     path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
-    print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}")
+    with_tokenizer = ""
+    if args.tokenizer is not None:
+        copy_tokenizer(args.tokenizer, path)
+        with_tokenizer = f" with the tokenizer of {args.tokenizer}"
+    print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}{with_tokenizer}")
     return 0
 
 
@@ -23,4 +31,7 @@ def add_parser(sub) -> None:
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4"],
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
                         "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6)")
+    c.add_argument("--tokenizer", metavar="DIR",
+                   help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the checkpoint, "
+                        "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer)")
     c.set_defaults(func=cmd_create_checkpoint)

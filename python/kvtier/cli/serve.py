@@ -9,12 +9,8 @@ from kvtier.model import PRESETS
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import torch
-
-    from kvtier.cluster.disagg import check_role
-    from kvtier.cluster.disagg.app import make_worker_app
-    from kvtier.serve.api.server import serve
-
+    # The options are checked before the server's modules load (a bad value is refused in the
+    # time ``import kvtier`` takes: torch, whose ops it registers).
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_request_bytes < 1:
@@ -27,6 +23,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    from kvtier.cluster.disagg import check_role
+
     check_role(args.role)
     decode_workers = [u.strip().rstrip("/") for u in (args.decode_workers or "").split(",") if u.strip()]
     if any(not u.startswith(("http://", "https://")) for u in decode_workers):
@@ -36,6 +34,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.transfer_timeout_s < float("inf"):
         raise ValueError(f"--transfer-timeout-s must be a finite number > 0, got {args.transfer_timeout_s}")
     grammar_limits = parse_grammar_limits(args.grammar_limits)
+    import torch
+
+    from kvtier.cluster.disagg.app import make_worker_app
+    from kvtier.serve.api.server import serve
+
     torch.set_num_threads(args.threads)
     engine_args = dict(page_size=args.page_size, num_device_pages=args.num_device_pages,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

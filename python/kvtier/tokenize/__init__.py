@@ -8,7 +8,7 @@
 
 from kvtier.tokenize.chat import DEFAULT_SYSTEM, GENERATION_PROMPT, render_chat, render_messages
 from kvtier.tokenize.session import AppendResult, IdStore, ListIdStore, SessionEncoder
-from kvtier.tokenize.tokenizer import KimiTokenizer, StreamDecoder, load_tokenizer
+from kvtier.tokenize.tokenizer import KimiTokenizer, StreamDecoder, copy_tokenizer, has_tokenizer, load_tokenizer
 
 __all__ = ["AppendResult", "DEFAULT_SYSTEM", "GENERATION_PROMPT", "IdStore", "KimiTokenizer", "ListIdStore",
-           "SessionEncoder", "StreamDecoder", "load_tokenizer", "render_chat", "render_messages"]
+           "SessionEncoder", "StreamDecoder", "copy_tokenizer", "has_tokenizer", "load_tokenizer", "render_chat", "render_messages"]

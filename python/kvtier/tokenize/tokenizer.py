@@ -224,3 +224,29 @@ def load_tokenizer(model_dir: str | Path) -> KimiTokenizer:
         raise ValueError(f"{vocab_path}: ranks must be 0..n-1 without gaps")
     specials = _read_special_tokens(model_dir / CONFIG_FILE, len(ranks))
     return KimiTokenizer(ranks, specials, name=f"kimi:{vocab_path}")
+
+
+def copy_tokenizer(src_dir: str | Path, dst_dir: str | Path) -> Path:
+    """Copy the Kimi tokenizer files (``tiktoken.model``, ``tokenizer_config.json``) of
+    ``src_dir`` into ``dst_dir`` (a checkpoint directory, as released checkpoints carry them),
+    after checking that they load.
+
+    Returns:
+        ``dst_dir``.
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`load_tokenizer` for ``src_dir``.
+    """
+    import shutil
+
+    load_tokenizer(src_dir)
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for name in (VOCAB_FILE, CONFIG_FILE):
+        shutil.copyfile(src_dir / name, dst_dir / name)
+    return dst_dir
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether ``model_dir`` holds the Kimi tokenizer's vocabulary file (``tiktoken.model``)."""
+    return (Path(model_dir) / VOCAB_FILE).is_file()

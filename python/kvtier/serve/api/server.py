@@ -50,6 +50,11 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
 
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
+    from kvtier.tokenize import has_tokenizer
+
+    if tokenizer is None and not has_tokenizer(model):
+        raise ValueError(f"{model}: the checkpoint directory has no Kimi tokenizer (tiktoken.model); pass "
+                         "--tokenizer DIR, or write one into it with kvtier create-checkpoint --tokenizer DIR")
     from kvtier.toolcall import GrammarLimits
 
     options = ServerOptions(served_model_name or str(model), max_queue,  # checks the limits first
