@@ -1,10 +1,12 @@
 """One request must never freeze the server: the probe (a tool needing a million-item array,
 tool_choice required, max_tokens 16) and every pathological schema end within their own
 max_tokens while a small request started during them is answered in a few engine steps; a
-schema llguidance refuses is a 400 naming its keyword; ``/health`` turns 503 while the engine
-thread is stalled on purpose and 200 after; through ``kvtier router`` a worker busy with an
-expensive request leaves the other serving. Bounds are engine steps (``usage.engine_steps``,
-``kvtier_engine_steps_total``), never wall-clock time."""
+schema llguidance refuses, or a ``pattern`` over the size limit (the issue's
+``^(a{1000}){1000}$``, refused before compiling while small requests step and /health answers),
+is a 400 naming its keyword; ``/health`` turns 503 while the engine thread is stalled on purpose
+and 200 after; through ``kvtier router`` a worker busy with an expensive request leaves the other
+serving. Bounds are engine steps (``usage.engine_steps``, ``kvtier_engine_steps_total``), never
+wall-clock time."""
 
 from __future__ import annotations
 
@@ -89,6 +91,41 @@ def test_the_probe_is_answered_within_its_own_budget(server):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX_TOKENS
     assert r.usage.model_extra["engine_steps"] <= MAX_TOKENS + PREFILL_STEPS
     assert [p["kind"] for p in r.choices[0].model_extra["tool_call_problems"]] == ["incomplete"]
+
+
+def test_the_pattern_probe_is_a_400_naming_its_path_while_small_requests_step_and_health_answers(server):
+    """The issue's probe (``^(a{1000}){1000}$`` in a required property, tool_choice required) sent
+    together with two max_tokens=2 requests and /health polls: it is refused before compiling, the
+    small requests finish in a few engine steps, and /health answers 200 throughout."""
+    probe_tool, where = REFUSED["repeated_group_probe"]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as http:
+            probe = http.post(f"{server.url}/v1/chat/completions", json={
+                "model": "tiny", "messages": ASK, "tools": [probe_tool], "tool_choice": "required",
+                "max_tokens": MAX_TOKENS})
+            smalls = [http.post(f"{server.url}/v1/chat/completions", json={
+                "model": "tiny", "messages": ASK, "max_tokens": 2, "ignore_eos": True}) for _ in range(2)]
+            healths = [http.get(f"{server.url}/health") for _ in range(4)]
+            return await asyncio.gather(probe, *smalls, *healths)
+
+    time.sleep(0.5)
+    before = server.metrics()
+    probe, *rest = asyncio.run(main())
+    smalls, healths = rest[:2], rest[2:]
+    err = probe.json()["error"]
+    assert probe.status_code == 400 and err["param"] == BASE + where, probe.text
+    assert "max_pattern_size=" in err["message"]
+    for r in smalls:
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["completion_tokens"] == 2 and usage["engine_steps"] <= SMALL_STEPS
+    assert [h.status_code for h in healths] == [200] * len(healths)
+    time.sleep(0.5)  # the engine counters are published every 0.2 s
+    after = server.metrics()
+    cut = ("kvtier_grammar_requests_cut_total", ("limit", "compile"))
+    assert after[cut] == before.get(cut, 0) + 1  # refused at the limit, counted once
+    assert after[("kvtier_engine_steps_total",)] >= before[("kvtier_engine_steps_total",)] + 2
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED) + ["ungenerable"])
