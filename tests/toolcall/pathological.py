@@ -64,7 +64,8 @@ REFUSED = {
                             ".properties.x.pattern"),  # 72,000
     "nested_quantifiers_over": (_tool(_one({"type": "array", "items": {
         "type": "string", "pattern": "^(?:((a|b){2,5}c{3}){10,}){1,100}$"}})), ".properties.x.items.pattern"),  # 13,000
-    "long_alternation_over": (_tool(_one({"anyOf": [{"type": "integer"}, {"type": "string", "pattern": _words(3000)}]})),
+    "long_alternation_over": (_tool(_one({"anyOf": [{"type": "integer"},
+                                                    {"type": "string", "pattern": _words(3000)}]})),
                               ".properties.x.anyOf[1].pattern"),  # 13,890
     "pattern_in_defs": (_tool(_one({"$ref": "#/$defs/id"}, **{"$defs": {"id": {
         "type": "string", "pattern": "^[0-9a-f]{64}(-[0-9a-f]{64}){200}$"}}})), ".$defs.id.pattern"),  # 13,064
