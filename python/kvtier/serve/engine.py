@@ -578,11 +578,19 @@ class Engine:
             try:
                 rows = logits[torch.tensor(want_logprobs, device=logits.device)]
                 picked = torch.tensor([sampled[i] for i in want_logprobs], device=logits.device)
-                values = torch.log_softmax(rows, -1).gather(1, picked[:, None]).squeeze(1).tolist()
+                lsm = torch.log_softmax(rows, -1)
+                values = lsm.gather(1, picked[:, None]).squeeze(1).tolist()
+                k = max(live[i][0].params.top_logprobs for i in want_logprobs)
+                top = torch.topk(lsm, k, dim=-1) if k else None
+                top_ids, top_vals = (top.indices.tolist(), top.values.tolist()) if k else ([], [])
             except Exception as e:  # noqa: BLE001 - fails the requests that asked for logprobs
                 return out | {live[i][0].seq_id: e for i in want_logprobs}
-            for i, v in zip(want_logprobs, values):
-                live[i][0].logprobs.append(float(v))
+            for j, (i, v) in enumerate(zip(want_logprobs, values)):
+                seq = live[i][0]
+                seq.logprobs.append(float(v))
+                if seq.params.top_logprobs:
+                    n = seq.params.top_logprobs
+                    seq.top_logprobs.append(list(zip(top_ids[j][:n], top_vals[j][:n])))
         return out
 
     def _sample_rows(self, live, logits: torch.Tensor) -> list[int]:
@@ -637,6 +645,7 @@ class Engine:
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=list(seq.output_token_ids),
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs else None,
             num_cached_tokens=seq.num_cached_tokens,
             error=seq.error,

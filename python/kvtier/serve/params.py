@@ -9,12 +9,13 @@ from kvtier.options import check_bool, check_int, check_real
 
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # |presence_penalty| and |frequency_penalty| at most (OpenAI's range)
+MAX_TOP_LOGPROBS = 20  # alternatives per generated token at most (OpenAI's chat range)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate for one request (names as in vLLM; ``logprobs`` and
-    ``prompt_logprobs`` are booleans: only the chosen token's log-probability is returned).
+    ``prompt_logprobs`` are booleans, ``top_logprobs`` asks for alternatives as OpenAI's chat API).
 
     Attributes:
         max_tokens: tokens to generate at most (>= 1).
@@ -24,6 +25,9 @@ class SamplingParams:
         ignore_eos: keep generating past end-of-sequence tokens.
         logprobs: return the log-probability of each generated token (under the unscaled
             model distribution).
+        top_logprobs: with ``logprobs``, also return the ``top_logprobs`` most likely tokens at
+            each generated position and their log-probabilities (same distribution), in
+            [0, :data:`MAX_TOP_LOGPROBS`]; 0 = none.
         prompt_logprobs: return the log-probability of each prompt token after the first.
         tools: OpenAI-style function tools; when given (non-empty), the whole turn is decoded
             under a grammar of K2's tool-call format whose arguments match each tool's schema
@@ -59,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     prompt_logprobs: bool = False
+    top_logprobs: int = 0
     tools: Any = None
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
@@ -78,10 +83,12 @@ class SamplingParams:
         if self.seed is not None:  # None: not seeded
             check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
         if not isinstance(self.logprobs, bool):
-            raise ValueError(f"logprobs must be True or False (top-N alternatives are not returned), "
-                             f"got {self.logprobs!r}")
+            raise ValueError(f"logprobs must be True or False (alternatives: top_logprobs), got {self.logprobs!r}")
         for name in ("ignore_eos", "prompt_logprobs", "parallel_tool_calls", "refuse_past_context"):
             check_bool(name, getattr(self, name))
+        check_int("top_logprobs", self.top_logprobs, min_value=0, max_value=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         for name in ("presence_penalty", "frequency_penalty"):
             check_real(name, getattr(self, name), min_value=-MAX_PENALTY, max_value=MAX_PENALTY)
         self._check_tools()
@@ -152,6 +159,9 @@ class RequestOutput:
             ``Engine.add_hashed_request``).
         token_ids: generated token ids.
         logprobs: log-probability of each generated token, or None when not requested.
+        top_logprobs: per generated token, its ``SamplingParams.top_logprobs`` most likely
+            alternatives as ``(token_id, logprob)`` pairs, most likely first; None when not
+            requested.
         prompt_logprobs: ``len(prompt) - 1`` entries, entry ``i`` for prompt token ``i + 1``;
             None when not requested. Entries whose preceding position was served from cached
             pages are ``None`` (their logits were never computed): exactly the first
@@ -195,3 +205,4 @@ class RequestOutput:
     tool_call_problems: list[dict] | None = None
     last_prompt_block: bytes | None = None
     events: list | None = field(default=None, repr=False, compare=False)
+    top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -46,6 +46,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token: (id, logprob), best first
     prompt_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
     # Where the reused prompt tokens came from (tokens per tier), as reported (the first

@@ -20,13 +20,15 @@ from kvtier.serve.params import RequestOutput, SamplingParams
 @dataclass(frozen=True)
 class Delta:
     """Output since the last event: answer ``text``, ``reasoning`` text, complete ``tool_calls``
-    (``[{"index", "id", "name", "arguments"}]``), the ``token_ids`` and their ``logprobs``."""
+    (``[{"index", "id", "name", "arguments"}]``), the ``token_ids``, their ``logprobs`` and
+    ``top_logprobs`` (per token ``(token_id, logprob)`` alternatives, when asked)."""
 
     text: str = ""
     reasoning: str = ""
     tool_calls: tuple[dict, ...] = ()
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[list[tuple[int, float]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Final:
     last_prompt_block: bytes | None = None  # see RequestOutput.last_prompt_block
     engine_steps: int | None = None  # engine steps from arrival to finish (RequestMetrics.engine_steps)
     stop_sequence: str | None = None  # the stop string that ended it (None: none did)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # alternatives per token, when asked
 
 
 class StopFilter:
@@ -136,7 +139,7 @@ class Job:
         self.decoder = None if self.kind == "chat" else StreamDecoder(tokenizer)
         self.stop = StopFilter(self.stops)
 
-    def feed(self, ids: list[int], logprobs: list[float], final: bool, events=()) -> Delta:
+    def feed(self, ids: list[int], logprobs: list[float], final: bool, events=(), top_logprobs=()) -> Delta:
         """The delta of ``ids`` (newly generated); ``final``: the request ended after them.
 
         ``events``: for chat, the engine parser's events of ``ids`` (``Engine.take_events``, or
@@ -164,7 +167,7 @@ class Job:
             text.append(self.stop.flush())
         out = "".join(text)
         self.content += out
-        return Delta(out, "".join(reasoning), tuple(calls), tuple(ids), tuple(logprobs))
+        return Delta(out, "".join(reasoning), tuple(calls), tuple(ids), tuple(logprobs), tuple(top_logprobs))
 
     def final(self, seq_or_output, finish_reason: str | None, error: str | None = None) -> Final:
         """The summary of a finished request (its :class:`RequestOutput`) or of one ended by a stop
@@ -182,4 +185,5 @@ class Job:
                      dict(o.cached_tokens_by_tier), self.content, self.reasoning,
                      list(self.calls), list(self.problems), lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
                      error, status, getattr(o, "last_prompt_block", None),  # a Sequence when cut by a stop string
-                     o.metrics.engine_steps, self.stop.matched if self.stop is not None else None)
+                     o.metrics.engine_steps, self.stop.matched if self.stop is not None else None,
+                     list(o.top_logprobs) if self.params.top_logprobs and o.top_logprobs is not None else None)

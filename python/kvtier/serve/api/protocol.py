@@ -228,7 +228,7 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool = True
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs logprobs
 
     def max_new_tokens(self) -> int:
         if self.max_completion_tokens is not None:
@@ -242,7 +242,10 @@ class ChatRequest(_Common):
         """Sampling parameters with this request's tools, ``tool_choice`` and parallelism."""
         from kvtier.serve.chat import chat_sampling_params
 
-        base = self.sampling(logprobs=bool(self.logprobs), parallel_tool_calls=self.parallel_tool_calls)
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        base = self.sampling(logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0,
+                             parallel_tool_calls=self.parallel_tool_calls)
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise ApiError(400, f"tool_choice: {self.tool_choice!r:.60} needs tools", "tool_choice")
         try:
@@ -261,7 +264,7 @@ class CompletionRequest(_Common):
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=0)
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # alternatives per token (OpenAI's range)
     echo: bool | None = False
 
     def single_prompt(self) -> str | list[int]:
@@ -277,7 +280,7 @@ class CompletionRequest(_Common):
         return p
 
     def params(self) -> SamplingParams:
-        return self.sampling(logprobs=self.logprobs is not None)
+        return self.sampling(logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
 
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # room for a 1M-token prompt as JSON text (about 4 bytes a token)

@@ -28,15 +28,37 @@ def tool_call(c: dict) -> dict:
             "function": {"name": c["name"], "arguments": c["arguments"]}}
 
 
-def chat_logprobs(tokenizer, ids, lps) -> dict | None:
-    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": []}]}`` (no alternatives)."""
+def _token_bytes(tokenizer, i: int) -> bytes:
+    return tokenizer.special_ids.get(i, "").encode() or tokenizer.decode_bytes([i])
+
+
+def chat_logprobs(tokenizer, ids, lps, tops=None) -> dict | None:
+    """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}, ...]}]}``; ``tops``: per token ``(token_id, logprob)`` alternatives (None: none)."""
     if lps is None:
         return None
     content = []
-    for i, lp in zip(ids, lps):
-        b = tokenizer.special_ids.get(i, "").encode() or tokenizer.decode_bytes([i])
-        content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b), "top_logprobs": []})
+    for k, (i, lp) in enumerate(zip(ids, lps)):
+        b = _token_bytes(tokenizer, i)
+        alts = []
+        for j, alt_lp in (tops[k] if tops and k < len(tops) else ()):
+            ab = _token_bytes(tokenizer, j)
+            alts.append({"token": ab.decode("utf-8", "replace"), "logprob": alt_lp, "bytes": list(ab)})
+        content.append({"token": b.decode("utf-8", "replace"), "logprob": lp, "bytes": list(b), "top_logprobs": alts})
     return {"content": content}
+
+
+def text_logprobs(tokenizer, ids, lps, tops=None) -> dict | None:
+    """A completion's ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``;
+    ``top_logprobs``: per token ``{token: logprob}`` of the alternatives asked for (None when
+    none were)."""
+    if lps is None:
+        return None
+    tokens = [_token_bytes(tokenizer, i).decode("utf-8", "replace") for i in ids]
+    top = None
+    if tops:
+        top = [{_token_bytes(tokenizer, j).decode("utf-8", "replace"): alt_lp for j, alt_lp in alts} for alts in tops]
+    return {"tokens": tokens, "token_logprobs": list(lps), "top_logprobs": top, "text_offset": None}
 
 
 def chat_completion(rid: str, created: int, model: str, f: Final, tokenizer) -> dict:
@@ -45,7 +67,8 @@ def chat_completion(rid: str, created: int, model: str, f: Final, tokenizer) -> 
         message["reasoning_content"] = f.reasoning
     if f.tool_calls:
         message["tool_calls"] = [{k: v for k, v in tool_call(c).items() if k != "index"} for c in f.tool_calls]
-    choice = {"index": 0, "message": message, "logprobs": chat_logprobs(tokenizer, f.token_ids, f.logprobs),
+    choice = {"index": 0, "message": message,
+              "logprobs": chat_logprobs(tokenizer, f.token_ids, f.logprobs, f.top_logprobs),
               "finish_reason": f.finish_reason}
     if f.tool_call_problems:
         choice["tool_call_problems"] = f.tool_call_problems
@@ -53,9 +76,8 @@ def chat_completion(rid: str, created: int, model: str, f: Final, tokenizer) -> 
             "usage": usage(f)}
 
 
-def text_completion(rid: str, created: int, model: str, f: Final) -> dict:
-    lps = None if f.logprobs is None else {"token_logprobs": f.logprobs, "tokens": None, "top_logprobs": None,
-                                           "text_offset": None}
+def text_completion(rid: str, created: int, model: str, f: Final, tokenizer) -> dict:
+    lps = text_logprobs(tokenizer, f.token_ids, f.logprobs, f.top_logprobs)
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": f.content, "logprobs": lps, "finish_reason": f.finish_reason}],
             "usage": usage(f)}
@@ -90,13 +112,13 @@ class ChunkWriter:
         """Chunks of one delta event: text (and reasoning), then each complete tool call."""
         out = []
         if self.kind != "chat":
-            lps = {"token_logprobs": list(d.logprobs)} if logprobs else None
+            lps = text_logprobs(self.tokenizer, d.token_ids, d.logprobs, d.top_logprobs) if logprobs else None
             return [self._chunk({"index": 0, "text": d.text, "logprobs": lps, "finish_reason": None})]
         if d.text or d.reasoning or d.token_ids:
             delta = {"content": d.text}
             if d.reasoning:
                 delta["reasoning_content"] = d.reasoning
-            lps = chat_logprobs(self.tokenizer, d.token_ids, list(d.logprobs)) if logprobs else None
+            lps = chat_logprobs(self.tokenizer, d.token_ids, list(d.logprobs), d.top_logprobs) if logprobs else None
             out.append(self._chunk({"index": 0, "delta": delta, "logprobs": lps, "finish_reason": None}))
         for c in d.tool_calls:
             out.append(self._chunk({"index": 0, "delta": {"tool_calls": [tool_call(c)]}, "logprobs": None,
@@ -132,7 +154,7 @@ class OpenAIFormat:
 
     def body(self, rid: str, created: int, model: str, f: Final, tokenizer) -> dict:
         return (chat_completion(rid, created, model, f, tokenizer) if self.kind == "chat"
-                else text_completion(rid, created, model, f))
+                else text_completion(rid, created, model, f, tokenizer))
 
     def writer(self, rid: str, created: int, model: str, tokenizer, prompt_tokens: int) -> ChunkWriter:
         """``prompt_tokens``: the prompt's length (the engine accepted it)."""

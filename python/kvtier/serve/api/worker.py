@@ -252,11 +252,12 @@ class EngineWorker:
             if state is None:
                 continue
             ids = state.token_ids if out is not None else state.output_token_ids
-            lps = state.logprobs or []
+            lps, tops = state.logprobs or [], state.top_logprobs or []
             if len(ids) > job.sent or out is not None:
-                new, new_lps = list(ids[job.sent:]), list(lps[job.sent:len(ids)])
+                new, new_lps, new_tops = list(ids[job.sent:]), list(lps[job.sent:len(ids)]), list(tops[job.sent:len(ids)])
                 job.sent = len(ids)
-                delta = job.feed(new, new_lps, final=out is not None, events=self._parsed(job, out))
+                delta = job.feed(new, new_lps, final=out is not None, events=self._parsed(job, out),
+                                 top_logprobs=new_tops)
                 if delta.text or delta.reasoning or delta.tool_calls or delta.token_ids:
                     job.emit("delta", delta)
             if out is not None:
