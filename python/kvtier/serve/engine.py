@@ -517,6 +517,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - reported on these requests, the engine keeps serving
             errors = [f"{type(e).__name__}: {e}"] * len(seqs)
         self.grammar_stats.add(masks=len(seqs), mask_s=time.perf_counter() - t0)
+        for s, err in zip(seqs, errors):
+            if err is not None and s.params.tool_grammar is not None:
+                self.grammar_compiler().forget(s.params.tool_grammar)  # its copies may share the failure
         return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
 
     def _prompt_logprobs(self, seq: Sequence, res) -> None:

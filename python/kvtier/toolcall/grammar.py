@@ -317,6 +317,14 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return pristine.deep_copy()
 
+    def forget(self, lark: str) -> bool:
+        """Drop grammar ``lark``'s compiled copy (True if it was kept). Copies share the lazily
+        built lexer of the one they were made from: after a request's matcher failed while
+        decoding (llguidance's "too many expressions constructed", say), the next copy would fail
+        at once, so the next request compiles afresh."""
+        with self._lock:
+            return self._cache.pop(lark, None) is not None
+
     def locate(self, specs: Sequence[ToolSpec]) -> str | None:
         """The JSON path of the schema keyword that keeps the tools' grammar from compiling
         (``tools[0].function.parameters.properties.x.minimum``), ``tools[i].function.parameters``
