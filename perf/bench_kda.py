@@ -9,7 +9,8 @@ states read and written. Peaks are the datasheet figures of :mod:`kvtier.bench.s
 (H200, MI355X) found by the device name; blank elsewhere.
 
 On a GPU: K3 shapes (96 heads x head dim 128, fp32 states, bf16 activations; g in fp32 as the
-gate hands it over): prefill of 1 x 4096, 8 x 1024 and 1 x 16384 new tokens from a given state;
+gate hands it over): prefill of 1 x 4096, 8 x 1024 and 1 x 16384 new tokens from a given state,
+triton's chunked kernel (``-C64``) and its token-walking one (``-C1``, ``chunk_size=1``);
 decode at batch 1, 8, 32 and 128 over shuffled state slots; the short conv (dim 3 x 12,288,
 kernel 4) prefill at 4096 tokens and update at batch 1 and 128. torch (the fp32 reference, up
 to :data:`TORCH_MAX_TOKENS` prefill tokens) and triton. On CPU: the torch backend at tiny shapes;
@@ -38,6 +39,7 @@ from timing import add_kernel_bench_args, parse_kernel_bench_args
 TORCH_MAX_TOKENS = 4096  # the reference loops over chunks in Python
 GPU_PREFILL = ((1, 4096), (8, 1024), (1, 16384))  # (sequences, new tokens each)
 GPU_DECODE = (1, 8, 32, 128)
+PREFILL_CHUNKS = (64, 1)  # triton: the chunked kernel, then the token-walking one (the reference runs once)
 
 
 def _kda_inputs(num_tokens, heads, dim, device, dtype):
@@ -47,15 +49,16 @@ def _kda_inputs(num_tokens, heads, dim, device, dtype):
     return q, k, v, g, beta
 
 
-def _prefill_case(batch, per_seq, heads, dim, device, dtype, es):
+def _prefill_case(batch, per_seq, heads, dim, device, dtype, es, chunk_size):
     tokens = batch * per_seq
     q, k, v, g, beta = _kda_inputs(tokens, heads, dim, device, dtype)
     state = torch.randn(batch, heads, dim, dim, device=device) * 0.1
     cu = torch.arange(0, tokens + 1, per_seq, dtype=torch.int32, device=device)
     nbytes = tokens * heads * ((3 * dim + 1) * es + 4 * dim) + 2 * batch * heads * dim * dim * 4
-    return Case("kda_chunk_prefill", f"B{batch}xT{per_seq}-H{heads}-K{dim}",
-                lambda b: ops.kda_chunk_prefill(q, k, v, g, beta, state, cu, validate=False, backend=b),
-                nbytes, kda_prefill_flops(tokens, heads, dim, dim, 64), tokens)
+    return Case("kda_chunk_prefill", f"B{batch}xT{per_seq}-H{heads}-K{dim}-C{chunk_size}",
+                lambda b: ops.kda_chunk_prefill(q, k, v, g, beta, state, cu, chunk_size=chunk_size, validate=False,
+                                                backend=b),
+                nbytes, kda_prefill_flops(tokens, heads, dim, dim, chunk_size), tokens)
 
 
 def _decode_case(batch, heads, dim, device, dtype, es):
@@ -72,7 +75,8 @@ def _cases(device: torch.device, dtype: torch.dtype):
     heads, dim = (96, 128) if gpu else (2, 16)
     es = torch.tensor([], dtype=dtype).element_size()
     for batch, per_seq in (GPU_PREFILL if gpu else ((1, 32), (3, 16))):
-        yield _prefill_case(batch, per_seq, heads, dim, device, dtype, es)
+        for chunk_size in PREFILL_CHUNKS:
+            yield _prefill_case(batch, per_seq, heads, dim, device, dtype, es, chunk_size)
     for batch in (GPU_DECODE if gpu else (1, 4)):
         yield _decode_case(batch, heads, dim, device, dtype, es)
     conv_dim, width = 3 * heads * dim, 4
@@ -96,8 +100,9 @@ def _cases(device: torch.device, dtype: torch.dtype):
 
 
 def _skip_torch(case: Case, backend: str, device: torch.device) -> bool:
-    return backend == "torch" and device.type == "cuda" and case.op == "kda_chunk_prefill" and \
-        case.num_tokens > TORCH_MAX_TOKENS
+    if backend != "torch" or case.op != "kda_chunk_prefill":
+        return False
+    return case.shape.endswith("-C1") or (device.type == "cuda" and case.num_tokens > TORCH_MAX_TOKENS)
 
 
 def write_summary(rows: list[dict], path: str) -> None:

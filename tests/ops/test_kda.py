@@ -30,6 +30,8 @@ def kda_inputs(num_tokens, num_heads, head_k_dim, head_v_dim, dtype=torch.float3
     v = torch.randn(num_tokens, num_heads, head_v_dim, generator=gen)
     if gate == "lower_bound":
         g = torch.full((num_tokens, num_heads, head_k_dim), GATE_LOWER_BOUND)
+    elif gate == "strong":  # far past K3's bound: exp(g) underflows, a factored exp(G_t) * exp(-G_j) overflows
+        g = -200.0 * torch.rand(num_tokens, num_heads, head_k_dim, generator=gen)
     else:  # lower_bound * sigmoid(x): K3's gate activation, spread over (-5, 0)
         g = GATE_LOWER_BOUND * torch.sigmoid(torch.randn(num_tokens, num_heads, head_k_dim, generator=gen) * 2 - 3)
     beta = torch.sigmoid(torch.randn(num_tokens, num_heads, generator=gen))
@@ -274,13 +276,15 @@ def _kda_case(lengths, dtype, *, seed, gate="random", H=2, K=16, V=16):
 
 
 @pytest.mark.usefixtures("_interpreter")
+@pytest.mark.parametrize("chunk_size", [1, 64], ids=["token-walk", "chunked"])
 @pytest.mark.parametrize("dtype, o_atol, o_rtol, s_atol", TRITON_TOL)
 @pytest.mark.parametrize("lengths, gate, with_state", [
     ((17,), "random", True),          # not a multiple of the chunk
     ((7, 0, 1, 20), "random", True),  # mixed lengths with an empty and a one-token sequence
     ((16, 5), "lower_bound", False),  # the gate at K3's lower bound, fresh sequences
+    ((33,), "strong", True),          # decays far stronger than any gate makes
 ])
-def test_triton_prefill_matches_reference(dtype, o_atol, o_rtol, s_atol, lengths, gate, with_state):
+def test_triton_prefill_matches_reference(chunk_size, dtype, o_atol, o_rtol, s_atol, lengths, gate, with_state):
     from kvtier import ops
 
     inputs, s0 = _kda_case(lengths, dtype, seed=len(lengths) * 7, gate=gate)
@@ -289,7 +293,7 @@ def test_triton_prefill_matches_reference(dtype, o_atol, o_rtol, s_atol, lengths
     seqs = [b for b, n in enumerate(lengths) for _ in range(2)]
     poss = [p for n in lengths for p in (n // 2, n)]  # an interior token and the end of each sequence
     ck = dict(checkpoint_seq=_i32(seqs), checkpoint_len=_i32(poss))
-    o, s, c = ops.kda_chunk_prefill(*inputs, s0, cu, backend="triton", **ck)
+    o, s, c = ops.kda_chunk_prefill(*inputs, s0, cu, chunk_size=chunk_size, backend="triton", **ck)
     o_ref, s_ref, c_ref = ref.kda_chunk_prefill(*inputs, s0, cu, chunk_size=16, **ck)
     assert o.dtype == dtype and s.dtype == torch.float32 and c.dtype == torch.float32
     assert_close(o, o_ref, atol=o_atol, rtol=o_rtol, name="o", max_cos_diff=1e-4)
@@ -497,7 +501,7 @@ def test_decode_and_conv_bad_input_names_the_argument():
         ops.causal_conv1d_update(x[:2], weight, bias, state, _i32([1, 1]))
 
 
-KDA_KERNELS = ["kda_prefill", "kda_decode", "causal_conv1d_prefill", "causal_conv1d_final_state",
+KDA_KERNELS = ["kda_prefill", "kda_prefill_chunked", "kda_decode", "causal_conv1d_prefill", "causal_conv1d_final_state",
                "causal_conv1d_update"]
 
 
@@ -536,9 +540,12 @@ def _on_gpu(*tensors):
 @needs_gpu
 @pytest.mark.parametrize("num_heads", [8, 96])
 @pytest.mark.parametrize("gate", ["random", "lower_bound"])
-def test_gpu_kda_prefill_and_decode_at_k3_head_dim(num_heads, gate):
+@pytest.mark.parametrize("chunk_size, s_tol", [(1, 1e-4), (64, 3e-2)], ids=["token-walk", "chunked"])
+def test_gpu_kda_prefill_and_decode_at_k3_head_dim(num_heads, gate, chunk_size, s_tol):
     """Head dim 128 (K3's), bf16 q/k/v/beta, fp32 g and states, a mixed-length batch with interior
-    checkpoints, then decode steps on the final states in shuffled slots."""
+    checkpoints, then decode steps on the final states in shuffled slots. The chunked kernel's
+    matrix products take bf16 operands on a GPU: its states get bf16-level tolerances and a cosine
+    bound; the token-walking kernel computes in fp32 throughout."""
     from kvtier import ops
 
     lengths = [1, 0, 130, 64]
@@ -547,11 +554,11 @@ def test_gpu_kda_prefill_and_decode_at_k3_head_dim(num_heads, gate):
     q, k, v, g, beta, s0 = _on_gpu(q, k, v, g, beta, s0)
     cu = _cu(lengths).cuda()
     ck = dict(checkpoint_seq=_i32([2, 2, 3, 0]).cuda(), checkpoint_len=_i32([65, 130, 0, 1]).cuda())
-    o, s, c = ops.kda_chunk_prefill(q, k, v, g, beta, s0, cu, backend="triton", **ck)
+    o, s, c = ops.kda_chunk_prefill(q, k, v, g, beta, s0, cu, chunk_size=chunk_size, backend="triton", **ck)
     o_ref, s_ref, c_ref = ops.kda_chunk_prefill(q, k, v, g, beta, s0, cu, backend="torch", **ck)
-    assert_close(o, o_ref, atol=2e-2, rtol=2e-2, name="o", max_cos_diff=1e-4)
-    assert_close(s, s_ref, atol=1e-4, rtol=1e-4, name="final_state")
-    assert_close(c, c_ref, atol=1e-4, rtol=1e-4, name="checkpoint_states")
+    assert_close(o, o_ref, atol=3e-2, rtol=3e-2, name="o", max_cos_diff=1e-4)
+    assert_close(s, s_ref, atol=s_tol, rtol=s_tol, name="final_state", max_cos_diff=1e-4)
+    assert_close(c, c_ref, atol=s_tol, rtol=s_tol, name="checkpoint_states", max_cos_diff=1e-4)
     slots = torch.full((6, num_heads, 128, 128), float("nan"), device="cuda")
     idx = _i32([5, 2, -1, 0]).cuda()
     slots[idx[idx >= 0].long()] = s[[0, 1, 3]]
@@ -605,7 +612,7 @@ def test_bench_kda_dry_run_writes_rows_and_summary(tmp_path):
                                        "causal_conv1d_update"}
     assert all(float(r["median_us"]) > 0 and r["resolved_backend"] == "torch" for r in rows)
     summary = (tmp_path / "kda.md").read_text()
-    assert "| kda_chunk_prefill | B3xT16-H2-K16 | torch |" in summary and "tokens/s" in summary
+    assert "| kda_chunk_prefill | B3xT16-H2-K16-C64 | torch |" in summary and "tokens/s" in summary
     bad = subprocess.run([sys.executable, "perf/bench_kda.py", "--dry-run", "--summary", "x.md"],
                          capture_output=True, text=True, timeout=120, cwd=root, env=env)
     assert bad.returncode == 2 and "--summary needs --csv PATH" in bad.stderr

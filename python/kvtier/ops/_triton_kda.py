@@ -44,13 +44,28 @@ def checkpoint_table(checkpoint_seq, checkpoint_len, batch: int, device):
 def _kda_blocks(head_k_dim: int, head_v_dim: int) -> tuple[int, int]:
     from kvtier.triton_kernels.kda import KDA_BLOCK_V
 
-    return triton.next_power_of_2(head_k_dim), min(triton.next_power_of_2(head_v_dim), KDA_BLOCK_V)
+    # at least 16: tl.dot's smallest tile (the chunked kernel); masks cover the padding
+    return max(16, triton.next_power_of_2(head_k_dim)), max(16, min(triton.next_power_of_2(head_v_dim), KDA_BLOCK_V))
 
 
-def kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool,
-                      checkpoint_seq, checkpoint_len):
-    """Returns (o, final_state fp32, checkpoint_states fp32) as :func:`kvtier.ops.kda.kda_chunk_prefill`."""
+def kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, chunk_size: int,
+                      use_qk_l2norm: bool, checkpoint_seq, checkpoint_len):
+    """Returns (o, final_state fp32, checkpoint_states fp32) as :func:`kvtier.ops.kda.kda_chunk_prefill`.
+
+    ``chunk_size`` 1 runs the token-walking kernel (:mod:`kvtier.triton_kernels.kda`, fp32 math
+    throughout); any other value the chunked kernel (:mod:`kvtier.triton_kernels.kda_chunked`) in
+    chunks of ``min(chunk_size, KDA_CHUNK_BT)`` tokens (16: its register budget at head dim 128),
+    its matrix products taking operands in the input dtype on a GPU (fp32 for fp32 inputs and
+    under the interpreter; :func:`kvtier.ops._triton.triton_dot_dtype`).
+    """
+    from kvtier.ops._triton import triton_dot_dtype
     from kvtier.triton_kernels.kda import KDA_NUM_WARPS, kda_prefill_kernel
+    from kvtier.triton_kernels.kda_chunked import (
+        KDA_CHUNK_BLOCK_KS,
+        KDA_CHUNK_BT,
+        KDA_CHUNK_NUM_WARPS,
+        kda_prefill_chunked_kernel,
+    )
 
     num_tokens, num_heads, head_k_dim = q.shape
     head_v_dim, batch, dev = v.shape[2], cu_seqlens.numel() - 1, q.device
@@ -66,10 +81,16 @@ def kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale: float,
     init = final if initial_state is None else initial_state.contiguous()
     block_k, block_v = _kda_blocks(head_k_dim, head_v_dim)
     grid = (batch, num_heads, triton.cdiv(head_v_dim, block_v))
-    _launch(kda_prefill_kernel, grid, q, k, v, g, beta, o, init, final, cu_seqlens, ptr, pos, row,
-            ckpts if n else final, float(scale), num_heads, head_k_dim, head_v_dim, q.stride(0), k.stride(0),
-            v.stride(0), g.stride(0), HAS_INITIAL=initial_state is not None, USE_L2NORM=bool(use_qk_l2norm),
-            BLOCK_K=block_k, BLOCK_V=block_v, num_warps=KDA_NUM_WARPS)
+    args = (q, k, v, g, beta, o, init, final, cu_seqlens, ptr, pos, row, ckpts if n else final, float(scale),
+            num_heads, head_k_dim, head_v_dim, q.stride(0), k.stride(0), v.stride(0), g.stride(0))
+    flags = dict(HAS_INITIAL=initial_state is not None, USE_L2NORM=bool(use_qk_l2norm), BLOCK_K=block_k,
+                 BLOCK_V=block_v)
+    if chunk_size == 1:
+        _launch(kda_prefill_kernel, grid, *args, **flags, num_warps=KDA_NUM_WARPS)
+    else:
+        bt = max(16, min(triton.next_power_of_2(chunk_size), KDA_CHUNK_BT))  # tl.dot takes >= 16 rows
+        _launch(kda_prefill_chunked_kernel, grid, *args, **flags, BT=bt, BLOCK_KS=min(KDA_CHUNK_BLOCK_KS, block_k),
+                DOT_DTYPE=triton_dot_dtype(q.dtype, dev), num_warps=KDA_CHUNK_NUM_WARPS)
     return o, final, ckpts
 
 

@@ -60,8 +60,8 @@ def _prefill_impl(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale, c
     if backend == "triton":
         from kvtier.ops import _triton_kda
 
-        return _triton_kda.kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm,
-                                             checkpoint_seq, checkpoint_len)
+        return _triton_kda.kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale, chunk_size,
+                                             use_qk_l2norm, checkpoint_seq, checkpoint_len)
     return ref.kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale, chunk_size=chunk_size,
                                  use_qk_l2norm=use_qk_l2norm, checkpoint_seq=checkpoint_seq,
                                  checkpoint_len=checkpoint_len)
@@ -259,7 +259,10 @@ def kda_chunk_prefill(q, k, v, g, beta, initial_state, cu_seqlens, *, scale=None
             sequence's new tokens, or None for zeros. Not modified.
         cu_seqlens: [batch + 1] int32 offsets, 0 first, non-decreasing, num_tokens last.
         scale: query scale, default ``head_k_dim ** -0.5``.
-        chunk_size: chunk of the chunked form (torch backend; >= 1); the Triton kernel walks tokens.
+        chunk_size: tokens per chunk of the chunked form (>= 1; changes rounding only). Triton: 1
+            walks tokens one by one (fp32 math throughout); larger values run 16-token chunks whose
+            matrix products take bf16/fp16 operands for bf16/fp16 inputs on a GPU (fp32 accumulation,
+            states kept in fp32).
         use_qk_l2norm: l2-normalise q and k over head_k_dim inside (K3 does).
         checkpoint_seq, checkpoint_len: [n] int32 each or None (both or neither): row i is the state
             of sequence ``checkpoint_seq[i]`` after its first ``checkpoint_len[i]`` new tokens
