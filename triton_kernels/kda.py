@@ -1,6 +1,7 @@
 """Kimi Delta Attention (KDA) kernels: prefill over a packed batch and one decode step over state slots.
 
-Both walk the recurrence token by token (the recurrent form of :mod:`kvtier.reference.kda`) with
+(The chunked prefill, used unless ``chunk_size=1``, is :mod:`kvtier.triton_kernels.kda_chunked`.)
+Both kernels here walk the recurrence token by token (the recurrent form of :mod:`kvtier.reference.kda`) with
 one ``[BLOCK_K, BLOCK_V]`` tile of a head's fp32 state held in registers::
 
     S <- diag(exp(g_t)) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = scale * S^T q_t

@@ -2,8 +2,9 @@
 
 check -> allocate -> dispatch(backend) -> launch, as every op in :mod:`kvtier.ops`. The math and
 its sources are in :mod:`kvtier.reference.kda` (the ``torch`` backend and the CPU path); the
-Triton kernels walk the recurrence token by token (:mod:`kvtier.triton_kernels.kda`,
-:mod:`kvtier.triton_kernels.kda_conv`). Token-major and varlen-packed: sequence ``b``'s new tokens
+Triton prefill runs 16-token chunks (:mod:`kvtier.triton_kernels.kda_chunked`) or, with
+``chunk_size=1``, walks tokens (:mod:`kvtier.triton_kernels.kda`, which also holds the decode
+step); the short conv is :mod:`kvtier.triton_kernels.kda_conv`. Token-major and varlen-packed: sequence ``b``'s new tokens
 are rows ``cu_seqlens[b]:cu_seqlens[b+1]``.
 
 Registered as ``torch.library`` ops (no backend in the schema, one kernel per device type, a
