@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier.cache.block_layout import BlockLayout, gather_blocks, layout_code, layout_name, scatter_blocks
-from kvtier.cache.disk_budget import namespace_dir
+from kvtier.cache.tiers.disk_budget import namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.transfer import CopyEngine

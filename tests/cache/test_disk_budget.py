@@ -9,7 +9,7 @@ import torch
 from kvtier import LLM, SamplingParams
 from kvtier.bench.sim.copies import SimDisk
 from kvtier.cache import PrefixIndex, block_hashes
-from kvtier.cache.disk_budget import DiskBudget, namespace_dir
+from kvtier.cache.tiers.disk_budget import DiskBudget, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.kv_state import KVState, TokenList

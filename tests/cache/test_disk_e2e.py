@@ -104,7 +104,7 @@ def test_a_spill_that_cannot_start_leaves_the_disk_budget_as_it_was(shared, tmp_
     host.read = no_memory
     with pytest.raises(MemoryError):
         warm(llm, first)
-    assert writes._disk_pending == {}
+    assert "disk" not in writes.pending_below()
 
 
 def block_files(llm, prompt_tokens, blocks):

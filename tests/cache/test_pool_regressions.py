@@ -5,7 +5,7 @@ import time
 
 from kvtier import LLM, SamplingParams
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
-from kvtier.cache.policy import ToolAwarePolicy
+from kvtier.cache.eviction import ToolAwarePolicy
 from kvtier.cache.prefix_index import Tier
 from tests.cache.test_tiers_e2e import always_load, prompt
 

@@ -7,7 +7,7 @@ import torch
 
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost
-from kvtier.cache.policy import LRUPolicy, ToolAwarePolicy, plan_resume
+from kvtier.cache.eviction import LRUPolicy, ToolAwarePolicy, plan_resume
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from tests.cache.test_tool_aware import PS, Clock, on_device, run

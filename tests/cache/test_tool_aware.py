@@ -6,7 +6,7 @@ import torch
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.kv_state import KVState, TokenList
-from kvtier.cache.policy import ToolAwarePolicy
+from kvtier.cache.eviction import ToolAwarePolicy
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 

@@ -39,7 +39,7 @@ from typing import Protocol
 
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.workload import Session, Turn, Workload
-from kvtier.cache.policy import ToolWaitEstimate
+from kvtier.cache.eviction import ToolWaitEstimate
 from kvtier.serve.engine import Engine
 from kvtier.serve.params import RequestOutput
 

@@ -1,6 +1,6 @@
 """Whole blocks in and out of a pool's device pages, for another worker: which leading blocks
 a pool holds locally, export of device copies into one page-first buffer, import of checked
-payloads as cached device copies, and the per-job cost of the pool's copy engine.
+payloads as cached device copies.
 
 The wire format the payloads travel in belongs to the caller (prefill/decode transfer:
 :mod:`kvtier.cluster.disagg.blocks`). Every function here runs on the thread that owns the pool.
@@ -8,16 +8,11 @@ The wire format the payloads travel in belongs to the caller (prefill/decode tra
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from kvtier.cache.device_pages import DevicePages
-from kvtier.cache.disk_tier import aligned_empty
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers import PoolTiers
-
-LOCAL_TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)
 
 
 class BlockIO:
@@ -29,8 +24,7 @@ class BlockIO:
     def held_prefix(self, hashes: list[bytes]) -> int:
         """How many leading blocks of ``hashes`` are held in a local tier (device, host, disk)."""
         t = self.tiers
-        local = [x for x in LOCAL_TIERS if x == Tier.DEVICE or x in t.stores]
-        return int(t.index.match(hashes, local).shape[0]) if hashes else 0
+        return int(t.index.match(hashes, t.local_tiers()).shape[0]) if hashes else 0
 
     def export_blocks(self, hashes: list[bytes]) -> tuple[list[bytes], torch.Tensor] | None:
         """Copy the device pages of blocks ``hashes`` into one page-first buffer.
@@ -95,27 +89,3 @@ class BlockIO:
                 counts["refused"] += 1
             pages.unref(page, reuse_first=s != 0)
         return counts
-
-    def copy_job_costs(self, jobs: int = 512) -> tuple[float, float]:
-        """Wall seconds per one-block job of host -> device and disk -> host copies, ``jobs``
-        (and ``jobs // 4`` disk) jobs submitted back to back and all waited for: the copy engine's
-        per-job cost with its queue and threads. 0 for a tier the pool lacks or a disk tier
-        holding no block. Copies into device page 0 (call it on an idle pool)."""
-        t = self.tiers
-        host_s = disk_s = 0.0
-        if t.host is not None and t.host.num_slots:
-            slot = t.host.slot(0)
-            host_s = _seconds_per_job(lambda: t.copy_engine.scatter(slot, t.kv_caches, [0]), jobs)
-        blocks = t.disk.blocks() if t.disk is not None else []
-        if blocks:
-            staging, disk, h = aligned_empty(t.block_bytes), t.stores[Tier.DISK], blocks[0][0]
-            disk_s = _seconds_per_job(lambda: disk.read_into([h], staging), jobs // 4)
-        return host_s, disk_s
-
-
-def _seconds_per_job(submit, jobs: int) -> float:
-    t0 = time.perf_counter()
-    handles = [submit() for _ in range(jobs)]
-    for h in handles:
-        h.result()
-    return (time.perf_counter() - t0) / jobs

@@ -18,7 +18,7 @@ page-first ``[page_size, row]`` page and a digest of ``(page_shape, token_dim)``
 page (:func:`layout_code`). So two layouts with equal byte counts (say an MLA page of 576 values
 per token and a K/V page of ``2 * 2 * 144``) never read each other's blocks: a read with
 another layout's meta is refused as CORRUPT on disk and in the remote tier, the disk
-subdirectory (:func:`kvtier.cache.disk_budget.namespace_dir`) and the remote key prefix
+subdirectory (:func:`kvtier.cache.tiers.disk_budget.namespace_dir`) and the remote key prefix
 (:func:`kvtier.cache.remote.block_format.key_prefix`) differ, and a pool only indexes recovered
 blocks of its own meta. The model is bound by the block-hash salt, as before.
 """

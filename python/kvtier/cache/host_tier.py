@@ -63,6 +63,10 @@ class HostTier:
         self._is_free[slot] = 0
         return slot
 
+    def num_free(self) -> int:
+        """Slots not allocated now."""
+        return len(self._free)
+
     def release(self, slot: int) -> None:
         """Return ``slot`` to the free list.
 

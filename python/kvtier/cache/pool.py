@@ -49,7 +49,6 @@ from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import Loads
 from kvtier.cache.pool_stats import PoolSnapshot
 from kvtier.cache.prefetch import Prefetcher
-from kvtier.cache.prefix_index import Tier
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
@@ -74,7 +73,7 @@ class KVPool:
             The simulator passes a virtual-time one (:mod:`kvtier.bench.sim.copies`).
         disk: the disk tier (:class:`kvtier.cache.seams.DiskStore`); None opens the subdirectory
             of ``config.disk_cache_dir`` (when set) named after this pool's salt and block layout
-            (:func:`kvtier.cache.disk_budget.namespace_dir`) as a
+            (:func:`kvtier.cache.tiers.disk_budget.namespace_dir`) as a
             :class:`kvtier.cache.disk_tier.DiskTier` with budget ``config.disk_cache_bytes``.
             Given, it is used whatever ``disk_cache_dir`` says (it needs the host tier all the
             same), and may hold blocks this pool cannot evict.
@@ -135,7 +134,7 @@ class KVPool:
         the pool never changes: what metrics and reports read. Call it on the thread that drives
         the pool (its calls are not thread-safe); the snapshot may then go to any thread."""
         t = self.tiers
-        cached = {k.name.lower(): t.index.num_copies(k) for k in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+        cached = t.cached_blocks()
         return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
                                cached_blocks=cached, remote=None if t.remote is None else t.remote.stats)
 
@@ -326,7 +325,7 @@ class KVPool:
         seconds when capacity allows (None: no target). Under ``tool-aware`` a waiting session's
         blocks are kept on the device through the wait, or demoted and prefetched back the cost
         model's load time plus a margin before the expected return
-        (:func:`kvtier.cache.policy.plan_resume`); ``lru`` does neither.
+        (:func:`kvtier.cache.eviction.plan_resume`); ``lru`` does neither.
 
         Raises:
             ValueError: a target that is not a finite number > 0.
@@ -365,8 +364,8 @@ class KVPool:
 
     def copy_job_costs(self, jobs: int = 512) -> tuple[float, float]:
         """Seconds per host -> device and disk -> host copy job of this pool's copy engine
-        (:meth:`kvtier.cache.block_io.BlockIO.copy_job_costs`)."""
-        return self.block_io.copy_job_costs(jobs)
+        (:meth:`kvtier.cache.tiers.PoolTiers.copy_job_costs`)."""
+        return self.tiers.copy_job_costs(jobs)
 
     def publish_events_to(self, sink: Callable[[list], None] | None) -> None:
         """From now on, hand the index's events (:class:`kvtier.cache.prefix_index.Event`) to

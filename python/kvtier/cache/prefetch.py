@@ -4,7 +4,7 @@ blocks it says are due come back onto the device before the session returns.
 With a resume target (:meth:`Prefetcher.set_target`, ``kvtier serve --resume-ttft-s``) each wait
 also carries the cost model's estimate of loading the session's blocks back from the tier they
 are demoted to, so the policy starts the prefetch that long (plus a margin) before the expected
-return (:func:`kvtier.cache.policy.plan_resume`).
+return (:func:`kvtier.cache.eviction.plan_resume`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvtier.options import check_hashable, check_real, checked_block_hashes, che
 
 
 class Prefetcher:
-    """Tool waits in, prefetch loads out (see :class:`kvtier.cache.policy.ToolAwarePolicy`)."""
+    """Tool waits in, prefetch loads out (see :class:`kvtier.cache.eviction.ToolAwarePolicy`)."""
 
     def __init__(self, tiers: PoolTiers, pages: DevicePages, loads: Loads):
         self.tiers, self.pages, self.loads = tiers, pages, loads
@@ -52,10 +52,10 @@ class Prefetcher:
         """Seconds the cost model expects for loading ``num_blocks`` demoted blocks back onto the
         device: from the host tier, else the disk tier (0.0 with neither: nothing to load from)."""
         t = self.tiers
-        below = Tier.HOST if t.host is not None else Tier.DISK if t.disk is not None else None
+        below = t.nearest_local_store()
         if below is None or num_blocks <= 0:
             return 0.0
-        return t.cost_model.prefix_load_s([below] * num_blocks, t.block_bytes)
+        return t.cost_model.prefix_load_s([below.tier] * num_blocks, t.block_bytes)
 
     def tool_return(self, session_id) -> None:
         self.returns.pop(session_id, None)

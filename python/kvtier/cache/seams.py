@@ -9,7 +9,7 @@ one that moves device pages on a GPU stream) plugs in by providing :class:`CopyE
 
 The copy engine moves bytes and knows no tier: it copies between device pages and host buffers,
 and runs the :class:`IOJob` s a tier builds (the disk tier's reads and writes,
-:class:`kvtier.cache.tiers.stores.DiskJob`) on its I/O workers without knowing what they read
+:class:`kvtier.cache.tiers.disk.DiskJob`) on its I/O workers without knowing what they read
 or write.
 
 Blocks are "page first": block ``i`` of a staging buffer holds page ``pages[i]`` of every layer,

@@ -1,9 +1,10 @@
-"""Copies down the tiers: device -> host -> disk and -> remote, write-through or write-back, and
-the eviction of host slots they need.
+"""Copies down the tiers: device -> host -> disk and -> remote, write-through or write-back.
 
-Below the host tier, a block goes to every :class:`~kvtier.cache.tiers.protocol.TierStore`
-(disk, remote) through that interface only: when its host copy is made, or, under write-back,
-for a tier that ``spills``, when its host copy is evicted.
+Every block goes down through the staging layer (host memory, ``PoolTiers.staging``: slots,
+their LRU eviction, the host column of the index) and, below it, to every
+:class:`~kvtier.cache.tiers.protocol.TierStore` (disk, remote) through that interface only: when
+its host copy is made, or, under write-back, for a tier that ``spills``, when its host copy is
+evicted. Nothing here names a tier.
 
 Write-through copies each block down as soon as it is full and indexed; write-back only when
 its device page (or host slot) is taken for something else. A page or host copy a write reads
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.cache.device_pages import DevicePages
-from kvtier.cache.prefix_index import RemoveResult, Tier
+from kvtier.cache.prefix_index import Tier
 from kvtier.cache.seams import CopyJob, JobPart
 from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.tiers.protocol import Admit, TierStore
@@ -28,7 +29,7 @@ class Write:
     """One block being copied down: to ``target`` from device ``page`` or host ``slot``."""
 
     hash: bytes
-    target: Tier               # HOST (from a device page) or a tier below it (from a host slot)
+    target: Tier               # the staging tier (from a device page) or one below it (from a host slot)
     handle: CopyJob
     page: int = -1             # device page read (-1: a write from a host slot)
     slot: int = -1             # host slot read and locked (-1: not locked: a private copy of it,
@@ -43,17 +44,12 @@ class Writes:
         self.pages = pages
         self.pending: list[Write] = []
         self._below: dict[Tier, dict[bytes, int]] = {}  # writes below host in ``pending``: how many of each hash
-        self._spills: list[tuple[bytes, int]] | None = None  # host copies to spill in one job per tier
+        self._spills: list[tuple[Tier, bytes, int]] | None = None  # host copies to spill in one job per tier
 
-    @property
-    def _disk_pending(self) -> dict[bytes, int]:
-        """The disk writes in ``pending`` (how many of each hash): what the disk budget counts."""
-        return self._below.get(Tier.DISK, {})
-
-    @property
-    def _lower(self) -> list[TierStore]:
-        """The tiers below the host tier, fastest first."""
-        return [s for tier, s in self.tiers.stores.items() if tier > Tier.HOST]
+    def pending_below(self) -> dict[str, dict[bytes, int]]:
+        """The writes below the staging layer in flight, by tier name: how many of each hash
+        (what a tier's budget counts as committed)."""
+        return {self.tiers.stores[tier].name: dict(n) for tier, n in self._below.items() if n}
 
     @property
     def write_back(self) -> bool:
@@ -63,29 +59,29 @@ class Writes:
         """Cached device pages are being reused: under write-back copy their blocks (``(hash,
         page)`` pairs) to host first, in one job, and wait (nothing else can touch the pages
         meanwhile)."""
-        t = self.tiers
-        if not self.write_back or t.host is None:
+        t, host = self.tiers, self.tiers.staging
+        if not self.write_back or host is None:
             return
-        held = t.index.held([h for h, _ in blocks], Tier.HOST).tolist()
+        held = host.held([h for h, _ in blocks])
         kept = [h for (h, _), on_host in zip(blocks, held) if on_host]
         blocks = [b for b, on_host in zip(blocks, held) if not on_host]
         # The host copies of the others are what write-back keeps of them: the most recently
         # used there, as a copy written now would be, and locked, so that they are not evicted
         # to make room for these (which would lose them).
-        t.index.touch(kept, [Tier.HOST])
-        locked = bool(kept) and t.index.lock(kept, Tier.HOST)
+        host.touch(kept)
+        locked = bool(kept) and host.lock(kept)
         self._spills = []  # the host copies evicted for them spill in one job per tier
         try:
             slots = self._host_slots(len(blocks))
         finally:
             if locked:
-                t.index.unlock(kept, Tier.HOST)
+                host.unlock(kept)
             self._flush_spills()  # before the slots are overwritten below
-        t.stats.stores_refused["host"] += len(blocks) - len(slots)
+        t.stats.stores_refused[host.name] += len(blocks) - len(slots)
         blocks = blocks[:len(slots)]
         if not blocks:
             return
-        staging = t.host.staging(len(blocks))
+        staging = host.staging(len(blocks))
         job = t.copy_engine.gather(t.kv_caches, [page for _, page in blocks], staging)
         try:
             statuses = job.result()
@@ -94,9 +90,9 @@ class Writes:
         ok = [k < len(statuses) and statuses[k] == 0 for k in range(len(blocks))]
         good = [k for k in range(len(blocks)) if ok[k]]
         if len(good) == len(blocks):
-            t.host.write(slots, staging)
+            host.fill(slots, staging)
         elif good:  # only the blocks that were copied: the others' slots are given back
-            t.host.write([slots[k] for k in good], staging[good])
+            host.fill([slots[k] for k in good], staging[good])
         self._host_copies_ended([h for h, _ in blocks], slots, ok)
 
     def computed(self, h: bytes, page: int) -> None:
@@ -110,51 +106,37 @@ class Writes:
         return slots[0] if slots else -1
 
     def _host_slots(self, n: int) -> list[int]:
-        """Up to ``n`` free host slots, evicting least recently used unreferenced copies as
-        needed (fewer when too few copies can be evicted). The copies to evict are asked of the
-        index once for all ``n``: asked one at a time, each question walked past the same locked
-        copies at the front of the LRU order (a prefix being loaded from this tier), thousands of
-        times for one eviction of 1-token blocks.
+        """Up to ``n`` free host slots (:meth:`kvtier.cache.tiers.host.HostStore.allocate`):
+        evicted copies spill down first under write-back; when every slot is held by copies
+        still in flight, those are finished first (back-pressure)."""
+        spill = self._spill_evicted if self.write_back else None
+        return self.tiers.staging.allocate(n, spill, drain=self._drain)
 
-        When every slot is held by copies still in flight, those are finished first (back-pressure).
-        """
-        t = self.tiers
-        slots: list[int] = []
-        while len(slots) < n and (slot := t.host.allocate()) is not None:
-            slots.append(slot)
-        if len(slots) == n:
-            return slots
-        victims = t.index.eviction_candidates(Tier.HOST, n - len(slots))
-        if not victims and self.pending:
-            self.finish(wait=True)
-            while len(slots) < n and (slot := t.host.allocate()) is not None:
-                slots.append(slot)
-            victims = t.index.eviction_candidates(Tier.HOST, n - len(slots))
-        if not victims:
-            return slots
-        if self.write_back:
-            for store in self._lower:
-                if store.spills:
-                    for h, victim in victims:
-                        self._slot_down(store, h, victim, evicting=True)
-        results, freed = t.index.remove_many([h for h, _ in victims], Tier.HOST)
-        removed = freed[results == RemoveResult.REMOVED].tolist()
-        t.stats.evictions["host"] += len(removed)
-        return slots + removed
+    def _drain(self) -> bool:
+        if not self.pending:
+            return False
+        self.finish(wait=True)
+        return True
+
+    def _spill_evicted(self, victims: list[tuple[bytes, int]]) -> None:
+        for store in self.tiers.lower_stores():
+            if store.spills:
+                for h, victim in victims:
+                    self._slot_down(store, h, victim, evicting=True)
 
     def page_to_host(self, h: bytes, page: int) -> None:
         """Start copying block ``h`` from ``page`` to a host slot; the page stays referenced
         until the copy ended."""
-        t = self.tiers
-        if t.host is None or t.in_tier(h, Tier.HOST):
+        t, host = self.tiers, self.tiers.staging
+        if host is None or host.held([h])[0]:
             return
         slot = self._host_slot()
         if slot < 0:
-            t.stats.stores_refused["host"] += 1
+            t.stats.stores_refused[host.name] += 1
             return
-        handle = t.copy_engine.gather(t.kv_caches, [page], t.host.slot(slot))
+        handle = t.copy_engine.gather(t.kv_caches, [page], host.slot(slot))
         self.pages.ref(page)
-        self.pending.append(Write(h, Tier.HOST, handle, page=page, slot=slot))
+        self.pending.append(Write(h, host.tier, handle, page=page, slot=slot))
 
     def _slot_down(self, store: TierStore, h: bytes, slot: int, evicting: bool = False) -> None:
         """Start writing the host copy of ``h`` in ``slot`` to ``store``. The copy stays locked
@@ -162,7 +144,7 @@ class Writes:
         slot is about to hold another block) the write reads a private copy of the block
         instead, so the serving loop never waits for the tier (until that write ends, a lookup
         finds the block in no tier: a miss)."""
-        t = self.tiers
+        t, host = self.tiers, self.tiers.staging
         if t.in_tier(h, store.tier):
             return
         pending = self._below.setdefault(store.tier, {})
@@ -178,10 +160,10 @@ class Writes:
             if self._spills is None:
                 self._flush_spills(spills)
         elif store.copies_input:
-            self.pending.append(Write(h, store.tier, store.write([h], t.host.slot(slot))))
+            self.pending.append(Write(h, store.tier, store.write([h], host.slot(slot))))
             pending[h] = pending.get(h, 0) + 1
-        elif t.index.lock([h], Tier.HOST):
-            self.pending.append(Write(h, store.tier, store.write([h], t.host.slot(slot)), slot=slot))
+        elif host.lock([h]):
+            self.pending.append(Write(h, store.tier, store.write([h], host.slot(slot)), slot=slot))
             pending[h] = pending.get(h, 0) + 1
 
     def _write_ended(self, tier: Tier, h: bytes) -> None:
@@ -205,7 +187,7 @@ class Writes:
             mine = [(h, slot) for x, h, slot in spills if x == tier]
             hashes = [h for h, _ in mine]
             try:
-                job = t.stores[tier].write(hashes, t.host.read([slot for _, slot in mine]))
+                job = t.stores[tier].write(hashes, t.staging.copy_out([slot for _, slot in mine]))
             except BaseException:
                 for h in hashes:  # no write will end for them: they no longer count against the budget
                     self._write_ended(tier, h)
@@ -226,7 +208,7 @@ class Writes:
         store = t.stores[w.target]
         self._write_ended(w.target, w.hash)
         if w.slot >= 0:
-            t.index.unlock([w.hash], Tier.HOST)
+            t.staging.unlock([w.hash])
         end = store.stored(w.hash, status)
         if end.indexed:
             t.stats.bytes_written[store.name] += t.block_bytes
@@ -238,19 +220,17 @@ class Writes:
         """Copies of blocks ``hashes`` into host ``slots`` ended (``ok``: which succeeded): index
         the good ones (one index call for all) and start their copies further down; give back the
         slots of the failed ones and of blocks that got a host copy meanwhile."""
-        t = self.tiers
+        t, host = self.tiers, self.tiers.staging
         good = [i for i, k in enumerate(ok) if k]
-        inserted = t.index.insert_many([hashes[i] for i in good], Tier.HOST, [slots[i] for i in good]).tolist()
+        inserted = host.index_copies([hashes[i] for i in good], [slots[i] for i in good])
         kept = [i for i, k in zip(good, inserted) if k]
-        t.stats.bytes_written["host"] += len(kept) * t.block_bytes
-        lower = [s for s in self._lower if not (self.write_back and s.spills)]
+        t.stats.bytes_written[host.name] += len(kept) * t.block_bytes
+        lower = [s for s in t.lower_stores() if not (self.write_back and s.spills)]
         for i in kept:
             for store in lower:
                 self._slot_down(store, hashes[i], slots[i])
         kept_set = set(kept)
-        for i in range(len(hashes)):
-            if i not in kept_set:
-                t.host.release(slots[i])
+        host.release([slots[i] for i in range(len(hashes)) if i not in kept_set])
         t.stats.copy_errors += len(hashes) - len(good)
 
     def finish(self, wait: bool) -> None:

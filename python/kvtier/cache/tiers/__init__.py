@@ -2,8 +2,12 @@
 cost model, the eviction policy, the clock and the counters.
 
 The tiers below the device pages (host memory, disk, remote store) are
-:class:`~kvtier.cache.tiers.protocol.TierStore` s (:mod:`~kvtier.cache.tiers.stores`), in
-``PoolTiers.stores`` by :class:`Tier`; loads and writes go through that interface only.
+:class:`~kvtier.cache.tiers.protocol.TierStore` s, one backend per file
+(:mod:`~kvtier.cache.tiers.host`, :mod:`~kvtier.cache.tiers.disk`,
+:mod:`~kvtier.cache.tiers.remote`), in ``PoolTiers.stores`` by :class:`Tier`; loads and writes go
+through that interface only. The host store is also the staging layer (``PoolTiers.staging``):
+the slots every block passes through on its way down, with their allocation, LRU eviction and
+write-back spills.
 
 :class:`PoolTiers` opens the tiers a :class:`kvtier.cache.config.PoolConfig` asks for (or takes
 the ones passed in), checks their budgets and probes their speed; the pool's jobs
@@ -21,16 +25,18 @@ import torch
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import PROBE_BULK_BYTES, REMOTE_TIER, CostModel, TierCost, probe
 from kvtier.cache.device_copy import check_device_tiers, copy_engine_for
-from kvtier.cache.disk_budget import DiskBudget, check_budgets, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
+from kvtier.cache.eviction import make_policy
 from kvtier.cache.host_tier import HostTier
-from kvtier.cache.policy import make_policy
 from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
+from kvtier.cache.tiers.disk import DiskFiles, DiskJob
+from kvtier.cache.tiers.disk_budget import DiskBudget, check_budgets, namespace_dir
+from kvtier.cache.tiers.host import HostStore
 from kvtier.cache.tiers.protocol import Admit, DoneJob, ReadFailure, Stored, TierStore
-from kvtier.cache.tiers.stores import DiskFiles, DiskJob, HostStore, RemoteStore
+from kvtier.cache.tiers.remote import RemoteStore
 
 __all__ = ["Admit", "DiskFiles", "DiskJob", "DoneJob", "HostStore", "PoolTiers", "ReadFailure", "RemoteStore", "Stored",
            "Tier", "TierStore"]
@@ -51,6 +57,8 @@ class PoolTiers:
         meta: the layout of one page-first block; ``block_bytes`` its payload bytes.
         stores: the tiers below the device pages this pool has, as :class:`TierStore` s by
             :class:`Tier` (fastest first).
+        staging: the host store (the staging layer every write down passes through), or None
+            without a host tier.
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None,
@@ -85,9 +93,10 @@ class PoolTiers:
         if remote is not None:
             self.stats.add_tier("remote")
         self.stores: dict[Tier, TierStore] = {}
-        pinned = lambda: self.host is not None and self.host.storage.is_pinned()
+        self.staging: HostStore | None = None
+        pinned = lambda: self.staging is not None and self.staging.pinned()
         if self.host is not None:
-            self.stores[Tier.HOST] = HostStore(self.host, lambda: self.index)
+            self.staging = self.stores[Tier.HOST] = HostStore(self.host, lambda: self.index, self._evicted_host)
         if self.disk is not None:
             self.stores[Tier.DISK] = DiskFiles(self.disk, self.meta, lambda: self.copy_engine, pinned,
                                                  self.disk_budget)
@@ -115,6 +124,41 @@ class PoolTiers:
     def in_tier(self, h: bytes, tier: Tier) -> bool:
         return self.index.match([h], [tier]).shape[0] == 1
 
+    def lower_stores(self) -> list[TierStore]:
+        """The tiers below the staging layer (disk, remote), fastest first."""
+        return [s for s in self.stores.values() if s is not self.staging]
+
+    def local_tiers(self) -> list[Tier]:
+        """The tiers this worker holds itself (device, host, disk), fastest first."""
+        return [Tier.DEVICE, *(s.tier for s in self.stores.values() if s.local)]
+
+    def nearest_local_store(self) -> TierStore | None:
+        """The fastest local tier below the device pages (where demoted blocks are), or None."""
+        return next((s for s in self.stores.values() if s.local), None)
+
+    def cached_blocks(self) -> dict[str, int]:
+        """Blocks with a copy in each local tier, by name (``device``, ``host``, ``disk``; a tier
+        the pool lacks counts 0)."""
+        return {k.name.lower(): self.index.num_copies(k) for k in (Tier.DEVICE, Tier.HOST, Tier.DISK)}
+
+    def _evicted_host(self, n: int) -> None:
+        self.stats.evictions["host"] += n
+
+    def copy_job_costs(self, jobs: int = 512) -> tuple[float, float]:
+        """Wall seconds per one-block job of host -> device and disk -> host copies, ``jobs``
+        (and ``jobs // 4`` disk) jobs submitted back to back and all waited for: the copy engine's
+        per-job cost with its queue and threads. 0 for a tier the pool lacks or a disk tier
+        holding no block. Copies into device page 0 (call it on an idle pool)."""
+        host_s = disk_s = 0.0
+        if self.host is not None and self.host.num_slots:
+            slot = self.host.slot(0)
+            host_s = _seconds_per_job(lambda: self.copy_engine.scatter(slot, self.kv_caches, [0]), jobs)
+        blocks = self.disk.blocks() if self.disk is not None else []
+        if blocks:
+            staging, disk, h = aligned_empty(self.block_bytes), self.stores[Tier.DISK], blocks[0][0]
+            disk_s = _seconds_per_job(lambda: disk.read_into([h], staging), jobs // 4)
+        return host_s, disk_s
+
     # ---- start-up -----------------------------------------------------------------------------
     def _probe(self) -> CostModel:
         model = CostModel()
@@ -140,3 +184,11 @@ class PoolTiers:
         """Wait for a probe copy of ``num_blocks`` blocks; returns the bytes it moved."""
         handle.result()
         return num_blocks * self.block_bytes
+
+
+def _seconds_per_job(submit, jobs: int) -> float:
+    t0 = time.perf_counter()
+    handles = [submit() for _ in range(jobs)]
+    for h in handles:
+        h.result()
+    return (time.perf_counter() - t0) / jobs

@@ -54,7 +54,7 @@ def check_budgets(config, block_bytes: int, disk) -> None:
     """Host and disk budgets of a pool of ``block_bytes``-byte blocks must each hold a block.
 
     Args:
-        config: the pool's :class:`kvtier.cache.policy.PoolConfig`.
+        config: the pool's :class:`kvtier.cache.eviction.PoolConfig`.
         block_bytes: bytes of one page-first block.
         disk: the disk tier passed to the pool, or None (then ``config.disk_cache_dir`` is
             opened with budget ``config.disk_cache_bytes``).

@@ -96,6 +96,7 @@ class TierStore(Protocol):
             is made (a shared remote store, which other workers read at once).
         copies_input: :meth:`write` copies its input before it returns (the host slot written
             from need not stay locked until the write ended).
+        local: the tier is this worker's own (host memory, a local disk), not a shared store.
     """
 
     tier: Tier
@@ -103,6 +104,7 @@ class TierStore(Protocol):
     batch_reads: bool
     spills: bool
     copies_input: bool
+    local: bool
 
     def capacity_blocks(self) -> int:
         """How many blocks the tier can hold in all (0: none; a remote store: unknown, -1)."""

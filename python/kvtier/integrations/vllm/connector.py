@@ -28,7 +28,7 @@ What each side does (:mod:`kvtier.integrations.vllm.tiers` has the tiers themsel
 Session hints: a request's ``kv_transfer_params`` may carry ``session_id`` (any JSON scalar) and
 ``expected_tool_wait_s`` (seconds, >= 0). When such a request finishes, its blocks are marked as
 waiting on a tool; under ``cache_policy: tool-aware`` the host tier does not evict them for
-``min(0.5 * expected_tool_wait_s, 30)`` seconds (:class:`kvtier.cache.policy.ToolAwarePolicy`). The
+``min(0.5 * expected_tool_wait_s, 30)`` seconds (:class:`kvtier.cache.eviction.ToolAwarePolicy`). The
 session's next request ends the wait. With the OpenAI API, send
 ``{"kv_transfer_params": {"session_id": "s1", "expected_tool_wait_s": 4.0}, ...}`` in the body.
 """

@@ -40,10 +40,10 @@ import torch
 from kvtier.cache.block_layout import BlockLayout, gather_blocks, scatter_blocks
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import REMOTE_TIER, CostModel, TierCost, probe
-from kvtier.cache.disk_budget import namespace_dir
+from kvtier.cache.tiers.disk_budget import namespace_dir
 from kvtier.cache.disk_tier import DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
-from kvtier.cache.policy import make_policy
+from kvtier.cache.eviction import make_policy
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteStatus
 from kvtier.integrations.vllm.config import open_remote_checked

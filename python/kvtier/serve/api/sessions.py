@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.cache.block_hash import block_hashes
-from kvtier.cache.policy import ToolWaitEstimate
+from kvtier.cache.eviction import ToolWaitEstimate
 from kvtier.serve.api.protocol import ApiError
 from kvtier.serve.api.resume import ResumeTracker
 from kvtier.serve.chat import new_encoder
