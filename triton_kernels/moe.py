@@ -86,6 +86,30 @@ def moe_route_kernel(router_logits, stride_t, bias, topk_weights, topk_ids, num_
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (no libdevice call, so one body for every target): ``sign(x) (1 - t) / (1 + t)``
+    with ``t = exp(-2 |x|)``."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def gated_act(gate, up, act_beta, act_linear_beta, ACT: tl.constexpr, CLIP_UP: tl.constexpr):
+    """The gated activation of two fp32 tiles (:func:`kvtier.reference.activation.gated_act`):
+    ACT 0 = SiLU-GLU ``silu(gate) * up``; ACT 1 = SiTU-GLU ``beta * tanh(gate / beta) *
+    sigmoid(gate) * up'`` with ``up' = linear_beta * tanh(up / linear_beta)`` if CLIP_UP else
+    ``up`` (vllm ``SituAndMul``, used by ``vllm/models/kimi_k3``; K3 report arXiv 2607.24653)."""
+    if ACT == 1:
+        g = act_beta * _tanh(gate / act_beta) / (1.0 + tl.exp(-gate))
+        if CLIP_UP:
+            up = act_linear_beta * _tanh(up / act_linear_beta)
+    else:
+        g = gate / (1.0 + tl.exp(-gate))
+    return g * up
+
+
+@triton.jit
 def tile_rows(sorted_ids, expert_ids, num_padded, num_rows, top_k, GROUPED: tl.constexpr,
               A_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr):
     """The rows of row block ``program_id(0)``: ``(expert, row, row_ok, a_row)``.
@@ -117,8 +141,9 @@ def tile_rows(sorted_ids, expert_ids, num_padded, num_rows, top_k, GROUPED: tl.c
 
 @triton.jit
 def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded, num_pairs, top_k, N, K,
-                     stride_am, stride_we, stride_wn, stride_om, gate_offset,
-                     GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, UPCAST: tl.constexpr,
+                     stride_am, stride_we, stride_wn, stride_om, gate_offset, act_beta, act_linear_beta,
+                     GATED: tl.constexpr, A_PER_TOKEN: tl.constexpr, ACT: tl.constexpr, CLIP_UP: tl.constexpr,
+                     UPCAST: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] output tile of one expert's sorted rows.
 
@@ -129,6 +154,7 @@ def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded
     out: [T * top_k, N] (row stride ``stride_om``): act (GATED) or weighted fp32 products.
     topk_weights: [T * top_k] fp32 (read unless GATED). sorted_ids [num_padded_max] int32;
     expert_ids [num_blocks_max] int32; num_padded [1] int32 = used length of sorted_ids.
+    GATED stores :func:`gated_act` (ACT 0 SiLU, 1 SiTU with ``act_beta``, ``act_linear_beta`` if CLIP_UP).
     """
     expert, pair, row_ok, a_row = tile_rows(sorted_ids, expert_ids, num_padded, num_pairs, top_k, True,
                                             A_PER_TOKEN, BLOCK_M)
@@ -162,7 +188,7 @@ def fused_moe_kernel(a, w, out, topk_weights, sorted_ids, expert_ids, num_padded
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
-        res = acc / (1.0 + tl.exp(-acc)) * acc_up
+        res = gated_act(acc, acc_up, act_beta, act_linear_beta, ACT, CLIP_UP)
     else:
         res = acc * tl.load(topk_weights + pair, mask=row_ok, other=0.0)[:, None]
     o_ptrs = out + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -181,29 +207,33 @@ def _route_cases(arch: str) -> list[CompileCase]:
 
 def _gemm_cases(arch: str) -> list[CompileCase]:
     # K2 bf16: gate/up (N = I = 2048 gated columns, K = H = 7168) and down (N = H, K = I), E = 384,
-    # top-8, at the data file's decode and prefill tile configs for this arch.
+    # top-8, SiLU; K3's latent MoE: E = 896, top-16, I = 3072 at the latent width L = 3584, SiTU-GLU
+    # (beta 4, linear_beta 25); at the data file's decode and prefill tile configs for this arch.
     import json
     from pathlib import Path
 
     table = json.loads((Path(__file__).parent / "configs" / "fused_moe.json").read_text())
     cases = []
-    for gated, n, k in ((True, 4096, 7168), (False, 7168, 2048)):
-        key = f"E=384,N={n},K={k},dtype=bfloat16,arch={arch}"
+    shapes = (("k2", 384, 8, True, 4096, 7168, 0), ("k2", 384, 8, False, 7168, 2048, 0),
+              ("k3", 896, 16, True, 6144, 3584, 1), ("k3", 896, 16, False, 3584, 3072, 1))
+    for model, experts, top_k, gated, n, k, act in shapes:
+        key = f"E={experts},N={n},K={k},dtype=bfloat16,arch={arch}"
         buckets = table["configs"].get(key, table["default"])
         for m, cfg in sorted(buckets.items(), key=lambda kv: int(kv[0])):
             sig = {"a": "*bf16", "w": "*bf16", "out": "*bf16" if gated else "*fp32", "topk_weights": "*fp32",
                    "sorted_ids": "*i32", "expert_ids": "*i32", "num_padded": "*i32", "num_pairs": "i32",
                    "top_k": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_we": "i32",
-                   "stride_wn": "i32", "stride_om": "i32", "gate_offset": "i32"}
-            consts = {"GATED": gated, "A_PER_TOKEN": gated, "UPCAST": False,
+                   "stride_wn": "i32", "stride_om": "i32", "gate_offset": "i32", "act_beta": "fp32",
+                   "act_linear_beta": "fp32"}
+            consts = {"GATED": gated, "A_PER_TOKEN": gated, "ACT": act, "CLIP_UP": bool(act), "UPCAST": False,
                       "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"]}
             sig.update({c: "constexpr" for c in consts})
             inter, hidden = (n // 2, k) if gated else (k, n)
             # runtime values as the launcher passes them (N = output columns: I gated, H down)
-            values = {"top_k": 8, "N": inter if gated else hidden, "K": k, "stride_am": k, "stride_we": n * k,
+            values = {"top_k": top_k, "N": inter if gated else hidden, "K": k, "stride_am": k, "stride_we": n * k,
                       "stride_wn": k, "stride_om": inter if gated else hidden, "gate_offset": inter if gated else 0}
-            cases.append(CompileCase(f"k2-{'w13' if gated else 'w2'}-m{m}-bf16", sig, consts, cfg["num_warps"],
-                                     cfg["num_stages"], values=values))
+            label = f"{model}-{'w13' if gated else 'w2'}-m{m}-bf16" + ("-situ" if act and gated else "")
+            cases.append(CompileCase(label, sig, consts, cfg["num_warps"], cfg["num_stages"], values=values))
     return cases
 
 

@@ -31,6 +31,9 @@ def _calls():
     w2f, s2f = torch.ones(3, 32, 8).to(torch.float8_e4m3fn), torch.ones(3, 1, 1)
     kq, kv_, kg, kb = torch.randn(3, 2, 4), torch.randn(3, 2, 5), -torch.rand(3, 2, 4), torch.rand(3, 2)  # KDA, H=2
     cu3, i32 = torch.tensor([0, 1, 3], dtype=torch.int32), torch.int32
+    u8 = torch.uint8  # MXFP4: w13 [3, 2 * 32, 32 // 2], w2 [3, 32, 32 // 2], E8M0 scales near 1
+    mx_w13, mx_s13 = torch.randint(0, 256, (3, 64, 16)).to(u8), torch.randint(126, 129, (3, 64, 1)).to(u8)
+    mx_w2, mx_s2 = torch.randint(0, 256, (3, 32, 16)).to(u8), torch.randint(126, 129, (3, 32, 1)).to(u8)
     return {
         "mla_decode": lambda b: ops.mla_decode(q, kv, bt, lens, 0.2, 16, backend=b),
         "mla_extend": lambda b: ops.mla_extend(q, kv, bt, torch.tensor([0, 1, 2], dtype=torch.int32), lens, 0.2, 16,
@@ -56,6 +59,10 @@ def _calls():
         "fused_moe_w4a16": lambda b: ops.fused_moe_w4a16(moe_x, w13p, w13s, w2p, w2s, moe_w, moe_ids, 8, backend=b),
         "fused_moe_fp8_block": lambda b: ops.fused_moe_fp8_block(moe_x, w13f, s13f, w2f, s2f, moe_w, moe_ids,
                                                                  backend=b),
+        "dequantize_mxfp4": lambda b: ops.dequantize_mxfp4(mx_w13, mx_s13, backend=b),
+        "linear_mxfp4": lambda b: ops.linear_mxfp4(torch.randn(2, 32), mx_w13[0], mx_s13[0], backend=b),
+        "fused_moe_mxfp4": lambda b: ops.fused_moe_mxfp4(moe_x, mx_w13, mx_s13, mx_w2, mx_s2, moe_w, moe_ids,
+                                                         activation="situ", situ_beta=4.0, backend=b),
         "kda_chunk_prefill": lambda b: ops.kda_chunk_prefill(kq, kq, kv_, kg, kb, torch.ones(2, 2, 4, 5), cu3,
                                                              backend=b),
         "kda_recurrent_decode": lambda b: _with_state(torch.ones(3, 2, 4, 5), lambda s: ops.kda_recurrent_decode(

@@ -1,4 +1,4 @@
-"""Mixture-of-experts ops: noaux_tc routing and the SiLU-gated expert mixture."""
+"""Mixture-of-experts ops: noaux_tc routing and the gated (SiLU or SiTU) expert mixture."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from kvtier import reference
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
 from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend, triton_interpreting
+from kvtier.reference.activation import ACTIVATIONS
 
 register_backend("moe_route", "triton")
 register_backend("fused_moe", "triton", "aiter")
@@ -172,7 +173,34 @@ def _(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed
             router_logits.new_empty(t, top_k, dtype=torch.int32))
 
 
-def _fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids):
+def activation_consts(activation: str, situ_beta: float, situ_linear_beta: float | None) -> dict:
+    """The gated-activation arguments of the MoE kernels (``triton_kernels.moe.gated_act``):
+    ``ACT`` (0 SiLU, 1 SiTU), ``CLIP_UP`` and the two runtime betas."""
+    situ = activation == "situ"
+    return {"act_beta": float(situ_beta), "act_linear_beta": float(situ_linear_beta or 1.0),
+            "ACT": int(situ), "CLIP_UP": situ and situ_linear_beta is not None}
+
+
+def check_activation(activation, situ_beta, situ_linear_beta) -> tuple[str, float, float | None]:
+    """Check the MoE ops' activation arguments; returns them normalised (floats).
+
+    Raises:
+        ValueError: ``activation`` not in :data:`ACTIVATIONS`, or a beta that is not a finite
+            positive number (``situ_linear_beta`` may be None).
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, value in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
+        if value is None and name == "situ_linear_beta":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+            raise ValueError(f"{name} must be a finite positive number{' or None' if 'linear' in name else ''}, "
+                             f"got {value!r}")
+    return activation, float(situ_beta), None if situ_linear_beta is None else float(situ_linear_beta)
+
+
+def _fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", situ_beta=1.0,
+                      situ_linear_beta=None):
     from kvtier.triton_kernels.moe import fused_moe_kernel
 
     if w13.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
@@ -202,11 +230,13 @@ def _fused_moe_triton(hidden_states, w13, w2, topk_weights, topk_ids):
     act = torch.empty(num_pairs, inter, dtype=dtype, device=dev)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=dev)
     flat_w = topk_weights.reshape(-1).contiguous()
+    act_args = activation_consts(activation, situ_beta, situ_linear_beta)
     for cfg, a, w, out, n, k, gated in ((cfg1, hidden_states, w13, act, inter, hidden, True),
                                          (cfg2, act, w2, y, hidden, inter, False)):
         grid = (expert_ids.numel(), -(-n // cfg["BLOCK_N"]))
         _launch(fused_moe_kernel, grid, a, w, out, flat_w, sorted_ids, expert_ids, num_padded, num_pairs, top_k,
                n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), inter if gated else 0,
+               act_args["act_beta"], act_args["act_linear_beta"], ACT=act_args["ACT"], CLIP_UP=act_args["CLIP_UP"],
                GATED=gated, A_PER_TOKEN=gated, UPCAST=interpret, BLOCK_M=block_m,
                BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
                num_stages=cfg["num_stages"])
@@ -219,18 +249,20 @@ def _fused_moe_impl(backend, *args):
 
 @torch.library.custom_op("kvtier::fused_moe", mutates_args=(), device_types="cpu")
 def _fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor) -> torch.Tensor:
-    return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+                   topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 1.0,
+                   situ_linear_beta: float | None = None) -> torch.Tensor:
+    return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation, situ_beta,
+                               situ_linear_beta)
 
 
 @_fused_moe_cpu.register_kernel("cuda")
-def _(hidden_states, w13, w2, topk_weights, topk_ids):
+def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", situ_beta=1.0, situ_linear_beta=None):
     return _fused_moe_impl(device_backend("fused_moe", hidden_states.device), hidden_states, w13, w2, topk_weights,
-                           topk_ids)
+                           topk_ids, activation, situ_beta, situ_linear_beta)
 
 
 @_fused_moe_cpu.register_fake
-def _(hidden_states, w13, w2, topk_weights, topk_ids):
+def _(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", situ_beta=1.0, situ_linear_beta=None):
     return torch.empty_like(hidden_states)
 
 
@@ -283,8 +315,9 @@ def _moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_grou
     return _moe_route_impl(resolved, *args)
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, validate=True, backend="auto"):
-    """SiLU-gated mixture of the routed experts of each token.
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, activation="silu", situ_beta=1.0,
+              situ_linear_beta=None, validate=True, backend="auto"):
+    """Gated mixture of the routed experts of each token (SiLU-GLU, or Kimi K3's SiTU-GLU).
 
     Args:
         hidden_states: [num_tokens, hidden_size] fp32/bf16/fp16.
@@ -292,6 +325,11 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, validate=True, 
         w2: [num_experts, hidden_size, intermediate].
         topk_weights: [num_tokens, top_k] fp32 routing weights.
         topk_ids: [num_tokens, top_k] int32 expert ids in [0, num_experts).
+        activation: ``"silu"`` (``silu(gate) * up``) or ``"situ"`` (SiTU-GLU: ``situ_beta *
+            tanh(gate / situ_beta) * sigmoid(gate) * up'``, ``up' = situ_linear_beta * tanh(up /
+            situ_linear_beta)`` or ``up`` when it is None; K3: 4.0 and 25.0;
+            :mod:`kvtier.reference.activation` names the source).
+        situ_beta, situ_linear_beta: SiTU's betas (ignored for SiLU).
         validate: check the id values (one host read); a model passing its router's ids passes
             False (no host synchronisation per layer).
 
@@ -299,23 +337,24 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, validate=True, 
         [num_tokens, hidden_size] in ``hidden_states.dtype``.
 
     Raises:
-        ValueError: misshaped weights or ids out of range.
+        ValueError: misshaped weights, ids out of range, an unknown activation or a bad beta.
         BackendUnavailableError: the backend is not available, or cannot take these inputs
-            (``aiter``: bf16 or fp16 activations and weights of one dtype).
+            (``aiter``: bf16 or fp16 activations and weights of one dtype, SiLU only).
 
     Note:
         ``backend="triton"``: ``moe_align_block_size`` then two grouped-GEMM launches (gate/up with
-        SiLU gating fused, then down weighted by ``topk_weights``); tiles from the data file
+        the gated activation (SiLU or SiTU) fused, then down weighted by ``topk_weights``); tiles from the data file
         :data:`CONFIG_FILE` keyed by (E, N, K, dtype, arch). The gated activation is stored in
         ``hidden_states.dtype`` between the two (as peers do); the per-choice outputs are fp32 and
         summed over the k choices in fp32, deterministically (no atomics). ``backend="aiter"``:
         aiter's ``fused_moe`` (ROCm) on the same arguments, see :mod:`kvtier.ops._aiter`.
     """
+    act = check_activation(activation, situ_beta, situ_linear_beta)
     with torch.profiler.record_function("kvtier::fused_moe"):
-        return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend)
+        return _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend, act)
 
 
-def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend):
+def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend, act):
     check_tensor(hidden_states, "hidden_states", ndim=2, dtypes=FLOAT_DTYPES)
     num_tokens, hidden = hidden_states.shape
     dev = hidden_states.device
@@ -333,9 +372,12 @@ def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend
     resolved = resolve_backend("fused_moe", backend, hidden_states.device, hidden_states.dtype)
     if resolved == "aiter":
         from kvtier.ops import _aiter
+        from kvtier.ops.dispatch import BackendUnavailableError
 
+        if act[0] != "silu":
+            raise BackendUnavailableError(f"backend='aiter' runs fused_moe with activation='silu' only, got {act[0]!r}")
         _aiter.check_fused_moe(hidden_states, w13, w2)
         return _aiter.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     if resolved == device_backend("fused_moe", dev):
-        return torch.ops.kvtier.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
-    return _fused_moe_impl(resolved, hidden_states, w13, w2, topk_weights, topk_ids)
+        return torch.ops.kvtier.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *act)
+    return _fused_moe_impl(resolved, hidden_states, w13, w2, topk_weights, topk_ids, *act)

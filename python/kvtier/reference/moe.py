@@ -1,4 +1,4 @@
-"""MoE references: noaux_tc routing and the SiLU-gated expert mixture.
+"""MoE references: noaux_tc routing and the gated (SiLU or SiTU) expert mixture.
 
 Routing bytes: ``T*E`` logits read, ``2*T*k`` written; FLOPs ~ ``T*E*log(E)``.
 fused_moe bytes: the weights of every hit expert (``3*I*H`` each) + ``2*T*H`` activations;
@@ -9,6 +9,8 @@ moe_align_block_size bytes: ``T*k`` ids read, ``max_padded + max_padded / block_
 
 import torch
 import torch.nn.functional as F
+
+from kvtier.reference.activation import gated_act
 
 
 def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group, routed_scaling_factor,
@@ -33,11 +35,14 @@ def moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_group
     return weights * routed_scaling_factor, topk_ids.to(torch.int32)
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
-    """``sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e x) * (up_e x))`` with ``e = topk_ids[t, j]``.
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation="silu", situ_beta=1.0,
+              situ_linear_beta=None):
+    """``sum_j topk_weights[t, j] * w2[e] @ act(gate_e x, up_e x)`` with ``e = topk_ids[t, j]``.
 
-    hidden_states [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. fp32 math,
-    output [T, H] in ``hidden_states.dtype``.
+    hidden_states [T, H]; w13 [E, 2*I, H] (gate rows then up rows); w2 [E, H, I]. ``act`` is
+    ``silu(gate) * up`` (``activation="silu"``) or SiTU-GLU with ``situ_beta`` / ``situ_linear_beta``
+    (``"situ"``, :func:`kvtier.reference.activation.gated_act`). fp32 math, output [T, H] in
+    ``hidden_states.dtype``.
     """
     x = hidden_states.float()
     out = torch.zeros_like(x)
@@ -46,7 +51,7 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
         token_idx, slot = torch.nonzero(flat_ids == e, as_tuple=True)
         h = x[token_idx]
         gate, up = F.linear(h, w13[e].float()).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e].float())
+        y = F.linear(gated_act(gate, up, activation, situ_beta, situ_linear_beta), w2[e].float())
         out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].float())
     return out.to(hidden_states.dtype)
 
