@@ -28,9 +28,10 @@ def add_parser(sub) -> None:
     c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
     c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
     c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4"],
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4", "mxfp4"],
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
-                        "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6)")
+                        "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6); "
+                        "mxfp4 = routed experts compressed-tensors mxfp4-pack-quantized (K3; hybrid presets)")
     c.add_argument("--tokenizer", metavar="DIR",
                    help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the checkpoint, "
                         "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer)")

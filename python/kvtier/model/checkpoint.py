@@ -42,7 +42,7 @@ from kvtier.reference import quant as ref_quant
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
-                     "int4": torch.int32}
+                     "int4": torch.int32, "mxfp4": torch.uint8}
 INT4_GROUP_SIZE = 32  # Kimi K2 Thinking / K2.5 / K2.6
 
 
@@ -101,11 +101,19 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
 
 def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: str, max_shard_bytes: int,
                               max_total_bytes: int) -> Path:
-    """A random hybrid (``kimi_linear`` / ``kimi_k3``) checkpoint: dense ``float32`` or ``bfloat16``."""
+    """A random hybrid (``kimi_linear`` / ``kimi_k3``) checkpoint: dense ``float32`` or ``bfloat16``, or
+    ``mxfp4`` (routed experts compressed-tensors ``mxfp4-pack-quantized``, the rest bf16, as K3 ships)."""
     from kvtier.model.kimi_linear_loader import hybrid_checkpoint_specs, write_random_hybrid_checkpoint
 
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"dtype must be 'float32' or 'bfloat16' for a {config.model_type} checkpoint, got {dtype!r}")
+    if dtype not in ("float32", "bfloat16", "mxfp4"):
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'mxfp4' for a {config.model_type} checkpoint, "
+                         f"got {dtype!r}")
+    if dtype == "mxfp4":
+        bad = [(n, v) for n, v in (("moe_intermediate_size", config.moe_intermediate_size),
+                                   ("routed_expert_hidden_size or hidden_size", config.moe_hidden_size)) if v % 32]
+        if bad:
+            raise ValueError(f"dtype='mxfp4' needs the experts' sizes to be multiples of 32 (one E8M0 scale per 32), "
+                             f"got {bad[0][0]} = {bad[0][1]}")
     width = 4 if dtype == "float32" else 2
     size = sum(math.prod(s.shape) for s in hybrid_checkpoint_specs(config).values()) * width
     if size > max_total_bytes:
@@ -113,7 +121,8 @@ def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: 
                          f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    return write_random_hybrid_checkpoint(out, config, seed, CHECKPOINT_DTYPES[dtype], max_shard_bytes)
+    return write_random_hybrid_checkpoint(out, config, seed, torch.bfloat16 if dtype == "mxfp4" else CHECKPOINT_DTYPES[dtype],
+                                          max_shard_bytes, mxfp4=dtype == "mxfp4")
 
 
 def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config | KimiLinearConfig = "tiny",
@@ -125,12 +134,14 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
     Args:
         path: output directory (created if missing).
         preset_or_config: a preset name (``tiny``, ``tiny-k3``) or a :class:`KimiK2Config` or
-            :class:`KimiLinearConfig` (hybrid models: ``float32`` or ``bfloat16`` only).
+            :class:`KimiLinearConfig` (hybrid models: ``float32``, ``bfloat16`` or ``mxfp4``).
         seed: generator seed; the same seed writes the same tensors.
         dtype: ``float32`` | ``bfloat16`` | ``fp8`` (linear weights as e4m3 with 128x128
             ``weight_scale_inv`` block scales, other tensors bf16/fp32 as in DeepSeek-V3 releases)
             | ``int4`` (routed experts compressed-tensors INT4 group-32, as Kimi K2 Thinking /
-            K2.6; the config's ``hidden_size`` and ``moe_intermediate_size`` must be multiples of 32).
+            K2.6; the config's ``hidden_size`` and ``moe_intermediate_size`` must be multiples of 32)
+            | ``mxfp4`` (hybrid models only: routed experts compressed-tensors ``mxfp4-pack-quantized``,
+            FP4 E2M1 with E8M0 scales per 32, as Kimi K3 ships them; the rest bf16).
         max_shard_bytes: start a new shard once one exceeds this many bytes.
         max_total_bytes: refuse (ValueError) configs whose checkpoint would be larger.
 
@@ -145,6 +156,9 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
         raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
     if isinstance(config, KimiLinearConfig):
         return _create_hybrid_checkpoint(path, config, seed, dtype, max_shard_bytes, max_total_bytes)
+    if dtype == "mxfp4":
+        raise ValueError("dtype='mxfp4' is for hybrid (kimi_linear / kimi_k3) presets such as tiny-k3, got a "
+                         f"{config.model_type} config")
     formats = {"int4": "int4", "fp8": "fp8"}.get(dtype, "bf16")
     if dtype == "int4":
         PRESET_FORMATS["int4"].check(config)

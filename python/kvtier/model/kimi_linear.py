@@ -66,23 +66,6 @@ def situ_and_mul(x: torch.Tensor, beta: float | None, linear_beta: float | None)
     return (gate * up).to(x.dtype)
 
 
-def glu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, activation) -> torch.Tensor:
-    """``sum_j topk_weights[t, j] * w2[e] @ activation(w13[e] @ x_t)`` over ``e = topk_ids[t, j]``:
-    the routed experts with a gated activation other than SiLU (the fused MoE op is SiLU-only).
-
-    x [T, K]; w13 [E, 2I, K]; w2 [E, K, I]; topk_weights [T, k] fp32; topk_ids [T, k] int32;
-    activation [n, 2I] -> [n, I]. Returns [T, K] in x's dtype.
-    """
-    out = torch.zeros(x.shape, dtype=_wide(x).dtype, device=x.device)
-    ids = topk_ids.long()
-    for e in torch.unique(ids).tolist():
-        token_idx, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = _wide(F.linear(activation(F.linear(x[token_idx], w13[e])), w2[e]))
-        out.index_add_(0, token_idx, y * topk_weights[token_idx, slot, None].to(out.dtype))
-    return out.to(x.dtype)
-
-
 def attn_res_mix(sources: list[torch.Tensor], norm_weight: torch.Tensor, proj_weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Attention residuals: a softmax over the block sources with one learned query per layer.
@@ -247,10 +230,13 @@ class HybridMoE(nn.Module):
                                      c.norm_topk_prob, backend=self.backend)
         latent = c.routed_expert_hidden_size is not None
         xr = F.linear(x, self.routed_expert_down_proj) if latent else x
-        if c.hidden_act == "silu":
-            out = ops.fused_moe(xr, self.w13, self.w2, weights, ids, validate=False, backend=self.backend)
+        act = {} if c.hidden_act == "silu" else {"activation": c.hidden_act, "situ_beta": c.activation_situ_beta or 1.0,
+                                                  "situ_linear_beta": c.activation_situ_linear_beta}
+        if getattr(self, "w13_packed", None) is not None:  # MXFP4 experts kept packed (kimi_linear_loader)
+            out = ops.fused_moe_mxfp4(xr, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale, weights, ids,
+                                      validate=False, backend=self.backend, **act)
         else:
-            out = glu_experts(xr, self.w13, self.w2, weights, ids, self.activation)
+            out = ops.fused_moe(xr, self.w13, self.w2, weights, ids, validate=False, backend=self.backend, **act)
         if latent:
             if c.latent_moe_use_norm:
                 out = ops.rms_norm(out, self.routed_expert_norm, c.rms_norm_eps)

@@ -10,14 +10,22 @@ residual weights (``self_attention_res_{norm,proj}``, ``mlp_res_{norm,proj}``,
 ``model.output_attn_res_{norm,proj}``). A K3 checkpoint prefixes the text model with
 ``language_model.`` (its layers as ``language_model.layers.N``): both are read.
 
-Only dense (bf16 / fp16 / fp32) weights are read here; a ``quantization_config`` is refused,
-naming the field.
+Weights are dense (bf16 / fp16 / fp32), except that a compressed-tensors ``mxfp4-pack-quantized``
+``quantization_config`` (Kimi K3 as shipped) stores its targeted modules as ``<module>.weight_packed``
+uint8 ``[N, K // 2]`` + ``<module>.weight_scale`` uint8 E8M0 ``[N, K // 32]``
+(:mod:`kvtier.reference.mxfp4`): the routed experts are kept packed (``w13_packed`` / ``w13_scale`` /
+``w2_packed`` / ``w2_scale`` on the MoE, run by :func:`kvtier.ops.fused_moe_mxfp4`) unless
+``dequantize=True``; any other packed module is dequantized on load. Any other quantization
+config is a load error naming the tensor and the ``quantization_config`` field
+(:class:`Mxfp4Config`).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +35,7 @@ from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import KimiLinearConfig
 from kvtier.model.loader import SafetensorsSource
 from kvtier.model.weights import TensorSpec, _attention_specs, _mlp_specs
+from kvtier.reference import mxfp4 as ref_mxfp4
 
 _PREFIXES = ("language_model.model.", "language_model.")
 _OTHER_TOWERS = ("vision_tower.", "mm_projector.")
@@ -129,6 +138,119 @@ def _alternative(name: str) -> str:
     return name.replace(".mlp.", ".block_sparse_moe.")
 
 
+MXFP4_FORMAT = "mxfp4-pack-quantized"
+# what ``kvtier create-checkpoint --preset tiny-k3 --dtype mxfp4`` writes: routed experts MXFP4 (compressed-tensors
+# mxfp4-pack-quantized, E8M0 scales per 32), every other module dense
+K3_MXFP4_QUANTIZATION_CONFIG: dict = {
+    "quant_method": "compressed-tensors", "format": MXFP4_FORMAT, "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"], "input_activations": None,
+        "output_activations": None, "format": MXFP4_FORMAT,
+        "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                    "scale_dtype": "torch.uint8", "zp_dtype": None, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+}
+_SCALE_DTYPES = (None, "torch.uint8", "uint8", "torch.float8_e8m0fnu", "float8_e8m0fnu")
+
+
+def _matches(module: str, patterns) -> bool:
+    """compressed-tensors matching: ``re:<regex>`` (``re.match`` on the module name), the class name
+    ``Linear`` (every linear module), or an exact module name."""
+    return any((p.startswith("re:") and re.match(p[3:], module)) or p == "Linear" or p == module for p in patterns)
+
+
+class Mxfp4Config:
+    """A hybrid checkpoint's ``quantization_config``, checked: compressed-tensors
+    ``mxfp4-pack-quantized`` (FP4 E2M1 weights, an E8M0 scale per 32 along K) or none.
+
+    Config-wide fields are checked at construction; a group's ``weights`` when a tensor it targets is
+    resolved (:meth:`targets`), so the error names that tensor. Activations are not quantized (W4A16): a
+    group's ``input_activations`` may be null or the dynamic MXFP8 group-32 scheme K3 was trained
+    with, which is accepted and run in the model dtype.
+
+    Raises:
+        ValueError: an unsupported method or field, naming ``quantization_config.<field>``.
+    """
+
+    def __init__(self, raw: dict | None):
+        self.raw = dict(raw or {})
+        self.groups: list[tuple[str, dict]] = []
+        self.ignore: tuple[str, ...] = ()
+        if not self.raw:
+            return
+        q = "quantization_config"
+        method = self.raw.get("quant_method")
+        if method != "compressed-tensors":
+            raise ValueError(f"unsupported quantization_config ({q}.quant_method must be 'compressed-tensors' with "
+                             f"format '{MXFP4_FORMAT}' for hybrid models), got {method!r}")
+        for field, ok, want in (
+                ("quantization_status", self.raw.get("quantization_status", "compressed") == "compressed",
+                 "'compressed' (packed weights)"),
+                ("sparsity_config", not self.raw.get("sparsity_config"), "empty (sparse weights are not supported)"),
+                ("kv_cache_scheme", self.raw.get("kv_cache_scheme") is None, "null (KV quantization is not supported)")):
+            if not ok:
+                raise ValueError(f"{q}.{field} must be {want}, got {self.raw.get(field)!r}")
+        ignore = self.raw.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+            raise ValueError(f"{q}.ignore must be a list of module names or 're:' patterns, got {ignore!r}")
+        self.ignore = tuple(ignore)
+        groups = self.raw.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise ValueError(f"{q}.config_groups must be a non-empty object of config groups, got {groups!r}")
+        for name, g in groups.items():
+            targets = g.get("targets") if isinstance(g, dict) else None
+            if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+                raise ValueError(f"{q}.config_groups.{name}.targets must be a non-empty list of module names or "
+                                 f"patterns, got {targets!r}")
+            if not isinstance(g.get("weights"), dict):
+                raise ValueError(f"{q}.config_groups.{name}.weights must be an object, got {g.get('weights')!r}")
+            self.groups.append((name, g))
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.groups)
+
+    def targets(self, module: str, tensor: str) -> bool:
+        """Whether ``module`` (its checkpoint name without ``.weight``) is stored MXFP4; checks the
+        targeting group, naming ``tensor`` in the error."""
+        if not self.groups or _matches(module, self.ignore):
+            return False
+        for name, g in self.groups:
+            if _matches(module, g["targets"]):
+                _check_mxfp4_group(name, g, self.raw.get("format"), tensor)
+                return True
+        return False
+
+
+def _check_mxfp4_group(name: str, g: dict, top_format, tensor: str) -> None:
+    where = f"quantization_config.config_groups.{name}"
+    w = g["weights"]
+    fmt = g.get("format", top_format)
+
+    def need(field: str, value, ok: bool, want: str) -> None:
+        if not ok:
+            raise ValueError(f"tensor {tensor!r}: {where}.{field} must be {want}, got {value!r}")
+
+    need("format", fmt, fmt == MXFP4_FORMAT, f"'{MXFP4_FORMAT}' (FP4 E2M1 codes two per byte)")
+    need("weights.num_bits", w.get("num_bits"), w.get("num_bits") == 4, "4 (FP4 weights)")
+    need("weights.type", w.get("type"), w.get("type") == "float", "'float' (E2M1)")
+    need("weights.strategy", w.get("strategy"), w.get("strategy") == "group", "'group' (one scale per 32 inputs)")
+    need("weights.group_size", w.get("group_size"), w.get("group_size") == ref_mxfp4.MXFP4_GROUP,
+         f"{ref_mxfp4.MXFP4_GROUP} (MX blocks)")
+    need("weights.symmetric", w.get("symmetric"), w.get("symmetric", True) is True, "true")
+    need("weights.scale_dtype", w.get("scale_dtype"), w.get("scale_dtype") in _SCALE_DTYPES, "uint8 (E8M0 exponents)")
+    need("weights.zp_dtype", w.get("zp_dtype"), w.get("zp_dtype") is None, "null (no zero points)")
+    need("weights.dynamic", w.get("dynamic"), not w.get("dynamic"), "false (static weight scales)")
+    need("weights.actorder", w.get("actorder"), w.get("actorder") is None, "null")
+    need("weights.block_structure", w.get("block_structure"), w.get("block_structure") is None, "null")
+    a = g.get("input_activations")
+    mxfp8 = (isinstance(a, dict) and a.get("num_bits") == 8 and a.get("type") == "float" and bool(a.get("dynamic"))
+             and a.get("group_size") == ref_mxfp4.MXFP4_GROUP)
+    need("input_activations", a, a is None or mxfp8, "null or dynamic MXFP8 group-32 (run in the model dtype)")
+    need("output_activations", g.get("output_activations"), g.get("output_activations") is None, "null")
+
+
 def read_hybrid_config(model_dir: str | Path) -> tuple[KimiLinearConfig, dict]:
     """(config, raw config.json dict) of a ``kimi_linear`` / ``kimi_k3`` checkpoint directory.
 
@@ -143,35 +265,100 @@ def read_hybrid_config(model_dir: str | Path) -> tuple[KimiLinearConfig, dict]:
     try:
         config = KimiLinearConfig.from_hf_dict(raw)
         for where in (raw, text):
-            if where.get("quantization_config"):
-                raise ValueError("quantization_config is not supported for hybrid models yet (dense bf16/fp16/fp32 "
-                                 f"weights only), got quant_method {where['quantization_config'].get('quant_method')!r}")
+            Mxfp4Config(where.get("quantization_config"))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     return config, raw
 
 
-def load_hybrid_weights(model: KimiLinearForCausalLM, source) -> None:
+def _is_routed_expert(spec: TensorSpec) -> bool:
+    return bool(spec.index) and spec.target.endswith((".w13", ".w2"))
+
+
+def hold_packed_experts(model: KimiLinearForCausalLM) -> None:
+    """Replace every MoE's dense ``w13`` / ``w2`` by empty MXFP4 parameters (uint8, no grad):
+    ``w13_packed`` [E, 2I, L // 2], ``w13_scale`` [E, 2I, L // 32], ``w2_packed`` [E, L, I // 2],
+    ``w2_scale`` [E, L, I // 32]; the MoE then runs :func:`kvtier.ops.fused_moe_mxfp4`."""
+    g = ref_mxfp4.MXFP4_GROUP
+    for module in model.modules():
+        if hasattr(module, "w13") and hasattr(module, "e_score_correction_bias"):
+            for name in ("w13", "w2"):
+                e, n, k = getattr(module, name).shape
+                delattr(module, name)
+                for suffix, width in (("packed", k // 2), ("scale", k // g)):
+                    setattr(module, f"{name}_{suffix}",
+                            torch.nn.Parameter(torch.empty(e, n, width, dtype=torch.uint8), requires_grad=False))
+
+
+def _read_packed(source, by_name, key: str, name: str, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight_packed uint8, weight_scale uint8) of the MXFP4 module of checkpoint weight ``name``."""
+    module = name[: -len(".weight")]
+    n, k = spec.shape
+    out = []
+    for suffix, shape in (("weight_packed", (n, k // 2)), ("weight_scale", (n, k // ref_mxfp4.MXFP4_GROUP))):
+        raw = by_name.get(f"{key[: -len('.weight')]}.{suffix}")
+        if raw is None:
+            raise ValueError(f"checkpoint lacks tensor '{module}.{suffix}' (MXFP4 {suffix.split('_')[1]} of "
+                             f"{module}, required by quantization_config.format '{MXFP4_FORMAT}')")
+        t = source.get(raw)
+        if t.dtype == getattr(torch, "float8_e8m0fnu", None):
+            t = t.view(torch.uint8)
+        if t.dtype != torch.uint8 or tuple(t.shape) != shape:
+            raise ValueError(f"tensor '{module}.{suffix}' must be uint8 of shape {shape} (MXFP4 of a {spec.shape} "
+                             f"weight), got {t.dtype} {tuple(t.shape)}")
+        out.append(t)
+    return out[0], out[1]
+
+
+def load_hybrid_weights(model: KimiLinearForCausalLM, source, quant: Mxfp4Config | None = None,
+                        dequantize: bool = False) -> None:
     """Fill every parameter of ``model`` from ``source`` (``keys()``, ``get(name)``), checking names,
     shapes and dtypes; MTP layers (past ``num_hidden_layers``) and other towers are skipped.
 
+    With an MXFP4 ``quant``, the modules it targets are read as ``weight_packed`` / ``weight_scale``:
+    routed experts stay packed (call :func:`hold_packed_experts` on ``model`` first) unless
+    ``dequantize``, other modules are dequantized into their dense parameter.
+
     Raises:
-        ValueError: a missing, misshaped, non-floating or unexpected tensor, naming it.
+        ValueError: a missing, misshaped, non-floating or unexpected tensor, or a quantization field
+            the format does not allow, naming the tensor (and the field).
     """
     c = model.config
+    quant = quant or Mxfp4Config(None)
     specs = hybrid_checkpoint_specs(c)
     by_name = {_canonical(k): k for k in source.keys()}
     if "lm_head.weight" not in by_name and c.tie_word_embeddings:
         by_name["lm_head.weight"] = by_name.get("model.embed_tokens.weight")
     used = set()
     params = dict(model.named_parameters())
+    packed_model = any(n.endswith("w13_packed") for n in params)
     with torch.no_grad():
         for name, spec in specs.items():
-            key = name if name in by_name else _alternative(name)
-            if by_name.get(key) is None:
-                raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {spec.shape})")
-            used.add(key)
-            t = source.get(by_name[key])
+            key = name if name in by_name or f"{name[:-7]}.weight_packed" in by_name else _alternative(name)
+            raw_module = by_name.get(f"{key[:-7]}.weight_packed", "")[: -len(".weight_packed")]
+            if raw_module and spec.quantizable and len(spec.shape) == 2 and quant.targets(raw_module,
+                                                                                       f"{raw_module}.weight_packed"):
+                used.update({f"{key[:-7]}.weight_packed", f"{key[:-7]}.weight_scale", f"{key[:-7]}.weight_shape"})
+                packed, scale = _read_packed(source, by_name, key, name, spec)
+                if _is_routed_expert(spec) and packed_model:
+                    for suffix, t in (("packed", packed), ("scale", scale)):
+                        dst = params[f"{spec.target}_{suffix}"][spec.index]
+                        rows = t.shape[0]
+                        dst[spec.row_offset: spec.row_offset + rows].copy_(t)
+                    continue
+                t = ref_mxfp4.dequantize_mxfp4(packed, scale)
+            else:
+                if quant.quantized and spec.quantizable and len(spec.shape) == 2 and \
+                        quant.targets(by_name.get(key, key)[: -len(".weight")], f"{name[:-7]}.weight_packed"):
+                    raise ValueError(f"checkpoint lacks tensor '{name[:-7]}.weight_packed' (quantization_config."
+                                     f"config_groups targets {name[:-7]} as '{MXFP4_FORMAT}')")
+                if by_name.get(key) is None:
+                    raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {spec.shape})")
+                if packed_model and _is_routed_expert(spec):
+                    raise ValueError(f"tensor {name!r} is stored dense but the model holds its routed experts MXFP4 "
+                                     "(one format per weight class); load with dequantize=True")
+                used.add(key)
+                t = source.get(by_name[key])
             if not t.is_floating_point():
                 raise ValueError(f"tensor {name!r} has dtype {t.dtype}, expected a floating-point dtype")
             if tuple(t.shape) != spec.shape:
@@ -191,32 +378,52 @@ def load_hybrid_weights(model: KimiLinearForCausalLM, source) -> None:
 
 
 def load_hybrid_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-                      device: str | torch.device = "cpu", backend: str = "auto") -> KimiLinearForCausalLM:
+                      device: str | torch.device = "cpu", backend: str = "auto",
+                      dequantize: bool = False) -> KimiLinearForCausalLM:
     """Build and load a hybrid model from a HF-layout directory (config.json + safetensors).
+
+    An ``mxfp4-pack-quantized`` checkpoint keeps its routed experts packed (the MoE runs
+    :func:`kvtier.ops.fused_moe_mxfp4`); ``dequantize=True`` expands them to ``dtype`` (the bf16
+    :func:`kvtier.ops.fused_moe` path).
 
     Raises:
         FileNotFoundError: no config.json or no safetensors. ValueError: as :func:`read_hybrid_config`
             and :func:`load_hybrid_weights`.
     """
-    config, _ = read_hybrid_config(model_dir)
+    config, raw = read_hybrid_config(model_dir)
+    text = raw.get("text_config", raw) if raw.get("model_type") == "kimi_k3" else raw
+    quant = Mxfp4Config(raw.get("quantization_config") or text.get("quantization_config"))
     model = KimiLinearForCausalLM(config, dtype, backend)
-    load_hybrid_weights(model, SafetensorsSource(Path(model_dir)))
+    if quant.quantized and not dequantize:
+        hold_packed_experts(model)
+    load_hybrid_weights(model, SafetensorsSource(Path(model_dir)), quant, dequantize)
     return model.to(device)
 
 
+def _random_tensors(config: KimiLinearConfig, seed: int, dtype: torch.dtype, mxfp4: bool):
+    gen = torch.Generator().manual_seed(seed)
+    for name, spec in hybrid_checkpoint_specs(config).items():
+        t = random_hybrid_tensor(name, spec.shape, gen)
+        if mxfp4 and _is_routed_expert(spec):
+            packed, scale = ref_mxfp4.quantize_mxfp4(t)
+            yield f"{name[: -len('.weight')]}.weight_packed", packed
+            yield f"{name[: -len('.weight')]}.weight_scale", scale
+            continue
+        fp32 = name.endswith(("gate.weight", "e_score_correction_bias", "dt_bias", "A_log"))
+        yield name, t if fp32 else t.to(dtype)
+
+
 def write_random_hybrid_checkpoint(out: Path, config: KimiLinearConfig, seed: int, dtype: torch.dtype,
-                                   max_shard_bytes: int) -> Path:
+                                   max_shard_bytes: int, mxfp4: bool = False) -> Path:
     """A deterministic random checkpoint of ``config`` (values of :func:`random_hybrid_tensor` from
     ``torch.Generator(seed)`` in spec order; router and gate parameters fp32, the rest ``dtype``);
-    a ``kimi_k3`` config writes its text model under ``language_model.`` as K3 ships."""
-    gen = torch.Generator().manual_seed(seed)
+    a ``kimi_k3`` config writes its text model under ``language_model.`` as K3 ships. ``mxfp4``:
+    the routed experts as compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` /
+    ``weight_scale``, quantized from the same draws; :data:`K3_MXFP4_QUANTIZATION_CONFIG`)."""
     prefix = "language_model." if config.model_type == "kimi_k3" else ""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, spec in hybrid_checkpoint_specs(config).items():
-        t = random_hybrid_tensor(name, spec.shape, gen)
-        fp32 = name.endswith(("gate.weight", "e_score_correction_bias", "dt_bias", "A_log"))
-        t = t if fp32 else t.to(dtype)
+    for name, t in _random_tensors(config, seed, dtype, mxfp4):
         if size and size + t.numel() * t.element_size() > max_shard_bytes:
             shards.append({})
             size = 0
@@ -233,5 +440,10 @@ def write_random_hybrid_checkpoint(out: Path, config: KimiLinearConfig, seed: in
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     cfg = config.to_hf_dict()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if mxfp4:
+        quant = copy.deepcopy(K3_MXFP4_QUANTIZATION_CONFIG)
+        if prefix:  # module names as the checkpoint spells them
+            quant["ignore"] = [f"{prefix}lm_head", "lm_head"]
+        (cfg["text_config"] if "text_config" in cfg else cfg)["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

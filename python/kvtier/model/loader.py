@@ -431,7 +431,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
 
     A ``kimi_linear`` / ``kimi_k3`` checkpoint gives a hybrid
     :class:`kvtier.model.kimi_linear.KimiLinearForCausalLM`
-    (:func:`kvtier.model.kimi_linear_loader.load_hybrid_model`, dense weights only).
+    (:func:`kvtier.model.kimi_linear_loader.load_hybrid_model`: dense weights, MXFP4 routed experts).
 
     Args:
         model_dir: directory with ``config.json`` and ``*.safetensors`` (optionally an index).
@@ -449,7 +449,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     if _model_type(model_dir) in HYBRID_MODEL_TYPES:
         from kvtier.model.kimi_linear_loader import load_hybrid_model
 
-        return load_hybrid_model(model_dir, dtype, device)
+        return load_hybrid_model(model_dir, dtype, device, dequantize=dequantize)
     config, raw = read_config(model_dir)
     try:
         quant = quantization_config_of(raw)
