@@ -4,6 +4,7 @@ rather than being cut short and recomputed, and a blocked head is not retried ev
 from kvtier import LLM, SamplingParams
 from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import PrefixStart
+from kvtier.serve.step_plan import StepBudget
 from tests.cache.test_tiers_e2e import always_load, prompt
 
 PS, BLOCK = 16, 15360
@@ -162,8 +163,8 @@ def test_a_load_waited_for_at_admission_is_bounded_and_goes_on_as_a_load(monkeyp
     real_scatter = copies.scatter
     monkeypatch.setattr(copies, "scatter", lambda *a, **kw: _HeldJob(real_scatter(*a, **kw), release))
     taken = []
-    real_load_inline = sched.policy.load_inline
-    monkeypatch.setattr(sched.policy, "load_inline", lambda seq: taken.append(real_load_inline(seq)) or taken[-1])
+    real_take_inline = StepBudget.take_inline
+    monkeypatch.setattr(StepBudget, "take_inline", lambda self, *a: taken.append(real_take_inline(self, *a)) or taken[-1])
     rid = engine.add_request(b, ONE)
     cold = engine.add_request(prompt(2 * PS, 7), ONE)
     seq = engine._sequences[rid]

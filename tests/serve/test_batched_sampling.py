@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvtier import EngineConfig, SamplingParams, ops
-from kvtier.serve import engine as engine_module
+from kvtier.serve import sampler as sampler_module
 from kvtier.serve.engine import Engine
 from kvtier.serve.runner import SeqLogits, StepResult
 
@@ -75,7 +75,7 @@ def _engine(backend: str, fail_mask_at: dict | None = None) -> Engine:
     config = EngineConfig.of(page_size=16, num_device_pages=64, max_num_batched_tokens=256, seed=11)
     engine = Engine(None, config, runner=LogitsRunner(config, backend))
 
-    def start_masks(batch):  # what _fill_masks would give: one row per constrained sequence that samples
+    def start_masks(batch):  # what GrammarRuntime._fill_masks would give: one row per constrained sequence that samples
         ending = [s for s, n in batch.extends if s.num_computed_tokens + n == s.num_tokens] + list(batch.decodes)
         rows = {}
         for s in ending:
@@ -88,7 +88,7 @@ def _engine(backend: str, fail_mask_at: dict | None = None) -> Engine:
         done.set_result(rows)
         return done if rows else None
 
-    engine._start_masks = start_masks
+    engine.grammar.start_masks = start_masks
     return engine
 
 
@@ -139,7 +139,7 @@ class SamplingSpy:
 
     def __init__(self, monkeypatch):
         self.calls, self.real = [], ops.sample
-        monkeypatch.setattr(engine_module.ops, "sample", self)
+        monkeypatch.setattr(sampler_module.ops, "sample", self)
 
     def __call__(self, logits, temperature, top_p, token_bitmask=None, generator=None, *, backend="auto"):
         copies = {}

@@ -3,15 +3,15 @@ aging bounds how long a cold request is passed over; a request waiting for pages
 loads does not hold the requests behind it. Each test also runs FCFS, where the situation it
 guards against happens, so the test shows the policy is what makes the difference."""
 
-import dataclasses
 import math
 
 import pytest
 
 from kvtier import LLM, SamplingParams
-from kvtier.serve.policy import DECODE_AGE_FACTOR, FAST_LANE_SHARE
+from kvtier.serve.ranking import DECODE_AGE_FACTOR, FAST_LANE_SHARE
 from tests.cache.test_tiers_e2e import always_load, prompt
 from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
+from tests.helpers.scheduling import reconfigure
 
 BUDGET = 64  # max_num_batched_tokens of these engines
 TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
@@ -284,7 +284,7 @@ def test_a_decode_is_displaced_by_new_turns_fewer_than_its_aging_bound(max_passe
     turns = [prompt(N, 20 + i) for i in range(DECODE_AGE_FACTOR)]
     llm = host_cached(*turns)
     engine, sched = llm.engine, llm.engine.scheduler
-    sched.config = dataclasses.replace(engine.config, schedule_max_passes=max_passes)
+    reconfigure(sched, schedule_max_passes=max_passes)
     long_decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     decode_prompt = prompt(5 * PS, 3)
     dec = engine.add_request(decode_prompt, long_decode)
@@ -392,10 +392,11 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens,
     new_seq = engine.sequence(new)
     assert engine.sequence(chunked).num_computed_tokens == BUDGET - 1 and engine.sequence(decode).output_token_ids
     occupy(engine.pool, engine.pool.num_free_pages - 2)
-    scheduler._blocked[new_seq.seq_id] = (engine.pool.num_free_pages, 0)  # it failed admission on pages
-    assert (scheduler.policy.key(new_seq) < scheduler.policy.key(engine.sequence(chunked))) is overtakes
-    assert scheduler.policy.waits_for_chunk(new_seq) is not overtakes
-    scheduler.policy.make_room()
+    scheduler.queues.block(new_seq, engine.pool.num_free_pages, 0)  # it failed admission on pages
+    ranking = scheduler.ranking
+    assert (ranking.key(new_seq) < ranking.key(engine.sequence(chunked))) is overtakes
+    assert ranking.waits_for_chunk(new_seq, scheduler.plan.budget) is not overtakes
+    scheduler.make_room()
     assert (scheduler.num_preemptions > 0) is overtakes
     if not overtakes:
         assert {s.seq_id for s in scheduler.running} == {decode, chunked}
@@ -438,8 +439,8 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
     dec = engine.add_request(decode_prompt, long_decode)
     engine.step()  # the decode holds 6 of the 10 pages: the aged request's 9 do not fit
     assert engine.sequence(dec).output_token_ids and aged_seq.status.name == "WAITING"
-    aged_seq.num_passed_over = scheduler.policy.age_limit(aged_seq)
-    assert scheduler.policy.urgent(aged_seq)
+    aged_seq.num_passed_over = scheduler.ranking.age_limit(aged_seq)
+    assert scheduler.ranking.urgent(aged_seq)
     first, outs = _first_and_outputs(engine)
     plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
     for rid, p in ((aged, aged_prompt), (dec, decode_prompt)):
@@ -476,7 +477,7 @@ def test_cached_turn_gets_its_first_token_beside_two_running_prefills_that_fill_
     chunked one its ``CHUNK_SHARE``, the one ranked ahead of it the rest); the fast lane's share
     is planned off them, so a returning turn that arrives now still runs in its first step."""
     if not lane:
-        monkeypatch.setattr("kvtier.serve.policy.FAST_LANE_SHARE", 0.0)
+        monkeypatch.setattr("kvtier.serve.ranking.FAST_LANE_SHARE", 0.0)
     engine = engine_for("cache-aware")
     short = prompt(4 * PS + 1, 10)
     engine.add_request(short, ONE)

@@ -150,8 +150,8 @@ def test_interrupted_generate_leaves_a_working_engine(monkeypatch):
 def test_a_failing_request_finishes_with_an_error_and_others_complete(llm, monkeypatch):
     """A step samples in one call, so a failing call fails the requests sampled in it; a request
     that samples in other steps completes (its prompt is still prefilling when the bad one samples)."""
-    from kvtier.serve import engine as engine_module
-    real_sample = engine_module.ops.sample
+    from kvtier.serve import sampler as sampler_module
+    real_sample = sampler_module.ops.sample
 
     def sample(logits, temperature, top_p, **kw):
         if bool((top_p == 0.5).any()):
@@ -159,7 +159,7 @@ def test_a_failing_request_finishes_with_an_error_and_others_complete(llm, monke
         return real_sample(logits, temperature, top_p, **kw)
 
     long_prompt = prompt(100, 23)  # not cached, 64-token steps: its first token is sampled in step 2
-    monkeypatch.setattr(engine_module.ops, "sample", sample)
+    monkeypatch.setattr(sampler_module.ops, "sample", sample)
     bad = dataclasses.replace(GREEDY, top_p=0.5, max_tokens=1)
     outs = llm.generate(prompt_token_ids=[prompt(10, 22), long_prompt], sampling_params=[bad, GREEDY])
     assert outs[0].finish_reason == "error" and "sampler exploded" in outs[0].error

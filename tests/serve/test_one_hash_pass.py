@@ -11,7 +11,7 @@ from kvtier import LLM, SamplingParams
 from kvtier.cache import block_hash, block_hashes_py
 from kvtier.serve.api.sessions import SessionStore
 from kvtier.serve.chat import add_chat_request
-from kvtier.serve.engine import request_salt
+from kvtier.serve.intake import request_salt
 from kvtier.tokenize.buffer import TokenBuffer
 
 PS = 16

@@ -50,11 +50,11 @@ def test_engine_samples_from_penalised_logits(monkeypatch):
     """Each step's ``ops.sample`` gets the model's logits minus the penalty of the tokens the
     request generated before that step; greedy picks their argmax."""
     from kvtier import LLM
-    from kvtier.serve import engine as engine_mod
+    from kvtier.serve import sampler as sampler_mod
 
     llm = LLM("tiny", num_device_pages=64)
     seen = []  # (raw logits row, generated ids before the step, logits given to the sampler)
-    real_sample, real_rows = engine_mod.ops.sample, engine_mod.Engine._sample_rows
+    real_sample, real_rows = sampler_mod.ops.sample, sampler_mod.Sampler._sample_rows
 
     def rows_spy(self, live, logits):
         seen.append([logits[0].clone(), list(live[0][0].output_token_ids)])
@@ -64,8 +64,8 @@ def test_engine_samples_from_penalised_logits(monkeypatch):
         seen[-1].append(logits[0].clone())
         return real_sample(logits, *a, **kw)
 
-    monkeypatch.setattr(engine_mod.Engine, "_sample_rows", rows_spy)
-    monkeypatch.setattr(engine_mod.ops, "sample", sample_spy)
+    monkeypatch.setattr(sampler_mod.Sampler, "_sample_rows", rows_spy)
+    monkeypatch.setattr(sampler_mod.ops, "sample", sample_spy)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, presence_penalty=1.5,
                             frequency_penalty=-0.75, logprobs=True)
     out = llm.generate(prompt_token_ids=[[11, 12, 13, 14]], sampling_params=params)[0]

@@ -1,22 +1,35 @@
-"""Policies are small classes behind one interface, selected by ``EngineConfig.schedule_policy``."""
+"""Policies are a ranking and a preemption rule under one name, selected by
+``EngineConfig.schedule_policy``."""
 
 import torch
 
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.pool import KVPool
+from kvtier.serve.admission import CACHE_AWARE, FCFS, POLICIES
 from kvtier.serve.config import SCHEDULE_POLICIES, EngineConfig
-from kvtier.serve.policy import POLICIES, FCFS, CacheAware, SchedulePolicy
+from kvtier.serve.preemption import PreemptBehind, PreemptLast
+from kvtier.serve.ranking import ArrivalOrder, CostRanking
 from kvtier.serve.scheduler import Scheduler
-from kvtier.serve.step_budget import StepBudget, pairs
+from kvtier.serve.step_plan import StepBudget, pairs
 
 
 def test_the_scheduler_selects_its_policy_by_name():
     assert tuple(POLICIES) == SCHEDULE_POLICIES == ("cache-aware", "fcfs")
     pool_cfg = PoolConfig(page_size=1, num_device_pages=8)
-    for name, cls in (("cache-aware", CacheAware), ("fcfs", FCFS)):
+    for name, policy, ranking, preemption in (("cache-aware", CACHE_AWARE, CostRanking, PreemptBehind),
+                                              ("fcfs", FCFS, ArrivalOrder, PreemptLast)):
         sched = Scheduler(EngineConfig(pool=pool_cfg, schedule_policy=name), KVPool(pool_cfg, [torch.zeros(8, 1, 8)]))
-        assert type(sched.policy) is cls and isinstance(sched.policy, SchedulePolicy) and cls.name == name
-    assert FCFS.hold_line and not CacheAware.hold_line
+        assert sched.policy is policy and policy.name == name
+        assert type(sched.ranking) is ranking and type(sched.preemption) is preemption
+        assert sched.preemption.ranking is sched.ranking
+    assert ArrivalOrder.hold_line and not CostRanking.hold_line
+
+
+def test_fcfs_steps_have_no_attention_budget_and_wait_for_no_load():
+    config = EngineConfig(pool=PoolConfig(page_size=1, num_device_pages=8), max_num_batched_pairs=100)
+    fcfs, aware = FCFS.step_budget(config), CACHE_AWARE.step_budget(config)
+    assert fcfs.pairs_budget is None and fcfs.inline_left == 0.0
+    assert aware.pairs_budget == 100 and aware.inline_left > 0
 
 
 def test_step_budget_caps_chunks_to_the_pairs_left_and_takes_inline_shares():

@@ -2,7 +2,6 @@
 (``max_num_batched_pairs``), the short prefix loads it waits for at admission, and whom a
 prefill short of pages preempts. Each also runs FCFS, which has none of them."""
 
-import dataclasses
 import math
 
 import pytest
@@ -15,11 +14,12 @@ from kvtier.serve.request import SequenceStatus
 from kvtier.serve.scheduler import Scheduler
 from tests.cache.test_tiers_e2e import prompt
 from tests.serve.test_admission import N, ONE, PS, host_cached
+from tests.helpers.scheduling import reconfigure
 
 BUDGET = 64
 
 
-_pairs = Scheduler._pairs  # query-key pairs of a chunk of n tokens after `context`
+from kvtier.serve.step_plan import pairs as _pairs  # query-key pairs of a chunk of n tokens after `context`
 
 
 def _record_steps(engine) -> list[list[tuple[int, int, int]]]:
@@ -119,7 +119,7 @@ def test_a_short_host_load_is_waited_for_in_the_step_that_admits_it(policy, band
     b = prompt(N, 2)
     llm = host_cached(b, num_device_pages=16, schedule_policy=policy)
     engine = llm.engine
-    engine.scheduler.config = dataclasses.replace(engine.config, max_num_batched_tokens=256)
+    reconfigure(engine.scheduler, max_num_batched_tokens=256)
     _frozen_costs(engine, bandwidth)
     rid = engine.add_request(b, ONE)
     outs = engine.step()
@@ -156,10 +156,10 @@ def test_a_prefill_short_of_pages_preempts_itself_before_a_turn_its_step_would_e
     cold = _running(engine, 40 * PS, 30 * PS, 1)  # 160 tokens left
     turn = _running(engine, 20 * PS, 20 * PS - 40, 2)  # admitted later, its prompt ends this step
     other = _running(engine, 60 * PS, PS, 3)  # admitted last, 944 tokens left: the costliest
-    assert sched.policy.running_victim(cold) is other
+    assert sched.preemption.running_victim(cold) is other
     sched.running.remove(other)
-    assert sched.policy.running_victim(cold) is cold
-    assert sched.policy.running_victim(turn) is turn
+    assert sched.preemption.running_victim(cold) is cold
+    assert sched.preemption.running_victim(turn) is turn
 
 
 def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
@@ -174,9 +174,9 @@ def test_a_head_never_preempts_a_prefill_whose_prompt_ends_within_a_step():
     ending = _running(engine, 60 * PS, 60 * PS - 30, 1)  # 58 pages, 30 tokens from its first token
     far = _running(engine, 12 * PS, 2 * PS, 2)  # 2 pages, 160 tokens to go
     head = engine._sequences[engine.add_request(prompt(4 * PS, 3), ONE)]
-    assert sched.policy.ends_soon(ending) and not sched.policy.ends_soon(far)
-    assert sched.policy.victims(head, 1) == [far]
-    assert sched.policy.victims(head, 3) is None  # `far` frees 2 pages; `ending` is spared
+    assert sched.preemption.ends_soon(ending) and not sched.preemption.ends_soon(far)
+    assert sched.preemption.victims(head, 1) == [far]
+    assert sched.preemption.victims(head, 3) is None  # `far` frees 2 pages; `ending` is spared
 
 
 def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_long_prompt():
@@ -201,25 +201,20 @@ def test_the_last_chunk_of_a_long_prompt_shares_its_step_with_the_next_long_prom
 
 
 def test_placing_the_rest_of_the_chunked_prefill_charges_its_attention_work_once():
-    """``_end_chunked`` placing a running prefill's rest that had no chunk yet this step charges
-    that chunk's query-key pairs once (``_place`` charges it; an extra ``_charge`` took them twice,
-    leaving the rest of the step less attention budget)."""
+    """``StepPlan.end_chunked`` placing a running prefill's rest that had no chunk yet this step
+    charges that chunk's query-key pairs once (``place`` charges it; an extra charge took them
+    twice, leaving the rest of the step less attention budget)."""
     import torch
 
     from kvtier.cache.config import PoolConfig
     from kvtier.cache.pool import KVPool
     from kvtier.serve.params import RequestMetrics, SamplingParams
     from kvtier.serve.request import Sequence
-    from kvtier.serve.scheduler import ScheduledBatch
-    from kvtier.serve.step_budget import StepBudget
+    from kvtier.serve.step_plan import StepBudget, StepPlan
 
     config = PoolConfig(page_size=1, num_device_pages=64)
-    scheduler = Scheduler(EngineConfig(pool=config, max_num_batched_tokens=64, max_num_batched_pairs=10_000),
-                          KVPool(config, [torch.zeros(64, 1, 8)]))
+    plan = StepPlan(KVPool(config, [torch.zeros(64, 1, 8)]), StepBudget(10_000))
     seq = Sequence(1, list(range(20)), SamplingParams(max_tokens=1), RequestMetrics(0.0))
     seq.status = SequenceStatus.RUNNING
-    scheduler.running.append(seq)
-    scheduler.step = StepBudget(10_000)
-    batch = ScheduledBatch()
-    assert scheduler._end_chunked(batch, [seq], 64) == 20
-    assert batch.extends == [(seq, 20)] and 10_000 - scheduler.step.pairs_left == _pairs(0, 20)
+    assert plan.end_chunked([seq], 64) == 20
+    assert plan.batch.extends == [(seq, 20)] and 10_000 - plan.budget.pairs_left == _pairs(0, 20)

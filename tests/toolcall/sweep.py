@@ -120,7 +120,7 @@ def shortest_turns(llm, cases: list[Case]) -> list[int | None]:
     for c in cases:
         params = SamplingParams(tools=c.tools, tool_choice="required")
         try:
-            con = llm.engine._tool_constraint(params)
+            con = llm.engine.grammar.constraint(params)
         except ValueError:
             out.append(None)
             continue

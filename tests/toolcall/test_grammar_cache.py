@@ -14,7 +14,7 @@ def test_a_grammar_that_failed_while_decoding_is_compiled_afresh(tok_dir, monkey
     params = SamplingParams(max_tokens=48, temperature=0, tools=TOOLS, tool_choice="required")
     ok = llm.chat([{"role": "user", "content": "list"}], sampling_params=params)
     assert ok.error is None
-    compiler = llm.engine.grammar_compiler()
+    compiler = llm.engine.grammar.compiler()
     compiles = compiler.stats.compiles
     assert params.tool_grammar in compiler._cache  # kept: the next request copies it
 

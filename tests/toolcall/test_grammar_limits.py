@@ -186,11 +186,11 @@ def test_a_missed_deadline_ends_only_that_request(tok_dir):
     from kvtier import LLM
 
     llm = LLM("tiny", tokenizer=tok_dir, num_device_pages=256)
-    llm.engine.grammar_limits = GrammarLimits(mask_deadline_s=1e-9)
+    llm.engine.grammar.limits = GrammarLimits(mask_deadline_s=1e-9)
     done = _run_beside_small(llm, SamplingParams(max_tokens=16, tools=[PATHOLOGICAL["min_items"]],
                                                  tool_choice="required"))
     big, steps = done["big"]
     assert big.finish_reason == "error" and "mask_deadline_s=1e-09 s" in big.error and steps <= PREFILL_STEPS
     assert done["small"][0].finish_reason == "length" and len(done["small"][0].token_ids) == 2
-    stats = llm.engine.grammar_stats.snapshot()
+    stats = llm.engine.grammar.stats.snapshot()
     assert stats["cut"]["deadline"] == 1 and stats["masks"] >= 1

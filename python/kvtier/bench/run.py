@@ -74,7 +74,7 @@ class BenchOptions:
             scheduled (on 2 cores a 4-request decode run took 34 s with 2 threads under
             contention vs 0.55 s with 1).
         schedule_policy: admission order of every configuration's engine (``cache-aware`` or
-            ``fcfs``; see :mod:`kvtier.serve.policy`).
+            ``fcfs``; see :mod:`kvtier.serve.admission`).
         device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
             every configuration runs there (host and disk tiers through the device copy path).
     """

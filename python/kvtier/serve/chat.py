@@ -10,7 +10,8 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from kvtier.serve.engine import Engine, request_salt
+from kvtier.serve.engine import Engine
+from kvtier.serve.intake import request_salt
 from kvtier.serve.params import SamplingParams
 
 

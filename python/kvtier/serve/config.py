@@ -10,7 +10,7 @@ from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.config import PoolConfig
 from kvtier.options import check_choice, check_int
 
-SCHEDULE_POLICIES = ("cache-aware", "fcfs")  # kvtier.serve.policy.POLICIES by name (checked there)
+SCHEDULE_POLICIES = ("cache-aware", "fcfs")  # kvtier.serve.admission.POLICIES by name (checked there)
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class EngineConfig:
             4, .. up to max_num_seqs, at most 64), as vLLM and SGLang do; needs a GPU model (the
             runner raises ValueError otherwise). Off by default until measured.
         schedule_policy: ``cache-aware`` (waiting requests ordered by their estimated cost to
-            serve, cached ones first, with aging; see :mod:`kvtier.serve.policy`) or
+            serve, cached ones first, with aging; see :mod:`kvtier.serve.admission`) or
             ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
         schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
             this many steps is served ahead of every request that was not, in arrival order.

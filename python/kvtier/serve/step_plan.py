@@ -1,11 +1,12 @@
-"""Mechanisms the scheduler's policies call: one step's budgets, and the batch they fill.
+"""One step's plan: the batch it fills and the budgets it fills it within.
 
-A :class:`StepBudget` holds what is left of one step besides its token budget: the attention
-work of its prefill chunks (``EngineConfig.max_num_batched_pairs``, query-key pairs) and the
-share of a full step's estimated time the step may spend waiting for short prefix loads at
-admission. Page accounting (which pages a sequence holds, which are free, what preempting it
-frees) is the pool's (:class:`kvtier.cache.pool.KVPool`); :func:`fit_tokens` and
-:func:`pages_freed` read it for the scheduler.
+A :class:`StepPlan` holds the step's :class:`ScheduledBatch` and places chunks in it
+(:meth:`StepPlan.place`, :meth:`StepPlan.grow`, :meth:`StepPlan.end_chunked`), charging each to a
+:class:`StepBudget`: what is left of the step besides its token budget, the attention work of
+its prefill chunks (``EngineConfig.max_num_batched_pairs``, query-key pairs) and the share of a
+full step's estimated time the step may spend waiting for short prefix loads at admission. Page
+accounting (which pages a sequence holds, which are free, what preempting it frees) is the
+pool's (:class:`kvtier.cache.pool.KVPool`); :func:`fit_tokens` and :func:`pages_freed` read it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from dataclasses import dataclass, field
 
 from kvtier.cache.pool import KVPool
 from kvtier.serve.request import Sequence
+
+INLINE_LOAD_SHARE = 0.1
+"""Prefix loads estimated under this share of a full step's time
+(``recompute_s(max_num_batched_tokens)``), all of them together in one step, are waited for
+at admission under ``cache-aware``, so the request runs in the step that admits it rather than
+the next."""
 
 
 @dataclass
@@ -37,6 +44,11 @@ def pairs(context: int, n: int) -> int:
     ``n * context + n * (n + 1) / 2`` (each token attends to the context and to itself and the
     chunk's tokens before it)."""
     return n * context + n * (n + 1) // 2
+
+
+def remaining(seq: Sequence) -> int:
+    """Tokens of ``seq`` not computed yet (its prompt's rest, or 1 for a decode)."""
+    return seq.num_tokens - seq.num_computed_tokens
 
 
 class StepBudget:
@@ -96,6 +108,83 @@ class StepBudget:
             self.inline_left = max(0.0, self.inline_left - (waited_s - load_s) / step_s)
 
 
+class StepPlan:
+    """The batch of one step as it is filled, and the budgets it is filled within.
+
+    Args:
+        pool: the page pool the chunks' pages come from.
+        budget: the step's attention and inline-load budget (a fresh one per step).
+    """
+
+    def __init__(self, pool: KVPool, budget: StepBudget | None = None):
+        self.pool = pool
+        self.budget = budget if budget is not None else StepBudget()
+        self.batch = ScheduledBatch()
+
+    def place(self, seq: Sequence, n: int) -> None:
+        """Add ``n`` tokens of ``seq`` (its pages allocated): a decode, or a prefill chunk whose
+        attention work is charged."""
+        if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
+            self.batch.decodes.append(seq)
+        else:
+            self.batch.extends.append((seq, n))
+            self.budget.charge(seq, n)
+
+    def grow(self, seq: Sequence, tokens: int, exact: bool = False) -> int:
+        """Add up to ``tokens`` prefill tokens to running ``seq``'s chunk (within its prompt, the
+        attention budget and the pages; ``exact``: all ``tokens`` or none); returns the tokens
+        added (0: nothing changed)."""
+        batch = self.batch
+        i = next((k for k, (q, _) in enumerate(batch.extends) if q is seq), None)
+        have = 0 if i is None else batch.extends[i][1]
+        extra = self.budget.cap(seq, min(remaining(seq) - have, tokens), have)
+        if extra <= 0 or (exact and extra < tokens):
+            return 0
+        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + have + extra):
+            return 0
+        if i is None:
+            self.place(seq, extra)  # charges the chunk
+        else:
+            self.budget.charge(seq, extra, have)
+            batch.extends[i] = (seq, have + extra)
+        return extra
+
+    def chunked(self, running: list[Sequence]) -> list[Sequence]:
+        """Those of ``running`` that will still have prompt tokens to run after this step."""
+        placed = {s.seq_id: n for s, n in self.batch.extends}
+        placed.update((s.seq_id, 1) for s in self.batch.decodes)
+        return [s for s in running if s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1]
+
+    def end_chunked(self, chunked: list[Sequence], tokens: int) -> int:
+        """Place the rest of the prompt of the one chunked prefill now, when it fits in ``tokens``
+        with a token to spare, so a waiting prompt longer than the budget left can start its
+        chunks beside it (the step is not left half empty). Returns the tokens placed."""
+        if len(chunked) != 1:
+            return 0
+        seq = chunked[0]
+        have = next((n for q, n in self.batch.extends if q is seq), 0)
+        rest = remaining(seq) - have
+        if not 0 < rest < tokens:
+            return 0
+        placed = self.grow(seq, rest, exact=True)
+        if placed:
+            chunked.remove(seq)
+        return placed
+
+
+def cap_reuse(pool: KVPool, seq: Sequence) -> None:
+    """A re-admitted request that wants prompt logprobs may reuse only tokens whose logprobs
+    it already has (or reported as cached), so ``prompt_logprobs`` never has holes: its placed
+    prefix is cut back (:meth:`KVPool.truncate`) to the first position without one."""
+    if not (seq.admitted and seq.params.prompt_logprobs):
+        return
+    entries = seq.prompt_logprobs
+    first_missing = next((i for i in range(seq.num_cached_tokens, len(entries)) if entries[i] is None),
+                         seq.num_prompt_tokens)
+    if seq.num_computed_tokens > first_missing:
+        seq.num_computed_tokens = min(seq.num_computed_tokens, pool.truncate(seq.kv, first_missing))
+
+
 def fit_tokens(pool: KVPool, seq: Sequence) -> int:
     """Tokens ``seq`` can run with the pages it holds and the free ones."""
     return (len(seq.page_ids) + pool.num_free_pages) * pool.config.page_size - seq.num_computed_tokens
@@ -106,4 +195,5 @@ def pages_freed(pool: KVPool, seq: Sequence) -> int:
     return pool.num_private_pages(seq.kv)
 
 
-__all__ = ["ScheduledBatch", "StepBudget", "fit_tokens", "pages_freed", "pairs"]
+__all__ = ["INLINE_LOAD_SHARE", "ScheduledBatch", "StepBudget", "StepPlan", "cap_reuse", "fit_tokens", "pages_freed", "pairs",
+           "remaining"]

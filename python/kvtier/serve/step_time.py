@@ -9,21 +9,22 @@ With a resume target ``S`` (``kvtier serve --resume-ttft-s``) the scheduler keep
 estimated time under ``RESUME_STEP_SHARE * S`` while a request gets its first token in it or a
 session is due back from a tool wait (:meth:`kvtier.cache.pool.KVPool.returns_within`): the
 prefill chunks that do not end their prompt are shrunk, largest first
-(:meth:`kvtier.serve.scheduler.Scheduler.bound_step`). A resume then waits at most one short
+(:func:`bound_step`). A resume then waits at most one short
 step for the one in flight and runs in a short one.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.serve.step_budget import ScheduledBatch, pairs
+from kvtier.serve.step_plan import ScheduledBatch, pairs
 
 FEATURES = ("step", "prefill_tokens", "prefill_pairs", "decodes", "decode_context")
 """Features of a step (:func:`step_features`): 1, prefill tokens, visible query-key pairs of the
-prefill chunks (:func:`kvtier.serve.step_budget.pairs`), decoding sequences, and the sum of the
+prefill chunks (:func:`kvtier.serve.step_plan.pairs`), decoding sequences, and the sum of the
 decodes' contexts (tokens attended)."""
 
 RESUME_STEP_SHARE = 0.4
@@ -124,4 +125,80 @@ class StepTimeModel:
         return None if self.weights is None else float(features @ self.weights)
 
 
-__all__ = ["FEATURES", "RESUME_STEP_SHARE", "StepTimeModel", "batch_features", "fit_nonnegative", "step_features"]
+def bound_step(batch: ScheduledBatch, model: StepTimeModel, target_s: float | None, page_size: int,
+               clock: Callable[[], float], returns_within: Callable[[float, float], bool]) -> bool:
+    """Shorten ``batch`` in place to ``RESUME_STEP_SHARE * target_s`` seconds of ``model``'s
+    estimated time when it gives a request its first token or a session is due back from a tool
+    wait (``returns_within(target_s, est)``: expected from ``target_s`` ago to the step's end,
+    :meth:`KVPool.returns_within`): prefill chunks are cut, the largest first, to no less than
+    ``page_size`` tokens each (each keeps making progress). Never cut: decodes, and a chunk that
+    ends its prompt and, in a step with the decodes alone, would fit the bound or give its
+    request its first token within the target of its arrival (``clock``: the requests' clock).
+    No target, no fit yet, or a step already short: unchanged.
+
+    Returns:
+        whether the step was over the bound and its chunks were considered for cutting.
+    """
+    if target_s is None or not batch.extends:
+        return False
+    est = model.estimate_s(batch_features(batch))
+    bound = RESUME_STEP_SHARE * target_s
+    if est is None or est <= bound:
+        return False
+    ends = [s.num_computed_tokens + n >= s.num_tokens for s, n in batch.extends]
+    if not any(ends) and not returns_within(target_s, est):
+        return False
+    floor = page_size
+    decodes = batch_features(ScheduledBatch(decodes=batch.decodes)) - batch_features(ScheduledBatch())
+    now = clock()
+
+    def kept(seq, n: int) -> bool:  # ends its prompt within the bound, or within its target
+        t = model.estimate_s(decodes + batch_features(ScheduledBatch(extends=[(seq, n)])))
+        return t <= bound or (not seq.output_token_ids and now - seq.metrics.arrival_time + t <= target_s)
+
+    order = sorted((i for i, ((s, n), end) in enumerate(zip(batch.extends, ends))
+                    if n > floor and not (end and kept(s, n))), key=lambda i: -batch.extends[i][1])
+    for i in order:
+        seq, n = batch.extends[i]
+        lo, hi = floor, n  # the largest chunk in [floor, n] within the bound, by bisection
+        batch.extends[i] = (seq, lo)
+        if model.estimate_s(batch_features(batch)) <= bound:
+            while hi - lo > floor:
+                mid = lo + max(floor, (hi - lo) // 2 // floor * floor)
+                batch.extends[i] = (seq, mid)
+                if model.estimate_s(batch_features(batch)) <= bound:
+                    lo = mid
+                else:
+                    hi = mid
+            batch.extends[i] = (seq, lo)
+            break
+    return True
+
+
+class ResumeBound:
+    """The scheduler's resume target and the steps it shortened (:func:`bound_step`)."""
+
+    def __init__(self):
+        self.target_s: float | None = None
+        self.num_bounded_steps = 0
+
+    def set_target(self, resume_ttft_s: float | None) -> None:
+        """Bound steps for a resume TTFT of ``resume_ttft_s`` seconds (None: no bound).
+
+        Raises:
+            ValueError: a target that is not a finite number > 0.
+        """
+        if resume_ttft_s is not None and not (isinstance(resume_ttft_s, (int, float)) and not isinstance(
+                resume_ttft_s, bool) and 0 < resume_ttft_s < float("inf")):
+            raise ValueError(f"resume_ttft_s must be a finite number of seconds > 0 or None, got {resume_ttft_s!r}")
+        self.target_s = resume_ttft_s
+
+    def apply(self, batch: ScheduledBatch, model: StepTimeModel, page_size: int, clock: Callable[[], float],
+              returns_within: Callable[[float, float], bool]) -> None:
+        """:func:`bound_step` under this target, counting the steps it considered cutting."""
+        if bound_step(batch, model, self.target_s, page_size, clock, returns_within):
+            self.num_bounded_steps += 1
+
+
+__all__ = ["FEATURES", "RESUME_STEP_SHARE", "ResumeBound", "StepTimeModel", "batch_features", "bound_step", "fit_nonnegative",
+           "step_features"]

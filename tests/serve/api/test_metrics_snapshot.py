@@ -78,7 +78,7 @@ def test_metrics_are_served_from_the_published_snapshot_alone(tok_dir):
         snap = worker.snapshot
         saved = []
         for owner, names in [(pool, ("tiers", "pages", "writes", "loads", "reuse", "prefetcher", "block_io")),
-                             (engine, ("pool", "scheduler", "runner", "grammar_stats", "_sequences")),
+                             (engine, ("pool", "scheduler", "runner", "grammar", "_sequences")),
                              (scheduler, ("waiting", "loading", "running", "pool", "policy")),
                              (worker, ("engine", "sessions", "_jobs", "_inbox"))]:
             for name in names:

@@ -66,8 +66,8 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     built = build_engine(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
     engine, tok = built.engine, load_tokenizer(built.tokenizer_dir)
     engine.attach_tokenizer(tok)
-    engine.grammar_limits = grammar_limits
-    engine.grammar_compiler()  # built now (about a second), not by the first request with tools
+    engine.grammar.limits = grammar_limits
+    engine.grammar.compiler()  # built now (about a second), not by the first request with tools
     warm_up(engine)
     options.max_model_len = built.config.max_position_embeddings
     if kv_events_endpoint is not None:

@@ -105,7 +105,7 @@ class EngineWorker:
         from kvtier.toolcall import GrammarError
 
         try:
-            return await run_in_threadpool(self.engine.compile_tool_grammar, params)
+            return await run_in_threadpool(self.engine.grammar.compile, params)
         except GrammarError as e:
             raise ApiError(400, str(e), e.path or "tools") from None
 

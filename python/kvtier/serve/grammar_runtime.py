@@ -1,0 +1,141 @@
+"""Tool-call grammars at run time: compile a request's grammar, give it a constraint, fill the
+allowed-token masks of the constrained sequences of a step (on a thread of its own, while the
+model runs) and count the grammars that ended a request (vLLM's ``StructuredOutputManager``
+role)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvtier.serve.params import SamplingParams
+from kvtier.serve.request import Sequence
+from kvtier.serve.step_plan import ScheduledBatch
+
+
+class GrammarRuntime:
+    """The grammar compiler of one engine and the masks of its steps.
+
+    Args:
+        model_config: the model's config (``vocab_size``, ``eos_token_id``).
+        device: where the model runs (masks are pinned for a CUDA device).
+
+    Attributes:
+        tokenizer: the engine's tokenizer (None: requests with tools are refused).
+        limits: a :class:`kvtier.toolcall.GrammarLimits` (None: its defaults); set it before the
+            first request with tools.
+        stats: a :class:`kvtier.toolcall.GrammarStats`, built with the compiler.
+    """
+
+    def __init__(self, model_config, device: torch.device):
+        self.model_config, self.device = model_config, device
+        self.tokenizer = None
+        self.limits = None
+        self.stats = None
+        self._compiler = None  # kvtier.toolcall.GrammarCompiler, built on the first request with tools
+        self._lock = threading.Lock()
+        self._token_table = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._mask_executor = None  # llguidance.LLExecutor
+
+    def compiler(self):
+        """The :class:`kvtier.toolcall.GrammarCompiler` of :attr:`tokenizer` under :attr:`limits`
+        (built on first use, about a second; thread-safe).
+
+        Raises:
+            ValueError: no tokenizer.
+        """
+        with self._lock:
+            if self._compiler is None:
+                import llguidance
+
+                from kvtier.toolcall import GrammarCompiler, GrammarLimits, GrammarStats, TokenTable
+
+                if self.tokenizer is None:
+                    raise ValueError("tools need a tokenizer: call Engine.attach_tokenizer(tokenizer) first")
+                eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
+                self.limits = self.limits or GrammarLimits()
+                self.stats = GrammarStats()
+                compiler = GrammarCompiler(self.tokenizer, eot, limits=self.limits, stats=self.stats)
+                self._token_table = TokenTable(self.tokenizer, compiler.end_of_turn_ids)
+                self._mask_executor = llguidance.LLExecutor()
+                self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-masks")
+                self._compiler = compiler
+            return self._compiler
+
+    def compile(self, params: SamplingParams):
+        """A fresh ``llguidance.LLMatcher`` of ``params.tool_grammar`` (thread-safe; cached by
+        grammar).
+
+        Raises:
+            GrammarError: the grammar does not compile or exceeds a limit.
+        """
+        try:
+            return self.compiler().matcher(params.tool_grammar, params.tool_specs)
+        except ValueError:
+            self.stats.add(cut_compile=1)
+            raise
+
+    def attach(self, seq: Sequence, matcher=None) -> None:
+        """Give new ``seq`` its tool-call parser (with a tokenizer) and, with a tool grammar, its
+        constraint over ``matcher`` (None: compiled here).
+
+        Raises:
+            ValueError: the grammar does not compile (the parser is attached already).
+        """
+        if self.tokenizer is not None:
+            from kvtier.toolcall import ToolCallParser
+
+            seq.parser = ToolCallParser.for_tokenizer(self.tokenizer)
+        if seq.params.tool_grammar is not None:
+            seq.constraint = self.constraint(seq.params, matcher)
+
+    def constraint(self, params: SamplingParams, matcher=None):
+        """A fresh constraint for ``params.tool_grammar`` over ``matcher`` (None: compiled here)."""
+        from kvtier.toolcall import ToolCallConstraint
+
+        if matcher is None:
+            matcher = self.compile(params)
+        return ToolCallConstraint(matcher, self._token_table, params.max_tokens, self.limits, self.stats)
+
+    def start_masks(self, batch: ScheduledBatch) -> Future | None:
+        """Start filling the allowed-token rows of the constrained sequences that sample this step;
+        returns a future of ``{seq_id: [1, ceil(vocab / 32)] int32 row or error message}``, or None."""
+        seqs = [s for s, n in batch.extends if s.constraint is not None and s.num_computed_tokens + n == s.num_tokens]
+        seqs += [s for s in batch.decodes if s.constraint is not None]
+        if not seqs:
+            return None
+        return self._mask_thread.submit(self._fill_masks, seqs)
+
+    def _fill_masks(self, seqs: list[Sequence]) -> dict:
+        from kvtier.toolcall import fill_bitmasks
+
+        words = (self.model_config.vocab_size + 31) // 32
+        bitmask = torch.zeros((len(seqs), words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        t0 = time.perf_counter()
+        try:
+            errors = fill_bitmasks([s.constraint for s in seqs], bitmask.numpy(), self._mask_executor)
+        except Exception as e:  # noqa: BLE001 - reported on these requests, the engine keeps serving
+            errors = [f"{type(e).__name__}: {e}"] * len(seqs)
+        self.stats.add(masks=len(seqs), mask_s=time.perf_counter() - t0)
+        for s, err in zip(seqs, errors):
+            if err is not None and s.params.tool_grammar is not None:
+                self.compiler().forget(s.params.tool_grammar)  # its copies may share the failure
+        return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
+
+    def count_cut(self, seq: Sequence, e: Exception) -> None:
+        """Count a constrained request its grammar ended: a missed deadline, or an llguidance
+        limit while decoding (the only way a masked matcher fails)."""
+        if seq.constraint is None or self.stats is None:
+            return
+        from kvtier.toolcall import GrammarError
+
+        if isinstance(e, GrammarError):
+            deadline = "GrammarLimitError" in str(e) or type(e).__name__ == "GrammarLimitError"
+            self.stats.add(**{"cut_deadline" if deadline else "cut_parser": 1})
+
+
+__all__ = ["GrammarRuntime"]

@@ -1,0 +1,80 @@
+"""The scheduler's queues: who waits, who loads its prefix, who runs, and who failed admission.
+
+The scheduler (:mod:`kvtier.serve.scheduler`) is their one writer; the ranking and the
+preemption rule (:mod:`kvtier.serve.ranking`, :mod:`kvtier.serve.preemption`) read them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.cache.pool import KVPool
+
+from kvtier.serve.request import Sequence
+
+
+@dataclass
+class Queues:
+    """``waiting`` (arrival order, preempted and loaded requests at the head), ``loading`` (their
+    prefix loads run in the background), ``running`` (admission order), and ``blocked``: the
+    requests that failed admission, by seq_id, with the free pages then and the token budget they
+    had (not retried until pages were freed or the budget shrank)."""
+
+    waiting: deque[Sequence] = field(default_factory=deque)
+    loading: list[Sequence] = field(default_factory=list)
+    running: list[Sequence] = field(default_factory=list)
+    blocked: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def block(self, seq: Sequence, free_pages: int, budget: int) -> None:
+        self.blocked[seq.seq_id] = (free_pages, budget)
+
+    def still_blocked(self, seq: Sequence, free_pages: int, budget: int) -> bool:
+        """``seq`` failed admission, no page was freed since and its chunk can be no smaller."""
+        got = self.blocked.get(seq.seq_id)
+        return got is not None and free_pages <= got[0] and budget >= got[1]
+
+    def unblock(self, seq: Sequence) -> None:
+        self.blocked.pop(seq.seq_id, None)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it."""
+        for queue in (self.running, self.loading):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.unblock(seq)
+
+    def collect_loaded(self, pool: KVPool, clock: Callable[[], float]) -> None:
+        """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
+        they were admitted (their ``loaded_time`` read from ``clock``)."""
+        ended = []
+        for seq in self.loading:
+            tokens = pool.finish_prefix(seq.kv)
+            if tokens is not None:
+                seq.num_computed_tokens = tokens
+                ended.append(seq)
+        for seq in reversed(ended):
+            self.loading.remove(seq)
+            seq.prefix_done = True
+            mark(seq, "loaded_time", clock)
+            self.waiting.appendleft(seq)
+
+    def release_waiting(self, pool: KVPool) -> None:
+        """No waiting sequence keeps pages (their reused blocks stay cached, loaded ones are now
+        device copies), so waiting can never deadlock the pool."""
+        for w in self.waiting:
+            if w.page_ids or w.prefix_done:
+                pool.free(w.kv)
+                w.num_computed_tokens, w.prefix_done = 0, False
+
+
+def mark(seq: Sequence, name: str, clock: Callable[[], float]) -> None:
+    """Set ``seq.metrics.<name>`` to ``clock()`` unless it is set already."""
+    if getattr(seq.metrics, name) is None:
+        setattr(seq.metrics, name, clock())
+
+
+__all__ = ["Queues", "mark"]
