@@ -1,7 +1,12 @@
 """Cache-aware admission: cached requests are served beside a long cold prefill, not behind it;
 aging bounds how long a cold request is passed over; a request waiting for pages for its
 loads does not hold the requests behind it. Each test also runs FCFS, where the situation it
-guards against happens, so the test shows the policy is what makes the difference."""
+guards against happens, so the test shows the policy is what makes the difference.
+
+The engines here run the real scheduler, engine step and pool over a model-free runner
+(:class:`tests.helpers.engines.StandInLLM`: the tiny preset's page pools and limits, modelled
+step times, tokens that depend only on a sequence's own ids); one test per policy runs the tiny
+model end to end (``LLM("tiny")``)."""
 
 import math
 
@@ -10,16 +15,36 @@ import pytest
 from kvtier import LLM, SamplingParams
 from kvtier.serve.ranking import DECODE_AGE_FACTOR, FAST_LANE_SHARE
 from tests.cache.test_tiers_e2e import always_load, prompt
-from tests.serve.test_admission import BLOCK, N, ONE, PS, host_cached, occupy
+from tests.helpers.engines import StandInLLM, occupy
 from tests.helpers.scheduling import reconfigure
 
 BUDGET = 64  # max_num_batched_tokens of these engines
 TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-def engine_for(policy: str, **kw):
-    llm = LLM("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy, **kw)
-    return llm.engine
+PS, BLOCK = 16, 15360  # the tiny preset's page size here, and the bytes of one of its blocks
+N = 8 * PS + 1  # 8 full blocks and one token
+ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def engine_for(policy: str, llm=StandInLLM, **kw):
+    return llm("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy,
+               **kw).engine
+
+
+def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware"):
+    """A stand-in engine whose host tier holds ``prompts``' blocks and whose device pages do not."""
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=num_device_pages,
+                                 host_cache_bytes=64 * BLOCK, schedule_policy=schedule_policy))
+    for p in (*prompts, prompt(N, 901), prompt(N, 902)):
+        llm.generate(prompt_token_ids=[p], sampling_params=ONE)
+    llm.engine.pool.poll(wait=True)
+    return llm
+
+
+def alone_engine(num_device_pages=64):
+    """A stand-in engine without prefix caching: what each request produces on its own."""
+    return StandInLLM("tiny", page_size=PS, num_device_pages=num_device_pages, enable_prefix_caching=False)
 
 
 def run_steps(engine, on_step=None, max_steps=500):
@@ -39,9 +64,10 @@ def run_steps(engine, on_step=None, max_steps=500):
     return first
 
 
+@pytest.mark.parametrize("llm", [StandInLLM, LLM], ids=["stand-in", "tiny-model"])
 @pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
-def test_cached_requests_get_first_token_before_a_long_cold_prefill_ends(policy):
-    engine = engine_for(policy)
+def test_cached_requests_get_first_token_before_a_long_cold_prefill_ends(policy, llm):
+    engine = engine_for(policy, llm=llm)
     shorts = [prompt(4 * PS + 1, 10 + i) for i in range(3)]
     for p in shorts:  # their 4 full blocks become device-cached
         engine.add_request(p, ONE)
@@ -145,9 +171,7 @@ def test_cached_request_blocked_on_pages_preempts_a_costlier_running_prefill(pol
     blocks are cached; cache-aware admission preempts the prefill (its computed blocks stay
     cached and are loaded back) and lets the cached request in; both produce what they produce
     alone."""
-    from tests.cache.test_tiers_e2e import always_load
-
-    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           max_num_batched_pairs=NO_PAIR_CAP, host_cache_bytes=64 * 15360, schedule_policy=policy))
     engine = llm.engine
     engine.pool.tiers.cost_model.alpha = 0.0  # 1 token/s whatever steps take: costs, not timing, set the rank
@@ -185,7 +209,7 @@ def _cold_prefill_then_cached_turn(llm):
     returns. Returns (the short prompt, the cold prompt, outputs of each alone, cold id, short id)."""
     engine = llm.engine
     short, cold_prompt = prompt(12 * PS + 1, 10), prompt(36 * PS, 99)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     alone = {tuple(p): plain.generate(prompt_token_ids=[p], sampling_params=TWO)[0].token_ids for p in (short, cold_prompt)}
     llm.generate(prompt_token_ids=[short], sampling_params=TWO)
     engine.pool.poll(wait=True)  # write-through copies ended: its blocks are in the host tier
@@ -229,7 +253,7 @@ def test_cached_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(c
     engine.step()  # it holds 5, then 6 pages while it decodes
     rid = engine.add_request(b, TWO)
     first, outs = _first_and_outputs(engine)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     assert outs[rid].token_ids == plain.generate(prompt_token_ids=[b], sampling_params=TWO)[0].token_ids
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
     assert outs[rid].num_cached_tokens == 8 * PS and outs[rid].cached_tokens_by_tier["host"] > 0
@@ -261,7 +285,7 @@ def test_new_cold_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back
     engine.step()  # it holds 5, then 6 pages while it decodes: the cold turn's 9 do not fit
     rid = engine.add_request(cold_prompt, TWO)
     first, outs = _first_and_outputs(engine)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     assert outs[rid].token_ids == plain.generate(prompt_token_ids=[cold_prompt], sampling_params=TWO)[0].token_ids
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
     assert outs[rid].num_cached_tokens == 0
@@ -307,7 +331,7 @@ def test_a_decode_is_displaced_by_new_turns_fewer_than_its_aging_bound(max_passe
         assert sched.num_preemptions == len(turns)
     else:
         assert sched.num_preemptions < len(turns)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
 
 
@@ -317,9 +341,7 @@ def test_cached_turn_preempts_a_cold_prefill_that_ranks_ahead_when_its_blocks_lo
     pages leave too few for the turn's loads. With a lower tier keeping evicted blocks the turn
     preempts it (its computed blocks load back) and gets its first token before the prefill
     ends; without one it waits for the prefill. Outputs are those of each request alone."""
-    from tests.cache.test_tiers_e2e import always_load
-
-    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=38, max_num_batched_tokens=BUDGET,
                           max_num_batched_pairs=NO_PAIR_CAP, host_cache_bytes=64 * 15360))
     engine = llm.engine
     if not lower_tier:
@@ -361,7 +383,7 @@ def test_a_shorter_prompt_chunks_beside_a_long_cold_one_but_never_a_third(policy
         assert first[short_id] < first[mid_id] < first[long_id]
     else:
         assert first[long_id] < first[mid_id] < first[short_id]
-    plain = LLM("tiny", page_size=PS, num_device_pages=256, enable_prefix_caching=False)
+    plain = alone_engine(256)
     for i, p in zip((long_id, mid_id, short_id), prompts):
         assert outs[i].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=ONE)[0].token_ids
 
@@ -378,7 +400,7 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens,
     ranks ahead (a slower token rate makes the chunked prompt's 193 tokens left cost more than
     its 160), running sequences are preempted for it (here the chunked prompt and the decode;
     their blocks load back from the host tier)."""
-    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=24, host_cache_bytes=64 * BLOCK,
                           max_num_batched_tokens=BUDGET, max_num_batched_pairs=10**9))
     engine, scheduler = llm.engine, llm.engine.scheduler
     cm = engine.pool.tiers.cost_model
@@ -415,7 +437,7 @@ def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_bac
     rid = engine.add_request(cold_prompt, TWO)
     engine.sequence(rid).admitted = True  # as a request preempted before its first token is
     first, outs = _first_and_outputs(engine)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     assert outs[rid].token_ids == plain.generate(prompt_token_ids=[cold_prompt], sampling_params=TWO)[0].token_ids
     assert outs[dec].token_ids == plain.generate(prompt_token_ids=[decode_prompt], sampling_params=long_decode)[0].token_ids
     assert outs[dec].metrics.preemptions_after_first_token == engine.scheduler.num_preemptions == 1
@@ -442,7 +464,7 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
     aged_seq.num_passed_over = scheduler.ranking.age_limit(aged_seq)
     assert scheduler.ranking.urgent(aged_seq)
     first, outs = _first_and_outputs(engine)
-    plain = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    plain = alone_engine()
     for rid, p in ((aged, aged_prompt), (dec, decode_prompt)):
         assert outs[rid].token_ids == plain.generate(prompt_token_ids=[p], sampling_params=long_decode)[0].token_ids
     assert outs[dec].metrics.preemptions_after_first_token == 1
