@@ -9,8 +9,8 @@ import pytest
 
 from kvtier.serve.api.jobs import Delta, Final
 from kvtier.serve.api.protocol import ApiError, parse
-from kvtier.serve.api.responses_api import Kept, ResponsesRequest, ResponseStore, session_for, to_chat
-from kvtier.serve.api.responses_api_stream import ResponsesFormat, prepare
+from kvtier.serve.api.responses import Kept, ResponsesRequest, ResponseStore, session_for, to_chat
+from kvtier.serve.api.responses_stream import ResponsesFormat, prepare
 
 LS = {"type": "function", "name": "ls", "description": "list a directory", "strict": True,
       "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}

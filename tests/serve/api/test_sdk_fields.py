@@ -24,7 +24,7 @@ from anthropic.types import message_create_params  # noqa: E402
 from openai.types.responses import response_create_params, response_input_item_param  # noqa: E402
 from openai.types.responses import response_reasoning_item as reasoning  # noqa: E402
 
-from kvtier.serve.api import messages, responses_api  # noqa: E402
+from kvtier.serve.api import messages, responses  # noqa: E402
 from kvtier.serve.api.protocol import ApiError  # noqa: E402
 
 # The SDK releases the field sets below were last checked against; a new major release is a
@@ -69,19 +69,19 @@ ANTHROPIC = [
     (at.ToolChoiceToolParam, messages.ToolChoice), (at.ToolChoiceNoneParam, messages.ToolChoice),
 ]
 RESPONSES = [
-    (rt.ResponseFunctionToolCall, responses_api.FunctionCallItem),
-    (rt.ParsedResponseFunctionToolCall, responses_api.FunctionCallItem),
-    (rt.ResponseFunctionToolCallParam, responses_api.FunctionCallItem),
-    (response_input_item_param.FunctionCallOutput, responses_api.FunctionCallOutputItem),
-    (rt.ResponseFunctionToolCallOutputItem, responses_api.FunctionCallOutputItem),
-    (rt.ResponseOutputMessage, responses_api.MessageItem), (rt.ParsedResponseOutputMessage, responses_api.MessageItem),
-    (rt.ResponseOutputMessageParam, responses_api.MessageItem), (rt.EasyInputMessageParam, responses_api.MessageItem),
-    (response_input_item_param.Message, responses_api.MessageItem),
-    (rt.ResponseOutputText, responses_api._Part), (rt.ParsedResponseOutputText, responses_api._Part),
-    (rt.ResponseOutputTextParam, responses_api._Part), (rt.ResponseInputTextParam, responses_api._Part),
-    (rt.ResponseOutputRefusal, responses_api._Part), (rt.ResponseOutputRefusalParam, responses_api._Part),
-    (reasoning.Summary, responses_api._Part), (reasoning.Content, responses_api._Part),
-    (rt.ResponseReasoningItem, responses_api.ReasoningItem), (rt.ResponseReasoningItemParam, responses_api.ReasoningItem),
+    (rt.ResponseFunctionToolCall, responses.FunctionCallItem),
+    (rt.ParsedResponseFunctionToolCall, responses.FunctionCallItem),
+    (rt.ResponseFunctionToolCallParam, responses.FunctionCallItem),
+    (response_input_item_param.FunctionCallOutput, responses.FunctionCallOutputItem),
+    (rt.ResponseFunctionToolCallOutputItem, responses.FunctionCallOutputItem),
+    (rt.ResponseOutputMessage, responses.MessageItem), (rt.ParsedResponseOutputMessage, responses.MessageItem),
+    (rt.ResponseOutputMessageParam, responses.MessageItem), (rt.EasyInputMessageParam, responses.MessageItem),
+    (response_input_item_param.Message, responses.MessageItem),
+    (rt.ResponseOutputText, responses._Part), (rt.ParsedResponseOutputText, responses._Part),
+    (rt.ResponseOutputTextParam, responses._Part), (rt.ResponseInputTextParam, responses._Part),
+    (rt.ResponseOutputRefusal, responses._Part), (rt.ResponseOutputRefusalParam, responses._Part),
+    (reasoning.Summary, responses._Part), (reasoning.Content, responses._Part),
+    (rt.ResponseReasoningItem, responses.ReasoningItem), (rt.ResponseReasoningItemParam, responses.ReasoningItem),
 ]
 
 
@@ -97,9 +97,9 @@ def test_every_request_parameter_is_known():
     sent = _sdk_names(message_create_params.MessageCreateParamsBase) | {"stream"}
     assert not sent - _ours(messages.MessagesRequest), sorted(sent - _ours(messages.MessagesRequest))
     sent = _sdk_names(response_create_params.ResponseCreateParamsBase) | {"stream"}
-    assert not sent - _ours(responses_api.ResponsesRequest), sorted(sent - _ours(responses_api.ResponsesRequest))
+    assert not sent - _ours(responses.ResponsesRequest), sorted(sent - _ours(responses.ResponsesRequest))
     function_tool = _sdk_names(rt.FunctionToolParam)
-    assert function_tool <= responses_api.TOOL_FIELDS, sorted(function_tool - responses_api.TOOL_FIELDS)
+    assert function_tool <= responses.TOOL_FIELDS, sorted(function_tool - responses.TOOL_FIELDS)
 
 
 # ---- the translation, on SDK objects with every field set ----------------------------------
@@ -182,8 +182,8 @@ def _responses_items(**dump) -> list:
 
 
 def _responses_chat(items: list) -> list:
-    req = responses_api.ResponsesRequest(model="tiny", input=items, tools=[FN])
-    return responses_api.to_chat(req, [])[0]["messages"]
+    req = responses.ResponsesRequest(model="tiny", input=items, tools=[FN])
+    return responses.to_chat(req, [])[0]["messages"]
 
 
 @pytest.mark.parametrize("dump", [{}, {"exclude_none": True}, {"by_alias": True}, {"mode": "json", "by_alias": True}])

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvtier.serve.api import messages, messages_stream, responses, responses_api, responses_api_stream
+from kvtier.serve.api import chat_completions, messages, messages_stream, responses, responses_stream
 from kvtier.serve.api.jobs import Final, Job
 from kvtier.serve.api.metrics import CONTENT_TYPE, ServerMetrics
 from kvtier.serve.api.protocol import (
@@ -35,7 +35,7 @@ from kvtier.serve.api.protocol import (
 from kvtier.serve.api.worker import EngineWorker
 
 SESSION_HEADER = "x-session-id"
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH, responses_api.PATH)
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", messages.PATH, responses.PATH)
 
 
 @dataclass
@@ -146,11 +146,11 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
                             fmt=fmt)
 
-    kept = responses_api.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
+    kept = responses.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
 
-    @app.post(responses_api.PATH)
+    @app.post(responses.PATH)
     async def openai_responses(request: Request):
-        req, params, sid, fmt = responses_api_stream.prepare(await body(request), kept,
+        req, params, sid, fmt = responses_stream.prepare(await body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
         return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
@@ -176,13 +176,13 @@ async def _serve(st: _State, request: Request, kind: str, req, params, payload: 
                  tools: bool = False, fmt=None):
     """Queue one request and answer it: a body, or a stream of ``fmt``'s events. ``fmt`` (default:
     OpenAI chat / text completions) makes the id, the body and the stream writer (see
-    :class:`kvtier.serve.api.responses.OpenAIFormat`); the other APIs bring their own. ``tools``:
+    :class:`kvtier.serve.api.chat_completions.OpenAIFormat`); the other APIs bring their own. ``tools``:
     compile the request's tool grammar on a request thread before it is queued."""
     opts = st.options
     if req.model != opts.model_name:
         raise ApiError(404, f"model: {req.model!r} does not exist; this server serves {opts.model_name!r}", "model")
     stops = req.stop_strings()
-    fmt = fmt if fmt is not None else responses.OpenAIFormat(kind, req.include_usage())
+    fmt = fmt if fmt is not None else chat_completions.OpenAIFormat(kind, req.include_usage())
     if st.pending >= opts.max_queue:
         raise ApiError(503, f"overloaded: {st.pending} requests in flight (the limit is --max-queue "
                        f"{opts.max_queue}); retry later")

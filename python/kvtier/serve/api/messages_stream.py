@@ -135,7 +135,7 @@ def prepare(body, header: str | None):
 
 
 class MessagesFormat:
-    """The Messages API's answers for ``app._serve`` (see :class:`kvtier.serve.api.responses.OpenAIFormat`)."""
+    """The Messages API's answers for ``app._serve`` (see :class:`kvtier.serve.api.chat_completions.OpenAIFormat`)."""
 
     rename = staticmethod(rename_fields)  # an error of the chat request in this API's field names
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import uuid
 
+from kvtier.serve.api.chat_completions import assistant_message
 from kvtier.serve.api.jobs import Delta, Final
 from kvtier.serve.api.messages_stream import event
 from kvtier.serve.api.protocol import ApiError, ChatRequest, parse
-from kvtier.serve.api.responses import assistant_message
-from kvtier.serve.api.responses_api import Kept, ResponsesRequest, ResponseStore, rename_fields, session_for, to_chat
+from kvtier.serve.api.responses import Kept, ResponsesRequest, ResponseStore, rename_fields, session_for, to_chat
 
 
 def _id(prefix: str) -> str:
