@@ -672,7 +672,7 @@ def test_schedule_policy_reaches_the_simulated_engines():
 @pytest.mark.parametrize("policy", ["least-loaded", "kv-aware", "sticky"])
 def test_the_simulator_routes_with_the_real_router_policy(monkeypatch, policy):
     import kvtier.bench.sim.loop as loop
-    from kvtier.cluster.router.policy import Router
+    from kvtier.cluster.router.routing import Router
 
     made: list[Router] = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cluster.router.policy import POLICIES
+from kvtier.cluster.router.routing import POLICIES
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:

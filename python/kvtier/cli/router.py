@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from kvtier.cluster.router.policy import POLICIES
+from kvtier.cluster.router.routing import POLICIES
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     from kvtier.cluster.router.app import build_router_app, check_workers, subscribe_events
     from kvtier.cluster.router.pd import prefill_stage
-    from kvtier.cluster.router.policy import Router
+    from kvtier.cluster.router.routing import Router
     from kvtier.serve.api.server import serve
 
     if (args.workers is None) == (args.decode_workers is None) or (args.prefill_workers is None) != (

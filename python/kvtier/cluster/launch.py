@@ -130,7 +130,7 @@ def run_cluster(model: str, *, workers: int, store: str, policy: str, host: str,
             or worker did not start (names it, with its log's tail).
     """
     from kvtier.cluster.router.app import build_router_app, check_workers, subscribe_events
-    from kvtier.cluster.router.policy import Router
+    from kvtier.cluster.router.routing import Router
 
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
     print(f"kvtier cluster: logs in {workdir}", flush=True)

@@ -20,7 +20,7 @@ def run_pd_cluster(model: str, *, prefill_workers: int, decode_workers: int, sto
         ValueError: fewer than one prefill or decode worker.
     """
     from kvtier.cluster.router.app import build_router_app, check_workers, subscribe_events
-    from kvtier.cluster.router.policy import Router
+    from kvtier.cluster.router.routing import Router
     from kvtier.cluster.router.pd import prefill_stage
 
     if prefill_workers < 1 or decode_workers < 1:

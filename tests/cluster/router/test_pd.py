@@ -5,7 +5,7 @@ import asyncio
 import httpx
 
 from kvtier.cluster.router.pd import PrefillStage
-from kvtier.cluster.router.policy import Router
+from kvtier.cluster.router.routing import Router
 from tests.cluster.disagg.helpers import free_dead_url
 
 

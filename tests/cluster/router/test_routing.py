@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.cluster.router.policy import Router
+from kvtier.cluster.router.routing import Router
 
 A, B = "http://a", "http://b"
 

@@ -10,7 +10,7 @@ by then are submitted and every idle worker with work starts its next step, so a
 due during a step waits for the step's end, as in the real loop. With a window, ``wall_s`` is
 ``min(duration_s, last finish) - warmup_s``.
 
-Routing (several workers) runs the real router's policy (:class:`kvtier.cluster.router.policy.Router`,
+Routing (several workers) runs the real router's policy (:class:`kvtier.cluster.router.routing.Router`,
 as ``kvtier router --policy`` runs it): ``sticky``, ``least-loaded`` (the fewest requests in
 flight) or ``kv-aware`` (the lowest predicted TTFT from the session's last placement and whether
 the other workers reach its prefix through a shared store). Each turn the router sees every
@@ -32,7 +32,7 @@ from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.workload import Turn, Workload
 from kvtier.cache.block_hash import block_hashes
-from kvtier.cluster.router.policy import POLICIES, CostParams, Router
+from kvtier.cluster.router.routing import POLICIES, CostParams, Router
 from kvtier.serve.params import RequestOutput, SamplingParams
 
 ROUTERS = POLICIES
@@ -173,7 +173,7 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
             page size.
         workload: sessions, in order; its block size must divide the page size.
         name: the configuration's name.
-        router: a routing policy of :data:`kvtier.cluster.router.policy.POLICIES` (module docstring).
+        router: a routing policy of :data:`kvtier.cluster.router.routing.POLICIES` (module docstring).
         shared_store: the workers share a remote or disk tier (a moved session can load its
             prefix there); None: whether the first two workers' pools share a disk tier object.
         concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish, declared_waits: as

@@ -1,2 +1,2 @@
 """``kvtier router``: an OpenAI-compatible front that sends each turn to one of several
-``kvtier serve`` workers (:mod:`.policy` decides, :mod:`.app` proxies)."""
+``kvtier serve`` workers (:mod:`.routing` decides, :mod:`.app` proxies)."""

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.cache.kv_events import KVEventSubscriber
 from kvtier.cluster.router.pd import TRANSFER_HEADER
-from kvtier.cluster.router.policy import Router
+from kvtier.cluster.router.routing import Router
 
 SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvtier-worker"  # which worker served the response

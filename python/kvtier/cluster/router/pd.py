@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from kvtier.cluster.router.policy import Router
+from kvtier.cluster.router.routing import Router
 
 DECODE_URL_HEADER = "x-kvtier-decode-url"
 TRANSFER_HEADER = "x-kvtier-transfer"  # the turn's transfer report (JSON) on the router's response
