@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.ops.dispatch import BackendUnavailableError
+from kvtier.ops.checks import BackendUnavailableError
 
 AITER_DISTRIBUTION = "amd-aiter"  # the pip distribution name of ROCm/aiter
 MIN_VERSION = {"mla_decode": (0, 1, 13), "fused_moe": (0, 1, 5)}

@@ -9,6 +9,11 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class BackendUnavailableError(RuntimeError):
+    """The requested backend is not built or not supported for these inputs (raised by
+    :func:`kvtier.ops.dispatch.resolve_backend` and by the backends' own input checks)."""
+
+
 def check_tensor(t: object, name: str, *, ndim: int | None = None, dtypes: Sequence[torch.dtype] | None = None,
                  shape: Sequence[int | None] | None = None, device: torch.device | None = None) -> None:
     """Raise TypeError/ValueError when ``t`` is not a tensor of the expected rank, dtype, shape, device.

@@ -29,13 +29,11 @@ import sys
 
 import torch
 
+from kvtier.ops.checks import BackendUnavailableError
+
 BACKENDS = ("auto", "torch", "triton", "hip", "aiter")
 
 _IMPLEMENTED: dict[str, set[str]] = {}
-
-
-class BackendUnavailableError(RuntimeError):
-    """The requested backend is not built or not supported for these inputs."""
 
 
 def register_backend(op: str, *backends: str) -> None:
