@@ -28,12 +28,14 @@ class HostTier:
             least 4096).
         block_bytes: bytes of one page-first block (``num_layers * page_size * row * element_size``).
         pin: pin the storage (default: when CUDA is available).
+        storage: allocate the slots' memory (False: slot bookkeeping only, ``storage`` is None;
+            for a process that decides which slot holds what while another holds the bytes).
 
     Raises:
         ValueError: ``block_bytes <= 0`` or a negative capacity.
     """
 
-    def __init__(self, capacity_bytes: int, block_bytes: int, pin: bool | None = None):
+    def __init__(self, capacity_bytes: int, block_bytes: int, pin: bool | None = None, storage: bool = True):
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
         if capacity_bytes < 0:
@@ -41,12 +43,14 @@ class HostTier:
         self.block_bytes = block_bytes
         row = self.row_bytes(block_bytes)
         self.num_slots = capacity_bytes // row
-        pin = torch.cuda.is_available() if pin is None else pin
-        try:
-            rows = aligned_empty(self.num_slots * row, pin_memory=pin).view(self.num_slots, row)
-        except RuntimeError as e:  # out of memory: name the budget, not torch's allocator
-            raise ValueError(f"host_cache_bytes={capacity_bytes} cannot be allocated: {e}") from None
-        self.storage = rows[:, :block_bytes]
+        self.storage: torch.Tensor | None = None
+        if storage:
+            pin = torch.cuda.is_available() if pin is None else pin
+            try:
+                rows = aligned_empty(self.num_slots * row, pin_memory=pin).view(self.num_slots, row)
+            except RuntimeError as e:  # out of memory: name the budget, not torch's allocator
+                raise ValueError(f"host_cache_bytes={capacity_bytes} cannot be allocated: {e}") from None
+            self.storage = rows[:, :block_bytes]
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_slots
 

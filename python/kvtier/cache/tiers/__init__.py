@@ -169,16 +169,9 @@ class PoolTiers:
                 lambda k: self._copy_ok(self.copy_engine.scatter(staging[:k], self.kv_caches, list(range(k))), k), n)
         if self.remote is not None:
             model.tiers[Tier.REMOTE] = TierCost(REMOTE_TIER.latency_s, REMOTE_TIER.bandwidth_Bps)
-        if self.disk is not None and self.disk.capacity_bytes >= DiskTier.file_bytes(self.block_bytes):
-            buf = aligned_empty(self.block_bytes).zero_()
-            if self.disk.write(_PROBE_HASH, self.meta, buf) == DiskStatus.OK:
-                model.tiers[Tier.DISK] = probe(lambda _: self._disk_probe_read(buf))  # one block per load job
-                self.disk.remove(_PROBE_HASH)
+        if self.disk is not None and (cost := probe_disk(self.disk, self.meta)) is not None:
+            model.tiers[Tier.DISK] = cost
         return model
-
-    def _disk_probe_read(self, buf: torch.Tensor) -> int:
-        self.disk.read(_PROBE_HASH, self.meta, buf)
-        return self.block_bytes
 
     def _copy_ok(self, handle: CopyJob, num_blocks: int = 1) -> int:
         """Wait for a probe copy of ``num_blocks`` blocks; returns the bytes it moved."""
@@ -192,3 +185,21 @@ def _seconds_per_job(submit, jobs: int) -> float:
     for h in handles:
         h.result()
     return (time.perf_counter() - t0) / jobs
+
+
+def probe_disk(disk: DiskStore, meta: BlockMeta) -> TierCost | None:
+    """The disk tier's cost: one probe block written, read back (one block per load job, as the
+    pool's disk loads are) and removed; None when the tier has no room for it or refuses it."""
+    if disk.capacity_bytes < DiskTier.file_bytes(meta.payload_bytes):
+        return None
+    buf = aligned_empty(meta.payload_bytes).zero_()
+    if disk.write(_PROBE_HASH, meta, buf) != DiskStatus.OK:
+        return None
+
+    def read(_: int) -> int:
+        disk.read(_PROBE_HASH, meta, buf)
+        return meta.payload_bytes
+    try:
+        return probe(read)
+    finally:
+        disk.remove(_PROBE_HASH)

@@ -100,7 +100,9 @@ class HostStore:
 
     # ---- staging: slots ------------------------------------------------------------------------
     def allocate(self, n: int, spill: Callable[[list[tuple[bytes, int]]], None] | None = None,
-                 drain: Callable[[], bool] = lambda: False) -> list[int]:
+                 drain: Callable[[], bool] = lambda: False,
+                 choose: Callable[[list[tuple[bytes, int]], int], list[tuple[bytes, int]]] | None = None
+                 ) -> list[int]:
         """Up to ``n`` free slots, evicting least recently used unreferenced copies as needed
         (fewer when too few can be evicted). The copies to evict are asked of the index once for
         all ``n``: asked one at a time, each question walked past the same locked copies at the
@@ -113,15 +115,17 @@ class HostStore:
                 are reused (write-back copies them down from there); None: they are dropped.
             drain: called when every slot is held by copies still in flight (back-pressure): it
                 finishes writes in flight and returns whether any ended.
+            choose: picks ``k`` victims from LRU-ordered candidates (an eviction policy that
+                protects some copies); None: the ``k`` least recently used.
         """
         slots = self._take_free(n)
         if len(slots) == n:
             return slots
         index = self._index()
-        victims = index.eviction_candidates(Tier.HOST, n - len(slots))
+        victims = self._victims(index, n - len(slots), choose)
         if not victims and drain():
             slots += self._take_free(n - len(slots))
-            victims = index.eviction_candidates(Tier.HOST, n - len(slots))
+            victims = self._victims(index, n - len(slots), choose)
         if not victims:
             return slots
         if spill is not None:
@@ -130,6 +134,14 @@ class HostStore:
         removed = freed[results == RemoveResult.REMOVED].tolist()
         self._evictions(len(removed))
         return slots + removed
+
+    @staticmethod
+    def _victims(index: PrefixIndex, k: int, choose) -> list[tuple[bytes, int]]:
+        if k <= 0:
+            return []
+        if choose is None:
+            return index.eviction_candidates(Tier.HOST, k)
+        return choose(index.eviction_candidates(Tier.HOST, max(64, k)), k)
 
     def _take_free(self, n: int) -> list[int]:
         slots: list[int] = []
@@ -166,7 +178,7 @@ class HostStore:
 
     def pinned(self) -> bool:
         """Whether the slots are pinned memory (buffers of the lower tiers are pinned to match)."""
-        return self.host.storage.is_pinned()
+        return self.host.storage is not None and self.host.storage.is_pinned()
 
     # ---- staging: the host column of the index ---------------------------------------------------
     def held(self, hashes: Sequence[bytes]) -> list[bool]:

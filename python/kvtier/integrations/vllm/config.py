@@ -17,7 +17,8 @@ cache_policy           str     ``lru`` or ``tool-aware`` (host tier eviction; se
 write_policy           str     ``write-through`` (host blocks go down to disk/remote at once) or
                                ``write-back`` (when the host tier evicts them)
 salt                   str     tenant salt of the block hashes (blocks of other salts are never served)
-prefill_tok_s          number  prefill throughput the load-vs-recompute choice assumes (tokens/s)
+prefill_tok_s          number  a fixed prefill rate (tokens/s) for the load-vs-recompute choice;
+                               unset (the default): probed at start, then learned from vLLM's steps
 stats_path             str     a JSON file the worker writes its counters to (blocks loaded per
                                tier, load failures, saves), after each step that changed them
 =====================  ======  ====================================================================
@@ -45,7 +46,6 @@ _POOL_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_
               "cache_policy", "write_policy")
 KEYS = (*_POOL_KEYS, "salt", "prefill_tok_s", "stats_path")
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
-DEFAULT_PREFILL_TOK_S = 1000.0
 REACH_TIMEOUT_S = 2.0  # the most the start-up probe of remote_cache_url waits for a TCP connection
 
 
@@ -56,11 +56,12 @@ class ConnectorConfig:
     Attributes:
         pool: the tiers' settings as a :class:`PoolConfig` (``page_size`` is vLLM's block size;
             ``salt`` the UTF-8 bytes of the ``salt`` key).
-        prefill_tok_s: prefill rate the cost model starts from (tokens per second).
+        prefill_tok_s: a fixed prefill rate for the cost model (tokens per second), or None: probe
+            it at start and learn it from vLLM's steps (:mod:`kvtier.integrations.vllm.rate`).
     """
 
     pool: PoolConfig
-    prefill_tok_s: float
+    prefill_tok_s: float | None
 
     @staticmethod
     def from_extra_config(extra: dict | None, block_size: int) -> ConnectorConfig:
@@ -81,8 +82,9 @@ class ConnectorConfig:
                              f"{', '.join(KEYS)}")
         try:
             salt = check_str("salt", extra.get("salt", "")).encode()
-            prefill_tok_s = check_real("prefill_tok_s", extra.get("prefill_tok_s", DEFAULT_PREFILL_TOK_S),
-                                       min_value=0.0, min_open=True)
+            prefill_tok_s = extra.get("prefill_tok_s")
+            if prefill_tok_s is not None:
+                prefill_tok_s = float(check_real("prefill_tok_s", prefill_tok_s, min_value=0.0, min_open=True))
             if "stats_path" in extra:
                 check_str("stats_path", extra["stats_path"])
             fields = {k: extra[k] for k in _POOL_KEYS if k in extra}
@@ -97,7 +99,7 @@ class ConnectorConfig:
             check_writable_dir(pool.disk_cache_dir)
         if pool.remote_cache_url is not None:
             check_reachable(pool.remote_cache_url, min(pool.remote_timeout_s, REACH_TIMEOUT_S))
-        return ConnectorConfig(pool, float(prefill_tok_s))
+        return ConnectorConfig(pool, prefill_tok_s)
 
 
 def check_writable_dir(path: str) -> None:

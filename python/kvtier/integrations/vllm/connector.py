@@ -10,20 +10,26 @@ Start vLLM with::
                                                            "disk_cache_dir": "/var/cache/kvtier",
                                                            "disk_cache_bytes": 100000000000}}'
 
-What each side does (:mod:`kvtier.integrations.vllm.tiers` has the tiers themselves):
+What each side does (the tiers are ``cache/``'s, :mod:`kvtier.cache.tiers.foreign`;
+:mod:`kvtier.integrations.vllm.tiers` runs them on vLLM's two sides):
 
 * Scheduler. :meth:`KvtierConnector.get_num_new_matched_tokens` hashes the prompt's full blocks
   with kvtier's block hash (salted with the model, its dtype and the ``salt`` setting), finds the
   run after vLLM's own prefix-cache hit that kvtier's host, disk or remote tier holds, and asks the
-  cost model how many of those blocks to load: 0 when recomputing them is faster. Loads are
-  synchronous (done before the step's forward pass). :meth:`build_connector_meta` plans each
+  cost model how many of those blocks to load: 0 when recomputing them is faster. The prefill
+  rate it compares with is learned from vLLM's own steps (:mod:`kvtier.integrations.vllm.rate`;
+  a probe gives the first figure). Loads are asynchronous (``load_kv_async``): the request waits
+  in vLLM's ``WAITING_FOR_REMOTE_KVS`` while other requests run, and is scheduled once a worker
+  reports its load finished (:meth:`get_finished`). :meth:`build_connector_meta` plans each
   step's loads and the saves of every block that becomes full in it (prompt and output tokens).
 * Worker. :meth:`register_kv_caches` opens the tiers over vLLM's per-layer caches;
-  :meth:`start_load_kv` fills the planned blocks, :meth:`wait_for_save` copies the step's new
-  full blocks to the host tier (and to disk and the remote store, as ``write_policy`` says). A
-  block that fails to load is returned by :meth:`get_block_ids_with_load_errors`, and vLLM
-  recomputes it (with ``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the
-  request instead).
+  :meth:`start_load_kv` queues the planned loads on a loader thread; :meth:`wait_for_save`
+  queues the step's new full blocks for a saver thread (one gather per layer into host slots,
+  then disk and the remote store, as ``write_policy`` says) and returns at once; the next step's
+  :meth:`bind_connector_metadata` waits only for the gathers, before the forward pass may
+  overwrite a freed block. A block that fails to load is returned by
+  :meth:`get_block_ids_with_load_errors`, and vLLM recomputes it (with
+  ``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead).
 
 Session hints: a request's ``kv_transfer_params`` may carry ``session_id`` (any JSON scalar) and
 ``expected_tool_wait_s`` (seconds, >= 0). When such a request finishes, its blocks are marked as
@@ -50,8 +56,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.cache.block_hash import block_hashes, compose_salt
 from kvtier.cache.block_layout import BlockLayout
-from kvtier.cache.prefix_index import Tier
+from kvtier.cache.tiers.foreign import TIER_NAMES
 from kvtier.integrations.vllm.config import PREFIX, ConnectorConfig, open_remote_checked
+from kvtier.integrations.vllm.rate import PrefillRate, probe_prefill_tok_s
 from kvtier.integrations.vllm.tiers import LoadJob, SchedulerIndex, StepPlan, WorkerTiers
 from kvtier.options import check_hashable, check_real
 
@@ -66,8 +73,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvtier.integrations.vllm")
 
-_HIT_SOURCE = {int(Tier.HOST): CacheHitSource.HOST, int(Tier.DISK): CacheHitSource.DISK,
-               int(Tier.REMOTE): CacheHitSource.EXTERNAL_UNSPECIFIED}
+_HIT_SOURCE = {tier: {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}.get(
+    name, CacheHitSource.EXTERNAL_UNSPECIFIED) for tier, name in TIER_NAMES.items()}
 
 
 @dataclass
@@ -147,15 +154,21 @@ class KvtierConnector(KVConnectorBase_V1):
             remote = None
             if self.pool.remote_cache_url:
                 remote = open_remote_checked(self.pool.remote_cache_url, self.layout.meta(), self.pool.remote_timeout_s)
-            self._index = SchedulerIndex(self.pool, self.layout, self.config.prefill_tok_s, remote)
+            configured = self.config.prefill_tok_s
+            start = configured if configured is not None else probe_prefill_tok_s(
+                vllm_config.model_config.hf_text_config, _probe_dtype(vllm_config))
+            self.rate = PrefillRate(start, learn=configured is None)
+            self._index = SchedulerIndex(self.pool, self.layout, start, remote)
             self._reqs: dict[str, _Req] = {}
             self._planned: dict[str, tuple[int, list[bytes], list[int]]] = {}  # req_id -> (first block, hashes, tiers)
             self._loads: list[LoadJob] = []
+            self._inflight: dict[str, list[LoadJob]] = {}  # loads planned, not reported finished
             self._load_hash: dict[int, bytes] = {}  # vLLM block id -> hash, of loads not confirmed yet
             self._sessions: dict[str, Any] = {}  # req_id -> session_id
-            logger.info("kvtier connector (scheduler): %d host slots of %d bytes, disk %s, remote %s",
-                        self._index.num_host_slots, self.layout.block_bytes, self._index.disk_dir,
-                        self.pool.remote_cache_url)
+            logger.info("kvtier connector (scheduler): %d host slots of %d bytes, disk %s, remote %s, prefill "
+                        "rate %.0f tokens/s (%s)", self._index.num_host_slots, self.layout.block_bytes,
+                        self._index.disk_dir, self.pool.remote_cache_url, start,
+                        "probed, then learned" if configured is None else "configured")
 
     # ==== scheduler side ============================================================================
     def _hashes(self, st: _Req, num_blocks: int) -> list[bytes]:
@@ -175,7 +188,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    *args, **kwargs) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` to load from kvtier's tiers (whole blocks of the
-        prompt, leaving its last token to compute), as the cost model chooses; never asynchronous."""
+        prompt, leaving its last token to compute), as the cost model chooses at the prefill rate
+        learned so far; loaded asynchronously (True) when there are any."""
         st = self._state(request)
         self._session_returns(request)
         limit = (request.num_tokens - 1) // self.block_size
@@ -183,6 +197,7 @@ class KvtierConnector(KVConnectorBase_V1):
         if limit <= first or num_computed_tokens % self.block_size:
             return 0, False
         hashes = self._hashes(st, limit)[first:]
+        self._index.cost_model.prefill_tok_s = self.rate.rate(num_computed_tokens, len(hashes) * self.block_size)
         k, tiers = self._index.blocks_to_load(hashes)
         max_new = kwargs.get("max_num_new_tokens")
         if max_new is not None:
@@ -191,7 +206,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._planned.pop(request.request_id, None)
             return 0, False
         self._planned[request.request_id] = (first, hashes[:k], tiers[:k])
-        return k * self.block_size, False
+        return k * self.block_size, True
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """The loaded tokens by tier (host, disk; the remote store counts as unspecified)."""
@@ -217,13 +232,16 @@ class KvtierConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         job = self._index.plan_load(request.request_id, block_ids[first:first + n], hashes[:n])
         self._loads.append(job)
+        self._inflight.setdefault(request.request_id, []).append(job)
         self._load_hash.update(zip(job.block_ids, job.hashes))
         st.saved = max(st.saved, first + n)  # loaded blocks are in the tiers already
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
-        """This step's loads and the saves of the blocks it fills."""
+        """This step's loads and the saves of the blocks it fills; the step's work is timed
+        (:class:`kvtier.integrations.vllm.rate.PrefillRate`) until its output comes back."""
         plan = StepPlan(loads=self._loads)
         self._loads = []
+        self._time_step(scheduler_output)
         computed: dict[str, int] = {}
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -255,16 +273,40 @@ class KvtierConnector(KVConnectorBase_V1):
         self._index.take_pending(plan)
         return KvtierMetadata(plan)
 
+    def _time_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Start timing the step: its prefill chunks ``(new, cached)`` and decodes."""
+        extends, decodes, context = [], 0, 0
+        sched = scheduler_output.num_scheduled_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        rows = [(new.req_id, new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs]
+        rows += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, done in rows:
+            n = sched.get(req_id, 0)
+            if n == 1 and req_id in cached.req_ids:
+                decodes, context = decodes + 1, context + done + 1
+            elif n > 0:
+                extends.append((n, done))
+        self.rate.step_started(extends, decodes, context)
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Forget the blocks whose load failed (they are recomputed, and not in the tiers)."""
+        """The step ended: fold its time into the prefill rate; unlock the host copies of loads
+        that finished; forget the blocks whose load failed (they are recomputed, and not in the
+        tiers)."""
+        self.rate.step_ended()
         bad = [self._load_hash[b] for b in connector_output.invalid_block_ids if b in self._load_hash]
         if bad:
             self._index.drop(bad)
             logger.warning("kvtier: %d blocks failed to load and are recomputed", len(bad))
-        self._load_hash.clear()
+        for req_id in connector_output.finished_recving or ():
+            for job in self._inflight.pop(req_id, []):
+                self._index.loaded(job)
+                for b in job.block_ids:
+                    self._load_hash.pop(b, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Start the session's tool wait if the request carried one; blocks are freed at once."""
+        """Start the session's tool wait if the request carried one; blocks are freed at once (a
+        request that finishes while its load is in flight keeps its blocks in vLLM until the load
+        is reported, as vLLM does for every asynchronous load)."""
         st = self._reqs.pop(request.request_id, None)
         self._sessions.pop(request.request_id, None)
         self._planned.pop(request.request_id, None)
@@ -296,43 +338,58 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker = WorkerTiers(self.pool, caches, 0, 1, stats_path=self._stats_path())
         self._failed: set[int] = set()
         logger.info("kvtier connector (worker): %d layers, %d-byte blocks, %d host slots", len(caches),
-                    found.block_bytes, self._worker.host.num_slots)
+                    found.block_bytes, self._worker.host.capacity_blocks())
 
     def _stats_path(self) -> str | None:
         return (self._kv_transfer_config.kv_connector_extra_config or {}).get("stats_path")
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take the step's plan; first wait until the saves queued so far have copied their blocks
+        out of vLLM's caches (this step's forward pass may overwrite a block vLLM freed)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.fence()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Fill this step's planned blocks (synchronously, before the forward pass)."""
+        """Queue this step's planned loads on the loader thread (vLLM calls this after launching
+        the forward pass when no load is synchronous)."""
         meta = self._get_connector_metadata()
-        if meta.plan.loads:
-            self._failed |= self._worker.load(meta.plan.loads)
+        for job in meta.plan.loads:
+            self._worker.submit_load(job)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: :meth:`start_load_kv` loads every layer before the forward pass."""
+        """Nothing to wait for: a request is scheduled only once its whole load finished."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        """Nothing per layer: :meth:`wait_for_save` copies whole blocks (all layers) after the pass."""
+        """Nothing per layer: :meth:`wait_for_save` queues whole blocks (all layers) after the pass."""
 
     def wait_for_save(self) -> None:
-        """Copy the step's new full blocks to the host tier (and down, as ``write_policy`` says)."""
+        """Queue the step's spills, saves and disk removals; returns without waiting for them."""
         if self.has_connector_metadata():
-            self._worker.save(self._get_connector_metadata().plan)
+            self._worker.submit_save(self._get_connector_metadata().plan)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Loads and saves are synchronous: nothing finishes later."""
-        return None, None
+        """``(None, received)``: nothing is sent later (saves never hold vLLM's blocks); the
+        requests whose loads all ended since the last call."""
+        received, failed = self._worker.finished_loads()
+        self._failed |= failed
+        return None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The blocks of this step that failed to load (vLLM recomputes them)."""
+        """The blocks of loads reported finished so far that failed (vLLM recomputes them)."""
         failed, self._failed = self._failed, set()
         return failed
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.write_stats()
             self._worker.close()
-        if self._index is not None and self._index.remote is not None:
-            self._index.remote.close()
+        if self._index is not None:
+            self._index.close()
+
+
+def _probe_dtype(vllm_config) -> torch.dtype:
+    dtype = vllm_config.model_config.dtype
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
 def _session_hint(request, need_wait: bool = True) -> tuple[Any, float] | None:
