@@ -193,7 +193,8 @@ def write_tables(rows: list[Row], import_errors: list[str], seconds: float, out_
         f"{seconds:.0f} s on this machine's CPU). K2 shapes: kv_lora_rank 512 + rope 64, page size 64, "
         "bf16 q/out, bf16 or fp8 e4m3 KV (e4m3fnuz on gfx942); h64 = 64 heads, h8-tp8 = 8 heads per rank. "
         "K3 KDA: 96 heads x head dim 128 (fp32 states, V tiles of 32), short conv over 3 x 12,288 channels, "
-        "kernel 4.",
+        "kernel 4. K3 MoE: 896 experts, top-16, I 3072 at latent width 3584, SiTU-GLU (bf16 fused_moe_gemm and "
+        "mxfp4_gemm: tl.dot_scaled on gfx950, E2M1/E8M0 decoded in registers on gfx942 and sm_90).",
         "",
         "Columns: `regs` = registers per thread (CUDA) or VGPRs incl. AGPRs (AMD, of 512); `sgpr spills` go to",
         "VGPR lanes (no memory traffic); `vgpr spills` / `spill B` (CUDA stack frame + local memory, AMD scratch,",

@@ -13,8 +13,10 @@ Two ways to multiply, one body (``SCALED_DOT``):
   power-of-two scale built from the E8M0 bits) and, compiled, cast to the activations' dtype for
   ``tl.dot`` (fp32 accumulation). Every byte is loaded once per nibble it holds (the repeat hits L1).
 * ``SCALED_DOT=True`` (gfx950): the packed tile ``[BLOCK_K // 2, BLOCK_N]`` and its scales
-  ``[BLOCK_N, BLOCK_K // 32]`` go as they are to ``tl.dot_scaled(x, None, "bf16", w, s, "e2m1")``,
-  which lowers to gfx950's scaled MFMA; the activations stay bf16 (no activation quantization).
+  ``[BLOCK_N, BLOCK_K // 32]`` go as they are to ``tl.dot_scaled(x, None, "bf16", w, s, "e2m1")``;
+  with bf16 activations gfx950 lowers it to its scaled FP4 -> bf16 conversion
+  (``v_cvt_scalef32_pk_bf16_fp4``) feeding bf16 MFMAs (the f8f6f4 scaled MFMA needs quantized
+  activations, W4A8 / W4A4, not done here: the activations stay bf16).
 
 Row modes as :func:`kvtier.triton_kernels.quant_gemm.w4a16_gemm_kernel` (``GROUPED``, ``GATED``,
 ``A_PER_TOKEN``, ``HAS_BIAS``; rows from :func:`kvtier.triton_kernels.moe.tile_rows`); the GATED

@@ -58,12 +58,13 @@ def test_full_gate(tmp_path):
 
 
 def test_gate_builds_fused_moe_gemm_without_spills(tmp_path):
-    """The grouped GEMM at every K2 tile config: gfx950 accepts its dot precision ("tf32" did not
-    compile there) and sm_90 builds it without a stack frame (spills), as launched (aligned
-    pointers, K2 strides)."""
+    """The grouped GEMM at every K2 tile config and K3's SiTU latent-MoE shapes: gfx950 accepts its
+    dot precision ("tf32" did not compile there) and sm_90 builds it without a stack frame
+    (spills), as launched (aligned pointers, K2/K3 strides)."""
     proc, rows = _run_gate(tmp_path, "--kernels", "fused_moe_gemm", "--targets", "gfx950", "sm_90")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert {r["target"] for r in rows} == {"gfx950", "sm_90"} and len(rows) == 12
+    assert {r["target"] for r in rows} == {"gfx950", "sm_90"} and len(rows) == 24
+    assert sum(r["case"].startswith("k3-w13") and r["case"].endswith("-situ") for r in rows) == 6
     for r in rows:
         assert not r["error"] and r["spill_bytes"] == "0", r
 
@@ -75,5 +76,16 @@ def test_gate_builds_the_quantized_gemms_without_spills(tmp_path):
     proc, rows = _run_gate(tmp_path, "--kernels", "w4a16_gemm", "fp8_block_gemm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {r["target"] for r in rows} == TARGETS and {r["kernel"] for r in rows} == {"w4a16_gemm", "fp8_block_gemm"}
+    for r in rows:
+        assert not r["error"] and r["spill_bytes"] in ("0", ""), r
+
+
+@pytest.mark.slow
+def test_gate_builds_the_mxfp4_gemm_without_spills(tmp_path):
+    """The MXFP4 GEMM at K3 shapes (latent-MoE w13 with SiTU, w2, a dense linear; every tile bucket):
+    the tl.dot_scaled variant on gfx950, the register-decode variant on gfx942 and sm_90, no spills."""
+    proc, rows = _run_gate(tmp_path, "--kernels", "mxfp4_gemm")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {r["target"] for r in rows} == TARGETS and len(rows) == 27
     for r in rows:
         assert not r["error"] and r["spill_bytes"] in ("0", ""), r
