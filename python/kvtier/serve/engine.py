@@ -25,8 +25,9 @@ from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
 from kvtier.serve.request import Sequence
 from kvtier.serve.runner import ModelRunner, StepResult, StepRunner
 from kvtier.serve.sampler import Sampler, prompt_logprobs
-from kvtier.serve.scheduler import ScheduledBatch, Scheduler
+from kvtier.serve.scheduler import Scheduler
 from kvtier.serve.stats import EngineStats
+from kvtier.serve.step_plan import ScheduledBatch
 from kvtier.serve.step_time import batch_features, step_features
 
 

@@ -16,7 +16,7 @@ from kvtier.model.batch import AttentionBatch
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence
-from kvtier.serve.scheduler import ScheduledBatch
+from kvtier.serve.step_plan import ScheduledBatch
 
 
 @dataclass

@@ -247,4 +247,4 @@ class Scheduler:
         self.pool.free(seq.kv)
 
 
-__all__ = ["ScheduledBatch", "Scheduler"]
+__all__ = ["Scheduler"]

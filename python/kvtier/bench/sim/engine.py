@@ -20,7 +20,7 @@ from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
 from kvtier.serve.runner import StepResult
-from kvtier.serve.scheduler import ScheduledBatch
+from kvtier.serve.step_plan import ScheduledBatch
 
 PLACEHOLDER_TOKEN = 0
 

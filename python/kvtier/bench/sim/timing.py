@@ -1,6 +1,6 @@
 """How long one engine step takes: a roofline over Kimi K2's operators.
 
-A step runs one :class:`kvtier.serve.scheduler.ScheduledBatch`: prefill chunks (``n`` new tokens
+A step runs one :class:`kvtier.serve.step_plan.ScheduledBatch`: prefill chunks (``n`` new tokens
 after ``p`` cached ones) and decodes (one token after ``c - 1`` cached ones). The simulator
 replaces the model forward with ``timer.step_s(BatchShape.of(batch))``.
 
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from kvtier.bench.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
-from kvtier.serve.scheduler import ScheduledBatch
+from kvtier.serve.step_plan import ScheduledBatch
 
 def ending(batch: ScheduledBatch) -> list:
     """The sequences whose last token ``batch`` computes (the rows that need logits): the prefill
