@@ -121,8 +121,8 @@ def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: 
                          f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    return write_random_hybrid_checkpoint(out, config, seed, torch.bfloat16 if dtype == "mxfp4" else CHECKPOINT_DTYPES[dtype],
-                                          max_shard_bytes, mxfp4=dtype == "mxfp4")
+    dense = torch.bfloat16 if dtype == "mxfp4" else CHECKPOINT_DTYPES[dtype]
+    return write_random_hybrid_checkpoint(out, config, seed, dense, max_shard_bytes, mxfp4=dtype == "mxfp4")
 
 
 def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config | KimiLinearConfig = "tiny",

@@ -188,7 +188,8 @@ class Mxfp4Config:
                 ("quantization_status", self.raw.get("quantization_status", "compressed") == "compressed",
                  "'compressed' (packed weights)"),
                 ("sparsity_config", not self.raw.get("sparsity_config"), "empty (sparse weights are not supported)"),
-                ("kv_cache_scheme", self.raw.get("kv_cache_scheme") is None, "null (KV quantization is not supported)")):
+                ("kv_cache_scheme", self.raw.get("kv_cache_scheme") is None,
+                 "null (KV quantization is not supported)")):
             if not ok:
                 raise ValueError(f"{q}.{field} must be {want}, got {self.raw.get(field)!r}")
         ignore = self.raw.get("ignore") or []

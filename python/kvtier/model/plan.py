@@ -524,5 +524,6 @@ def hybrid_plan_report(config, model_name: str, formats: tuple[str, ...] = ("mxf
     Raises:
         ValueError: as :func:`hybrid_memory_plan`.
     """
-    plans = [hybrid_memory_plan(config, f, devices, hbm_gb, parallel=lay, **kwargs) for f in formats for lay in parallel]
+    plans = [hybrid_memory_plan(config, f, devices, hbm_gb, parallel=lay, **kwargs)
+             for f in formats for lay in parallel]
     return format_hybrid_plans(plans, model_name)
