@@ -4,7 +4,7 @@ Both are stacks of Kimi Delta Attention (KDA) layers and MLA layers without posi
 with DeepSeek-V3-style MoE. K3 adds a latent MoE (routed experts at ``routed_expert_hidden_size``),
 SiTU-GLU activations, attention residuals over blocks of layers and a sigmoid output gate on MLA.
 Field names are those of the released ``config.json`` files as transformers' ``KimiLinearConfig``
-and the vllm package's ``KimiLinearConfig`` read them (see ../shared/docs/K3.md); a ``kimi_k3``
+and the vllm package's ``KimiLinearConfig`` read them (see docs/k3.md); a ``kimi_k3``
 config wraps the text model in ``text_config``.
 
 ``KimiLinearConfig.from_hf_dict`` checks everything a forward pass relies on and names the
@@ -351,7 +351,7 @@ def _every_fourth(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def kimi_k3() -> KimiLinearConfig:
-    """Kimi K3's text model at its real sizes (../shared/docs/K3.md), for the plan and the simulator.
+    """Kimi K3's text model at its real sizes (docs/k3.md), for the plan and the simulator.
 
     ``intermediate_size`` (the dense first layer), ``rms_norm_eps`` and the expert grouping are not
     in the stored sources: K2's 18432, Kimi-Linear's 1e-5 and one group are assumed; re-check them
