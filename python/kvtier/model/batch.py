@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from kvtier import ops
 from kvtier.ops import MLADecodePlan, MLAExtendPlan
 
 
@@ -45,3 +47,22 @@ class AttentionBatch:
     @property
     def num_decode_tokens(self) -> int:
         return 0 if self.decode_seq_lens is None else int(self.decode_seq_lens.shape[0])
+
+    def with_plans(self, cache: torch.Tensor, num_heads: int, kv_lora_rank: int, backend: str,
+                   decode_max_seq_len: int | None = None) -> AttentionBatch:
+        """This batch with its decode and extend attention plans made once for the step
+        (:func:`kvtier.ops.plan_mla_decode` / :func:`kvtier.ops.plan_mla_extend`) over ``cache``
+        ([num_pages, page_size, row] of one layer; every layer's has its shape), ``planned`` set.
+        ``decode_max_seq_len``: an upper bound of ``decode_seq_lens`` known on the host (None:
+        read from it)."""
+        page_size, num_pages = cache.shape[1], cache.shape[0]
+        decode_plan = extend_plan = None
+        if self.num_decode_tokens:
+            decode_plan = ops.plan_mla_decode(self.decode_block_table, self.decode_seq_lens, page_size, num_heads,
+                                              kv_lora_rank, num_pages=num_pages, max_seq_len=decode_max_seq_len,
+                                              backend=backend)
+        if self.num_prefill_tokens:
+            extend_plan = ops.plan_mla_extend(self.prefill_block_table, self.prefill_cu_seqlens_q,
+                                              self.prefill_seq_lens, page_size, num_heads, kv_lora_rank,
+                                              num_pages=num_pages, backend=backend)
+        return dataclasses.replace(self, decode_plan=decode_plan, extend_plan=extend_plan, planned=True)

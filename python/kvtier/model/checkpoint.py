@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from kvtier.model.config import KimiK2Config, preset
 from kvtier.model.kimi_linear_config import KimiLinearConfig
@@ -37,7 +36,7 @@ from kvtier.model.formats import (
     weight_class,
 )
 from kvtier.model.plan import parameter_bytes
-from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.model.weights import TensorSpec, checkpoint_specs, write_shards
 from kvtier.reference import quant as ref_quant
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -168,23 +167,7 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
                          f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in random_tensors(config, seed, dtype):
-        if size and size + t.numel() * t.element_size() > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += t.numel() * t.element_size()
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    write_shards(out, random_tensors(config, seed, dtype), max_shard_bytes)
     cfg = config.to_hf_dict()
     cfg["torch_dtype"] = "bfloat16" if dtype in ("fp8", "int4") else dtype
     if dtype == "fp8":

@@ -11,7 +11,6 @@ All math outside plain GEMMs goes through :mod:`kvtier.ops`.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -286,17 +285,7 @@ class KimiK2ForCausalLM(nn.Module):
                                  f"got {tuple(other.shape)}")
         ops.check_positions(positions, self.cos_sin_cache.shape[0])
         ops.check_slot_mapping(batch.slot_mapping, cache.shape[0] * cache.shape[1])
-        page_size, heads = cache.shape[1], c.num_attention_heads
-        decode_plan = extend_plan = None
-        if batch.num_decode_tokens:
-            decode_plan = ops.plan_mla_decode(batch.decode_block_table, batch.decode_seq_lens, page_size, heads,
-                                              c.kv_lora_rank, num_pages=cache.shape[0], max_seq_len=decode_max_seq_len,
-                                              backend=self.backend)
-        if batch.num_prefill_tokens:
-            extend_plan = ops.plan_mla_extend(batch.prefill_block_table, batch.prefill_cu_seqlens_q,
-                                              batch.prefill_seq_lens, page_size, heads, c.kv_lora_rank,
-                                              num_pages=cache.shape[0], backend=self.backend)
-        return dataclasses.replace(batch, decode_plan=decode_plan, extend_plan=extend_plan, planned=True)
+        return batch.with_plans(cache, c.num_attention_heads, c.kv_lora_rank, self.backend, decode_max_seq_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:

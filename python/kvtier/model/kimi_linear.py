@@ -17,7 +17,6 @@ output gate, gate lower bound) and ``vllm/model_executor/layers/activation.py`` 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import math
 
@@ -313,16 +312,7 @@ class KimiLinearForCausalLM(nn.Module):
                              f"got {len(kv_caches)}")
         cache = kv_caches[0]
         ops.check_slot_mapping(batch.slot_mapping, cache.shape[0] * cache.shape[1])
-        page_size, heads = cache.shape[1], c.num_attention_heads
-        decode_plan = extend_plan = None
-        if batch.num_decode_tokens:
-            decode_plan = ops.plan_mla_decode(batch.decode_block_table, batch.decode_seq_lens, page_size, heads,
-                                              c.kv_lora_rank, num_pages=cache.shape[0], backend=self.backend)
-        if batch.num_prefill_tokens:
-            extend_plan = ops.plan_mla_extend(batch.prefill_block_table, batch.prefill_cu_seqlens_q,
-                                              batch.prefill_seq_lens, page_size, heads, c.kv_lora_rank,
-                                              num_pages=cache.shape[0], backend=self.backend)
-        return dataclasses.replace(batch, decode_plan=decode_plan, extend_plan=extend_plan, planned=True)
+        return batch.with_plans(cache, c.num_attention_heads, c.kv_lora_rank, self.backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor], state: StateSlots, state_batch: StateBatch) -> torch.Tensor:

@@ -29,12 +29,11 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import KimiLinearConfig
 from kvtier.model.loader import SafetensorsSource
-from kvtier.model.weights import TensorSpec, _attention_specs, _mlp_specs
+from kvtier.model.weights import TensorSpec, _attention_specs, _mlp_specs, write_shards
 from kvtier.reference import mxfp4 as ref_mxfp4
 
 _PREFIXES = ("language_model.model.", "language_model.")
@@ -422,23 +421,7 @@ def write_random_hybrid_checkpoint(out: Path, config: KimiLinearConfig, seed: in
     the routed experts as compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` /
     ``weight_scale``, quantized from the same draws; :data:`K3_MXFP4_QUANTIZATION_CONFIG`)."""
     prefix = "language_model." if config.model_type == "kimi_k3" else ""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in _random_tensors(config, seed, dtype, mxfp4):
-        if size and size + t.numel() * t.element_size() > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][prefix + name] = t.contiguous()
-        size += t.numel() * t.element_size()
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        for name, t in shard.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    write_shards(out, ((prefix + name, t) for name, t in _random_tensors(config, seed, dtype, mxfp4)), max_shard_bytes)
     cfg = config.to_hf_dict()
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if mxfp4:

@@ -95,3 +95,32 @@ def checkpoint_specs(config: KimiK2Config) -> dict[str, TensorSpec]:
     specs["model.norm.weight"] = TensorSpec((c.hidden_size,), "norm", quantizable=False)
     specs["lm_head.weight"] = TensorSpec((c.vocab_size, c.hidden_size), "lm_head", quantizable=False)
     return specs
+
+
+def write_shards(out, tensors, max_shard_bytes: int) -> None:
+    """Write ``(name, tensor)`` pairs as Hugging Face safetensors shards in ``out`` (a directory
+    that exists): ``model-0000i-of-0000n.safetensors``, a new shard once one would exceed
+    ``max_shard_bytes`` bytes, and ``model.safetensors.index.json`` (``weight_map``, total bytes)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors:
+        if size and size + t.numel() * t.element_size() > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t.contiguous()
+        size += t.numel() * t.element_size()
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
