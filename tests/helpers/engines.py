@@ -17,7 +17,6 @@ import zlib
 import numpy as np
 import torch
 
-from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.model.config import preset
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
@@ -74,10 +73,3 @@ class StandInLLM:
             outs.update({o.request_id: o for o in self.engine.step()})
         return [outs[r] for r in rids]
 
-
-def occupy(pool, num_pages: int) -> KVState:
-    """A request's KV state holding ``num_pages`` device pages."""
-    ps = pool.config.page_size
-    s = KVState(TokenList(range(num_pages * ps)))
-    assert pool.allocate(s, num_pages * ps)
-    return s

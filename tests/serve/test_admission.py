@@ -5,29 +5,7 @@ from kvtier import LLM, SamplingParams
 from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import PrefixStart
 from kvtier.serve.step_plan import StepBudget
-from tests.cache.test_tiers_e2e import always_load, prompt
-
-PS, BLOCK = 16, 15360
-N = 8 * PS + 1  # 8 full blocks and one token
-ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware"):
-    """A tiny engine whose host tier holds ``prompts``' blocks and whose device pages do not."""
-    llm = always_load(LLM("tiny", page_size=PS, num_device_pages=num_device_pages, host_cache_bytes=64 * BLOCK,
-                          schedule_policy=schedule_policy))
-    for p in (*prompts, prompt(N, 901), prompt(N, 902)):
-        llm.generate(prompt_token_ids=[p], sampling_params=ONE)
-    llm.engine.pool.poll(wait=True)
-    return llm
-
-
-def occupy(pool, num_pages):
-    """A request's KV state holding ``num_pages`` device pages."""
-    s = KVState(TokenList(range(num_pages * PS)))
-    assert pool.allocate(s, num_pages * PS)
-    return s
-
+from tests.helpers.serving import BLOCK, N, ONE, PS, always_load, host_cached, occupy, prompt
 
 def test_begin_prefix_without_partial_takes_nothing_when_loads_do_not_fit():
     a = prompt(N, 1)

@@ -14,32 +14,17 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 from kvtier.serve.ranking import DECODE_AGE_FACTOR, FAST_LANE_SHARE
-from tests.cache.test_tiers_e2e import always_load, prompt
-from tests.helpers.engines import StandInLLM, occupy
+from tests.helpers.engines import StandInLLM
 from tests.helpers.scheduling import reconfigure
+from tests.helpers.serving import BLOCK, N, ONE, PS, always_load, host_cached, occupy, prompt
 
 BUDGET = 64  # max_num_batched_tokens of these engines
 TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
 
-PS, BLOCK = 16, 15360  # the tiny preset's page size here, and the bytes of one of its blocks
-N = 8 * PS + 1  # 8 full blocks and one token
-ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
 def engine_for(policy: str, llm=StandInLLM, **kw):
     return llm("tiny", page_size=PS, num_device_pages=256, max_num_batched_tokens=BUDGET, schedule_policy=policy,
                **kw).engine
-
-
-def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware"):
-    """A stand-in engine whose host tier holds ``prompts``' blocks and whose device pages do not."""
-    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=num_device_pages,
-                                 host_cache_bytes=64 * BLOCK, schedule_policy=schedule_policy))
-    for p in (*prompts, prompt(N, 901), prompt(N, 902)):
-        llm.generate(prompt_token_ids=[p], sampling_params=ONE)
-    llm.engine.pool.poll(wait=True)
-    return llm
 
 
 def alone_engine(num_device_pages=64):
@@ -138,7 +123,7 @@ def test_cold_request_under_a_stream_of_cheaper_ones_finishes_within_the_aging_b
 @pytest.mark.parametrize("policy", ["cache-aware", "fcfs"])
 def test_request_waiting_for_pages_for_its_loads_does_not_stop_the_ones_behind_it(policy):
     b = prompt(N, 2)
-    llm = host_cached(b, schedule_policy=policy)  # 10 device pages; b's 8 blocks in the host tier
+    llm = host_cached(b, schedule_policy=policy, llm=StandInLLM)  # 10 device pages; b's 8 blocks in the host tier
     engine, sched = llm.engine, llm.engine.scheduler
     engine.add_request(prompt(5 * PS, 3), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     engine.step()  # it holds 5, then 6 pages while it decodes
@@ -243,7 +228,7 @@ def test_cached_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back(c
     decode's blocks (no lower tier: resuming would mean recomputing them), it waits. Every
     output is what the request produces alone."""
     b = prompt(N, 2)
-    llm = host_cached(b, schedule_policy="fcfs" if case == "fcfs" else "cache-aware")
+    llm = host_cached(b, schedule_policy="fcfs" if case == "fcfs" else "cache-aware", llm=StandInLLM)
     engine = llm.engine
     if case == "no-lower-tier":
         monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
@@ -275,7 +260,7 @@ def test_new_cold_turn_blocked_by_a_decode_preempts_it_when_its_blocks_load_back
     next tokens (that request's TTFT is made, and its blocks come back from the host tier), so
     a decode holding the pages it needs is preempted; under FCFS, or when the pool would lose
     the decode's blocks, the turn waits for the decode to end. Outputs are unchanged."""
-    llm = host_cached(schedule_policy="fcfs" if case == "fcfs" else "cache-aware")
+    llm = host_cached(schedule_policy="fcfs" if case == "fcfs" else "cache-aware", llm=StandInLLM)
     engine = llm.engine
     if case == "no-lower-tier":
         monkeypatch.setattr(type(engine.pool), "keeps_evicted_blocks", property(lambda self: False))
@@ -306,7 +291,7 @@ def test_a_decode_is_displaced_by_new_turns_fewer_than_its_aging_bound(max_passe
     bound allows (2 and 16); with 1 the bound stops the fourth. It still produces
     all its tokens."""
     turns = [prompt(N, 20 + i) for i in range(DECODE_AGE_FACTOR)]
-    llm = host_cached(*turns)
+    llm = host_cached(*turns, llm=StandInLLM)
     engine, sched = llm.engine, llm.engine.scheduler
     reconfigure(sched, schedule_max_passes=max_passes)
     long_decode = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -428,7 +413,7 @@ def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_bac
     """As a new turn does (above), a request that was admitted and preempted before its first
     token (its TTFT still runs) preempts a decode holding the pages it needs, whose blocks load
     back from the host tier, instead of waiting for the decode to end. Outputs are unchanged."""
-    llm = host_cached()
+    llm = host_cached(llm=StandInLLM)
     engine = llm.engine
     long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     decode_prompt, cold_prompt = prompt(5 * PS, 3), prompt(N, 78)
@@ -448,7 +433,7 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
     """A request preempted after its first token that has aged ranks first; when its blocks do
     not fit beside a running decode, it preempts the decode (whose blocks load back) rather than
     hold admission for everyone until the decode ends. Outputs are each request's alone."""
-    llm = host_cached()
+    llm = host_cached(llm=StandInLLM)
     engine, scheduler = llm.engine, llm.engine.scheduler
     long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     aged_prompt, decode_prompt = prompt(N, 81), prompt(5 * PS, 82)

@@ -44,3 +44,18 @@ def test_step_budget_caps_chunks_to_the_pairs_left_and_takes_inline_shares():
     assert StepBudget(None).cap(Seq(), 50) == 50  # no attention budget: no cut
     inline = StepBudget(inline_share=0.1)
     assert inline.take_inline(0.05, 1.0) and not inline.take_inline(0.06, 1.0) and inline.take_inline(0.05, 1.0)
+
+
+def test_what_the_scheduler_calls_never_imports_it():
+    """The ranking, the preemption rule, the queues and the step plan answer the scheduler; none
+    imports it (or the engine above it), so ``schedule()`` only ever calls down."""
+    import ast
+    import importlib
+
+    for name in ("admission", "ranking", "preemption", "queues", "step_plan", "step_time"):
+        module = importlib.import_module(f"kvtier.serve.{name}")
+        with open(module.__file__) as f:
+            tree = ast.parse(f.read())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not imported & {"kvtier.serve.scheduler", "kvtier.serve.engine"}, (name, imported)

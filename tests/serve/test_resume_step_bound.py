@@ -8,8 +8,7 @@ import pytest
 
 from kvtier import LLM
 from kvtier.serve.step_time import FEATURES, RESUME_STEP_SHARE, StepTimeModel, fit_nonnegative, step_features
-from tests.cache.test_tiers_e2e import prompt
-from tests.serve.test_admission import ONE, PS
+from tests.helpers.serving import ONE, PS, prompt
 
 BUDGET = 64
 STEP_S, TOKEN_S = 0.01, 0.01  # the fixed model of the engine tests: 10 ms a step, 10 ms a prefill token

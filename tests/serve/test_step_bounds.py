@@ -12,8 +12,7 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import SequenceStatus
 from kvtier.serve.scheduler import Scheduler
-from tests.cache.test_tiers_e2e import prompt
-from tests.serve.test_admission import N, ONE, PS, host_cached
+from tests.helpers.serving import N, ONE, PS, host_cached, prompt
 from tests.helpers.scheduling import reconfigure
 
 BUDGET = 64

@@ -1,4 +1,4 @@
-"""Whom the scheduler preempts: a rule that returns victims and changes nothing itself.
+"""Whom the scheduler preempts: a rule that names victims; it changes no queue and no page.
 
 :class:`PreemptLast` (``fcfs``) preempts nobody for a waiting request and, when a running
 sequence is short of pages, the last admitted. :class:`PreemptBehind` (``cache-aware``) lets
