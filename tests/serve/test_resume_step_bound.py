@@ -1,5 +1,5 @@
 """The resume target's step bound: the step-time model the scheduler fits, the expected returns
-the pool keeps for it, and the steps it shortens (``Scheduler.bound_step``)."""
+the pool keeps for it, and the steps it shortens (``kvtier.serve.step_time.bound_step``)."""
 
 import math
 

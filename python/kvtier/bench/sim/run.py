@@ -244,7 +244,7 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
             on_start(v.name)
         engines, r = build_engines(scn, v, sizing, timer, node, opts.resume_ttft_s), scn.replay
         # with a resume target every configuration's clients declare their tool waits: the scheduler
-        # bounds steps around the expected returns under any cache policy (Scheduler.bound_step)
+        # bounds steps around the expected returns under any cache policy (kvtier.serve.step_time.bound_step)
         tool_aware = v.cache.tool_aware or opts.resume_ttft_s is not None
         runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
