@@ -165,3 +165,22 @@ def test_the_probe_gives_a_positive_first_rate():
     macs = macs_per_token(Cfg)
     assert macs == 2 * (64 * (4 + 2 * 2) * 16 + 4 * 16 * 64 + 3 * 64 * 128)
     assert probe_prefill_tok_s(Cfg, repeats=1) > 0
+
+
+def test_layer_by_layer_loads_fill_each_layer_before_its_attention_waits_end():
+    src = caches(4)
+    sched, worker = make(src)
+    hs = block_hashes(list(range(2 * PAGE)), PAGE, salt=b"model")
+    worker.save(StepPlan(saves=[sched.plan_save([5, 7], hs)]))
+    want = [c.clone() for c in src]
+    for c in src:
+        c.zero_()
+    job = sched.plan_load("r", [1, 2], hs)
+    assert worker.native_host_load(job)  # host slots -> vLLM-layout CPU caches: the native copy engine
+    worker.start_layered([job])  # start_load_kv, before the forward pass
+    for layer in range(LAYERS):  # wait_for_layer_load as each attention layer runs
+        worker.wait_layer(layer)
+        assert torch.equal(src[layer][[1, 2]], want[layer][[5, 7]]), layer
+    assert worker.end_layered() == set()  # wait_for_save: the step's loads ended, none failed
+    assert worker.stats.loaded["host"] == 2
+    worker.close()

@@ -17,9 +17,9 @@ PRESETS = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=1024),
     # the connector bench's model (perf/vllm_connector_bench.py): standard attention with GQA, about
-    # 22M parameters outside the embeddings (~45 MFLOP a token: a few hundred ms to prefill a
-    # few hundred tokens on 2 CPU cores), 8 KiB of fp32 KV per token (256 KiB per 32-token block)
-    "standard": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+    # 73M parameters outside the embeddings (~146 MFLOP a token: a few hundred ms to prefill a few
+    # hundred tokens on 2 CPU cores), 12 KiB of fp32 KV per token (384 KiB per 32-token block)
+    "standard": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                      num_key_value_heads=2, head_dim=64, max_position_embeddings=8192),
 }
 

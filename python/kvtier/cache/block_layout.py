@@ -190,9 +190,10 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_dim: int, block_ids: Seq
 
 
 def scatter_blocks(src: torch.Tensor, caches: Sequence[torch.Tensor], block_dim: int,
-                   block_ids: Sequence[int]) -> None:
-    """Copy tier blocks from ``src`` into blocks ``block_ids`` of every layer, synchronously (the
-    inverse of :func:`gather_blocks`; same arguments, ``block_ids`` distinct).
+                   block_ids: Sequence[int], layers: Sequence[int] | None = None) -> None:
+    """Copy tier blocks from ``src`` into blocks ``block_ids`` of every layer (or of ``layers``,
+    indices into ``caches``), synchronously (the inverse of :func:`gather_blocks`; same
+    arguments, ``block_ids`` distinct).
 
     Raises:
         ValueError: a buffer too small or not contiguous, or repeated block ids.
@@ -204,8 +205,8 @@ def scatter_blocks(src: torch.Tensor, caches: Sequence[torch.Tensor], block_dim:
     if n == 0:
         return
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
-    for layer, cache in enumerate(caches):
-        cache.index_copy_(block_dim, ids, blocks[:, layer].to(first.device).movedim(0, block_dim))
+    for layer in (range(len(caches)) if layers is None else layers):
+        caches[layer].index_copy_(block_dim, ids, blocks[:, layer].to(first.device).movedim(0, block_dim))
 
 
 def _block_view(caches: Sequence[torch.Tensor], block_dim: int, n: int, buf: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,10 @@ its pages are the pool's own tiers (:mod:`kvtier.cache.tiers`), in two halves:
   (:func:`probe_host_copy`, :func:`~kvtier.cache.tiers.probe_disk`).
 * :class:`ForeignPages` (the holding side): the host slots' bytes, the disk files and the remote
   store as :class:`~kvtier.cache.tiers.protocol.TierStore` s, and batched copies between them and
-  the engine's per-layer caches (one gather or scatter per layer per call:
-  :func:`kvtier.cache.block_layout.gather_blocks`).
+  the engine's per-layer caches: on the native copy engine (:class:`kvtier.transfer.CopyEngine`,
+  memcpy on its own threads, no Python per block) when the caches are CPU tensors with block ids
+  on dim 0 and contiguous pages, as vLLM's CPU caches are; else one torch gather or scatter per
+  layer per call (:func:`kvtier.cache.block_layout.gather_blocks`).
 
 The deciding side chooses every slot and file, so the holding side needs no index: a
 :class:`LoadJob` names each block's tier and slot, a :class:`SaveJob` each block's slot and
@@ -274,7 +276,8 @@ class ForeignIndex:
 @dataclass
 class ForeignStats:
     """What the holding side did (blocks): loaded from each tier, load failures (recomputed),
-    saved to host, written to disk and remote, write-back spills."""
+    saved to host, written to disk and remote, write-back spills; ``load_jobs`` loads run and
+    ``load_s`` the wall seconds they took (reads, copies and bookkeeping, as the caller times them)."""
 
     loaded: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES.values(), 0))
     load_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES.values(), 0))
@@ -282,6 +285,8 @@ class ForeignStats:
     written_disk: int = 0
     written_remote: int = 0
     spilled: int = 0
+    load_jobs: int = 0
+    load_s: float = 0.0
 
 
 class ForeignPages:
@@ -300,7 +305,7 @@ class ForeignPages:
 
     def __init__(self, config: PoolConfig, caches: Sequence[torch.Tensor], block_dim: int, token_dim: int,
                  remote: RemoteTier | None = None):
-        from kvtier.transfer import CopyEngine  # native I/O workers for the disk files
+        from kvtier.transfer import CopyEngine  # native copies and the disk files' I/O workers
 
         self.config, self.caches, self.block_dim = config, list(caches), block_dim
         self.layout = BlockLayout.of_caches(self.caches, block_dim, token_dim)
@@ -310,9 +315,13 @@ class ForeignPages:
         self.host = HostStore(HostTier(config.host_cache_bytes, self.block_bytes, pin=False), lambda: no_index)
         self.disk: DiskTier | None = None
         self.stores: dict[int, TierStore] = {int(Tier.HOST): self.host}
-        self._io = None
+        self._io = CopyEngine(num_threads=config.copy_threads, max_queued=256)
+        self._pools = _native_pools(self.caches, block_dim)
+        storage = self.host.host.storage.unsqueeze(1)  # [num_slots, 1, block_bytes]: slots as one page pool
+        page = self.layout.page_bytes
+        self._slot_pool = [storage]
+        self._slot_layers = [storage[:, :, i * page:(i + 1) * page] for i in range(len(self.caches))]
         if config.disk_cache_dir:
-            self._io = CopyEngine(num_threads=max(1, config.copy_threads), max_queued=256)
             self.disk = DiskTier(namespace_dir(config.disk_cache_dir, config.salt, self.meta), config.disk_cache_bytes)
             self.stores[int(Tier.DISK)] = DiskFiles(self.disk, self.meta, lambda: self._io)
         self.remote = remote
@@ -331,9 +340,20 @@ class ForeignPages:
             self.stores.pop(int(Tier.REMOTE), None)
 
     def load(self, job: LoadJob) -> list[int]:
-        """Run one load: each tier's blocks read in one call, then one scatter per layer into the
-        engine's blocks. Returns the block ids that failed (from the first failed block on: a
-        prefix is only usable up to there)."""
+        """Run one load: :meth:`read`, then one scatter per layer into the engine's blocks.
+        Returns the block ids that failed (from the first failed block on: a prefix is only
+        usable up to there)."""
+        t0 = time.perf_counter()
+        staging, good = self.read(job)
+        self.scatter(staging, job.block_ids[:good])
+        self.stats.load_jobs += 1
+        self.stats.load_s += time.perf_counter() - t0
+        return job.block_ids[good:]
+
+    def read(self, job: LoadJob) -> tuple[torch.Tensor, int]:
+        """Read the blocks of ``job`` from their tiers (each tier's blocks in one call) into one
+        ``[len(job.hashes), block_bytes]`` uint8 buffer; returns it and how many leading blocks
+        were read intact (the rest are counted as load failures)."""
         n = len(job.hashes)
         staging = torch.empty(n, self.block_bytes, dtype=torch.uint8)
         ok = [t != MISSING for t in job.tiers]
@@ -356,11 +376,31 @@ class ForeignPages:
         for i in range(good, n):
             if not ok[i] and job.tiers[i] != MISSING:
                 self.stats.load_failures[TIER_NAMES[job.tiers[i]]] += 1
-        if good:
-            scatter_blocks(staging[:good], self.caches, self.block_dim, job.block_ids[:good])
-            for t in job.tiers[:good]:
-                self.stats.loaded[TIER_NAMES[t]] += 1
-        return job.block_ids[good:]
+        for t in job.tiers[:good]:
+            self.stats.loaded[TIER_NAMES[t]] += 1
+        return staging, good
+
+    def native_host_load(self, job: LoadJob) -> bool:
+        """Whether :meth:`load_layer` can copy ``job`` (every block in a host slot, native caches)."""
+        return self._pools is not None and bool(job.hashes) and all(t == Tier.HOST for t in job.tiers)
+
+    def load_layer(self, job: LoadJob, layer: int, tmp: torch.Tensor) -> None:
+        """Copy layer ``layer`` of ``job``'s blocks from their host slots into the engine's
+        blocks: two native copy jobs (slots -> ``tmp``, a uint8 buffer of at least
+        ``len(job.hashes) * page_bytes``, -> the layer's blocks). :meth:`native_host_load` must hold."""
+        self._io.gather([self._slot_layers[layer]], job.slots, tmp).result()
+        self._io.scatter(tmp, [self._pools[layer]], job.block_ids).result()
+
+    def scatter(self, staging: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> None:
+        """Copy the first ``len(block_ids)`` blocks of ``staging`` into the engine's blocks
+        ``block_ids`` (distinct), one copy per layer of ``layers`` (default: all)."""
+        if not len(block_ids):
+            return
+        if layers is None:
+            scatter_blocks(staging[:len(block_ids)], self.caches, self.block_dim, block_ids)
+            return
+        for layer in layers:
+            scatter_blocks(staging[:len(block_ids)], self.caches, self.block_dim, block_ids, layers=[layer])
 
     def spill(self, spills: Sequence[tuple[bytes, int]]) -> list:
         """Start writing host slots to disk (write-back), from a private copy of the slots (they
@@ -375,9 +415,14 @@ class ForeignPages:
         layer) into their host slots; returns the ``[n, block_bytes]`` uint8 copy the writes below
         the host read (the slots may be reused meanwhile)."""
         ids = [b for job in saves for b in job.block_ids]
+        slots = [s for job in saves for s in job.slots]
         blocks = torch.empty(len(ids), self.block_bytes, dtype=torch.uint8)
-        gather_blocks(self.caches, self.block_dim, ids, blocks)
-        self.host.fill([s for job in saves for s in job.slots], blocks)
+        if self._pools is not None and ids:
+            self._io.gather(self._pools, ids, blocks).result()
+            self._io.scatter(blocks, self._slot_pool, slots).result()
+        else:
+            gather_blocks(self.caches, self.block_dim, ids, blocks)
+            self.host.fill(slots, blocks)
         self.stats.saved_host += len(ids)
         return blocks
 
@@ -412,3 +457,19 @@ class ForeignPages:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+
+
+def _native_pools(caches: Sequence[torch.Tensor], block_dim: int) -> list[torch.Tensor] | None:
+    """``caches`` as the native copy engine's page pools (``[num_blocks, rows, last dim]`` views,
+    one page per block id), or None when it cannot copy them (a GPU tensor, block ids not on dim
+    0, pages that are not contiguous)."""
+    from kvtier.transfer import PagePoolView
+
+    if block_dim != 0 or any(c.device.type != "cpu" for c in caches):
+        return None
+    try:
+        pools = [c.view(c.shape[0], -1, c.shape[-1]) for c in caches]
+        PagePoolView.of(pools)
+    except (RuntimeError, ValueError):
+        return None
+    return pools

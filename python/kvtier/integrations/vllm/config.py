@@ -19,6 +19,9 @@ write_policy           str     ``write-through`` (host blocks go down to disk/re
 salt                   str     tenant salt of the block hashes (blocks of other salts are never served)
 prefill_tok_s          number  a fixed prefill rate (tokens/s) for the load-vs-recompute choice;
                                unset (the default): probed at start, then learned from vLLM's steps
+load_mode              str     ``layer`` (default: loads run layer by layer inside the step that
+                               needs them) or ``async`` (vLLM's asynchronous loads: the request
+                               waits one scheduler step or more for its load)
 stats_path             str     a JSON file the worker writes its counters to (blocks loaded per
                                tier, load failures, saves), after each step that changed them
 =====================  ======  ====================================================================
@@ -44,7 +47,8 @@ PREFIX = "kv_connector_extra_config"
 
 _POOL_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url", "remote_timeout_s",
               "cache_policy", "write_policy")
-KEYS = (*_POOL_KEYS, "salt", "prefill_tok_s", "stats_path")
+KEYS = (*_POOL_KEYS, "salt", "prefill_tok_s", "load_mode", "stats_path")
+LOAD_MODES = ("layer", "async")
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 REACH_TIMEOUT_S = 2.0  # the most the start-up probe of remote_cache_url waits for a TCP connection
 
@@ -58,10 +62,12 @@ class ConnectorConfig:
             ``salt`` the UTF-8 bytes of the ``salt`` key).
         prefill_tok_s: a fixed prefill rate for the cost model (tokens per second), or None: probe
             it at start and learn it from vLLM's steps (:mod:`kvtier.integrations.vllm.rate`).
+        load_mode: ``layer`` or ``async`` (see the module docstring).
     """
 
     pool: PoolConfig
     prefill_tok_s: float | None
+    load_mode: str = "layer"
 
     @staticmethod
     def from_extra_config(extra: dict | None, block_size: int) -> ConnectorConfig:
@@ -85,6 +91,9 @@ class ConnectorConfig:
             prefill_tok_s = extra.get("prefill_tok_s")
             if prefill_tok_s is not None:
                 prefill_tok_s = float(check_real("prefill_tok_s", prefill_tok_s, min_value=0.0, min_open=True))
+            load_mode = check_str("load_mode", extra.get("load_mode", "layer"))
+            if load_mode not in LOAD_MODES:
+                raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {load_mode!r}")
             if "stats_path" in extra:
                 check_str("stats_path", extra["stats_path"])
             fields = {k: extra[k] for k in _POOL_KEYS if k in extra}
@@ -99,7 +108,7 @@ class ConnectorConfig:
             check_writable_dir(pool.disk_cache_dir)
         if pool.remote_cache_url is not None:
             check_reachable(pool.remote_cache_url, min(pool.remote_timeout_s, REACH_TIMEOUT_S))
-        return ConnectorConfig(pool, prefill_tok_s)
+        return ConnectorConfig(pool, prefill_tok_s, load_mode)
 
 
 def check_writable_dir(path: str) -> None:

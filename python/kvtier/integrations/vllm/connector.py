@@ -18,12 +18,14 @@ What each side does (the tiers are ``cache/``'s, :mod:`kvtier.cache.tiers.foreig
   run after vLLM's own prefix-cache hit that kvtier's host, disk or remote tier holds, and asks the
   cost model how many of those blocks to load: 0 when recomputing them is faster. The prefill
   rate it compares with is learned from vLLM's own steps (:mod:`kvtier.integrations.vllm.rate`;
-  a probe gives the first figure). Loads are asynchronous (``load_kv_async``): the request waits
-  in vLLM's ``WAITING_FOR_REMOTE_KVS`` while other requests run, and is scheduled once a worker
-  reports its load finished (:meth:`get_finished`). :meth:`build_connector_meta` plans each
+  a probe gives the first figure). Loads run layer by layer in the step that needs them
+  (``load_mode: layer``, the default) or, with ``load_mode: async``, as vLLM's asynchronous loads
+  (the request waits in ``WAITING_FOR_REMOTE_KVS`` while other requests run and is scheduled once
+  a worker reports its load, :meth:`get_finished`). :meth:`build_connector_meta` plans each
   step's loads and the saves of every block that becomes full in it (prompt and output tokens).
 * Worker. :meth:`register_kv_caches` opens the tiers over vLLM's per-layer caches;
-  :meth:`start_load_kv` queues the planned loads on a loader thread; :meth:`wait_for_save`
+  :meth:`start_load_kv` queues the planned loads on a loader thread (layer by layer:
+  :meth:`wait_for_layer_load` holds a layer's attention until its blocks are in); :meth:`wait_for_save`
   queues the step's new full blocks for a saver thread (one gather per layer into host slots,
   then disk and the remote store, as ``write_policy`` says) and returns at once; the next step's
   :meth:`bind_connector_metadata` waits only for the gathers, before the forward pass may
@@ -162,7 +164,8 @@ class KvtierConnector(KVConnectorBase_V1):
             self._reqs: dict[str, _Req] = {}
             self._planned: dict[str, tuple[int, list[bytes], list[int]]] = {}  # req_id -> (first block, hashes, tiers)
             self._loads: list[LoadJob] = []
-            self._inflight: dict[str, list[LoadJob]] = {}  # loads planned, not reported finished
+            self._inflight: dict[str, list[LoadJob]] = {}  # async loads planned, not reported finished
+            self._step_loads: list[LoadJob] = []  # layer-by-layer loads of the step in flight
             self._load_hash: dict[int, bytes] = {}  # vLLM block id -> hash, of loads not confirmed yet
             self._sessions: dict[str, Any] = {}  # req_id -> session_id
             logger.info("kvtier connector (scheduler): %d host slots of %d bytes, disk %s, remote %s, prefill "
@@ -189,7 +192,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                    *args, **kwargs) -> tuple[int | None, bool]:
         """Tokens after ``num_computed_tokens`` to load from kvtier's tiers (whole blocks of the
         prompt, leaving its last token to compute), as the cost model chooses at the prefill rate
-        learned so far; loaded asynchronously (True) when there are any."""
+        learned so far; with ``load_mode: async`` loaded asynchronously (True)."""
         st = self._state(request)
         self._session_returns(request)
         limit = (request.num_tokens - 1) // self.block_size
@@ -206,7 +209,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._planned.pop(request.request_id, None)
             return 0, False
         self._planned[request.request_id] = (first, hashes[:k], tiers[:k])
-        return k * self.block_size, True
+        return k * self.block_size, self.config.load_mode == "async"
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """The loaded tokens by tier (host, disk; the remote store counts as unspecified)."""
@@ -232,7 +235,8 @@ class KvtierConnector(KVConnectorBase_V1):
         n = num_external_tokens // self.block_size
         job = self._index.plan_load(request.request_id, block_ids[first:first + n], hashes[:n])
         self._loads.append(job)
-        self._inflight.setdefault(request.request_id, []).append(job)
+        if self.config.load_mode == "async":
+            self._inflight.setdefault(request.request_id, []).append(job)
         self._load_hash.update(zip(job.block_ids, job.hashes))
         st.saved = max(st.saved, first + n)  # loaded blocks are in the tiers already
 
@@ -240,6 +244,8 @@ class KvtierConnector(KVConnectorBase_V1):
         """This step's loads and the saves of the blocks it fills; the step's work is timed
         (:class:`kvtier.integrations.vllm.rate.PrefillRate`) until its output comes back."""
         plan = StepPlan(loads=self._loads)
+        if self.config.load_mode != "async":
+            self._step_loads += self._loads
         self._loads = []
         self._time_step(scheduler_output)
         computed: dict[str, int] = {}
@@ -297,11 +303,13 @@ class KvtierConnector(KVConnectorBase_V1):
         if bad:
             self._index.drop(bad)
             logger.warning("kvtier: %d blocks failed to load and are recomputed", len(bad))
-        for req_id in connector_output.finished_recving or ():
-            for job in self._inflight.pop(req_id, []):
-                self._index.loaded(job)
-                for b in job.block_ids:
-                    self._load_hash.pop(b, None)
+        done = [job for req_id in connector_output.finished_recving or () for job in self._inflight.pop(req_id, [])]
+        done += self._step_loads  # layer-by-layer loads end within their step
+        self._step_loads = []
+        for job in done:
+            self._index.loaded(job)
+            for b in job.block_ids:
+                self._load_hash.pop(b, None)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Start the session's tool wait if the request carried one; blocks are freed at once (a
@@ -336,6 +344,7 @@ class KvtierConnector(KVConnectorBase_V1):
                              f"kvtier connector expects [num_blocks={self._kv_cache_config.num_blocks}, "
                              f"*{self.layout.page_shape}] ({self.layout})")
         self._worker = WorkerTiers(self.pool, caches, 0, 1, stats_path=self._stats_path())
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._failed: set[int] = set()
         logger.info("kvtier connector (worker): %d layers, %d-byte blocks, %d host slots", len(caches),
                     found.block_bytes, self._worker.host.capacity_blocks())
@@ -351,20 +360,29 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.fence()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Queue this step's planned loads on the loader thread (vLLM calls this after launching
-        the forward pass when no load is synchronous)."""
+        """Queue this step's planned loads on the loader thread: layer by layer (vLLM calls this
+        before the forward pass), or as asynchronous loads (after it)."""
         meta = self._get_connector_metadata()
-        for job in meta.plan.loads:
-            self._worker.submit_load(job)
+        if not meta.plan.loads:
+            return
+        if self.config.load_mode == "async":
+            for job in meta.plan.loads:
+                self._worker.submit_load(job)
+        else:
+            self._worker.start_layered(meta.plan.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: a request is scheduled only once its whole load finished."""
+        """Hold this layer's attention until the step's loads put its blocks in (layer by layer;
+        nothing to wait for with asynchronous loads)."""
+        self._worker.wait_layer(self._layer_index.get(layer_name))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Nothing per layer: :meth:`wait_for_save` queues whole blocks (all layers) after the pass."""
 
     def wait_for_save(self) -> None:
-        """Queue the step's spills, saves and disk removals; returns without waiting for them."""
+        """End the step's layer-by-layer loads (collecting their failures), then queue the step's
+        spills, saves and disk removals; returns without waiting for those."""
+        self._failed |= self._worker.end_layered()
         if self.has_connector_metadata():
             self._worker.submit_save(self._get_connector_metadata().plan)
 

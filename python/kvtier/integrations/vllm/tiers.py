@@ -6,8 +6,12 @@ eviction, disk budget and recovery, remote store, probes). What is vLLM's here:
 * :class:`SchedulerIndex`: the tiers where vLLM's scheduler decides, with the cost model's prefill
   rate taken from the connector (:class:`kvtier.integrations.vllm.rate.PrefillRate`).
 * :class:`WorkerTiers`: the tiers in a vLLM worker, and when their copies run relative to vLLM's
-  step. Loads run on a loader thread (vLLM's asynchronous loads: a request waits in
-  ``WAITING_FOR_REMOTE_KVS`` until :meth:`WorkerTiers.finished_loads` reports it). A step's saves
+  step. Loads run on a loader thread, either layer by layer within the step that needs them
+  (:meth:`WorkerTiers.start_layered`: the blocks are read, then scattered one layer after
+  another while the forward pass runs; :meth:`WorkerTiers.wait_layer` holds a layer's attention
+  until its blocks are in) or as vLLM's asynchronous loads (:meth:`WorkerTiers.submit_load`: a
+  request waits in ``WAITING_FOR_REMOTE_KVS`` until :meth:`WorkerTiers.finished_loads` reports
+  it). A step's saves
   run on a saver thread: one gather per layer of all of the step's new blocks into their host
   slots, then the writes to disk and the remote store from a private copy.
   :meth:`WorkerTiers.fence`, called before the next forward pass, waits for the gathers only (a
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
@@ -86,6 +91,8 @@ class WorkerTiers(ForeignPages):
         self._gathered: list[threading.Event] = []
         self._saves: list[Future] = []
         self._loads: dict[str, list[Future]] = {}
+        self._layered: Future | None = None
+        self._layer_events: list[threading.Event] = []
 
     # ---- synchronous (tests, shutdown) -----------------------------------------------------------
     def load(self, jobs: Sequence[LoadJob]) -> set[int]:
@@ -124,6 +131,52 @@ class WorkerTiers(ForeignPages):
         """Queue one request's load on the loader thread; returns at once."""
         self._loads.setdefault(job.req_id, []).append(self._loader.submit(super().load, job))
 
+    def start_layered(self, jobs: Sequence[LoadJob]) -> None:
+        """Queue a step's loads on the loader thread, layer by layer: every block read first,
+        then layer 0 of every block scattered, then layer 1, ...; returns at once."""
+        self._layer_events = [threading.Event() for _ in self.caches]
+        self._layered = self._loader.submit(self._run_layered, list(jobs), self._layer_events)
+
+    def wait_layer(self, layer: int | None) -> None:
+        """Wait until layer ``layer`` (index into the caches; None: every layer) of the step's
+        loads is in vLLM's cache (at once when none is in flight)."""
+        events = self._layer_events if layer is None else self._layer_events[layer:layer + 1]
+        for event in events:
+            event.wait()
+
+    def end_layered(self) -> set[int]:
+        """Wait for the step's layer-by-layer loads to end; the vLLM block ids that failed."""
+        if self._layered is None:
+            return set()
+        future, self._layered, self._layer_events = self._layered, None, []
+        return set(future.result())
+
+    def _run_layered(self, jobs: list[LoadJob], events: list[threading.Event]) -> list[int]:
+        failed, reads, t0 = [], [], time.perf_counter()
+        native = [job for job in jobs if self.native_host_load(job)]
+        try:
+            for job in jobs:
+                if job in native:
+                    self.stats.loaded["host"] += len(job.hashes)
+                    continue
+                staging, good = self.read(job)
+                reads.append((staging, job.block_ids[:good]))
+                failed += job.block_ids[good:]
+            tmp = torch.empty(max((len(j.hashes) for j in native), default=0) * self.layout.page_bytes,
+                              dtype=torch.uint8)
+            for layer, event in enumerate(events):
+                for job in native:
+                    self.load_layer(job, layer, tmp)
+                for staging, ids in reads:
+                    self.scatter(staging, ids, [layer])
+                event.set()
+        finally:
+            for event in events:  # a failed read must not leave the forward pass waiting
+                event.set()
+        self.stats.load_jobs += len(jobs)
+        self.stats.load_s += time.perf_counter() - t0
+        return failed
+
     def loading(self, req_id: str) -> bool:
         return req_id in self._loads
 
@@ -155,6 +208,7 @@ class WorkerTiers(ForeignPages):
         """Wait for every queued save and load to end."""
         for f in [*self._saves, *(f for fs in self._loads.values() for f in fs)]:
             f.result()
+        self.end_layered()
 
     def write_stats(self) -> None:
         """Write the counters to ``stats_path`` (atomically), if set."""
