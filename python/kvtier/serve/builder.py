@@ -1,9 +1,14 @@
 """One engine builder for the offline API (:class:`kvtier.LLM`) and the server
 (:func:`kvtier.serve.api.server.make_app`): the model (a checkpoint or a random preset) and its
-cache identity, the engine over it, and where its tokenizer lives."""
+cache identity, the engine over it, and where its tokenizer lives.
+
+Hybrid KDA + MLA models (``kimi_linear`` / ``kimi_k3`` checkpoints, presets of
+:data:`kvtier.model.kimi_linear_config.HYBRID_PRESETS` such as ``tiny-k3``) are built too; their
+engine runs without prefix reuse across requests (:mod:`kvtier.serve.hybrid_state`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +17,9 @@ import torch
 from kvtier.model.checkpoint import random_tensors
 from kvtier.model.config import PRESETS, KimiK2Config, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
+from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
+from kvtier.model.kimi_linear_loader import hybrid_checkpoint_specs, load_hybrid_weights
 from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
 from kvtier.model.weights import checkpoint_bytes
 from kvtier.serve.config import EngineConfig
@@ -59,25 +67,42 @@ def check_device(name: str, device) -> torch.device:
     return dev
 
 
-def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
-    config = preset(name)
-    size = checkpoint_bytes(config, torch.finfo(dtype).bits // 8)
+def _check_size(name: str, size: int) -> None:
     if size > MAX_RANDOM_PRESET_BYTES:
         raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
                          "simulation. Pass a checkpoint directory to run it.")
+
+
+def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
+    config = preset(name)
+    _check_size(name, checkpoint_bytes(config, torch.finfo(dtype).bits // 8))
     model = KimiK2ForCausalLM(config, dtype)
     load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
     return model.to(device)
 
 
+def _random_hybrid_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiLinearForCausalLM:
+    """A hybrid preset with the values ``kvtier create-checkpoint --preset NAME --seed SEED`` writes
+    (:func:`random_hybrid_tensor` in spec order, before its cast to the checkpoint dtype), in ``dtype``."""
+    config = preset(name)
+    specs = hybrid_checkpoint_specs(config)
+    _check_size(name, sum(math.prod(s.shape) for s in specs.values()) * torch.finfo(dtype).bits // 8)
+    gen = torch.Generator().manual_seed(seed)
+    model = KimiLinearForCausalLM(config, dtype)
+    load_hybrid_weights(model, _DictSource({n: random_hybrid_tensor(n, s.shape, gen) for n, s in specs.items()}))
+    return model.to(device)
+
+
 def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
-                     seed: int = 0, dequantize: bool = False) -> tuple[KimiK2ForCausalLM, bytes]:
+                     seed: int = 0, dequantize: bool = False
+                     ) -> tuple[KimiK2ForCausalLM | KimiLinearForCausalLM, bytes]:
     """The model and its identity for cache salting: ``(model, model_id)``.
 
     ``model`` is a checkpoint directory (``model_id`` = its fingerprint; FP8 and INT4 weights are
     held as stored unless ``dequantize``, which is part of the id: the two compute differently)
-    or a preset name (random weights from ``seed``; ``model_id`` names the preset and seed). Several engines may
-    share the returned model (each has its own KV pages).
+    or a preset name (random weights from ``seed``; ``model_id`` names the preset and seed): a K2
+    or hybrid preset (:data:`kvtier.model.PRESETS`: ``tiny``, ``tiny-k3``, ...). Several engines may
+    share the returned model (each has its own KV pages and state slots).
 
     Raises:
         ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
@@ -89,7 +114,8 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
         model_id = checkpoint_fingerprint(model) + (b":dequantized" if dequantize else b"")
         return load_model(model, torch_dtype, device, dequantize=dequantize), model_id
     if str(model) in PRESETS:
-        return _random_model(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
+        build = _random_hybrid_model if str(model) in HYBRID_PRESETS else _random_model
+        return build(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
     raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
 
 
@@ -99,7 +125,7 @@ class BuiltEngine:
     Kimi tokenizer files (``None`` when neither ``tokenizer`` nor a model directory gives one)."""
 
     engine: Engine
-    config: KimiK2Config
+    config: KimiK2Config | KimiLinearConfig
     tokenizer_dir: Path | None
 
 

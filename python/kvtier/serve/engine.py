@@ -38,7 +38,7 @@ class Engine:
                  runner: StepRunner | None = None, pool: KVPool | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         """Args:
-            model: the model, run by a :class:`ModelRunner`; None when ``runner`` is given.
+            model: K2 or a hybrid KDA + MLA model, run by a :class:`ModelRunner`; None when ``runner`` is given.
             config: sizes and policies.
             model_id: identifies the weights and compute dtype; it salts every block hash so
                 that a disk cache shared by several models never serves one model's KV to another.
@@ -55,8 +55,8 @@ class Engine:
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if (model is None) == (runner is None):
             raise ValueError("Engine needs exactly one of model= and runner=")
-        self.config = config
         self.runner = runner if runner is not None else ModelRunner(model, config)
+        self.config = config = config if runner is not None else self.runner.config  # hybrid: no prefix reuse
         self.model_config = self.runner.model_config
         if pool is None:
             salt = compose_salt(model_id, str(model.dtype).encode()) if model is not None else model_id

@@ -15,6 +15,7 @@ import torch
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.serve.config import EngineConfig
+from kvtier.serve.hybrid_state import HybridState, device_only, is_hybrid
 from kvtier.serve.request import Sequence
 from kvtier.serve.step_plan import ScheduledBatch
 
@@ -74,13 +75,14 @@ class StepRunner(Protocol):
 
 
 def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) -> list[torch.Tensor]:
-    """One zeroed ``[num_device_pages, page_size, kv_cache_dim]`` page pool per layer.
+    """One zeroed ``[num_device_pages, page_size, kv_cache_dim]`` page pool per MLA layer (every
+    layer of K2; ``full_attn_layers`` of a hybrid model).
 
     Raises:
         ValueError: the pools do not fit on ``device`` (naming ``num_device_pages`` and the bytes).
     """
     shape = (config.pool.num_device_pages, config.pool.page_size, model.config.kv_cache_dim)
-    layers = model.config.num_hidden_layers
+    layers = len(model.config.full_attn_layers) if is_hybrid(model) else model.config.num_hidden_layers
     try:
         return [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(layers)]
     except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's enforce failure
@@ -91,11 +93,25 @@ def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) 
 
 
 class ModelRunner:
-    """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``."""
+    """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``;
+    for a hybrid model (:mod:`kvtier.model.kimi_linear`) also its KDA state slots
+    (:class:`~kvtier.serve.hybrid_state.HybridState`, ``max_num_seqs`` of them), and ``config`` is
+    then the engine config without prefix reuse (:func:`~kvtier.serve.hybrid_state.device_only`),
+    which the engine builds its pool from.
+
+    Raises:
+        ValueError: the page pools do not fit, or ``cuda_graph`` with a hybrid model.
+    """
 
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model = model
         self.model_config = model.config
+        self.hybrid = HybridState(model, config.max_num_seqs) if is_hybrid(model) else None
+        if self.hybrid is not None:
+            if config.cuda_graph:
+                raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs "
+                                 "capture the K2 forward only); expected cuda_graph=False")
+            config = device_only(config)
         self.config = config
         device = model.embed_tokens.device
         self.device = device
@@ -144,9 +160,16 @@ class ModelRunner:
 
     def _forward_logits(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]) -> torch.Tensor:
         """[len(rows), vocab] fp32 logits of the step's token rows ``rows``: from a captured graph for
-        a decode-only step that fits one, else from an eager forward."""
-        attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
+        a decode-only step that fits one, else from an eager forward (a hybrid model's reads and
+        writes the step's state slots)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.hybrid is not None:
+            state_batch = self.hybrid.state_batch(batch)
+            attn = self.model.plan(attn, self.kv_caches)
+            hidden = self.model(input_ids, positions, attn, self.kv_caches, self.hybrid.slots, state_batch)
+            self.hybrid.ran(batch)
+            return self.model.compute_logits(hidden[index])
+        attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
         if (self.graphs is not None and not batch.extends
                 and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
             return self.graphs.run(input_ids, positions, attn)[index]
