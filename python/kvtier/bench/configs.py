@@ -8,11 +8,17 @@
   once, so an eviction never waits for a copy).
 - ``tiered-tool-aware``: ``tiered`` with the tool-aware policy, told about tool waits.
 - ``no-cache``: no prefix caching at all (every prompt is prefilled in full).
+
+A hybrid KDA + MLA model (``--model tiny-k3``) runs without prefix reuse across requests (its
+engine keeps no KDA state with the cached pages yet, :mod:`kvtier.serve.hybrid_state`): only the
+configurations without a host or disk tier run (:func:`for_hybrid`), and ``device-only`` then
+computes every prompt in full as ``no-cache`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from kvtier.serve.config import EngineConfig
@@ -59,6 +65,27 @@ CONFIGS = {c.name: c for c in (
     BenchConfig("tiered-tool-aware", host=True, disk=True, cache_policy="tool-aware", tool_aware=True),
     BenchConfig("no-cache", enable_prefix_caching=False),
 )}
+
+
+def for_hybrid(configs: list[BenchConfig], model: str) -> list[BenchConfig]:
+    """The configurations of ``configs`` a hybrid model ``model`` runs: those without a host or disk
+    tier. The others are skipped with a logged note.
+
+    Raises:
+        ValueError: none is left (naming ``--configs`` and the ones that run).
+    """
+    kept = [c for c in configs if not (c.host or c.disk)]
+    skipped = [c.name for c in configs if c.host or c.disk]
+    runnable = [c.name for c in CONFIGS.values() if not (c.host or c.disk)]
+    if not kept:
+        raise ValueError(f"--configs {','.join(skipped)}: model {model!r} is a hybrid KDA + MLA model, which runs "
+                         f"device-only for now (no prefix reuse across requests); expected some of {runnable}")
+    if skipped:
+        logging.getLogger(__name__).warning(
+            "note: model %r is a hybrid KDA + MLA model: it runs device-only without prefix reuse across requests "
+            "(the hybrid cache is not built yet), so --configs %s run and %s are skipped", model,
+            ",".join(c.name for c in kept), ",".join(skipped))
+    return kept
 
 
 def parse_configs(text: str, by_name: dict = CONFIGS, where: str = "") -> list:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.configs import BenchConfig, parse_configs
+from kvtier.bench.configs import BenchConfig, for_hybrid, parse_configs
 from kvtier.bench.conversations import load_conversations
 from kvtier.bench.records import ConfigRun
 from kvtier.bench.replay import replay, working_set_pages
@@ -26,6 +26,7 @@ from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.serve.builder import check_device, load_for_serving
+from kvtier.serve.hybrid_state import is_hybrid
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -214,7 +215,8 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     wanted = opts.num_device_pages or math.ceil(opts.device_fraction * ws)
     device = max(wanted, floor) if opts.num_device_pages is None else wanted
     cfg = model.config
-    block_bytes = cfg.num_hidden_layers * ps * cfg.kv_cache_dim * torch.finfo(model.dtype).bits // 8
+    layers = len(cfg.full_attn_layers) if is_hybrid(model) else cfg.num_hidden_layers  # layers with KV pages
+    block_bytes = layers * ps * cfg.kv_cache_dim * torch.finfo(model.dtype).bits // 8
     host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
     distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
     disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
@@ -305,6 +307,8 @@ def _start(opts: BenchOptions):
     configs = parse_configs(opts.configs)
     torch.set_num_threads(opts.threads)
     prepared = prepare(opts)
+    if is_hybrid(prepared[0]):
+        configs = for_hybrid(configs, opts.model)
     warm_up(prepared[0], prepared[4])
     return configs, prepared
 

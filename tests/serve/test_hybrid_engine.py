@@ -1,0 +1,129 @@
+"""The engine over a hybrid KDA + MLA model (``tiny-k3``): what it generates equals the model run
+directly on the whole sequence from a fresh state, whether the prompt runs in one step or in
+chunks, alone or batched with others, and after a preemption; state slots are taken and given back
+(kvtier/serve/hybrid_state.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.model.batch import AttentionBatch
+from kvtier.model.state_slots import StateBatch, StateSlots
+from kvtier.serve import Engine, EngineConfig
+from kvtier.serve.hybrid_state import device_only
+
+TOL = 1e-4  # fp32 engine vs direct forward, log-probabilities
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(1000, 150000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-k3", dtype="float32", page_size=16, num_device_pages=64, max_num_seqs=4)
+
+
+@torch.inference_mode()
+def direct_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] fp32 log-softmax of the model run on ``tokens`` in one prefill from a
+    zeroed state (its own page pool and one state slot)."""
+    c, n, ps = model.config, len(tokens), 16
+    pages = -(-n // ps)
+    caches = [torch.zeros(pages, ps, c.kv_cache_dim) for _ in c.full_attn_layers]
+    attn = AttentionBatch(slot_mapping=torch.arange(n, dtype=torch.int64), num_prefill_tokens=n,
+                          prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                          prefill_seq_lens=torch.tensor([n], dtype=torch.int32),
+                          prefill_block_table=torch.arange(pages, dtype=torch.int32)[None])
+    hidden = model(torch.tensor(tokens), torch.arange(n), attn, caches, StateSlots(c, 1),
+                   StateBatch(prefill_slots=torch.tensor([0], dtype=torch.int32)))
+    return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+
+
+def check_against_direct(model, prompt_ids: list[int], out) -> None:
+    """``out`` (greedy, logprobs and prompt logprobs) equals the direct forward over prompt + output."""
+    lp = direct_logprobs(model, prompt_ids + out.token_ids[:-1])
+    n = len(prompt_ids)
+    want_prompt = [lp[p, prompt_ids[p + 1]].item() for p in range(n - 1)]
+    assert out.prompt_logprobs == pytest.approx(want_prompt, abs=TOL)
+    rows = lp[n - 1:]
+    assert out.token_ids == rows.argmax(-1).tolist()
+    assert out.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(out.token_ids)], abs=TOL)
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list:
+    ids = [engine.add_request(p, params) for p in prompts]
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step()})
+    return [outs[i] for i in ids]
+
+
+def engine_over(llm, **args) -> Engine:
+    return Engine(llm.engine.runner.model, EngineConfig.of(**{"page_size": 16, **args}), b"tiny-k3")
+
+
+def test_llm_tiny_k3_generates_what_the_model_computes_directly(llm):
+    p = prompt(37, 1)
+    out = llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
+    assert out.error is None and len(out.token_ids) == 4 and out.num_cached_tokens == 0
+    check_against_direct(llm.engine.runner.model, p, out)
+    assert not llm.engine.pool.config.enable_prefix_caching  # hybrid: no reuse across requests
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 256])
+def test_chunked_and_batched_prompts_carry_their_state(llm, max_num_batched_tokens):
+    """Three prompts of different lengths: in chunks of 7 or 16 tokens (the state crosses each
+    chunk boundary, chunks and decodes share steps) or all at once (one batched prefill)."""
+    engine = engine_over(llm, num_device_pages=64, max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens)
+    prompts = [prompt(37, 2), prompt(11, 3), prompt(23, 4)]
+    outs = run(engine, prompts)
+    for p, out in zip(prompts, outs, strict=True):
+        check_against_direct(engine.runner.model, p, out)
+    hybrid = engine.runner.hybrid
+    hybrid.release_stale()
+    assert hybrid.slots.num_free == 4  # every slot back
+
+
+def test_preempted_hybrid_sequences_recompute_and_give_the_same_tokens(llm):
+    prompts = [prompt(20, 5), prompt(18, 6), prompt(16, 7)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    roomy = run(engine_over(llm, num_device_pages=64, max_num_seqs=4), prompts, params)
+    tight = engine_over(llm, page_size=4, num_device_pages=12, max_num_seqs=4)
+    got = run(tight, prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in roomy]
+    tight.runner.hybrid.release_stale()
+    assert tight.runner.hybrid.slots.num_free == 4
+
+
+def test_slots_follow_admission_finish_and_abort(llm):
+    engine = engine_over(llm, num_device_pages=64, max_num_seqs=3, max_num_batched_tokens=64)
+    hybrid = engine.runner.hybrid
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    a, b = engine.add_request(prompt(9, 8), params), engine.add_request(prompt(5, 9), params)
+    engine.step()
+    seq_a, seq_b = engine.sequence(a), engine.sequence(b)
+    assert {hybrid.slot_of(seq_a), hybrid.slot_of(seq_b)} <= set(range(3)) and hybrid.slots.num_free == 1
+    engine.abort([a])
+    c = engine.add_request(prompt(6, 10), params)
+    engine.step()  # a's slot is freed before c takes one
+    assert hybrid.slot_of(seq_a) is None and hybrid.slot_of(engine.sequence(c)) is not None
+    while engine.has_unfinished():
+        engine.step()
+    hybrid.release_stale()
+    assert hybrid.slots.num_free == 3
+
+
+def test_hybrid_engine_runs_device_only_and_says_so(llm, caplog):
+    cfg = EngineConfig.of(page_size=16, num_device_pages=8, host_cache_bytes=1 << 20)
+    with caplog.at_level("WARNING", logger="kvtier.serve.hybrid_state"):
+        off = device_only(cfg)
+    assert "prefix caching is off" in caplog.text and "host_cache_bytes" in caplog.text
+    assert not off.pool.enable_prefix_caching and off.pool.host_cache_bytes == 0
+    assert device_only(off) is off
+    with pytest.raises(ValueError, match="cuda_graph=True is not supported for hybrid"):
+        Engine(llm.engine.runner.model, EngineConfig.of(page_size=16, num_device_pages=8, cuda_graph=True))
