@@ -42,15 +42,15 @@ def is_hybrid(model) -> bool:
 
 def device_only(config: EngineConfig) -> EngineConfig:
     """``config`` as a hybrid model runs it: no prefix reuse across requests and no host, disk or
-    remote tier (every prompt is computed from its first token). Logs what it turned off: a
-    warning when a lower tier was asked for, else an info line."""
+    remote tier (every prompt is computed from its first token). Logs a warning that says what
+    it turned off (nothing when nothing was on)."""
     pool = config.pool
     tiers = [name for name, on in (("host_cache_bytes", pool.host_cache_bytes > 0),
                                    ("disk_cache_dir", pool.disk_cache_dir is not None),
                                    ("remote_cache_url", pool.remote_cache_url is not None)) if on]
     if not (pool.enable_prefix_caching or tiers):
         return config
-    (log.warning if tiers else log.info)(
+    log.warning(
         "hybrid KDA + MLA model: prefix caching is off and the engine keeps KV in device pages only "
         "(no block reuse across requests until the hybrid cache keeps KDA states with them)%s",
         f"; ignoring {', '.join(tiers)}" if tiers else "")
