@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from kvtier.bench.configs import CONFIGS, for_hybrid
 from kvtier.cli import main
@@ -14,9 +15,13 @@ from kvtier.cli import main
 
 def test_bench_tiny_k3_runs_device_only(tmp_path, caplog):
     out = tmp_path / "bench.json"
-    with caplog.at_level(logging.WARNING):
-        rc = main(["bench", "--model", "tiny-k3", "--sessions", "2", "--concurrency", "2", "--max-turns", "2",
-                   "--configs", "device-only,tiered", "--json", str(out), "--plot", ""])
+    threads = torch.get_num_threads()  # the bench sets its own (--threads, default 1)
+    try:
+        with caplog.at_level(logging.WARNING):
+            rc = main(["bench", "--model", "tiny-k3", "--sessions", "2", "--concurrency", "2", "--max-turns", "2",
+                       "--configs", "device-only,tiered", "--json", str(out), "--plot", ""])
+    finally:
+        torch.set_num_threads(threads)
     assert rc == 0
     data = json.loads(out.read_text())
     assert list(data["configs"]) == ["device-only"]

@@ -24,7 +24,12 @@ def prompt(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-k3", dtype="float32", page_size=16, num_device_pages=64, max_num_seqs=4)
+    # One intra-op thread, as kvtier bench runs: the tiny model's ops are microseconds, and on a
+    # shared 2-core machine a second torch thread's barriers made these tests 10-100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM("tiny-k3", dtype="float32", page_size=16, num_device_pages=64, max_num_seqs=4)
+    torch.set_num_threads(threads)
 
 
 @torch.inference_mode()
