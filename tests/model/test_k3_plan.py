@@ -1,4 +1,4 @@
-"""The hybrid memory plan (``kvtier plan --model kimi-k3``, :func:`kvtier.model.plan.hybrid_memory_plan`):
+"""The hybrid memory plan (``kvtier plan --model kimi-k3``, :func:`kvtier.model.hybrid_plan.hybrid_memory_plan`):
 K3's byte counts from its config, a hand-computed session count, and docs/k3.md's output block and
 table recomputed from the function."""
 
@@ -11,7 +11,8 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.model import preset
-from kvtier.model.plan import GB, SESSION_LENGTHS, hybrid_memory_plan, hybrid_parameter_bytes, plan_report
+from kvtier.model.hybrid_plan import SESSION_LENGTHS, hybrid_memory_plan, hybrid_parameter_bytes
+from kvtier.model.plan import GB, plan_report
 
 K3 = preset("kimi-k3")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "k3.md"
