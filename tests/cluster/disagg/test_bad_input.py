@@ -76,3 +76,11 @@ def test_corrupt_values_are_counted_never_registered(pd):
 def test_roles_need_prefix_caching(role, capsys):
     assert main(["serve", "tiny", "--role", role, "--no-prefix-caching"]) == 2
     assert f"--role {role} needs prefix caching" in capsys.readouterr().err
+
+
+def test_a_decode_role_of_a_model_served_without_prefix_reuse_does_not_start(tok_dir, capsys):
+    """A hybrid KDA + MLA model runs device-only without prefix reuse for now: a P/D role, which
+    sends and finds blocks by hash, would start and do nothing useful; it is refused."""
+    assert main(["serve", "tiny-k3", "--tokenizer", str(tok_dir), "--role", "decode", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--role decode needs prefix caching" in err and "--role both" in err

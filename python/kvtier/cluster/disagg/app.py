@@ -21,7 +21,8 @@ def make_worker_app(model: str, *, role: str = "both", decode_workers: list[str]
     each call). ``app_args`` go to :func:`kvtier.serve.api.server.make_app`.
 
     Raises:
-        ValueError: an unknown ``role``, a P/D role without prefix caching, a prefill worker
+        ValueError: an unknown ``role``, a P/D role without prefix caching (asked for, or a model
+            whose engine runs without it, as hybrid models do for now), a prefill worker
             without a reachable, compatible decode worker, or what ``make_app`` raises.
     """
     check_role(role)
@@ -30,8 +31,17 @@ def make_worker_app(model: str, *, role: str = "both", decode_workers: list[str]
                          "drop --no-prefix-caching")
     decoders = reach_decode_workers(list(decode_workers), transfer_timeout_s) if role == "prefill" else {}
     hooks = {}
+
+    def on_engine(engine) -> None:
+        if not engine.config.pool.enable_prefix_caching:  # e.g. a hybrid KDA + MLA model (device-only)
+            raise ValueError(f"--role {role} needs prefix caching (blocks are sent and found by their hash), "
+                             "which this model's engine runs without; serve it with --role both")
+        if role == "prefill":
+            check_compatible(decoders, worker_info(engine, role))
+
+    if role != "both":
+        hooks["on_engine"] = on_engine
     if role == "prefill":
-        hooks["on_engine"] = lambda engine: check_compatible(decoders, worker_info(engine, role))
         hooks["worker_factory"] = functools.partial(PrefillWorker, transfer_timeout_s=transfer_timeout_s)
 
     def extend(app, worker, metrics) -> None:
