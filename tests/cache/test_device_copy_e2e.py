@@ -4,6 +4,7 @@ other requests keep running. On CPU the pool's copy engine is a
 :class:`kvtier.cache.device_copy.DeviceCopyEngine` on :class:`kvtier.cache.streams.CpuStreams`;
 on a GPU (tests marked ``gpu``) the pool picks it with CUDA/HIP streams by itself."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from kvtier import LLM, SamplingParams
 from kvtier.cache.device_copy import DeviceCopyEngine
 from kvtier.cache.streams import CpuStreams, CudaStreams
-from kvtier.serve import policy
+from kvtier.serve import admission
 from tests.cache.test_disk_e2e import HOST_BYTES, assert_matches, warm
 from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt
 
@@ -70,7 +71,8 @@ def test_hits_from_each_tier_equal_recomputation(prompts, tier, deferred, device
 
 
 def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):
-    monkeypatch.setattr(policy, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
+    no_inline = dataclasses.replace(admission.CACHE_AWARE, inline_share=0.0)  # every load runs beside the steps
+    monkeypatch.setitem(admission.POLICIES, "cache-aware", no_inline)
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", page_size=PS, num_device_pages=17, host_cache_bytes=64 << 20)),
                       "cpu", deferred=True)
@@ -107,7 +109,8 @@ def test_a_forward_waits_for_its_load_while_others_run(prompts, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")
 def test_a_forward_waits_for_its_load_on_the_gpu(prompts, monkeypatch):
-    monkeypatch.setattr(policy, "INLINE_LOAD_SHARE", 0.0)  # every load runs beside the steps
+    no_inline = dataclasses.replace(admission.CACHE_AWARE, inline_share=0.0)  # every load runs beside the steps
+    monkeypatch.setitem(admission.POLICIES, "cache-aware", no_inline)
     first, second = prompts
     llm = device_path(always_load(LLM("tiny", device="cuda", dtype="float32", page_size=PS, num_device_pages=17,
                                       host_cache_bytes=64 << 20)), "cuda")
