@@ -297,7 +297,8 @@ def main() -> int:
     p.add_argument("--sessions", type=int, default=16, help="builtin: sessions")
     p.add_argument("--max-turns", type=int, default=6, help="builtin: turns per session")
     p.add_argument("--token-scale", type=float, default=1 / 64, help="builtin: token scale")
-    p.add_argument("--device-blocks", type=int, default=64, help="builtin: device KV blocks (--num-gpu-blocks-override)")
+    p.add_argument("--device-blocks", type=int, default=56,
+                   help="builtin: device KV blocks (--num-gpu-blocks-override): a quarter of the working set or less")
     p.add_argument("--max-model-len", type=int, default=1024, help="builtin: vLLM's --max-model-len")
     p.add_argument("--host-gib", type=float, default=0.25, help="builtin: kvtier's host tier (and offloading size)")
     p.add_argument("--trace", default=str(TRACES), help="trace: kv-cache-tester folder")
@@ -305,7 +306,8 @@ def main() -> int:
     p.add_argument("--trace-max-turns", type=int, default=4)
     p.add_argument("--trace-token-scale", type=float, default=1 / 64)
     p.add_argument("--trace-device-blocks", type=int, default=160)
-    p.add_argument("--trace-max-model-len", type=int, default=5120)
+    p.add_argument("--trace-max-model-len", type=int, default=4608,
+                   help="trace: vLLM's --max-model-len (below the device blocks' tokens: vLLM needs one block more)")
     p.add_argument("--trace-host-gib", type=float, default=1.0)
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument("--bench-timeout-s", type=float, default=2400.0)

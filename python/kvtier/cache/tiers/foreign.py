@@ -320,7 +320,9 @@ class ForeignPages:
         storage = self.host.host.storage.unsqueeze(1)  # [num_slots, 1, block_bytes]: slots as one page pool
         page = self.layout.page_bytes
         self._slot_pool = [storage]
-        self._slot_layers = [storage[:, :, i * page:(i + 1) * page] for i in range(len(self.caches))]
+        # one list per layer, made once: the copy engine checks a pool list once per list object
+        self._slot_layers = [[storage[:, :, i * page:(i + 1) * page]] for i in range(len(self.caches))]
+        self._layer_pools = [[p] for p in self._pools] if self._pools is not None else None
         if config.disk_cache_dir:
             self.disk = DiskTier(namespace_dir(config.disk_cache_dir, config.salt, self.meta), config.disk_cache_bytes)
             self.stores[int(Tier.DISK)] = DiskFiles(self.disk, self.meta, lambda: self._io)
@@ -388,8 +390,8 @@ class ForeignPages:
         """Copy layer ``layer`` of ``job``'s blocks from their host slots into the engine's
         blocks: two native copy jobs (slots -> ``tmp``, a uint8 buffer of at least
         ``len(job.hashes) * page_bytes``, -> the layer's blocks). :meth:`native_host_load` must hold."""
-        self._io.gather([self._slot_layers[layer]], job.slots, tmp).result()
-        self._io.scatter(tmp, [self._pools[layer]], job.block_ids).result()
+        self._io.gather(self._slot_layers[layer], job.slots, tmp).result()
+        self._io.scatter(tmp, self._layer_pools[layer], job.block_ids).result()
 
     def scatter(self, staging: torch.Tensor, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> None:
         """Copy the first ``len(block_ids)`` blocks of ``staging`` into the engine's blocks
