@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.ops.dispatch import device_backend, resolve_backend
+from kvtier.ops.dispatch import device_backend
 from kvtier.reference import quant as ref
 
 INT4_PER_INT32 = ref.INT4_PER_INT32
@@ -55,18 +55,6 @@ def _moe_w4a16_impl(backend, *args):
 
 def _moe_fp8_impl(backend, *args):
     return _triton().fused_moe_fp8_block(*args) if backend == "triton" else ref.fused_moe_fp8_block(*args)
-
-
-def _dispatch(op: str, backend: str, device, dtype: torch.dtype, impl, *args):
-    """Resolve ``backend`` for ``op`` at (``device``, ``dtype``) and run it in a ``kvtier::<op>``
-    profiler range: through the registered ``torch.ops.kvtier.<op>`` when the resolved backend is
-    the device's default (the op ``torch.compile`` and graph capture see), else ``impl(resolved,
-    *args)`` directly. Raises :class:`BackendUnavailableError` as :func:`resolve_backend` does."""
-    resolved = resolve_backend(op, backend, device, dtype)
-    with torch.profiler.record_function(f"kvtier::{op}"):
-        if resolved == device_backend(op, device):
-            return getattr(torch.ops.kvtier, op)(*args)
-        return impl(resolved, *args)
 
 
 # --------------------------------------------------------------------------------------------

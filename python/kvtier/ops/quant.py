@@ -42,13 +42,12 @@ import torch
 
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
 from kvtier.ops._quant_library import (
-    _dispatch,
     _linear_fp8_impl,
     _linear_w4a16_impl,
     _moe_fp8_impl,
     _moe_w4a16_impl,
 )
-from kvtier.ops.dispatch import register_backend, resolve_backend
+from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend
 from kvtier.ops.moe import check_expert_ids
 from kvtier.reference import quant as ref
 
@@ -152,6 +151,22 @@ def _check_w13_rows(two_i: int, name: str) -> int:
     if two_i % 2:
         raise ValueError(f"{name} dim 1 must be 2 * intermediate (gate rows then up rows), got odd {two_i}")
     return two_i // 2
+
+
+# --------------------------------------------------------------------------------------------
+# dispatch
+
+
+def _dispatch(op: str, backend: str, device, dtype: torch.dtype, impl, *args):
+    """Resolve ``backend`` for ``op`` at (``device``, ``dtype``) and run it in a ``kvtier::<op>``
+    profiler range: through the registered ``torch.ops.kvtier.<op>`` when the resolved backend is
+    the device's default (the op ``torch.compile`` and graph capture see), else ``impl(resolved,
+    *args)`` directly. Raises :class:`BackendUnavailableError` as :func:`resolve_backend` does."""
+    resolved = resolve_backend(op, backend, device, dtype)
+    with torch.profiler.record_function(f"kvtier::{op}"):
+        if resolved == device_backend(op, device):
+            return getattr(torch.ops.kvtier, op)(*args)
+        return impl(resolved, *args)
 
 
 # --------------------------------------------------------------------------------------------
