@@ -33,6 +33,10 @@ What each side does (the tiers are ``cache/``'s, :mod:`kvtier.cache.tiers.foreig
   :meth:`get_block_ids_with_load_errors`, and vLLM recomputes it (with
   ``kv_load_failure_policy: recompute``; vLLM's default ``fail`` fails the request instead).
 
+Hybrid models (Kimi Linear, Kimi K3, Mamba hybrids) are refused at start
+(:func:`check_attention_only`): the connector moves attention and MLA blocks only, not the
+recurrent states of linear-attention layers (docs/vllm.md, "Hybrid models").
+
 Session hints: a request's ``kv_transfer_params`` may carry ``session_id`` (any JSON scalar) and
 ``expected_tool_wait_s`` (seconds, >= 0). When such a request finishes, its blocks are marked as
 waiting on a tool; under ``cache_policy: tool-aware`` the host tier does not evict them for
@@ -96,14 +100,70 @@ class _Req:
     saved: int = 0  # leading blocks planned for saving (or found in the tiers)
 
 
+HYBRID_MODEL_TYPES = ("kimi_linear", "kimi_k3")  # model_type of hybrid KDA + MLA configs, known without vLLM
+
+
+def model_type(vllm_config: VllmConfig) -> str:
+    """The ``model_type`` of vLLM's Hugging Face config (``kimi_linear``, ``deepseek_v3``, ...), or
+    ``"unknown"`` if it has none."""
+    hf_config = getattr(vllm_config.model_config, "hf_config", None)
+    return str(getattr(hf_config, "model_type", None) or "unknown")
+
+
+def _hybrid_marks(vllm_config: VllmConfig) -> list[str]:
+    """Why the model config says hybrid: its ``model_type`` (or its text config's, for multimodal
+    wrappers) is one of :data:`HYBRID_MODEL_TYPES`, or vLLM marks it (``ModelConfig.is_hybrid``: an
+    ``IsHybrid`` model class with non-attention layers). Empty if neither."""
+    mc = vllm_config.model_config
+    types = {getattr(getattr(mc, name, None), "model_type", None) for name in ("hf_config", "hf_text_config")}
+    marks = []
+    known = sorted(types & set(HYBRID_MODEL_TYPES))
+    if known:
+        marks.append(f"{known[0]} is a hybrid KDA + MLA model")
+    try:
+        if getattr(mc, "is_hybrid", False) is True:
+            marks.append("vLLM marks it hybrid")
+    except (AttributeError, RuntimeError, ValueError):  # a model class the registry cannot resolve
+        pass
+    return marks
+
+
+def check_attention_only(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Refuse a hybrid model: its ``model_type`` is one of :data:`HYBRID_MODEL_TYPES`, vLLM marks
+    it hybrid, or a group of its KV cache has a spec without KV heads (``MambaSpec``: the recurrent
+    and convolution states of Mamba, GDN or KDA layers, with their prefill checkpoints). Called
+    first in the connector's construction, on the scheduler and on every worker, before any
+    setting is checked or tier opened. (A cache of several attention groups is refused next, by
+    :func:`page_layout`.)
+
+    Raises:
+        ValueError: a hybrid model; the message names its ``model_type`` and what marks it hybrid,
+            says that the connector moves MLA/attention KV blocks only and no recurrent-state
+            checkpoints, and points to ``kvtier serve``.
+    """
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    specs = [type(g.kv_cache_spec).__name__ for g in groups]
+    reasons = _hybrid_marks(vllm_config)
+    if any(not hasattr(g.kv_cache_spec, "num_kv_heads") for g in groups):
+        reasons.append(f"its KV cache groups hold per-sequence states ({', '.join(specs)})")
+    if reasons:
+        raise ValueError(
+            f"KvtierConnector cannot serve model type {model_type(vllm_config)!r}: {'; '.join(reasons)}. "
+            "kvtier's vLLM connector moves MLA/attention KV blocks only; it does not move the "
+            "recurrent-state checkpoints of linear-attention (KDA, GDN, Mamba) layers, so a prefix it "
+            "loaded would miss their state. Serve hybrid models (Kimi Linear, Kimi K3) with "
+            "`kvtier serve` instead (device-only for now, docs/k3.md), or start vLLM without "
+            "--kv-transfer-config (docs/vllm.md, 'Hybrid models').")
+
+
 def page_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> BlockLayout:
     """The tier block layout of vLLM's KV cache: every layer's logical page ``[num_kv_heads,
     block_size, head_size + head_size_v]`` (vLLM's per-layer view ``[num_blocks, H, N, C]``; K and V
     side by side in C for standard attention, C = 576 and H = 1 for MLA).
 
     Raises:
-        ValueError: a cache of more than one group or a spec without heads (hybrid, Mamba), which
-            the connector does not handle yet.
+        ValueError: a cache of more than one group or a spec without heads (hybrid, Mamba; the
+            connector refuses those earlier, :func:`check_attention_only`).
     """
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -134,11 +194,14 @@ class KvtierConnector(KVConnectorBase_V1):
     Raises:
         ValueError: a bad setting (naming ``kv_connector_extra_config['KEY']``: an unknown key, a
             wrong type or range, an unwritable ``disk_cache_dir``, a ``remote_cache_url`` that does
-            not answer), a model whose KV cache the connector does not handle.
+            not answer), a model whose KV cache the connector does not handle: a hybrid model
+            (Kimi Linear, Kimi K3, Mamba hybrids; :func:`check_attention_only`), refused before
+            the settings are checked.
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig = None):
         super().__init__(vllm_config, role, kv_cache_config)
+        check_attention_only(vllm_config, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.block_size = vllm_config.cache_config.block_size
         self.config = ConnectorConfig.from_extra_config(dict(extra or {}), self.block_size)
