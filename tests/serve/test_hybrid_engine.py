@@ -76,7 +76,7 @@ def test_llm_tiny_k3_generates_what_the_model_computes_directly(llm):
     out = llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
     assert out.error is None and len(out.token_ids) == 4 and out.num_cached_tokens == 0
     check_against_direct(llm.engine.runner.model, p, out)
-    assert not llm.engine.pool.config.enable_prefix_caching  # hybrid: no reuse across requests
+    assert llm.engine.pool.keeps_states  # hybrid: blocks reused only with the state checkpoint at their end
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 256])
@@ -123,12 +123,14 @@ def test_slots_follow_admission_finish_and_abort(llm):
     assert hybrid.slots.num_free == 3
 
 
-def test_hybrid_engine_runs_device_only_and_says_so(llm, caplog):
-    cfg = EngineConfig.of(page_size=16, num_device_pages=8, host_cache_bytes=1 << 20)
+def test_hybrid_engine_without_prefix_caching_drops_its_tiers_and_says_so(llm, caplog):
+    cfg = EngineConfig.of(page_size=16, num_device_pages=8, host_cache_bytes=1 << 20, enable_prefix_caching=False)
     with caplog.at_level("WARNING", logger="kvtier.serve.hybrid_state"):
         off = device_only(cfg)
-    assert "prefix caching is off" in caplog.text and "host_cache_bytes" in caplog.text
+    assert "prefix caching off" in caplog.text and "host_cache_bytes" in caplog.text
     assert not off.pool.enable_prefix_caching and off.pool.host_cache_bytes == 0
     assert device_only(off) is off
+    on = EngineConfig.of(page_size=16, num_device_pages=8, host_cache_bytes=1 << 20)
+    assert device_only(on) is on  # prefix caching on: the pool keeps state checkpoints instead
     with pytest.raises(ValueError, match="cuda_graph=True is not supported for hybrid"):
         Engine(llm.engine.runner.model, EngineConfig.of(page_size=16, num_device_pages=8, cuda_graph=True))

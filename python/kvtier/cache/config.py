@@ -32,6 +32,16 @@ class PoolConfig:
             Needs a host tier (blocks are written through to it from host memory).
         remote_timeout_s: seconds a remote read, write or lookup may take before it counts as
             a miss (and the store is left alone for a while).
+        state_checkpoint_bytes: bytes of one recurrent-state checkpoint of a hybrid model (the
+            KDA states and conv windows of all its linear layers at one token boundary); 0 = the
+            model has no recurrent state (no checkpoints). Set by the engine from the model.
+        state_checkpoint_tokens: spacing in tokens of the sparse grid of checkpoints a hybrid
+            model's prefill saves beside the ones at prompt and turn ends; a positive multiple
+            of ``page_size``, or 0 = the default (:func:`default_checkpoint_tokens`).
+        state_device_bytes, state_host_bytes, state_disk_bytes: checkpoint budgets of the device,
+            host and disk tiers, separate from their KV budgets; None = the tier's KV budget
+            (``num_device_pages`` blocks, ``host_cache_bytes``, ``disk_cache_bytes``), 0 = no
+            checkpoints in that tier. A remote store has no budget of the pool's.
 
     Sizes that depend on the model (host or disk budgets smaller than one block) are checked
     by :class:`kvtier.cache.pool.KVPool`, which knows the block size.
@@ -53,6 +63,11 @@ class PoolConfig:
     copy_threads: int = 2
     remote_cache_url: str | None = None
     remote_timeout_s: float = 1.0
+    state_checkpoint_bytes: int = 0
+    state_checkpoint_tokens: int = 0
+    state_device_bytes: int | None = None
+    state_host_bytes: int | None = None
+    state_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         ps = check_int("page_size", self.page_size, min_value=1)
@@ -73,6 +88,14 @@ class PoolConfig:
         check_int("copy_threads", self.copy_threads, min_value=1)
         check_remote_url("remote_cache_url", self.remote_cache_url)
         check_real("remote_timeout_s", self.remote_timeout_s, min_value=0.0, min_open=True)
+        check_int("state_checkpoint_bytes", self.state_checkpoint_bytes, min_value=0)
+        n = check_int("state_checkpoint_tokens", self.state_checkpoint_tokens, min_value=0)
+        if n % ps:
+            raise ValueError(f"state_checkpoint_tokens must be a positive multiple of page_size={ps} (0 = the "
+                             f"default spacing), got {n}")
+        for name in ("state_device_bytes", "state_host_bytes", "state_disk_bytes"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), min_value=0)
         if self.remote_cache_url is not None and self.host_cache_bytes == 0:
             raise ValueError(f"remote_cache_url={self.remote_cache_url!r} needs host_cache_bytes > 0: blocks reach "
                              "the remote tier through host memory; got host_cache_bytes=0")

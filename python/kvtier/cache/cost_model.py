@@ -77,6 +77,29 @@ class CostModel:
         k = int(np.argmax(saving))
         return k + 1 if saving[k] > 0 else 0
 
+    def best_resume_point(self, sources: Sequence[Tier] | np.ndarray, block_bytes: int, page_size: int,
+                          points: Sequence[tuple[int, Tier]], checkpoint_bytes: int) -> int:
+        """Which resume point of a hybrid model's matched prefix to restore (an index into
+        ``points``), or -1 to compute the prompt from its first token.
+
+        ``points[j] = (k, tier)``: the state checkpoint after the first ``k`` blocks (``k >= 1``)
+        is reachable in ``tier``; ``sources`` the fastest tier of each matched block, as in
+        :meth:`blocks_to_load`. A point saves ``recompute_s(k * page_size)`` minus the load of its
+        ``k`` blocks and of its ``checkpoint_bytes`` checkpoint; the largest positive saving wins
+        (the earliest point on a tie). Comparing every point prices a checkpoint load against
+        recomputing from the cheaper point before it: loading a large state to skip a few hundred
+        tokens past a device-resident checkpoint is not taken.
+        """
+        if not points or not len(sources):
+            return -1
+        spent = np.cumsum(self._block_load_s(sources, block_bytes))
+        best, best_saving = -1, 0.0
+        for j, (k, tier) in enumerate(points):
+            saving = k * page_size / self.prefill_tok_s - spent[k - 1] - self.load_s(tier, checkpoint_bytes)
+            if saving > best_saving or (saving == best_saving and best >= 0 and k < points[best][0]):
+                best, best_saving = j, saving
+        return best
+
     def prefix_load_s(self, sources: Sequence[Tier] | np.ndarray, block_bytes: int) -> float:
         """Seconds to load the blocks of one prefix from ``sources`` (one tier per block;
         DEVICE blocks cost nothing), ``block_bytes`` bytes each: each tier's latency once, its

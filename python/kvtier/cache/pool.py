@@ -52,7 +52,9 @@ from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
+from kvtier.cache.state_reuse import StateReuse
 from kvtier.cache.tiers import PoolTiers
+from kvtier.cache.tiers.checkpoints import CheckpointKind
 from kvtier.cache.writes import Writes
 
 __all__ = ["KVPool", "PrefixStart"]
@@ -121,7 +123,9 @@ class KVPool:
         self.pages = DevicePages(self.tiers, on_evict=lambda blocks: self.writes.evicting(blocks))
         self.writes = Writes(self.tiers, self.pages)
         self.loads = Loads(self.tiers, self.pages)
-        self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes)
+        store = self.tiers.checkpoints
+        self.state = StateReuse(self.tiers, store) if store is not None else None
+        self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes, self.state)
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
         self.block_io = BlockIO(self.tiers, self.pages)
         self.event_sink: Callable[[list], None] | None = None
@@ -136,7 +140,8 @@ class KVPool:
         t = self.tiers
         cached = t.cached_blocks()
         return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
-                               cached_blocks=cached, remote=None if t.remote is None else t.remote.stats)
+                               cached_blocks=cached, remote=None if t.remote is None else t.remote.stats,
+                               state=None if self.state is None else self.state.store.stats)
 
     # ---- device pages -------------------------------------------------------------------------
     @property
@@ -172,10 +177,16 @@ class KVPool:
         """Keep only the pages of ``kv``'s first ``num_tokens // page_size`` full blocks (a placed
         prefix that must not be reused whole); the rest stay cached but unreferenced.
 
+        A hybrid pool's placed prefix whose restored state stands past ``num_tokens`` is cut to
+        nothing (the state cannot be moved back; the sequence computes from token 0).
+
         Returns:
             the tokens ``kv``'s pages still hold at most (``kept_blocks * page_size``): the caller
             lowers ``num_computed_tokens`` to it.
         """
+        if kv.restored_state is not None and num_tokens < kv.state_tokens:  # the state stands past the cut
+            kv.restored_state, kv.state_tokens = None, 0
+            num_tokens = 0
         return self.pages.truncate(kv, num_tokens)
 
     # ---- prefix reuse and loads ---------------------------------------------------------------
@@ -265,6 +276,41 @@ class KVPool:
         (:meth:`index_disk_block`). False when either has no disk tier."""
         return self.tiers.disk is not None and self.tiers.disk is other.tiers.disk
 
+    # ---- recurrent-state checkpoints (hybrid models) ------------------------------------------
+    @property
+    def keeps_states(self) -> bool:
+        """Whether this pool keeps recurrent-state checkpoints (``config.state_checkpoint_bytes``
+        with prefix caching): a hybrid model's prefixes are then reused at exact checkpoints."""
+        return self.state is not None
+
+    def save_checkpoint(self, kv: KVState, num_tokens: int, payload: torch.Tensor, kind: CheckpointKind) -> bool:
+        """Keep ``payload`` as the recurrent-state checkpoint of ``kv`` after its first ``num_tokens``
+        tokens, in every tier with room (:mod:`kvtier.cache.tiers.checkpoints`).
+
+        Args:
+            kv: the request the state belongs to (its tokens up to ``num_tokens`` are hashed if
+                they are not yet).
+            num_tokens: the boundary: a positive multiple of ``page_size``, at most ``kv.num_tokens``.
+            payload: ``[config.state_checkpoint_bytes]`` uint8, on any device.
+            kind: :class:`CheckpointKind` (``GRID`` points are dropped first under pressure).
+
+        Returns:
+            whether the checkpoint was new (one already kept is only touched).
+
+        Raises:
+            ValueError: a pool without state checkpoints, a bad ``num_tokens``, or a payload of
+                the wrong size or dtype.
+        """
+        if self.state is None:
+            raise ValueError("save_checkpoint needs a pool with state checkpoints (state_checkpoint_bytes > 0 and "
+                             "prefix caching on)")
+        ps = self.page_size
+        if not isinstance(num_tokens, int) or num_tokens <= 0 or num_tokens % ps or num_tokens > kv.num_tokens:
+            raise ValueError(f"num_tokens must be a positive multiple of page_size={ps} and at most the request's "
+                             f"{kv.num_tokens} tokens, got {num_tokens!r}")
+        self.reuse.hash_blocks(kv, num_tokens // ps)
+        return self.state.save(kv, num_tokens, payload, kind)
+
     # ---- the load decision's costs -----------------------------------------------------------
     def recompute_s(self, num_tokens: int) -> float:
         """Seconds the cost model expects prefilling ``num_tokens`` tokens to take (its measured
@@ -298,7 +344,7 @@ class KVPool:
         Raises:
             ValueError: an argument of the wrong type or out of range, naming it.
         """
-        self.prefetcher.tool_wait(session_id, token_ids, expected_wait_s)
+        self.tool_wait_blocks(session_id, self.prefetcher.hash_tokens(token_ids), expected_wait_s)
 
     def tool_wait_blocks(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
         """:meth:`tool_wait` given the session's block hashes (16-byte chain hashes with this
@@ -309,10 +355,14 @@ class KVPool:
                 ``bytes``, or a bad ``expected_wait_s``.
         """
         self.prefetcher.tool_wait_blocks(session_id, hashes, expected_wait_s)
+        if self.state is not None:
+            self.state.tool_wait(session_id, hashes)
 
     def tool_return(self, session_id) -> None:
         """The session's tool returned; its blocks lose any special treatment."""
         self.prefetcher.tool_return(session_id)
+        if self.state is not None:
+            self.state.tool_return(session_id)
 
     def returns_within(self, before_s: float, after_s: float) -> int:
         """Sessions waiting on a tool (:meth:`tool_wait`, under any policy) whose expected return
@@ -341,6 +391,8 @@ class KVPool:
         self.prefetcher.start_due()
         self.prefetcher.finish(wait)
         self.writes.finish(wait)
+        if self.state is not None:
+            self.state.store.poll(wait)
         if self.event_sink is not None:
             events = self.tiers.index.drain_events()
             if events:
@@ -376,5 +428,7 @@ class KVPool:
 
     def close(self) -> None:
         """Release the remote tier's connections (the pool's other resources are memory)."""
+        if self.state is not None:
+            self.state.store.close()
         if self.tiers.remote is not None:
             self.tiers.remote.close()

@@ -37,6 +37,45 @@ class PoolStats:
             counts.setdefault(name, 0)
 
 
+@dataclass
+class StateStats:
+    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.tiers.checkpoints`).
+
+    Attributes:
+        hits: checkpoints restored into a request, by the tier they came from (``device``,
+            ``host``, ``disk``, ``remote``).
+        bytes_loaded: checkpoint bytes read from each tier below the device (a device hit moves
+            no bytes between tiers).
+        bytes_written: checkpoint bytes written to each tier.
+        saved: checkpoints saved, by kind (``grid``, ``turn``).
+        evictions: checkpoints dropped from each tier to make room.
+        refused: checkpoints not stored in a tier (no room: everything there is protected or
+            larger than the budget), by tier.
+        failures: restores that failed their check, by reason (``missing``, ``corrupt``,
+            ``short``, ``key``, ``error``); each one fell back to the last valid earlier point.
+        fallbacks: restores that fell back to an earlier point (or to token 0) after a failure
+            or a missing MLA block.
+        tokens_lost: prompt tokens whose MLA blocks were reachable but could not be reused
+            because no checkpoint was reachable at their boundary (exact hits only).
+    """
+
+    hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
+    bytes_written: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    saved: dict[str, int] = field(default_factory=lambda: {"grid": 0, "turn": 0})
+    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    refused: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    failures: dict[str, int] = field(default_factory=lambda: {"missing": 0, "corrupt": 0, "short": 0, "key": 0,
+                                                              "error": 0})
+    fallbacks: int = 0
+    tokens_lost: int = 0
+
+    def copy(self) -> StateStats:
+        return StateStats(dict(self.hits), dict(self.bytes_loaded), dict(self.bytes_written), dict(self.saved),
+                          dict(self.evictions), dict(self.refused), dict(self.failures), self.fallbacks,
+                          self.tokens_lost)
+
+
 @dataclass(frozen=True)
 class RemoteSnapshot:
     """A remote tier's block reads and writes by status name (``ok``, ``miss``, ``corrupt``, ...;
@@ -68,6 +107,8 @@ class PoolSnapshot:
         num_free_pages: of those, pages no request or copy holds (cached ones included).
         cached_blocks: ``{"device", "host", "disk"}``: blocks with a copy in that tier.
         remote: the remote tier's reads and writes by status; None without a remote tier.
+        state: a hybrid pool's checkpoint counters (:class:`StateStats`, a copy); None for a
+            pool without state checkpoints.
     """
 
     hit_tokens: dict[str, int]
@@ -82,13 +123,15 @@ class PoolSnapshot:
     num_free_pages: int
     cached_blocks: dict[str, int]
     remote: RemoteSnapshot | None = None
+    state: StateStats | None = None
 
     @classmethod
     def of(cls, stats: PoolStats, *, num_pages: int, num_free_pages: int, cached_blocks: dict[str, int],
-           remote=None) -> PoolSnapshot:
+           remote=None, state: StateStats | None = None) -> PoolSnapshot:
         """A snapshot of ``stats`` (copied) with the pool's page and block counts; ``remote``: the
-        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None."""
+        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None; ``state``: the
+        checkpoint counters (copied), or None."""
         rs = None if remote is None else RemoteSnapshot(dict(remote.gets), dict(remote.puts), remote.exists_failures)
         return cls(dict(stats.hit_tokens), dict(stats.bytes_loaded), dict(stats.bytes_written), dict(stats.evictions),
                    stats.copy_errors, stats.prefetched_blocks, dict(stats.stores_refused), stats.disk_capacity_blocks,
-                   num_pages, num_free_pages, dict(cached_blocks), rs)
+                   num_pages, num_free_pages, dict(cached_blocks), rs, None if state is None else state.copy())

@@ -27,9 +27,14 @@ class Prefetcher:
 
     def tool_wait(self, session_id, token_ids, expected_wait_s: float) -> None:
         """See :meth:`kvtier.cache.pool.KVPool.tool_wait`."""
+        self.tool_wait_blocks(session_id, self.hash_tokens(token_ids), expected_wait_s)
+
+    def hash_tokens(self, token_ids) -> list[bytes]:
+        """The block hashes of ``token_ids``' full blocks with this pool's salt (ValueError for
+        ids that are not a list or 1-D array of token ids)."""
         ids = checked_token_ids("token_ids", token_ids)
         config = self.tiers.config
-        self.tool_wait_blocks(session_id, block_hashes(ids, config.page_size, None, config.salt), expected_wait_s)
+        return block_hashes(ids, config.page_size, None, config.salt)
 
     def tool_wait_blocks(self, session_id, hashes: list[bytes], expected_wait_s: float) -> None:
         """See :meth:`kvtier.cache.pool.KVPool.tool_wait_blocks`."""

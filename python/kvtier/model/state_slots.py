@@ -79,6 +79,40 @@ class StateSlots:
             rec[slot].copy_(checkpoint.recurrent[i, row])
             conv[slot].copy_(checkpoint.conv[i, row])
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Bytes of one slot's state as :meth:`pack` lays it out."""
+        return sum(t[0].numel() * t.element_size() for t in (*self.recurrent, *self.conv))
+
+    def pack(self, slot: int) -> torch.Tensor:
+        """``slot``'s state as one ``[checkpoint_bytes]`` uint8 tensor on the slots' device: per KDA
+        layer its recurrent state then its conv window, each in its own dtype's bytes (what the
+        pool keeps as a checkpoint, :mod:`kvtier.cache.tiers.checkpoints`)."""
+        return _pack([r[slot] for r in self.recurrent], [c[slot] for c in self.conv])
+
+    def pack_checkpoint(self, checkpoints: StateCheckpoints, row: int) -> torch.Tensor:
+        """Row ``row`` of ``checkpoints`` (a forward's states at a boundary) laid out as :meth:`pack`
+        lays out a slot, each part cast to the slots' dtype."""
+        rd, cd = self.recurrent[0].dtype, self.conv[0].dtype
+        return _pack([r.to(rd) for r in checkpoints.recurrent[:, row]], [c.to(cd) for c in checkpoints.conv[:, row]])
+
+    def unpack(self, slot: int, payload: torch.Tensor) -> None:
+        """Set ``slot``'s state from ``payload`` (as :meth:`pack` makes it; any device).
+
+        Raises:
+            ValueError: ``payload`` is not ``checkpoint_bytes`` uint8 bytes.
+        """
+        if payload.dtype != torch.uint8 or payload.numel() != self.checkpoint_bytes:
+            raise ValueError(f"payload must be {self.checkpoint_bytes} uint8 bytes (a state checkpoint of this "
+                             f"model), got {payload.numel()} {payload.dtype}")
+        payload = payload.to(self.recurrent[0].device).reshape(-1)
+        at = 0
+        for rec, conv in zip(self.recurrent, self.conv, strict=True):
+            for t in (rec[slot], conv[slot]):
+                n = t.numel() * t.element_size()
+                t.copy_(payload[at:at + n].view(t.dtype).view(t.shape))
+                at += n
+
     def snapshot(self, slot: int) -> StateCheckpoints:
         """A copy of ``slot``'s state in every layer as a one-row :class:`StateCheckpoints`."""
         return StateCheckpoints(torch.stack([r[slot] for r in self.recurrent])[:, None].clone(),
@@ -125,3 +159,10 @@ class StateCheckpoints:
 
     recurrent: torch.Tensor
     conv: torch.Tensor
+
+
+def _pack(recurrent: list[torch.Tensor], conv: list[torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for r, c in zip(recurrent, conv, strict=True):
+        parts += [r.contiguous().view(-1).view(torch.uint8), c.contiguous().view(-1).view(torch.uint8)]
+    return torch.cat(parts)

@@ -243,6 +243,9 @@ class Engine:
                 done = True
             if done:
                 finished.append(seq)
+        hybrid = getattr(self.runner, "hybrid", None)
+        if hybrid is not None and self.pool.keeps_states:
+            hybrid.save(self.pool)  # the step's recurrent-state checkpoints, beside the blocks just indexed
         self.num_steps += 1
         return [request_output(self._sequences.pop(seq.seq_id), self.num_steps, self.pool.page_size) for seq in finished]
 

@@ -15,7 +15,7 @@ import torch
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.hybrid_state import HybridState, device_only, is_hybrid
+from kvtier.serve.hybrid_state import HybridState, is_hybrid, with_checkpoints
 from kvtier.serve.request import Sequence
 from kvtier.serve.step_plan import ScheduledBatch
 
@@ -96,8 +96,9 @@ class ModelRunner:
     """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``;
     for a hybrid model (:mod:`kvtier.model.kimi_linear`) also its KDA state slots
     (:class:`~kvtier.serve.hybrid_state.HybridState`, ``max_num_seqs`` of them), and ``config`` is
-    then the engine config without prefix reuse (:func:`~kvtier.serve.hybrid_state.device_only`),
-    which the engine builds its pool from.
+    then the engine config whose pool keeps state checkpoints of those slots' size
+    (:func:`~kvtier.serve.hybrid_state.with_checkpoints`; with prefix caching off, no tiers), which
+    the engine builds its pool from.
 
     Raises:
         ValueError: the page pools do not fit, or ``cuda_graph`` with a hybrid model.
@@ -106,16 +107,19 @@ class ModelRunner:
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model = model
         self.model_config = model.config
-        self.hybrid = HybridState(model, config.max_num_seqs) if is_hybrid(model) else None
-        if self.hybrid is not None:
-            if config.cuda_graph:
-                raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs "
-                                 "capture the K2 forward only); expected cuda_graph=False")
-            config = device_only(config)
-        self.config = config
+        self.hybrid = None
         device = model.embed_tokens.device
         self.device = device
         self.kv_caches = _allocate_kv_caches(model, config, device)
+        if is_hybrid(model):
+            if config.cuda_graph:
+                raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs "
+                                 "capture the K2 forward only); expected cuda_graph=False")
+            self.hybrid = HybridState(model, config.max_num_seqs, config.pool.page_size)
+            kv_bytes_per_token = sum(c.shape[2] * c.element_size() for c in self.kv_caches)
+            config = with_checkpoints(config, self.hybrid.checkpoint_bytes, kv_bytes_per_token)
+            self.hybrid.checkpoint_tokens = config.pool.state_checkpoint_tokens if config.pool.state_checkpoint_bytes else 0
+        self.config = config
         self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
         if config.cuda_graph:
             from kvtier.serve.cuda_graph import DecodeGraphs
@@ -166,8 +170,9 @@ class ModelRunner:
         if self.hybrid is not None:
             state_batch = self.hybrid.state_batch(batch)
             attn = self.model.plan(attn, self.kv_caches)
-            hidden = self.model(input_ids, positions, attn, self.kv_caches, self.hybrid.slots, state_batch)
-            self.hybrid.ran(batch)
+            hidden, checkpoints = self.model.forward_with_checkpoints(input_ids, positions, attn, self.kv_caches,
+                                                                      self.hybrid.slots, state_batch)
+            self.hybrid.ran(batch, checkpoints)
             return self.model.compute_logits(hidden[index])
         attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
         if (self.graphs is not None and not batch.extends
