@@ -54,7 +54,7 @@ from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
 from kvtier.cache.state_reuse import StateReuse
 from kvtier.cache.tiers import PoolTiers
-from kvtier.cache.tiers.checkpoints import CheckpointKind
+from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
 from kvtier.cache.writes import Writes
 
 __all__ = ["KVPool", "PrefixStart"]
@@ -86,6 +86,10 @@ class KVPool:
             the background; a prefix that runs past the local tiers is looked up there
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
             misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
+        checkpoints: a hybrid model's state checkpoint store (anything with
+            :class:`kvtier.cache.tiers.checkpoints.CheckpointStore`'s methods, e.g. the simulator's
+            byte-less one); None opens one when ``config.state_checkpoint_bytes`` is set (and
+            prefix caching is on).
 
     Raises:
         ValueError: bad config: not a :class:`PoolConfig`, a host or disk budget that holds no
@@ -118,8 +122,8 @@ class KVPool:
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
                  copy_engine: CopyEngine | None = None, disk: DiskStore | None = None, clock: Clock | None = None,
-                 remote: RemoteTier | None = None):
-        self.tiers = PoolTiers(config, kv_caches, cost_model, copy_engine, disk, clock, remote)
+                 remote: RemoteTier | None = None, checkpoints: CheckpointStore | None = None):
+        self.tiers = PoolTiers(config, kv_caches, cost_model, copy_engine, disk, clock, remote, checkpoints)
         self.pages = DevicePages(self.tiers, on_evict=lambda blocks: self.writes.evicting(blocks))
         self.writes = Writes(self.tiers, self.pages)
         self.loads = Loads(self.tiers, self.pages)

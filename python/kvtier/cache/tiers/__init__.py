@@ -68,7 +68,7 @@ class PoolTiers:
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None,
                  copy_engine: CopyEngine | None, disk: DiskStore | None, clock: Clock | None,
-                 remote: RemoteTier | None):
+                 remote: RemoteTier | None, checkpoints: CheckpointStore | None = None):
         if not isinstance(config, PoolConfig):
             raise ValueError(f"config must be a PoolConfig, got {type(config).__name__}")
         self.config = config
@@ -108,8 +108,9 @@ class PoolTiers:
         if self.remote is not None:
             self.stores[Tier.REMOTE] = RemoteStore(self.remote, lambda: self.index, pinned)
         self.cost_model = cost_model if cost_model is not None else self._probe()
-        self.checkpoints = self._open_checkpoints() if config.state_checkpoint_bytes and config.enable_prefix_caching \
-            else None
+        self.checkpoints = checkpoints
+        if checkpoints is None and config.state_checkpoint_bytes and config.enable_prefix_caching:
+            self.checkpoints = self._open_checkpoints()
 
     # ---- lookups every job uses ---------------------------------------------------------------
     def usable_tiers(self) -> list[Tier]:
