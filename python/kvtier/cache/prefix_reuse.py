@@ -93,7 +93,7 @@ class PrefixReuse:
             return 0, 0.0
         hashes, rows, sources, take = self.match(kv, remote=False)
         if self.state is not None:
-            take, _ = self.state.choose(hashes, rows, remote=False, count=False)
+            take, _, _ = self.state.choose(hashes, rows, remote=False)
         return take * self.page_size, t.cost_model.prefix_load_s(sources[:take], t.block_bytes)
 
     # ---- placement ----------------------------------------------------------------------------
@@ -104,13 +104,15 @@ class PrefixReuse:
         if not self.tiers.config.enable_prefix_caching:
             return PrefixStart.READY
         hashes, rows, _, take = self.match(kv)
-        point = None
+        point, lost = None, 0
         if self.state is not None:  # a hybrid pool: only up to a boundary whose checkpoint is reachable
-            take, point = self.state.choose(hashes, rows, remote=True, count=True)
+            take, point, lost = self.state.choose(hashes, rows, remote=True)
         chosen = take
         sources = self.tiers.best_sources(rows[:take])
         if not partial and self._load_pages(rows, sources, take) > self.pages.num_free:
             return PrefixStart.NO_ROOM
+        if lost:
+            self.state.count_lost(lost)
         for i in range(take):  # reference resident pages first: loads must not evict them
             if sources[i] == Tier.DEVICE:
                 self.pages.ref(int(rows[i][Tier.DEVICE]))

@@ -28,6 +28,7 @@ from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
 
 _REMOTE_LOOKUP_KEYS = 4096  # checkpoint keys below the matched prefix's end asked of a remote store at most
+_PRICED_POINTS = 16  # resume points the cost model compares at most (longest first)
 _TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
 
 
@@ -39,38 +40,46 @@ class StateReuse:
         self.page_size = tiers.config.page_size
         self._sessions: dict[object, list[bytes]] = {}  # tool-waiting session -> protected keys
 
-    def points(self, hashes: list[bytes], num_blocks: int) -> list[tuple[int, Tier]]:
+    def points(self, hashes: list[bytes], num_blocks: int, limit: int | None = None) -> list[tuple[int, Tier]]:
         """``(k, tier)`` for each boundary ``k <= num_blocks`` (longest first) whose checkpoint is
-        indexed, with its fastest tier."""
+        indexed, with its fastest tier; the first ``limit`` only (None: all)."""
         out = []
         for k in range(num_blocks, 0, -1):
             tier = self.store.locate(hashes[k - 1])
             if tier is not None:
                 out.append((k, tier))
+                if limit is not None and len(out) >= limit:
+                    break
         return out
 
-    def choose(self, hashes: list[bytes], rows, *, remote: bool, count: bool) -> tuple[int, Tier | None]:
-        """The resume point of a matched prefix: ``(k, tier)``, the blocks to place and where the
-        checkpoint at their end comes from; ``(0, None)`` to compute from token 0.
+    def choose(self, hashes: list[bytes], rows, *, remote: bool) -> tuple[int, Tier | None, int]:
+        """The resume point of a matched prefix: ``(k, tier, lost)``, the blocks to place, where
+        the checkpoint at their end comes from (``(0, None)``: compute from token 0), and the
+        matched tokens past the last reachable checkpoint (what exact hits lose).
 
         Args:
             hashes: the prompt's block hashes; ``rows``: the index rows of its matched blocks
                 (``len(rows)`` blocks reachable, as ``PrefixReuse.match`` returns them).
             remote: ask the remote store for checkpoint keys not indexed yet.
-            count: count the matched tokens no checkpoint covers in ``tokens_lost``.
+
+        The :data:`_PRICED_POINTS` longest points are priced (an earlier one saves less unless
+        every later one sits in a slow tier, and the list is walked every step per waiting request).
         """
         n = len(rows)
         if n == 0:
-            return 0, None
+            return 0, None, 0
         if remote:
             self.store.lookup_remote(hashes[max(0, n - _REMOTE_LOOKUP_KEYS):n])
-        points = self.points(hashes, n)
-        if count:
-            self.store.stats.tokens_lost += (n - (points[0][0] if points else 0)) * self.page_size
+        points = self.points(hashes, n, _PRICED_POINTS)
+        lost = (n - (points[0][0] if points else 0)) * self.page_size
         t = self.tiers
         sources = t.fastest_tiers(rows)
         j = t.cost_model.best_resume_point(sources, t.block_bytes, self.page_size, points, self.store.checkpoint_bytes)
-        return (0, None) if j < 0 else points[j]
+        return (0, None, lost) if j < 0 else (*points[j], lost)
+
+    def count_lost(self, tokens: int) -> None:
+        """Count ``tokens`` matched MLA tokens a placed prefix lost to a missing checkpoint."""
+        self.store.stats.tokens_lost += tokens
 
     def start(self, kv: KVState, hashes: list[bytes], k: int, tier: Tier | None) -> None:
         """Start reading the checkpoint after block ``k`` (nothing for ``k == 0``)."""

@@ -289,6 +289,8 @@ class CheckpointStore:
             else:
                 e.writing += 1
             self._write_below(key, e, host_copy, owned=Tier.HOST in e.slots)
+        elif not e.slots:  # no tier took it
+            del self._index[key]
         return True
 
     def _write_below(self, key: bytes, e: _Entry, buf: torch.Tensor, owned: bool) -> None:
@@ -347,6 +349,8 @@ class CheckpointStore:
                     self._counts[Tier.DISK] -= 1
                 elif not ok[tier]:
                     self.stats.refused[_NAMES[tier]] += 1
+            if e is not None and not e.slots and not e.writing and not e.protected:
+                del self._index[key]  # no tier kept it
         self._writes = pending
 
     # ---- reads --------------------------------------------------------------------------------
