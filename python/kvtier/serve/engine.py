@@ -56,7 +56,7 @@ class Engine:
         if (model is None) == (runner is None):
             raise ValueError("Engine needs exactly one of model= and runner=")
         self.runner = runner if runner is not None else ModelRunner(model, config)
-        self.config = config = config if runner is not None else self.runner.config  # hybrid: no prefix reuse
+        self.config = config = config if runner is not None else self.runner.config  # hybrid: with state checkpoints
         self.model_config = self.runner.model_config
         if pool is None:
             salt = compose_salt(model_id, str(model.dtype).encode()) if model is not None else model_id

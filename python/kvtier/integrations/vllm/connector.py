@@ -152,7 +152,7 @@ def check_attention_only(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
             "kvtier's vLLM connector moves MLA/attention KV blocks only; it does not move the "
             "recurrent-state checkpoints of linear-attention (KDA, GDN, Mamba) layers, so a prefix it "
             "loaded would miss their state. Serve hybrid models (Kimi Linear, Kimi K3) with "
-            "`kvtier serve` instead (device-only for now, docs/k3.md), or start vLLM without "
+            "`kvtier serve` instead (its tiered pool keeps the state checkpoints, docs/k3.md), or start vLLM without "
             "--kv-transfer-config (docs/vllm.md, 'Hybrid models').")
 
 
