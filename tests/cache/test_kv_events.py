@@ -64,6 +64,47 @@ def test_batch_round_trip_and_gaps():
     assert view.gaps["w"] == 1 and view.tiers("w", h) == {"host"}
 
 
+def test_state_checkpoint_events_round_trip_and_build_their_own_view():
+    h, k = bytes(range(16)), bytes(range(1, 17))
+    batch = EventBatch("w", 0, [(True, "host", h)], [(True, "device", k), (True, "host", k)])
+    assert EventBatch.decode(batch.encode()) == batch
+    old_reader = EventBatch.decode(EventBatch("w", 0, [(True, "host", h)]).encode())
+    assert old_reader.states == []  # a batch without checkpoints carries no "states" key
+    view = GlobalKVView()
+    view.apply(batch)
+    assert view.keeps_states("w") and view.state_tiers("w", k) == {"device", "host"}
+    assert view.tiers("w", k) == set() and view.state_tiers("w", h) == set()  # blocks and states apart
+    view.apply(EventBatch("w", 1, [], [(False, "device", k)]))
+    assert view.state_tiers("w", k) == {"host"}
+
+
+def test_a_hybrid_pool_publishes_its_checkpoints_beside_its_blocks():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model's ops are microseconds: one thread, as kvtier bench runs
+    llm = LLM("tiny-k3", dtype="float32", page_size=PS, num_device_pages=24, host_cache_bytes=4 << 20)
+    pool = llm.engine.pool
+    pub = KVEventPublisher("tcp://127.0.0.1:0", "worker-k3")
+    sub = KVEventSubscriber([pub.endpoint])
+    try:
+        connected(pub, sub)
+        pool.publish_events_to(pub)
+        for s in range(3):
+            llm.generate(prompt_token_ids=[prompt(70, s)], sampling_params=SamplingParams(max_tokens=3, ignore_eos=True))
+        pool.poll(wait=True)
+        pool.poll()
+        while sub.poll(0.5):
+            pass
+        store = pool.state.store
+        keys = [k for s in range(3) for k in block_hashes(prompt(70, s)[:64], PS, None, pool.config.salt)]
+        held = {k: {t.name.lower() for t in store.where(k)} for k in keys if store.where(k)}
+        assert held and sub.view.keeps_states("worker-k3")
+        assert {k: sub.view.state_tiers("worker-k3", k) for k in held} == held
+    finally:
+        torch.set_num_threads(threads)
+        sub.close()
+        pub.close()
+
+
 def test_publisher_names_a_bad_endpoint():
     with pytest.raises(ValueError, match="tcp://256.0.0.1:1"):
         KVEventPublisher("tcp://256.0.0.1:1", "w")

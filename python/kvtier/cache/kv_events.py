@@ -6,7 +6,11 @@ index's events once per ``poll`` (once per engine step) and hands them over as o
 frames: the topic :data:`TOPIC` and a JSON object
 
     {"worker": "<worker id>", "seq": <batch number, from 0>,
-     "events": [["stored" | "removed", "device" | "host" | "disk" | "remote", "<32 hex digits>"], ...]}
+     "events": [["stored" | "removed", "device" | "host" | "disk" | "remote", "<32 hex digits>"], ...],
+     "states": [same, for a hybrid model's state checkpoints keyed by the block hash before them]}
+
+(``states`` only from a pool that keeps recurrent-state checkpoints,
+:mod:`kvtier.cache.tiers.checkpoints`; a reader that does not know it ignores it).
 
 A :class:`KVEventSubscriber` applies the batches of any number of workers to a
 :class:`GlobalKVView`: which worker holds which block in which tier. Pub/sub is lossy (a
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -30,15 +34,19 @@ TOPIC = b"kvtier.kv-events"
 
 @dataclass(frozen=True)
 class EventBatch:
-    """One published batch: ``events`` are ``(stored, tier name, block hash)``."""
+    """One published batch: ``events`` are ``(stored, tier name, block hash)``; ``states`` the
+    same for state checkpoints (keyed by the hash of the block before their boundary)."""
 
     worker: str
     seq: int
     events: list[tuple[bool, str, bytes]]
+    states: list[tuple[bool, str, bytes]] = field(default_factory=list)
 
     def encode(self) -> list[bytes]:
-        body = {"worker": self.worker, "seq": self.seq,
-                "events": [["stored" if s else "removed", t, h.hex()] for s, t, h in self.events]}
+        as_json = lambda evs: [["stored" if s else "removed", t, h.hex()] for s, t, h in evs]  # noqa: E731
+        body = {"worker": self.worker, "seq": self.seq, "events": as_json(self.events)}
+        if self.states:
+            body["states"] = as_json(self.states)
         return [TOPIC, json.dumps(body, separators=(",", ":")).encode()]
 
     @staticmethod
@@ -47,8 +55,8 @@ class EventBatch:
         if len(frames) != 2 or frames[0] != TOPIC:
             raise ValueError(f"not a KV event batch: {len(frames)} frames, topic {frames[0][:40]!r}")
         body = json.loads(frames[1])
-        return EventBatch(str(body["worker"]), int(body["seq"]),
-                          [(kind == "stored", tier, bytes.fromhex(h)) for kind, tier, h in body["events"]])
+        parse = lambda evs: [(kind == "stored", tier, bytes.fromhex(h)) for kind, tier, h in evs]  # noqa: E731
+        return EventBatch(str(body["worker"]), int(body["seq"]), parse(body["events"]), parse(body.get("states", [])))
 
 
 class KVEventPublisher:
@@ -80,10 +88,12 @@ class KVEventPublisher:
             raise ValueError(f"kv events endpoint {endpoint!r} cannot be bound: {e}") from None
         self.endpoint = endpoint
 
-    def __call__(self, events: list[Event]) -> None:
-        """Publish ``events`` (from :meth:`PrefixIndex.drain_events`) as one batch; an empty list
-        sends an empty batch (a heartbeat: subscribers learn the worker and its ``seq``)."""
-        batch = EventBatch(self.worker_id, self.seq, [(e.added, e.tier.name.lower(), e.hash) for e in events])
+    def __call__(self, events: list[Event], states: list[tuple[bool, Tier, bytes]] = ()) -> None:
+        """Publish ``events`` (from :meth:`PrefixIndex.drain_events`) and ``states`` (a checkpoint
+        store's ``(stored, tier, key)``) as one batch; empty lists send an empty batch (a heartbeat:
+        subscribers learn the worker and its ``seq``)."""
+        batch = EventBatch(self.worker_id, self.seq, [(e.added, e.tier.name.lower(), e.hash) for e in events],
+                           [(s, t.name.lower(), k) for s, t, k in states])
         self.seq += 1
         try:
             self._sock.send_multipart(batch.encode(), flags=zmq.NOBLOCK)
@@ -103,6 +113,7 @@ class GlobalKVView:
 
     def __init__(self):
         self._tiers: dict[str, dict[bytes, set[str]]] = defaultdict(dict)
+        self._states: dict[str, dict[bytes, set[str]]] = defaultdict(dict)
         self._next_seq: dict[str, int] = {}
         self.gaps: dict[str, int] = defaultdict(int)
 
@@ -111,15 +122,15 @@ class GlobalKVView:
         if expected is not None and batch.seq > expected:
             self.gaps[batch.worker] += batch.seq - expected
         self._next_seq[batch.worker] = batch.seq + 1
-        blocks = self._tiers[batch.worker]
-        for stored, tier, h in batch.events:
-            tiers = blocks.setdefault(h, set())
-            if stored:
-                tiers.add(tier)
-            else:
-                tiers.discard(tier)
-                if not tiers:
-                    del blocks[h]
+        for held, events in ((self._tiers[batch.worker], batch.events), (self._states[batch.worker], batch.states)):
+            for stored, tier, h in events:
+                tiers = held.setdefault(h, set())
+                if stored:
+                    tiers.add(tier)
+                else:
+                    tiers.discard(tier)
+                    if not tiers:
+                        del held[h]
 
     @property
     def workers(self) -> list[str]:
@@ -129,6 +140,15 @@ class GlobalKVView:
     def tiers(self, worker: str, block_hash: bytes) -> set[str]:
         """Tiers of ``worker`` holding ``block_hash`` (empty if none)."""
         return set(self._tiers.get(worker, {}).get(block_hash, ()))
+
+    def state_tiers(self, worker: str, key: bytes) -> set[str]:
+        """Tiers of ``worker`` holding the state checkpoint keyed ``key`` (empty if none)."""
+        return set(self._states.get(worker, {}).get(key, ()))
+
+    def keeps_states(self, worker: str) -> bool:
+        """Whether ``worker`` published state checkpoints (a hybrid model's worker): its prefixes
+        are reusable only where it holds one."""
+        return bool(self._states.get(worker))
 
     def blocks(self, worker: str, tier: str) -> set[bytes]:
         """Every block ``worker`` holds in ``tier``."""

@@ -399,7 +399,10 @@ class KVPool:
             self.state.store.poll(wait)
         if self.event_sink is not None:
             events = self.tiers.index.drain_events()
-            if events:
+            states = self.state.store.drain_events() if self.state is not None else []
+            if states:
+                self.event_sink(events, states)
+            elif events:
                 self.event_sink(events)
 
     # ---- blocks for another worker (P/D transfer) -----------------------------------------------
@@ -425,9 +428,12 @@ class KVPool:
 
     def publish_events_to(self, sink: Callable[[list], None] | None) -> None:
         """From now on, hand the index's events (:class:`kvtier.cache.prefix_index.Event`) to
-        ``sink`` in one batch per :meth:`poll` (e.g. a :class:`kvtier.cache.kv_events.KVEventPublisher`);
+        ``sink`` in one batch per :meth:`poll` (e.g. a :class:`kvtier.cache.kv_events.KVEventPublisher`),
+        with a hybrid pool's state checkpoint events as a second argument when there are some;
         None stops. Events from before the call are dropped: call it before serving."""
         self.tiers.index.drain_events()
+        if self.state is not None:
+            self.state.store.drain_events()
         self.event_sink = sink
 
     def close(self) -> None:

@@ -62,6 +62,22 @@ def test_kv_aware_follows_the_event_view_when_it_has_one():
     assert r.choose("s", 20000) == B
 
 
+def test_kv_aware_counts_a_hybrid_workers_prefix_only_where_it_holds_the_checkpoint():
+    """A hybrid model's worker that holds the session's blocks but not the state checkpoint at the
+    prompt's last block cannot reuse them: the router does not count it local."""
+    from kvtier.cache.kv_events import EventBatch, GlobalKVView
+
+    view, h, other = GlobalKVView(), b"\x07" * 16, b"\x08" * 16
+    r = Router([A, B], policy="kv-aware", remote=False, view=view, worker_ids={A: "ev-a", B: "ev-b"})
+    view.apply(EventBatch("ev-a", 0, [(True, "host", h)], [(True, "host", other)]))  # blocks, no checkpoint at h
+    view.apply(EventBatch("ev-b", 0, [(True, "disk", h)], [(True, "disk", h)]))
+    r.record("s", A, 20000, 0.5, last_block=h)
+    assert r.prefix_tier(A, r.sessions["s"]) is None and r.prefix_tier(B, r.sessions["s"]) == "local"
+    assert r.choose("s", 20000) == B
+    view.apply(EventBatch("ev-a", 1, [], [(True, "device", h)]))
+    assert r.prefix_tier(A, r.sessions["s"]) == "local"
+
+
 def test_a_worker_whose_health_is_503_leaves_routing_until_it_recovers():
     import asyncio
 

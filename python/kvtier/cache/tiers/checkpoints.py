@@ -188,6 +188,7 @@ class CheckpointStore:
             remote = open_remote(remote_url, self.meta, remote_timeout_s)
         self.remote = remote
         self._index: dict[bytes, _Entry] = {}
+        self._events: list[tuple[bool, Tier, bytes]] = []  # (stored, tier, key), drained by the pool
         self._counts = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
         self._capacity = {Tier.DEVICE: self.device.num_slots, Tier.HOST: 0 if self.host is None else self.host.num_slots,
                           Tier.DISK: self.disk_slots}
@@ -199,7 +200,7 @@ class CheckpointStore:
         if self.disk is not None:
             for key, meta in self.disk.blocks():  # checkpoints a earlier run left: kept, dropped first
                 if meta == self.meta:
-                    self._entry(key, CheckpointKind.GRID).slots[Tier.DISK] = 0
+                    self._gain(self._entry(key, CheckpointKind.GRID), key, Tier.DISK, 0)
                     self._counts[Tier.DISK] += 1
 
     # ---- lookups ------------------------------------------------------------------------------
@@ -230,7 +231,7 @@ class CheckpointStore:
         found = 0
         for k, present in zip(ask, self.remote.exists(ask)):
             if present:
-                self._entry(k, CheckpointKind.GRID).slots[Tier.REMOTE] = 0
+                self._gain(self._entry(k, CheckpointKind.GRID), k, Tier.REMOTE, 0)
                 found += 1
         return found
 
@@ -266,7 +267,7 @@ class CheckpointStore:
         if self._make_room(Tier.DEVICE):
             slot = self.device.allocate()
             self.device.slot(slot).copy_(payload)
-            e.slots[Tier.DEVICE] = slot
+            self._gain(e, key, Tier.DEVICE, slot)
             self._counts[Tier.DEVICE] += 1
             self.stats.bytes_written["device"] += n
         elif self.device.num_slots:
@@ -277,7 +278,7 @@ class CheckpointStore:
                 slot = self.host.allocate()
                 host_copy = self.host.slot(slot)
                 host_copy.copy_(payload)
-                e.slots[Tier.HOST] = slot
+                self._gain(e, key, Tier.HOST, slot)
                 self._counts[Tier.HOST] += 1
                 self.stats.bytes_written["host"] += n
             else:
@@ -342,7 +343,7 @@ class CheckpointStore:
                 if tier == Tier.DISK and not ok[tier]:
                     self._counts[Tier.DISK] -= 1
                 if ok[tier] and e is not None:
-                    e.slots[tier] = 0
+                    self._gain(e, key, tier, 0)
                     self.stats.bytes_written[_NAMES[tier]] += n
                 elif ok[tier] and tier == Tier.DISK:  # dropped meanwhile: remove the orphan file
                     self.disk.remove(key)
@@ -408,6 +409,7 @@ class CheckpointStore:
         if e is None or tier not in e.slots:
             return
         slot = e.slots.pop(tier)
+        self._events.append((False, tier, key))
         if tier == Tier.DEVICE:
             self.device.release(slot)
         elif tier == Tier.HOST:
@@ -449,6 +451,16 @@ class CheckpointStore:
         self.drop(key, tier)
         self.stats.evictions[_NAMES[tier]] += 1
         return True
+
+    def _gain(self, e: _Entry, key: bytes, tier: Tier, slot: int) -> None:
+        e.slots[tier] = slot
+        self._events.append((True, tier, key))
+
+    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
+        """``(stored, tier, key)`` for each copy of a checkpoint gained or lost since the last call
+        (what :mod:`kvtier.cache.kv_events` publishes beside the blocks' events)."""
+        events, self._events = self._events, []
+        return events
 
     def _entry(self, key: bytes, kind: CheckpointKind) -> _Entry:
         e = self._index.get(key)
