@@ -17,7 +17,9 @@ With a pool that keeps states (:attr:`kvtier.cache.pool.KVPool.keeps_states`), t
 back the state at chosen page boundaries, saved as checkpoints after the step (:meth:`HybridState.save`):
 
 - **prompt end**: the last page boundary of what a prefill chunk computes up to the sequence's
-  tokens so far (a prompt, or a preempted sequence's prompt and output) -- :attr:`CheckpointKind.TURN`;
+  tokens so far (a prompt, or a preempted sequence's prompt and output), and the page boundary
+  before it when the tokens end on one (where the same prompt sent again resumes) --
+  :attr:`CheckpointKind.TURN`;
 - **turn end**: the last page boundary a decode step crossed, kept (one copy per sequence) and
   saved when the sequence stops running (finished, or preempted) -- ``TURN``;
 - **grid**: every ``state_checkpoint_tokens`` tokens of a prefill -- :attr:`CheckpointKind.GRID`.
@@ -177,12 +179,15 @@ class HybridState:
 
     def boundaries(self, start: int, num_new: int, num_tokens: int) -> list[tuple[int, CheckpointKind]]:
         """The checkpoint boundaries of a prefill chunk of ``num_new`` tokens from ``start``, of a
-        sequence of ``num_tokens`` tokens so far: grid points, and its last page boundary."""
+        sequence of ``num_tokens`` tokens so far: grid points, and its last page boundary (and the
+        one before when the tokens end on a page boundary: the point the same prompt resumes from)."""
         ps, grid = self.page_size, self.checkpoint_tokens
-        end = (num_tokens // ps) * ps
+        # The last page boundary, and the last one a request of exactly these tokens can reuse
+        # (its last token is always computed): they differ when the tokens fill their last page.
+        ends = {(num_tokens // ps) * ps, ((num_tokens - 1) // ps) * ps}
         out = []
         for b in range((start // ps + 1) * ps, start + num_new + 1, ps):
-            if b == end:
+            if b in ends:
                 out.append((b, CheckpointKind.TURN))
             elif b % grid == 0:
                 out.append((b, CheckpointKind.GRID))
