@@ -195,9 +195,20 @@ class SimCopyEngine:
         self.collecting = False
 
     def _submit(self, link_name: str, num_blocks: int, effect=None) -> SimCopyHandle:
+        return self.submit_bytes(link_name, num_blocks * self.block_bytes, effect, num_blocks=num_blocks)
+
+    def submit_bytes(self, link_name: str, nbytes: float, effect=None, *, not_before: float = 0.0,
+                     num_blocks: int = 1) -> SimCopyHandle:
+        """A job of ``nbytes`` modelled bytes on link ``link_name`` (``"device->host"``,
+        ``"host->device"``, ``"disk"``) that starts when the link is free and not before
+        ``not_before`` seconds (a job that follows another one), e.g. a state checkpoint's copy
+        (:mod:`kvtier.bench.sim.states`). ``effect`` runs when the pool collects it.
+
+        Raises:
+            KeyError: an unknown link name.
+        """
         link, now = self._links[link_name], self.clock.now
-        nbytes = num_blocks * self.block_bytes
-        start = max(now, self._free_at[link_name])
+        start = max(now, not_before, self._free_at[link_name])
         self._free_at[link_name] = start + link.busy_s(nbytes)
         handle = SimCopyHandle(self, start, start + link.copy_s(nbytes), num_blocks, effect)
         heapq.heappush(self._ends, (handle.end_s, next(self._order), handle))

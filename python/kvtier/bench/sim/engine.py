@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.bench.sim.states import CheckpointSizes, SimCheckpointStore, SimHybridState
 from kvtier.bench.sim.timing import BatchShape, ending, prefill_tok_s
 from kvtier.cache.pool import KVPool
 from kvtier.model.config import KimiK2Config
@@ -40,6 +41,8 @@ class TimedRunner:
         kv_caches: one layer of one-byte rows, ``[num_device_pages, page_size, 1]``: the pool's
             placeholder storage (``page_size`` bytes per block).
         busy_s: virtual seconds of the steps run.
+        hybrid: a hybrid model's :class:`~kvtier.bench.sim.states.SimHybridState` (the checkpoints
+            each step yields, saved by the engine after it), or None.
     """
 
     def __init__(self, timer, model_config: KimiK2Config, config: EngineConfig):
@@ -48,9 +51,12 @@ class TimedRunner:
         self.kv_caches = [torch.zeros((config.pool.num_device_pages, config.pool.page_size, 1),
                                       dtype=torch.uint8).view(torch.float8_e4m3fn)]
         self.busy_s = 0.0
+        self.hybrid: SimHybridState | None = None
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """The step's modelled seconds, and a placeholder token for each sequence it ends."""
+        if self.hybrid is not None:
+            self.hybrid.ran(batch)
         seconds = self.timer.step_s(BatchShape.of(batch))
         self.busy_s += seconds
         return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds)
@@ -68,6 +74,11 @@ class SimWorker:
         max_context_tokens: longest prompt the worker accepts (its ``max_position_embeddings``).
         clock: this worker's clock (a pool that waits on a copy moves it); None = a new one at 0.
         disk: the disk tier (None = none); may be shared with other workers.
+        states: a hybrid model's checkpoint sizes and budgets (None: a K2-class model). With
+            prefix caching, the pool keeps checkpoints in a
+            :class:`~kvtier.bench.sim.states.SimCheckpointStore` (device slots; host and disk slots
+            when the configuration has those tiers) and the runner saves them.
+        checkpoints: the checkpoint policy (:data:`kvtier.bench.sim.states.CHECKPOINT_POLICIES`).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
@@ -78,7 +89,8 @@ class SimWorker:
     """
 
     def __init__(self, config: EngineConfig, timer, links: TierLinks, model_config: KimiK2Config,
-                 max_context_tokens: int, clock: VirtualClock | None = None, *, disk: SimDisk | None = None):
+                 max_context_tokens: int, clock: VirtualClock | None = None, *, disk: SimDisk | None = None,
+                 states: CheckpointSizes | None = None, checkpoints: str = "turn"):
         clock = clock or VirtualClock()
         self.config, self.links, self.clock = config, links, clock
         model_config = dataclasses.replace(model_config, max_position_embeddings=max_context_tokens)
@@ -86,8 +98,19 @@ class SimWorker:
         self.copy_engine = SimCopyEngine(clock, links)
         # the placeholder pages' blocks: 1 layer x page_size x 1 byte
         cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
-        pool = KVPool(config.pool_config(), self.runner.kv_caches, cost, copy_engine=self.copy_engine,
-                      disk=disk, clock=clock)
+        store = None
+        pool_config = config.pool_config()
+        if states is not None and pool_config.enable_prefix_caching:
+            scale = config.pool.page_size / links.block_bytes  # placeholder bytes per modelled byte
+            store = SimCheckpointStore(max(1, round(states.link_bytes * scale)), states.state_bytes, states.link_bytes,
+                                       self.copy_engine, device_slots=states.device_checkpoints,
+                                       host_slots=states.host_checkpoints if pool_config.host_cache_bytes else 0,
+                                       disk_slots=states.disk_checkpoints if disk is not None else 0)
+            pool_config = dataclasses.replace(pool_config, state_checkpoint_bytes=store.checkpoint_bytes,
+                                              state_checkpoint_tokens=states.checkpoint_tokens)
+            self.runner.hybrid = SimHybridState(config.pool.page_size, states.checkpoint_tokens, checkpoints)
+        pool = KVPool(pool_config, self.runner.kv_caches, cost, copy_engine=self.copy_engine,
+                      disk=disk, clock=clock, checkpoints=store)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)
         self.pool, self.scheduler = pool, self.engine.scheduler
         self.busy, self.step = False, None

@@ -20,6 +20,7 @@ router records them. A session whose turn goes elsewhere has migrated.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -153,6 +154,8 @@ class SimRun:
         warmup_records: turns due before ``warmup_s`` (run, not reported).
         busy_s: per worker, virtual seconds spent in steps.
         end_s: virtual time of the last finish.
+        state: a hybrid model's checkpoint counters summed over workers (the fields of
+            :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes); None without checkpoints.
     """
 
     run: ConfigRun
@@ -160,6 +163,7 @@ class SimRun:
     warmup_records: list[RequestRecord] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     end_s: float = 0.0
+    state: dict | None = None
 
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
@@ -202,4 +206,18 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     end_s = loop.run()
     run = run_result(name, loop, min(end_s, duration_s) - warmup_s, workload, [w.engine for w in workers],
                      [w.bytes_scale for w in workers])
-    return SimRun(run, target.migrations, loop.warmup_records, [w.runner.busy_s for w in workers], end_s)
+    return SimRun(run, target.migrations, loop.warmup_records, [w.runner.busy_s for w in workers], end_s,
+                  state_counters(workers))
+
+
+def state_counters(workers: list[SimWorker]) -> dict | None:
+    """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields) added
+    up; None when no worker's pool keeps states."""
+    stats = [dataclasses.asdict(w.pool.state.store.stats) for w in workers if w.pool.keeps_states]
+    if not stats:
+        return None
+    total = stats[0]
+    for s in stats[1:]:
+        for k, v in s.items():
+            total[k] = {n: total[k][n] + c for n, c in v.items()} if isinstance(v, dict) else total[k] + v
+    return total

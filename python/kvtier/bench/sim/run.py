@@ -14,6 +14,16 @@ Tier sizes (per worker) of a hardware scenario:
 
 A CPU-scale scenario (``device_fraction`` set) is sized as ``kvtier bench`` sizes its tiers
 (:func:`kvtier.bench.run.size_tiers`).
+
+A hybrid KDA + MLA model (Kimi K3) is sized by :func:`kvtier.model.hybrid_plan.hybrid_memory_plan`
+(``tp`` layout): a page stands for ``page_size * kv_bytes_per_token`` bytes of MLA KV (27,648 B per
+token for K3 in bf16); what the weights leave on a device holds, besides the KV pages, one state
+slot per running sequence (``max_num_seqs`` = the replay's concurrency) and
+``state_device_checkpoints`` device checkpoints, each ``state_bytes / num_devices`` bytes per
+device. Host and disk hold ``state_host_bytes // state_bytes`` and ``state_disk_bytes //
+state_bytes`` checkpoints besides their KV blocks; the grid spacing is the scenario's or
+:func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`. Each worker's pool keeps them in a
+:class:`kvtier.bench.sim.states.SimCheckpointStore` (configurations without prefix caching keep none).
 """
 
 from __future__ import annotations
@@ -32,15 +42,20 @@ from kvtier.bench.sim.engine import SimWorker
 from kvtier.bench.sim.hardware import Node
 from kvtier.bench.sim.loop import SimRun, simulate
 from kvtier.bench.sim.scenarios import SCENARIOS, Scenario, Variant
-from kvtier.bench.sim.timing import KernelRates, RooflineTimer, own_prefill_s, prefill_tok_s
+from kvtier.bench.sim.long_sessions import long_session_workload
+from kvtier.bench.sim.states import CheckpointSizes
+from kvtier.bench.sim.timing import HybridRooflineTimer, KernelRates, RooflineTimer, own_prefill_s, prefill_tok_s
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.model.config import KimiK2Config, preset
+from kvtier.model.hybrid_plan import STATE_DTYPE_BYTES, hybrid_memory_plan
+from kvtier.model.kimi_linear_config import KimiLinearConfig
 from kvtier.model.plan import GB, memory_plan
 from kvtier.provenance import provenance
 from kvtier.serve.config import EngineConfig
+from kvtier.serve.hybrid_state import default_checkpoint_tokens
 
 
 @dataclass(frozen=True)
@@ -131,6 +146,7 @@ class SimSizing:
         host_slots: host-tier blocks per worker.
         store_slots: blocks of the tier below host memory, per worker.
         working_set_pages: pages the concurrent sessions need at their peak (all workers).
+        states: a hybrid model's checkpoint sizes and budgets (None for K2-class models).
     """
 
     page_size: int
@@ -140,6 +156,7 @@ class SimSizing:
     host_slots: int
     store_slots: int
     working_set_pages: int
+    states: CheckpointSizes | None = None
 
 
 def load_workload(scn: Scenario, trace: str | None) -> Workload:
@@ -148,13 +165,25 @@ def load_workload(scn: Scenario, trace: str | None) -> Workload:
     common = dict(token_scale=r.token_scale, time_scale=r.time_scale, max_think_s=r.max_think_s,
                   max_turns=r.max_turns, max_input_tokens=scn.max_context_tokens,
                   truncate_input_tokens=r.truncate_input_tokens)
+    if trace is None and r.prefix_tokens is not None:
+        return long_session_workload(num_sessions=r.sessions, prefix_tokens=r.prefix_tokens,
+                                     increment_tokens=r.increment_tokens, max_input_tokens=scn.max_context_tokens,
+                                     seed=r.seed, time_scale=r.time_scale, max_think_s=r.max_think_s,
+                                     max_turns=r.max_turns)
     if trace is None:
         return generate_workload(num_sessions=r.sessions, seed=r.seed, **common)
     return load_trace(trace, max_sessions=r.sessions, warm_prefix_fraction=r.warm_prefix_fraction, **common)
 
 
-def size_tiers(scn: Scenario, model: KimiK2Config, node: Node, workload: Workload) -> SimSizing:
-    """Per-worker tier sizes for ``workload`` on ``node`` (module docstring)."""
+def size_tiers(scn: Scenario, model: KimiK2Config | KimiLinearConfig, node: Node, workload: Workload) -> SimSizing:
+    """Per-worker tier sizes for ``workload`` on ``node`` (module docstring).
+
+    Raises:
+        ValueError: the weights (and a hybrid model's state slots and device checkpoints) leave no
+            HBM for KV.
+    """
+    if isinstance(model, KimiLinearConfig):
+        return _size_hybrid(scn, model, node, workload)
     ps = scn.page_size
     block = ps * model.kv_cache_bytes_per_token(scn.kv_dtype_bytes)
     plan = memory_plan(model, scn.weight_format, node.num_devices, node.accelerator.hbm_bytes / GB, parallel="tp",
@@ -174,6 +203,32 @@ def size_tiers(scn: Scenario, model: KimiK2Config, node: Node, workload: Workloa
         distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
         host, store = ws, distinct + 16
     return SimSizing(ps, block, wb, device, host, store, ws)
+
+
+def _size_hybrid(scn: Scenario, model: KimiLinearConfig, node: Node, workload: Workload) -> SimSizing:
+    if scn.device_fraction is not None:
+        raise ValueError(f"scenario {scn.name!r}: device_fraction is not supported for a hybrid model")
+    ps, devices = scn.page_size, node.num_devices
+    plan = hybrid_memory_plan(model, scn.weight_format, devices, node.accelerator.hbm_bytes / GB, parallel="tp",
+                              kv_dtype_bytes=scn.kv_dtype_bytes, state_dtype=scn.state_dtype,
+                              hbm_fraction=node.hbm_fraction, reserve_gb=node.activation_reserve_bytes / GB)
+    state = plan.state_bytes_per_sequence
+    slots = scn.replay.concurrency  # max_num_seqs: one state slot each
+    held = (slots + scn.state_device_checkpoints) * state / devices
+    free = plan.free_bytes_per_device - held
+    block = ps * plan.kv_bytes_per_token
+    if free < block:
+        raise ValueError(f"{plan.weight_bytes_per_device / GB:.0f} GB of {scn.weight_format} weights and "
+                         f"{held / GB:.1f} GB of state slots and device checkpoints per {node.accelerator.name} "
+                         "leave no HBM for KV")
+    grid = scn.state_checkpoint_tokens or default_checkpoint_tokens(state, round(plan.kv_bytes_per_token), ps)
+    states = CheckpointSizes(state_bytes=state, link_bytes=state / devices, checkpoint_tokens=grid,
+                             device_checkpoints=scn.state_device_checkpoints,
+                             host_checkpoints=int(scn.state_host_bytes // state),
+                             disk_checkpoints=int(scn.state_disk_bytes // state), state_slots=slots)
+    ws = working_set_pages(workload, ps, scn.replay.concurrency)
+    return SimSizing(ps, block, plan.total_weight_bytes, int(free // block), int(node.host_kv_bytes // block),
+                     int(node.disk_kv_bytes // block), ws, states)
 
 
 def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig:
@@ -197,7 +252,8 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     engines = []
     for _ in range(scn.workers):
         disk = shared if shared is not None else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
-        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, disk=disk))
+        engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, disk=disk,
+                                 states=sizing.states, checkpoints=v.checkpoints))
     if shared is not None:
         for e in engines:
             e.share_store(shared)
@@ -207,7 +263,12 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     return engines
 
 
-def make_timer(scn: Scenario, model: KimiK2Config, node: Node, rates: KernelRates | None = None) -> RooflineTimer:
+def make_timer(scn: Scenario, model: KimiK2Config | KimiLinearConfig, node: Node,
+               rates: KernelRates | None = None) -> RooflineTimer:
+    if isinstance(model, KimiLinearConfig):
+        return HybridRooflineTimer(model, node, scn.efficiency, kv_dtype_bytes=scn.kv_dtype_bytes,
+                                   rates=rates or KernelRates(), weight_format=scn.weight_format,
+                                   state_dtype_bytes=STATE_DTYPE_BYTES[scn.state_dtype])
     return RooflineTimer(model, node, scn.efficiency, kv_dtype_bytes=scn.kv_dtype_bytes,
                          weight_dtype_bytes=scn.weight_dtype_bytes, rates=rates or KernelRates())
 
@@ -273,7 +334,8 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
                 for v in scn.variants]
     per_variant = {sr.run.name: {"migrations": sr.migrations, "warmup_requests": len(sr.warmup_records),
                                  "end_s": sr.end_s, "busy_s": sr.busy_s,
-                                 "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0)}
+                                 "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0),
+                                 **({"state": sr.state} if sr.state is not None else {})}
                    for sr in runs}  # returning turns: after a session's first (those a cache can serve)
     if opts.resume_ttft_s is not None:  # resumes after a tool wait and their misses of the target, by why
         for sr in runs:

@@ -2,8 +2,10 @@
 compared, defined as data in ``scenarios.toml`` (beside this module; every assumption there has
 its reason beside it, and the one fitted value is the think-time scale of ``kimi-mi355x-128``).
 
-``kimi-mi355x-128`` reproduces the published measurement (docs/workload.md); ``migration`` puts two
-such workers behind a router; ``tiny`` is a seconds-long smoke run at CPU scale.
+``kimi-mi355x-128`` reproduces the published measurement (docs/workload.md); ``kimi-k3-mi355x-128``
+runs its shape on Kimi K3 (a hybrid KDA + MLA model: recurrent-state checkpoints beside the MLA
+blocks, :mod:`kvtier.bench.sim.states`) with 400K-token sessions; ``migration`` puts two such
+workers behind a router; ``tiny`` is a seconds-long smoke run at CPU scale.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from pathlib import Path
 from kvtier.bench.configs import CONFIGS, BenchConfig, parse_configs
 from kvtier.bench.sim.hardware import Efficiency, from_table
 from kvtier.bench.sim.loop import ROUTERS
+from kvtier.bench.sim.states import CHECKPOINT_POLICIES
 from kvtier.bench.workload import check_replay_options
 from kvtier.model.formats import PRESET_FORMATS
+from kvtier.model.hybrid_plan import HYBRID_FORMATS, STATE_DTYPE_BYTES
 from kvtier.options import check_choice, check_int, check_real
 from kvtier.serve.config import SCHEDULE_POLICIES
 
@@ -36,15 +40,20 @@ class Variant:
         router: how turns pick a worker (:data:`kvtier.bench.sim.loop.ROUTERS`).
         shared_store: the tier below host memory is one store all workers read and write
             (else each worker has its own).
+        checkpoints: a hybrid model's checkpoint policy (:data:`kvtier.bench.sim.states.CHECKPOINT_POLICIES`):
+            ``turn`` (prompt ends, turn ends and the sparse grid, as the engine saves them) or
+            ``grid`` (the sparse grid only).
     """
 
     name: str
     cache: BenchConfig
     router: str = "sticky"
     shared_store: bool = False
+    checkpoints: str = "turn"
 
     def __post_init__(self) -> None:
         check_choice(f"Variant {self.name!r}: router", self.router, ROUTERS)
+        check_choice(f"Variant {self.name!r}: checkpoints", self.checkpoints, CHECKPOINT_POLICIES)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ class Replay:
         ramp_s: seconds over which the first ``concurrency`` sessions start.
         warmup_s, duration_s: the measurement window, virtual seconds.
         seed: of the built-in workload generator.
+        prefix_tokens, increment_tokens: with both set (and no trace), the sessions are
+            :func:`kvtier.bench.sim.long_sessions.long_session_workload`'s: a first prompt of
+            ``prefix_tokens`` tokens growing by ``increment_tokens`` per turn; None: the built-in
+            generator's.
     """
 
     sessions: int
@@ -77,8 +90,16 @@ class Replay:
     warmup_s: float = 0.0
     duration_s: float = math.inf
     seed: int = 0
+    prefix_tokens: int | None = None
+    increment_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if (self.prefix_tokens is None) != (self.increment_tokens is None):
+            raise ValueError("prefix_tokens and increment_tokens go together: set both or neither, got "
+                             f"{self.prefix_tokens!r} and {self.increment_tokens!r}")
+        if self.prefix_tokens is not None:
+            check_int("prefix_tokens", self.prefix_tokens, min_value=1)
+            check_int("increment_tokens", self.increment_tokens, min_value=2)
         check_int("sessions", self.sessions, min_value=1)
         check_int("concurrency", self.concurrency, min_value=1)
         check_real("ramp_s", self.ramp_s, min_value=0)
@@ -115,6 +136,13 @@ class Scenario:
         calibration: what the scenario's fitted values were fitted on ("" = nothing fitted).
         schedule_policy: the engines' admission order (``EngineConfig.schedule_policy``):
             ``fcfs``, under which the scenarios were calibrated, unless overridden.
+        state_dtype: a hybrid model's recurrent-state dtype (``fp32`` | ``bf16``; conv windows bf16).
+        state_checkpoint_tokens: a hybrid model's checkpoint grid spacing, tokens (a multiple of
+            ``page_size``; 0 = :func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`).
+        state_device_checkpoints: checkpoints kept in HBM per worker (their share of each device
+            is taken from the KV pages), beside one state slot per running sequence.
+        state_host_bytes, state_disk_bytes: host DRAM and NVMe bytes per worker for checkpoints,
+            besides the KV tiers' (``Node.host_kv_bytes``, ``Node.disk_kv_bytes``).
     """
 
     name: str
@@ -136,6 +164,11 @@ class Scenario:
     weight_format: str = "fp8"
     calibration: str = ""
     schedule_policy: str = "fcfs"
+    state_dtype: str = "fp32"
+    state_checkpoint_tokens: int = 0
+    state_device_checkpoints: int = 0
+    state_host_bytes: float = 0.0
+    state_disk_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         names = [v.name for v in self.variants]
@@ -149,7 +182,16 @@ class Scenario:
         check_real(f"scenario {self.name!r}: kv_dtype_bytes", self.kv_dtype_bytes, min_value=0, min_open=True,
                    max_value=8)
         check_choice(f"scenario {self.name!r}: schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
-        check_choice(f"scenario {self.name!r}: weight_format", self.weight_format, tuple(PRESET_FORMATS))
+        check_choice(f"scenario {self.name!r}: weight_format", self.weight_format,
+                     (*PRESET_FORMATS, *HYBRID_FORMATS))
+        check_choice(f"scenario {self.name!r}: state_dtype", self.state_dtype, tuple(STATE_DTYPE_BYTES))
+        for name in ("state_checkpoint_tokens", "state_device_checkpoints"):
+            check_int(f"scenario {self.name!r}: {name}", getattr(self, name), min_value=0)
+        if self.state_checkpoint_tokens % self.page_size:
+            raise ValueError(f"scenario {self.name!r}: state_checkpoint_tokens must be a multiple of "
+                             f"page_size={self.page_size}, got {self.state_checkpoint_tokens}")
+        for name in ("state_host_bytes", "state_disk_bytes"):
+            check_real(f"scenario {self.name!r}: {name}", getattr(self, name), min_value=0)
 
     def select(self, configs: str) -> Scenario:
         """This scenario with only the variants named in ``configs`` (``"a,b"``, in that order).

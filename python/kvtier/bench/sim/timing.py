@@ -247,3 +247,91 @@ class RooflineTimer:
         t += layers * attn
         t += 2 * layers * self.node.allreduce_s(tokens * self.model.hidden_size * 2)
         return t + layers * eff.layer_overhead_s + eff.step_overhead_s
+
+
+@dataclass
+class HybridRooflineTimer(RooflineTimer):
+    """Step time of a hybrid KDA + MLA model (Kimi K3: :class:`kvtier.model.kimi_linear_config.KimiLinearConfig`)
+    on a :class:`Node`: the roofline of :class:`RooflineTimer` with K3's parts.
+
+    Parameter counts and weight bytes per part come from
+    :func:`kvtier.model.hybrid_plan.hybrid_parameter_bytes` in ``weight_format`` (``mxfp4``: routed
+    experts MXFP4, the rest bf16); ``weight_dtype_bytes`` is not used. Per step:
+
+    - dense GEMMs (KDA and MLA projections, shared experts, the latent expert projections, router,
+      dense first layer): FLOPs ``2*T*P``, all their bytes read, at ``bf16_flops * matrix``;
+    - routed experts: ``E * (1 - (1 - k/E)**T)`` experts hit per MoE layer, FLOPs ``2*T*k*P_expert``,
+      at ``fp8_flops * matrix`` (no FP4 rate is modelled: conservative for MXFP4 weights);
+    - ``lm_head`` for the sampled rows;
+    - MLA attention as :class:`RooflineTimer` over the ``len(full_attn_layers)`` MLA layers only;
+    - KDA (chunked delta rule, 64-token chunks) per KDA layer: ``heads * (4*d*d + 4*64*d)`` FLOPs per
+      token, and each sequence of the step reads and writes its ``[heads, d, d]`` fp32 state once
+      (a decode per step, a prefill chunk once per chunk), split over the ``tp`` devices;
+    - two all-reduces per layer and the fixed costs, over all ``num_hidden_layers``.
+
+    Args:
+        weight_format: :data:`kvtier.model.hybrid_plan.HYBRID_FORMATS` (``mxfp4`` as K3 ships).
+        state_dtype_bytes: bytes per recurrent-state value (4 = fp32).
+        Other arguments as :class:`RooflineTimer`.
+    """
+
+    weight_format: str = "mxfp4"
+    state_dtype_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        from kvtier.model.hybrid_plan import hybrid_parameter_bytes
+
+        acc, eff, c = self.node.accelerator, self.efficiency, self.model
+        self._tp = self.node.num_devices
+        parts = hybrid_parameter_bytes(c, self.weight_format)
+        dense = ("kda_attention", "mla_attention", "shared_experts", "latent_proj", "router", "dense_mlp")
+        self._dense_params = sum(parts[p][0] for p in dense)
+        self._dense_bytes = sum(parts[p][1] for p in dense)
+        self._moe_layers = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+        routed_params, routed_bytes = parts["routed_experts"]
+        per = self._moe_layers * c.n_routed_experts
+        self._expert_params, self._expert_bytes = routed_params / per, routed_bytes / per
+        self._lm_params, self._lm_bytes = parts["lm_head"]
+        self._gemm_flops = self.rates.gemm_flops or acc.fp8_flops * eff.matrix
+        self._dense_flops = acc.bf16_flops * eff.matrix
+        self._attn_flops = self.rates.attention_flops or acc.bf16_flops * eff.matrix
+        self._mem_Bps = acc.hbm_Bps * eff.memory
+        self._attn_Bps = self.rates.attention_Bps or self._mem_Bps
+        self._heads = c.num_attention_heads / self._tp
+        d = c.linear_head_dim
+        self._kda_flops_per_token = c.linear_num_heads * (4 * d * d + 4 * 64 * d)
+        self._kda_state_bytes = c.linear_num_heads * d * d * self.state_dtype_bytes
+
+    def _dense_s(self, flops: float, nbytes: float) -> float:
+        return max(flops / self._tp / self._dense_flops, nbytes / self._tp / self._mem_Bps)
+
+    def _linear_s(self, tokens: int, sampled: int) -> float:
+        c = self.model
+        e, k = c.n_routed_experts, c.num_experts_per_tok
+        hit = e * (1.0 - (1.0 - k / e) ** tokens)
+        t = self._dense_s(2 * tokens * self._dense_params, self._dense_bytes)
+        t += self._moe_layers * self._gemm_s(2 * tokens * k * self._expert_params, hit * self._expert_bytes)
+        if sampled:
+            t += self._dense_s(2 * sampled * self._lm_params, self._lm_bytes)
+        return t
+
+    def _kda_s(self, tokens: int, num_seqs: int) -> float:
+        """Seconds of one KDA layer's recurrence for ``tokens`` tokens of ``num_seqs`` sequences."""
+        flops = tokens * self._kda_flops_per_token
+        nbytes = 2 * num_seqs * self._kda_state_bytes
+        return max(flops / self._tp / self._dense_flops, nbytes / self._tp / self._mem_Bps)
+
+    def step_s(self, shape: BatchShape) -> float:
+        """Seconds of one step of ``shape``; 0 for an empty step."""
+        tokens = shape.num_tokens
+        if tokens == 0:
+            return 0.0
+        c, eff = self.model, self.efficiency
+        t = self._linear_s(tokens, shape.num_sampled)
+        attn = sum(self._extend_s(n, p) for n, p in shape.extends)
+        if shape.num_decodes:
+            attn += self._decode_s(shape.num_decodes, shape.decode_context)
+        t += len(c.full_attn_layers) * attn
+        t += len(c.kda_layers) * self._kda_s(tokens, len(shape.extends) + shape.num_decodes)
+        t += 2 * c.num_hidden_layers * self.node.allreduce_s(tokens * c.hidden_size * 2)
+        return t + c.num_hidden_layers * eff.layer_overhead_s + eff.step_overhead_s

@@ -1,0 +1,348 @@
+"""A hybrid model's recurrent state in virtual time: a checkpoint store that keeps no bytes, and
+the engine side that saves checkpoints where the real engine does.
+
+Kimi K3's checkpoint (the KDA states and conv windows of its 69 linear layers at one token
+boundary) is 449 MB in fp32, so the simulator keeps only its bookkeeping:
+
+- :class:`SimCheckpointStore` has :class:`kvtier.cache.tiers.checkpoints.CheckpointStore`'s
+  methods and policies (per-tier budgets, counted in checkpoints; sparse-grid checkpoints dropped
+  before prompt and turn ends, least recently used first within a kind; tool-wait protection;
+  write-through to every tier) without payloads. Its copies are jobs of the worker's
+  :class:`~kvtier.bench.sim.copies.SimCopyEngine`, queued on the same modelled links as the KV
+  blocks: a save's host copy on the device -> host link, its disk copy on the storage link
+  (indexed when it ended, by :meth:`SimCheckpointStore.poll`); a host read on the host -> device
+  link, a disk read on the storage link then the host -> device link. A device read ends at once.
+  The pool waits for a read as it waits for a block load (the request stays LOADING), so a
+  restored checkpoint's load time is charged before the request runs.
+- :class:`SimHybridState` is the timed runner's ``hybrid``: the boundaries of
+  :meth:`kvtier.serve.hybrid_state.HybridState.boundaries` (the last page boundary of each prompt
+  chunk that reaches the sequence's end as ``TURN``, every ``state_checkpoint_tokens`` as
+  ``GRID``) and the last decode page boundary of a sequence that stops running (``TURN``), handed
+  to :meth:`kvtier.cache.pool.KVPool.save_checkpoint` after the step as the engine does. The
+  ``grid`` policy saves only the grid points.
+
+Bytes: under tensor parallelism each device holds ``1 / tp`` of a sequence's KDA state (its KDA
+heads) and copies its share over its own host link, as it loads its replica of the MLA blocks.
+So a host copy moves ``state_bytes / tp`` bytes per device (``link_bytes``), a disk copy the
+whole ``state_bytes`` through the node's storage link. The pool's cost model prices a checkpoint
+by ``checkpoint_bytes``: the per-device share in the pool's placeholder units (see
+:class:`~kvtier.bench.sim.copies.TierLinks`). The counters (``stats``) are in modelled bytes
+(``state_bytes`` per checkpoint, all devices together).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle
+from kvtier.cache.pool_stats import StateStats
+from kvtier.cache.prefix_index import Tier
+from kvtier.cache.tiers.checkpoints import CheckpointKind
+from kvtier.options import check_choice, check_int
+from kvtier.serve.hybrid_state import HybridState
+from kvtier.serve.request import SequenceStatus
+
+CHECKPOINT_POLICIES = ("turn", "grid")
+"""``turn``: prompt ends, turn ends and the grid (the engine's); ``grid``: the sparse grid only."""
+
+_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
+
+
+@dataclass
+class _Entry:
+    kind: CheckpointKind
+    last_use: float
+    tiers: set = field(default_factory=set)
+    protected: int = 0
+
+
+class SimCheckpointRead:
+    """A checkpoint read ending at a virtual time (the :class:`CheckpointRead` interface).
+
+    Attributes:
+        key, tier: what is read, from where.
+        payload: always None (no bytes are kept).
+        reason: ``"missing"`` for a read of a copy the store does not hold; ``""`` otherwise.
+    """
+
+    def __init__(self, key: bytes, tier: Tier, handle: SimCopyHandle | None, status: int = 0, reason: str = ""):
+        self.key, self.tier, self.payload = key, tier, None
+        self._handle, self._status, self.reason = handle, status, reason
+
+    def done(self) -> bool:
+        return self._handle is None or self._handle.done()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Stall the clock until the read ended (or ``timeout_s`` passed); True if it ended."""
+        return True if self._handle is None else self._handle.wait(timeout_s)
+
+    def result(self) -> int:
+        """0 once the read ended well (stalls until then); 1 for a missing copy."""
+        if self._handle is not None:
+            self._handle.result()
+        return self._status
+
+
+@dataclass(frozen=True)
+class CheckpointSizes:
+    """A hybrid model's checkpoint sizes and per-worker budgets (:mod:`kvtier.bench.sim.run` sizes them).
+
+    Attributes:
+        state_bytes: one sequence's KDA states and conv windows, all devices, bytes.
+        link_bytes: the share one device holds and copies over its host link, bytes.
+        checkpoint_tokens: the grid spacing, tokens.
+        device_checkpoints, host_checkpoints, disk_checkpoints: checkpoints each tier holds.
+        state_slots: state slots on the devices (one per running sequence).
+    """
+
+    state_bytes: int
+    link_bytes: float
+    checkpoint_tokens: int
+    device_checkpoints: int
+    host_checkpoints: int
+    disk_checkpoints: int
+    state_slots: int
+
+
+class SimCheckpointStore:
+    """State checkpoints in the device, host and disk tiers, without bytes (module docstring).
+
+    Args:
+        checkpoint_bytes: one checkpoint in the pool's units (what its cost model prices), > 0.
+        state_bytes: modelled bytes of one checkpoint, all devices (the counters' unit), > 0.
+        link_bytes: modelled bytes one device's host link moves per checkpoint (> 0).
+        copy_engine: the worker's copy engine (its clock and links).
+        device_slots, host_slots, disk_slots: checkpoints each tier holds (0 = none there).
+
+    Attributes:
+        stats: a :class:`kvtier.cache.pool_stats.StateStats`, bytes in modelled bytes.
+
+    Raises:
+        ValueError: a size or budget that is not a positive (budgets: non-negative) int.
+    """
+
+    def __init__(self, checkpoint_bytes: int, state_bytes: int, link_bytes: float, copy_engine: SimCopyEngine, *,
+                 device_slots: int = 0, host_slots: int = 0, disk_slots: int = 0):
+        self.checkpoint_bytes = check_int("checkpoint_bytes", checkpoint_bytes, min_value=1)
+        self.state_bytes = check_int("state_bytes", state_bytes, min_value=1)
+        if not link_bytes > 0:
+            raise ValueError(f"link_bytes must be > 0, got {link_bytes!r}")
+        self.link_bytes = float(link_bytes)
+        self.copies, self.clock = copy_engine, copy_engine.clock
+        self._capacity = {Tier.DEVICE: check_int("device_slots", device_slots, min_value=0),
+                          Tier.HOST: check_int("host_slots", host_slots, min_value=0),
+                          Tier.DISK: check_int("disk_slots", disk_slots, min_value=0)}
+        self._counts = dict.fromkeys(self._capacity, 0)
+        self._index: dict[bytes, _Entry] = {}
+        self._writes: list[tuple[bytes, SimCopyHandle]] = []  # disk writes in flight
+        self._copies: list[SimCopyHandle] = []  # host copies in flight (collected by poll)
+        self.stats = StateStats()
+        self.remote = None
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def tiers(self) -> list[Tier]:
+        return [t for t, cap in self._capacity.items() if cap]
+
+    def locate(self, key: bytes) -> Tier | None:
+        e = self._index.get(key)
+        return min(e.tiers) if e is not None and e.tiers else None
+
+    def where(self, key: bytes) -> list[Tier]:
+        e = self._index.get(key)
+        return sorted(e.tiers) if e is not None else []
+
+    def lookup_remote(self, keys: list[bytes]) -> int:
+        """No remote tier in the simulator: 0."""
+        return 0
+
+    def __len__(self) -> int:
+        return sum(1 for e in self._index.values() if e.tiers)
+
+    def count(self, tier: Tier) -> int:
+        return self._counts.get(tier, 0)
+
+    # ---- saves --------------------------------------------------------------------------------
+    def save(self, key: bytes, payload=None, kind: CheckpointKind = CheckpointKind.TURN) -> bool:
+        """Index checkpoint ``key`` in every tier with room (``payload`` is ignored): the device copy
+        at once, the host copy at once with its device -> host job queued, the disk copy once its
+        write job ended. A key already kept is raised to ``kind`` and touched. Returns whether it
+        was new.
+
+        Raises:
+            ValueError: ``key`` not a 16-byte block hash.
+        """
+        if not isinstance(key, bytes) or len(key) != 16:
+            raise ValueError(f"key must be a 16-byte block hash, got {key!r}")
+        e = self._index.get(key)
+        if e is not None and e.tiers:
+            e.kind, e.last_use = max(e.kind, kind), self.clock()
+            return False
+        e = self._index.setdefault(key, _Entry(kind, self.clock()))
+        e.kind, e.last_use = max(e.kind, kind), self.clock()
+        self.stats.saved[kind.name.lower()] += 1
+        for tier in (Tier.DEVICE, Tier.HOST):
+            if not self._capacity[tier]:
+                continue
+            if not self._make_room(tier):
+                self.stats.refused[_NAMES[tier]] += 1
+                continue
+            e.tiers.add(tier)
+            self._counts[tier] += 1
+            self.stats.bytes_written[_NAMES[tier]] += self.state_bytes
+            if tier == Tier.HOST:
+                self._copies.append(self.copies.submit_bytes("device->host", self.link_bytes))
+        if self._capacity[Tier.DISK]:
+            if self._make_room(Tier.DISK):
+                self._counts[Tier.DISK] += 1  # reserved now, indexed when the write ended
+                self._writes.append((key, self.copies.submit_bytes("disk", self.state_bytes)))
+            else:
+                self.stats.refused["disk"] += 1
+        return True
+
+    def poll(self, wait: bool = False) -> None:
+        """Index the disk writes that ended (all of them, stalling the clock, with ``wait``) and
+        collect the host copies that ended."""
+        copies, self._copies = self._copies, []
+        for handle in copies:
+            if wait or handle.done():
+                handle.result()
+            else:
+                self._copies.append(handle)
+        pending = []
+        for key, handle in self._writes:
+            if not (wait or handle.done()):
+                pending.append((key, handle))
+                continue
+            handle.result()
+            e = self._index.get(key)
+            if e is None:  # dropped meanwhile: give the reserved room back
+                self._counts[Tier.DISK] -= 1
+                continue
+            e.tiers.add(Tier.DISK)
+            self.stats.bytes_written["disk"] += self.state_bytes
+        self._writes = pending
+
+    # ---- reads --------------------------------------------------------------------------------
+    def read(self, key: bytes, tier: Tier) -> SimCheckpointRead:
+        """Start reading ``key`` from ``tier``: a device read ends now; a host read after its
+        host -> device job, a disk read after its storage job and then its host -> device job."""
+        e = self._index.get(key)
+        if e is None or tier not in e.tiers:
+            return SimCheckpointRead(key, tier, None, 1, "missing")
+        e.last_use = self.clock()
+        if tier == Tier.DEVICE:
+            return SimCheckpointRead(key, tier, None)
+        after = 0.0
+        if tier == Tier.DISK:
+            after = self.copies.submit_bytes("disk", self.state_bytes).end_s
+        return SimCheckpointRead(key, tier, self.copies.submit_bytes("host->device", self.link_bytes,
+                                                                     not_before=after))
+
+    def ended(self, read: SimCheckpointRead) -> bool:
+        """Account for ended ``read``: its bytes, or its failure (the copy dropped)."""
+        if read.result() == 0:
+            if read.tier in (Tier.HOST, Tier.DISK):
+                self.stats.bytes_loaded[_NAMES[read.tier]] += self.state_bytes
+            return True
+        self.stats.failures[read.reason if read.reason in self.stats.failures else "error"] += 1
+        self.drop(read.key, read.tier)
+        return False
+
+    # ---- eviction and protection --------------------------------------------------------------
+    def drop(self, key: bytes, tier: Tier) -> None:
+        e = self._index.get(key)
+        if e is None or tier not in e.tiers:
+            return
+        e.tiers.discard(tier)
+        self._counts[tier] -= 1
+        if not e.tiers and not e.protected and not any(k == key for k, _ in self._writes):
+            del self._index[key]
+
+    def protect(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            if k in self._index:
+                self._index[k].protected += 1
+
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            e = self._index.get(k)
+            if e is not None and e.protected:
+                e.protected -= 1
+                if not e.tiers and not e.protected and not any(w == k for w, _ in self._writes):
+                    del self._index[k]
+
+    def _make_room(self, tier: Tier) -> bool:
+        """Room for one more checkpoint in ``tier``, evicting its least valuable unprotected one
+        (grid before turn ends, least recently used first) when full."""
+        if self._counts[tier] < self._capacity[tier]:
+            return True
+        victims = [(e.kind, e.last_use, k) for k, e in self._index.items() if tier in e.tiers and not e.protected]
+        if not victims:
+            return False
+        self.drop(min(victims)[2], tier)
+        self.stats.evictions[_NAMES[tier]] += 1
+        return True
+
+    def drain_events(self) -> list:
+        """No KV events from the simulator's checkpoints."""
+        return []
+
+    def close(self) -> None:
+        self.poll(wait=True)
+
+
+class SimHybridState(HybridState):
+    """The timed runner's recurrent-state bookkeeping (module docstring): which checkpoints a step
+    yields, saved by :meth:`save` after it, as :class:`HybridState` does without the slots.
+
+    Args:
+        page_size: tokens per page.
+        checkpoint_tokens: the grid spacing (a multiple of ``page_size``), 0 for no checkpoints.
+        policy: :data:`CHECKPOINT_POLICIES`.
+
+    Raises:
+        ValueError: an unknown policy, or a grid that is not a non-negative multiple of ``page_size``.
+    """
+
+    def __init__(self, page_size: int, checkpoint_tokens: int, policy: str = "turn"):  # no slots: no super()
+        check_int("page_size", page_size, min_value=1)
+        check_int("checkpoint_tokens", checkpoint_tokens, min_value=0)
+        if checkpoint_tokens % page_size:
+            raise ValueError(f"checkpoint_tokens must be a multiple of page_size={page_size}, got {checkpoint_tokens}")
+        self.page_size, self.checkpoint_tokens = page_size, checkpoint_tokens
+        self.policy = check_choice("policy", policy, CHECKPOINT_POLICIES)
+        self._taken: list = []  # (seq, boundary, kind) to save after the step
+        self._last: dict[int, tuple] = {}  # seq_id -> (seq, its last decode page boundary)
+
+    def ran(self, batch, checkpoints=None) -> None:
+        """Note the checkpoints ``batch`` yields (call before its sequences advance)."""
+        if not self.checkpoint_tokens:
+            return
+        for seq, n in batch.extends:
+            for boundary, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens):
+                if kind == CheckpointKind.TURN and self.policy == "grid":
+                    if boundary % self.checkpoint_tokens:
+                        continue
+                    kind = CheckpointKind.GRID
+                self._taken.append((seq, boundary, kind))
+        if self.policy == "turn":
+            for seq in batch.decodes:
+                if (seq.num_computed_tokens + 1) % self.page_size == 0:
+                    self._last[seq.seq_id] = (seq, seq.num_computed_tokens + 1)
+
+    def save(self, pool) -> None:
+        """Hand ``pool`` the last step's checkpoints and the turn ends of the sequences that
+        stopped running (payloads None)."""
+        taken, self._taken = self._taken, []
+        for seq, boundary, kind in taken:
+            pool.save_checkpoint(seq.kv, boundary, None, kind)
+        for seq_id, (seq, boundary) in list(self._last.items()):
+            if seq.status is SequenceStatus.RUNNING:
+                continue
+            del self._last[seq_id]
+            if seq.finish_reason not in ("abort", "error") and boundary <= seq.num_tokens:
+                pool.save_checkpoint(seq.kv, boundary, None, CheckpointKind.TURN)
+
+
+__all__ = ["CHECKPOINT_POLICIES", "CheckpointSizes", "SimCheckpointRead", "SimCheckpointStore", "SimHybridState"]

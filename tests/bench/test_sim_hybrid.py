@@ -1,0 +1,97 @@
+"""The simulator on a hybrid model: ``kimi-k3-mi355x-128`` at a small scale (K3's real sizes,
+a few 400K-token sessions), its byte-less checkpoint store and the grid-only policy."""
+
+import pytest
+from kvtier.bench.sim.copies import SimCopyEngine, TierLinks, VirtualClock
+from kvtier.bench.sim.hardware import Link
+from kvtier.bench.sim.run import SimOptions, run_scenario
+from kvtier.bench.sim.scenarios import SCENARIOS
+from kvtier.bench.sim.states import SimCheckpointStore, SimHybridState
+from kvtier.cache.prefix_index import Tier
+from kvtier.cache.tiers.checkpoints import CheckpointKind
+from kvtier.model.config import preset
+from kvtier.model.hybrid_plan import hybrid_memory_plan
+from kvtier.serve.hybrid_state import default_checkpoint_tokens
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    # 6 sessions, 3 at a time, 4 turns each: seconds on 2 cores
+    opts = SimOptions(scenario="kimi-k3-mi355x-128", sessions=6, concurrency=3, max_turns=4, ramp_s=10.0)
+    return run_scenario(opts)
+
+
+def test_scenario_has_k3_sizes(small_run):
+    scn, workload, sizing, runs, prov = small_run
+    plan = hybrid_memory_plan(preset("kimi-k3"), "mxfp4", 8, 288, parallel="tp")
+    assert scn.model == "kimi-k3" and [v.name for v in scn.variants] == ["device-only", "tiered", "tiered-grid-only"]
+    assert sizing.block_bytes == 256 * plan.kv_bytes_per_token == 256 * 27_648
+    states = sizing.states
+    assert states.state_bytes == plan.state_bytes_per_sequence == preset("kimi-k3").state_bytes_per_sequence()
+    assert states.link_bytes == states.state_bytes / 8
+    assert states.checkpoint_tokens == default_checkpoint_tokens(states.state_bytes, 27_648, 256) == 16_384
+    # the state slots and device checkpoints come out of the KV pages
+    held = (states.state_slots + states.device_checkpoints) * states.state_bytes / 8
+    assert sizing.device_pages == int((plan.free_bytes_per_device - held) // sizing.block_bytes)
+    assert all(t.input_tokens == 409_600 + 4096 * k for s in workload.sessions for k, t in enumerate(s.turns))
+    assert prov["per_variant"]["tiered"]["state"]["saved"]["turn"] > 0
+
+
+def test_checkpoints_saved_and_restored(small_run):
+    _, _, _, runs, _ = small_run
+    state = {sr.run.name: sr.state for sr in runs}
+    for name in ("device-only", "tiered", "tiered-grid-only"):
+        assert sum(state[name]["hits"].values()) > 0, name
+        assert state[name]["failures"] == dict.fromkeys(state[name]["failures"], 0)
+    assert state["tiered"]["saved"]["turn"] > 0 and state["tiered"]["saved"]["grid"] > 0
+    assert state["tiered"]["bytes_written"]["host"] > 0 and state["device-only"]["bytes_written"]["host"] == 0
+    # grid only: no prompt or turn ends, so more matched tokens are recomputed past the last grid point
+    assert state["tiered-grid-only"]["saved"]["turn"] == 0
+    assert state["tiered-grid-only"]["tokens_lost"] > state["tiered"]["tokens_lost"]
+    recomputed = {sr.run.name: sr.run.recomputed_tokens for sr in runs}
+    assert recomputed["tiered-grid-only"] > recomputed["tiered"]
+
+
+def _store(**slots):
+    clock = VirtualClock()
+    engine = SimCopyEngine(clock, TierLinks(1e6, Link(1e9, 1e-5), Link(1e8, 1e-4)))
+    return clock, SimCheckpointStore(100, 8_000_000, 1_000_000, engine, **slots)
+
+
+def test_store_reads_end_in_virtual_time():
+    clock, store = _store(device_slots=1, host_slots=2, disk_slots=2)
+    key = bytes(range(16))
+    assert store.save(key, None, CheckpointKind.TURN) and not store.save(key, None, CheckpointKind.GRID)
+    assert store.where(key) == [Tier.DEVICE, Tier.HOST]  # the disk copy is indexed once its write ended
+    store.poll(wait=True)
+    assert store.where(key) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
+    assert store.read(key, Tier.DEVICE).done()
+    read = store.read(key, Tier.DISK)
+    assert not read.done() and read.payload is None
+    start = clock.now
+    assert store.ended(read) and clock.now > start  # waiting stalls the clock to the read's end
+    assert store.stats.bytes_loaded["disk"] == 8_000_000
+    missing = store.read(bytes(16), Tier.HOST)
+    assert missing.done() and not store.ended(missing) and store.stats.failures["missing"] == 1
+
+
+def test_store_drops_grid_before_turn_ends():
+    _, store = _store(device_slots=2)
+    turn, grid, new = b"t" * 16, b"g" * 16, b"n" * 16
+    store.save(turn, None, CheckpointKind.TURN)
+    store.save(grid, None, CheckpointKind.GRID)
+    store.save(new, None, CheckpointKind.GRID)
+    assert store.locate(grid) is None and store.locate(turn) == Tier.DEVICE and store.locate(new) == Tier.DEVICE
+    store.protect([turn, new])
+    store.save(b"x" * 16, None, CheckpointKind.TURN)
+    assert store.stats.refused["device"] == 1 and store.stats.evictions["device"] == 1
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="key"):
+        _store(device_slots=1)[1].save(b"short", None, CheckpointKind.TURN)
+    with pytest.raises(ValueError, match="policy"):
+        SimHybridState(256, 16_384, "never")
+    with pytest.raises(ValueError, match="checkpoint_tokens"):
+        SimHybridState(256, 1000)
+    assert SCENARIOS["kimi-k3-mi355x-128"].state_checkpoint_tokens == 0
