@@ -167,7 +167,7 @@ def wrong_key(pool, backend, tier, key, other):
 
 # What each tier reports a damaged copy as (StateStats.failures keys). The native disk tier checks
 # header, size, key and CRC on every read and reports each failed check as CORRUPT, as does the
-# remote tier's value check: "short" and "key" are never produced by these tiers.
+# remote tier's value check: a short read or a wrong key is a failed check ("corrupt").
 FAULTS = {"missing": (lose, "missing"), "corrupt": (corrupt, "corrupt"), "short": (shorten, "corrupt"),
           "wrong-key": (wrong_key, "corrupt")}
 

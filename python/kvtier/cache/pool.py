@@ -315,6 +315,29 @@ class KVPool:
         self.reuse.hash_blocks(kv, num_tokens // ps)
         return self.state.save(kv, num_tokens, payload, kind)
 
+    @property
+    def checkpoint_meta(self):
+        """The layout a state checkpoint travels in (:func:`kvtier.cache.tiers.checkpoints.checkpoint_meta`,
+        as ``meta`` is a block's); None for a pool without state checkpoints."""
+        return None if self.state is None else self.state.store.meta
+
+    def export_checkpoint(self, block_hash: bytes):
+        """The state checkpoint after block ``block_hash`` (16 bytes, the block before its boundary)
+        as a ``[state_checkpoint_bytes]`` uint8 CPU tensor, for another worker; None when this
+        pool keeps no states, holds no such checkpoint or could not read it back."""
+        return None if self.state is None else self.state.export(block_hash)
+
+    def import_checkpoints(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
+        """Keep checked checkpoints ``(block hash, payload bytes)`` another worker sent (as turn
+        ends, in every tier with room); counts ``{"stored", "duplicate", "refused"}``.
+
+        Raises:
+            ValueError: this pool keeps no states.
+        """
+        if self.state is None:
+            raise ValueError("import_checkpoints needs a pool with state checkpoints")
+        return self.state.import_(values)
+
     # ---- the load decision's costs -----------------------------------------------------------
     def recompute_s(self, num_tokens: int) -> float:
         """Seconds the cost model expects prefilling ``num_tokens`` tokens to take (its measured

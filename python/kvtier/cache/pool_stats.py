@@ -51,8 +51,10 @@ class StateStats:
         evictions: checkpoints dropped from each tier to make room.
         refused: checkpoints not stored in a tier (no room: everything there is protected or
             larger than the budget), by tier.
-        failures: restores that failed their check, by reason (``missing``, ``corrupt``,
-            ``short``, ``key``, ``error``); each one fell back to the last valid earlier point.
+        failures: checkpoint reads that failed, by reason: ``missing`` (gone from the tier),
+            ``corrupt`` (failed the disk or remote tier's check: CRC-32C, size or key, so a short
+            read or a value under another key counts here), ``error`` (the store failed or timed
+            out); each one fell back to the last valid earlier point.
         fallbacks: restores that fell back to an earlier point (or to token 0) after a failure
             or a missing MLA block.
         tokens_lost: prompt tokens whose MLA blocks were reachable but could not be reused
@@ -65,8 +67,7 @@ class StateStats:
     saved: dict[str, int] = field(default_factory=lambda: {"grid": 0, "turn": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     refused: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    failures: dict[str, int] = field(default_factory=lambda: {"missing": 0, "corrupt": 0, "short": 0, "key": 0,
-                                                              "error": 0})
+    failures: dict[str, int] = field(default_factory=lambda: {"missing": 0, "corrupt": 0, "error": 0})
     fallbacks: int = 0
     tokens_lost: int = 0
 

@@ -10,7 +10,7 @@ KV to attend to. So for a pool with state checkpoints (:class:`kvtier.cache.tier
   model takes the one that saves the most (:meth:`kvtier.cache.cost_model.CostModel.best_resume_point`).
   Matched MLA tokens past the last reachable checkpoint are counted as lost (``tokens_lost``).
 - **restoring**: the checkpoint read starts beside the block loads; the prefix is placed only when
-  both ended well. A checkpoint that fails its check (missing, corrupt, short, wrong key) or a
+  both ended well. A checkpoint that fails its check (missing, or corrupt: CRC, size, key) or a
   block load that failed falls back to the longest earlier point whose blocks loaded and whose
   checkpoint reads back (read then, synchronously), down to token 0; each fallback is counted.
 - **retention**: a session waiting on a tool keeps its last checkpoint protected in every tier
@@ -21,6 +21,8 @@ The restored state reaches the caller as ``KVState.restored_state`` (the checkpo
 """
 
 from __future__ import annotations
+
+import torch
 
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.prefix_index import Tier
@@ -122,6 +124,29 @@ class StateReuse:
         """Store ``payload`` as the checkpoint after ``kv``'s first ``num_tokens`` tokens (its block
         hashes must reach that far). Returns whether it was new."""
         return self.store.save(kv.block_hashes[num_tokens // self.page_size - 1], payload, kind)
+
+    # ---- checkpoints for another worker (P/D transfer) ----------------------------------------
+    def export(self, key: bytes):
+        """Checkpoint ``key``'s bytes (a ``[checkpoint_bytes]`` uint8 CPU tensor) read from its
+        fastest tier, or None when no tier holds it or the read failed."""
+        tier = self.store.locate(key)
+        if tier is None:
+            return None
+        read = self.store.read(key, tier)
+        read.wait()
+        return read.payload.cpu() if self.store.ended(read) else None
+
+    def import_(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
+        """Keep checked checkpoints ``(key, payload bytes)`` from another worker as turn ends;
+        counts ``{"stored", "duplicate", "refused"}`` (refused: no tier had room)."""
+        counts = {"stored": 0, "duplicate": 0, "refused": 0}
+        for key, raw in values:
+            if self.store.locate(key) is not None:
+                counts["duplicate"] += 1
+                continue
+            self.store.save(key, torch.frombuffer(bytearray(raw), dtype=torch.uint8), CheckpointKind.TURN)
+            counts["stored" if self.store.locate(key) is not None or self.store.pending(key) else "refused"] += 1
+        return counts
 
     # ---- tool-aware retention -----------------------------------------------------------------
     def tool_wait(self, session_id, hashes: list[bytes]) -> None:

@@ -11,10 +11,11 @@ LOGPROB_ATOL = 1e-4
 PAGE_SIZE = 16
 
 
-def turn(url: str, messages: list[dict], session: str, max_tokens: int = 6) -> tuple[dict, dict | None]:
+def turn(url: str, messages: list[dict], session: str, max_tokens: int = 6,
+         model: str = "tiny") -> tuple[dict, dict | None]:
     """``(response body, transfer report from the x-kvtier-transfer header or None)``."""
     r = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={"x-session-id": session},
-                   json={"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+                   json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
                          "logprobs": True, "ignore_eos": True})
     assert r.status_code == 200, r.text
     header = r.headers.get("x-kvtier-transfer")

@@ -76,11 +76,3 @@ def test_corrupt_values_are_counted_never_registered(pd):
 def test_roles_need_prefix_caching(role, capsys):
     assert main(["serve", "tiny", "--role", role, "--no-prefix-caching"]) == 2
     assert f"--role {role} needs prefix caching" in capsys.readouterr().err
-
-
-def test_a_decode_role_of_a_hybrid_model_does_not_start(tok_dir, capsys):
-    """A hybrid KDA + MLA model reuses a prefix only with the state checkpoint at its end, which the
-    P/D transfer does not move: a P/D role would place blocks without their state; it is refused."""
-    assert main(["serve", "tiny-k3", "--tokenizer", str(tok_dir), "--role", "decode", "--port", "0"]) == 2
-    err = capsys.readouterr().err
-    assert "--role decode: this is a hybrid KDA + MLA model" in err and "--role both" in err

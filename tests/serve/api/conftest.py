@@ -60,13 +60,13 @@ class Server:
         return used
 
 
-def start_server(tmp_path: Path, *args: str) -> Server:
-    """Start ``kvtier serve tiny --port 0 ARGS`` and wait until ``/health`` answers."""
+def start_server(tmp_path: Path, *args: str, model: str = "tiny") -> Server:
+    """Start ``kvtier serve MODEL --port 0 ARGS`` and wait until ``/health`` answers."""
     if not (TOKENIZER_DIR / "tiktoken.model").is_file():
         pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
     log = tmp_path / "server.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "kvtier.cli", "serve", "tiny", "--tokenizer", str(TOKENIZER_DIR),
+    cmd = [sys.executable, "-m", "kvtier.cli", "serve", model, "--tokenizer", str(TOKENIZER_DIR),
            "--host", "127.0.0.1", "--port", "0", *args]
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)

@@ -81,8 +81,8 @@ class CheckpointRead:
         key, tier: what is read, from where.
         payload: the ``[checkpoint_bytes]`` uint8 bytes once ``result() == 0`` (on the device for
             a device read, CPU otherwise); undefined otherwise.
-        reason: why it failed (``missing``, ``corrupt``, ``short``, ``key``, ``error``), once done
-            with a non-zero result; ``""`` while running or after success.
+        reason: why it failed (``missing``; ``corrupt``: failed the tier's CRC, size or key check;
+            ``error``), once done with a non-zero result; ``""`` while running or after success.
     """
 
     def __init__(self, key: bytes, tier: Tier, payload: torch.Tensor | None, future: Future | None = None,
@@ -234,6 +234,10 @@ class CheckpointStore:
                 self._gain(self._entry(k, CheckpointKind.GRID), k, Tier.REMOTE, 0)
                 found += 1
         return found
+
+    def pending(self, key: bytes) -> bool:
+        """Whether a disk or remote write of ``key`` is in flight (indexed by :meth:`poll` when it ends)."""
+        return any(k == key for k, _, _ in self._writes)
 
     def __len__(self) -> int:
         return sum(1 for e in self._index.values() if e.slots)

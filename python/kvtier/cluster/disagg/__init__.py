@@ -55,7 +55,9 @@ def check_compatible(infos: dict[str, dict], info: dict) -> None:
         ValueError: one that does not, named with both layouts and salts.
     """
     for u, theirs in infos.items():
-        if theirs.get("layout") != info["layout"] or theirs.get("salt") != info["salt"]:
-            raise ValueError(f"--decode-workers: {u} has block layout {theirs.get('layout')} and salt "
-                             f"{theirs.get('salt')}, this worker {info['layout']} and {info['salt']} (another "
+        if theirs.get("layout") != info["layout"] or theirs.get("salt") != info["salt"] \
+                or theirs.get("state_layout") != info.get("state_layout"):
+            raise ValueError(f"--decode-workers: {u} has block layout {theirs.get('layout')}, state checkpoint "
+                             f"layout {theirs.get('state_layout')} and salt {theirs.get('salt')}, this worker "
+                             f"{info['layout']}, {info.get('state_layout')} and {info['salt']} (another "
                              "model, dtype, page size or --cache-salt): it could never use these blocks")

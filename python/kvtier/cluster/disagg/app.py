@@ -22,7 +22,7 @@ def make_worker_app(model: str, *, role: str = "both", decode_workers: list[str]
 
     Raises:
         ValueError: an unknown ``role``, a P/D role without prefix caching (asked for, or a model
-            whose engine runs without it) or for a hybrid model (the transfer moves no state checkpoints), a prefill worker
+            whose engine runs without it), a prefill worker
             without a reachable, compatible decode worker, or what ``make_app`` raises.
     """
     check_role(role)
@@ -36,11 +36,6 @@ def make_worker_app(model: str, *, role: str = "both", decode_workers: list[str]
         if not engine.config.pool.enable_prefix_caching:
             raise ValueError(f"--role {role} needs prefix caching (blocks are sent and found by their hash), "
                              "which this model's engine runs without; serve it with --role both")
-        if engine.pool.keeps_states:  # a hybrid KDA + MLA model: the transfer moves blocks, not states
-            raise ValueError(f"--role {role}: this is a hybrid KDA + MLA model, whose prefixes are reused only with "
-                             "the recurrent-state checkpoint at their end, and the P/D transfer moves MLA blocks "
-                             "only; serve it with --role both (several workers still share its checkpoints "
-                             "through --remote-cache-url)")
         if role == "prefill":
             check_compatible(decoders, worker_info(engine, role))
 

@@ -4,7 +4,8 @@ Every role answers ``GET /v1/kv/info`` (role, block layout, salt digest). Worker
 (``decode``, ``both``) take blocks: ``POST /v1/kv/held`` (JSON ``{"block_hashes": [hex, ...]}``
 -> ``{"held": n}``, the leading blocks held in a local tier) and ``POST /v1/kv/blocks`` (a stream
 of checked wire values, see :mod:`kvtier.cluster.disagg.blocks`, each registered as soon as it is
-complete). A ``prefill`` worker answers ``POST /v1/kv/prefill/chat/completions`` and
+complete); a hybrid model's worker also takes state checkpoints (``POST /v1/kv/states``, values of
+the checkpoint layout, kept as turn ends). A ``prefill`` worker answers ``POST /v1/kv/prefill/chat/completions`` and
 ``/v1/kv/prefill/completions`` (the OpenAI body; the target in the ``x-kvtier-decode-url``
 header, one of its ``--decode-workers``) with the first token and the transfer's report; it
 refuses plain ``/v1/chat/completions`` and ``/v1/completions`` with a 400 that says where to send
@@ -53,8 +54,9 @@ def check_role(role) -> str:
 def worker_info(engine, role: str) -> dict:
     """What ``/v1/kv/info`` answers: the role, block layout and a digest of the block-hash salt
     (workers exchange blocks only when both match)."""
-    m = engine.pool.meta
+    m, sm = engine.pool.meta, engine.pool.checkpoint_meta
     return {"role": role, "layout": dataclasses.asdict(m),
+            "state_layout": None if sm is None else dataclasses.asdict(sm),
             "salt": hashlib.sha256(engine.block_hash_salt).hexdigest()[:32]}
 
 
@@ -97,6 +99,19 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
         reader.close()
         counts.update(corrupt=reader.corrupt, truncated=reader.truncated)
         metrics.observe_import(counts, nbytes)
+        return counts
+
+    if pool.checkpoint_meta is None:
+        return
+
+    @app.post("/v1/kv/states")
+    async def states(request: Request):
+        reader = ValueReader(pool.checkpoint_meta)
+        good = reader.feed(await request.body())
+        reader.close()
+        counts = await worker.call(lambda: pool.import_checkpoints(good)) if good else \
+            {"stored": 0, "duplicate": 0, "refused": 0}
+        counts.update(corrupt=reader.corrupt, truncated=reader.truncated)
         return counts
 
 

@@ -4,7 +4,9 @@ The engine thread hands the transfer batches of newly computed full blocks (afte
 chunk, :meth:`Transfer.offer`) and returns to the next chunk at once; the transfer's thread
 first asks the decode worker which leading blocks it already holds (``POST /v1/kv/held``), then
 sends every offered block at or past that point (``POST /v1/kv/blocks``), so sending overlaps
-the following chunks. A failed or timed-out call ends sending for this turn: the blocks not
+the following chunks. For a hybrid model, the state checkpoint at the end of the reusable blocks
+follows them (``POST /v1/kv/states``, :meth:`Transfer.offer_state`): without it the decode worker
+could not use them. A failed or timed-out call ends sending for this turn: the blocks not
 delivered are counted as ``lost`` and the decode worker recomputes them. Nothing here ever makes
 the engine thread wait on the network.
 
@@ -46,6 +48,8 @@ class TransferReport:
     full_prompt_bytes: int = 0  # what sending every needed block would move
     overlapped_s: float = 0.0
     exposed_s: float = 0.0
+    states_sent: int = 0  # state checkpoints sent (a hybrid model: the one after the last reusable block)
+    states_stored: int = 0  # ... that the decode worker kept
     failed: bool = False
     error: str | None = None
 
@@ -62,6 +66,7 @@ class Transfer:
         hashes: the block hashes of the prompt's reusable full blocks, in order.
         meta: the block layout.
         timeout_s: limit of each call to the decode worker.
+        state_meta: the layout of a state checkpoint (a hybrid model), or None.
         client: the httpx client to use (shared by a worker's transfers).
     """
 
@@ -70,6 +75,7 @@ class Transfer:
     meta: BlockMeta
     timeout_s: float
     client: httpx.Client
+    state_meta: BlockMeta | None = None
     exported: int = 0  # blocks offered so far (engine thread)
     held: int | None = None  # set by the transfer thread once the decode worker answered
     prefill_end: float | None = None
@@ -91,6 +97,11 @@ class Transfer:
         """Blocks ``start..start+len(hashes)`` (payloads back to back in ``payload``) are ready."""
         self._queue.put((start, hashes, payload))
 
+    def offer_state(self, key: bytes, payload) -> None:
+        """The state checkpoint keyed ``key`` (the block before its boundary) is ready: sent after
+        the blocks offered before it."""
+        self._queue.put(("state", key, payload))
+
     def end(self, ok: bool = True) -> None:
         """No more blocks: the prefill ended (``ok``) or the rest cannot be exported."""
         self.prefill_end = time.perf_counter()
@@ -109,6 +120,9 @@ class Transfer:
             if item is _END:
                 break
             if r.failed:
+                continue
+            if item[0] == "state":
+                self._send_state(item[1], item[2])
                 continue
             start, hashes, payload = item
             self._send(start, hashes, payload)
@@ -140,6 +154,23 @@ class Transfer:
         self.report.blocks_sent += len(hashes) - skip
         self.report.bytes_sent += len(body)
         self.report.blocks_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
+
+    def _send_state(self, key: bytes, payload) -> None:
+        body = encode_values([key], payload, self.state_meta)
+        t0 = time.perf_counter()
+        try:
+            resp = self.client.post(f"{self.decode_url}/v1/kv/states", content=body, timeout=self.timeout_s,
+                                    headers={"content-type": "application/octet-stream"})
+            resp.raise_for_status()
+            stored = resp.json()
+        except Exception as e:  # noqa: BLE001 - the decode worker recomputes the prompt then
+            self._sends.append((t0, time.perf_counter()))
+            self._fail(e)
+            return
+        self._sends.append((t0, time.perf_counter()))
+        self.report.states_sent += 1
+        self.report.bytes_sent += len(body)
+        self.report.states_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
 
     def _fail(self, e: Exception) -> None:
         self.report.failed = True

@@ -55,7 +55,8 @@ class PrefillWorker(EngineWorker):
         hashes = seq.block_hashes[:needed]  # hashed once, when the prompt was appended
         if len(hashes) < needed:
             hashes = block_hashes(seq.prompt_token_ids[:needed * ps], ps, None, self.engine.block_hash_salt + seq.kv.salt)
-        job.transfer = Transfer(job.decode_url, hashes, self.engine.pool.meta, self.transfer_timeout_s, self.client)
+        job.transfer = Transfer(job.decode_url, hashes, self.engine.pool.meta, self.transfer_timeout_s, self.client,
+                                self.engine.pool.checkpoint_meta)
         job.transfer.start()
         self._transfers[job.request_id] = (job, seq)
 
@@ -64,6 +65,7 @@ class PrefillWorker(EngineWorker):
             gone = rid in finished or self.engine.sequence(rid) is None
             self._export(job.transfer, seq)
             if gone:
+                self._export_state(job.transfer)
                 job.transfer.end()
                 del self._transfers[rid]
         super()._progress(finished)
@@ -79,6 +81,15 @@ class PrefillWorker(EngineWorker):
             else:
                 t.offer(start, *got)
         t.exported = max(t.exported, avail)
+
+    def _export_state(self, t: Transfer) -> None:
+        """A hybrid model's checkpoint after the prompt's last reusable block, if the pool kept it
+        (saved at the end of the step that finished the prefill)."""
+        if t.state_meta is None or not t.hashes:
+            return
+        payload = self.engine.pool.export_checkpoint(t.hashes[-1])
+        if payload is not None:
+            t.offer_state(t.hashes[-1], payload)
 
     def _fail_all(self, message: str) -> None:
         for job, _ in self._transfers.values():
