@@ -105,7 +105,8 @@ class SimWorker:
             store = SimCheckpointStore(max(1, round(states.link_bytes * scale)), states.state_bytes, states.link_bytes,
                                        self.copy_engine, device_slots=states.device_checkpoints,
                                        host_slots=states.host_checkpoints if pool_config.host_cache_bytes else 0,
-                                       disk_slots=states.disk_checkpoints if disk is not None else 0)
+                                       disk_slots=states.disk_checkpoints if disk is not None else 0,
+                                       counted_bytes=states.state_bytes * scale)
             pool_config = dataclasses.replace(pool_config, state_checkpoint_bytes=store.checkpoint_bytes,
                                               state_checkpoint_tokens=states.checkpoint_tokens)
             self.runner.hybrid = SimHybridState(config.pool.page_size, states.checkpoint_tokens, checkpoints)

@@ -211,9 +211,15 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
 
 
 def state_counters(workers: list[SimWorker]) -> dict | None:
-    """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields) added
-    up; None when no worker's pool keeps states."""
-    stats = [dataclasses.asdict(w.pool.state.store.stats) for w in workers if w.pool.keeps_states]
+    """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields, bytes
+    in modelled bytes) added up; None when no worker's pool keeps states."""
+    stats = []
+    for w in workers:
+        if w.pool.keeps_states:
+            s = dataclasses.asdict(w.pool.state.store.stats)
+            for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
+                s[k] = {n: round(v * w.bytes_scale) for n, v in s[k].items()}
+            stats.append(s)
     if not stats:
         return None
     total = stats[0]

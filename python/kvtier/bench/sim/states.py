@@ -26,8 +26,9 @@ heads) and copies its share over its own host link, as it loads its replica of t
 So a host copy moves ``state_bytes / tp`` bytes per device (``link_bytes``), a disk copy the
 whole ``state_bytes`` through the node's storage link. The pool's cost model prices a checkpoint
 by ``checkpoint_bytes``: the per-device share in the pool's placeholder units (see
-:class:`~kvtier.bench.sim.copies.TierLinks`). The counters (``stats``) are in modelled bytes
-(``state_bytes`` per checkpoint, all devices together).
+:class:`~kvtier.bench.sim.copies.TierLinks`). The byte counters (``stats``) count ``counted_bytes`` per checkpoint: a
+worker's store counts ``state_bytes`` (all devices together) in its pool's placeholder units, as
+its KV counters, so reports scale both alike.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class SimCheckpointStore:
         link_bytes: modelled bytes one device's host link moves per checkpoint (> 0).
         copy_engine: the worker's copy engine (its clock and links).
         device_slots, host_slots, disk_slots: checkpoints each tier holds (0 = none there).
+        counted_bytes: what the byte counters add per checkpoint (default ``state_bytes``; a
+            worker counts in its pool's placeholder units, as its KV counters).
 
     Attributes:
         stats: a :class:`kvtier.cache.pool_stats.StateStats`, bytes in modelled bytes.
@@ -123,12 +126,13 @@ class SimCheckpointStore:
     """
 
     def __init__(self, checkpoint_bytes: int, state_bytes: int, link_bytes: float, copy_engine: SimCopyEngine, *,
-                 device_slots: int = 0, host_slots: int = 0, disk_slots: int = 0):
+                 device_slots: int = 0, host_slots: int = 0, disk_slots: int = 0, counted_bytes: float | None = None):
         self.checkpoint_bytes = check_int("checkpoint_bytes", checkpoint_bytes, min_value=1)
         self.state_bytes = check_int("state_bytes", state_bytes, min_value=1)
         if not link_bytes > 0:
             raise ValueError(f"link_bytes must be > 0, got {link_bytes!r}")
         self.link_bytes = float(link_bytes)
+        self._counted = state_bytes if counted_bytes is None else counted_bytes
         self.copies, self.clock = copy_engine, copy_engine.clock
         self._capacity = {Tier.DEVICE: check_int("device_slots", device_slots, min_value=0),
                           Tier.HOST: check_int("host_slots", host_slots, min_value=0),
@@ -189,7 +193,7 @@ class SimCheckpointStore:
                 continue
             e.tiers.add(tier)
             self._counts[tier] += 1
-            self.stats.bytes_written[_NAMES[tier]] += self.state_bytes
+            self.stats.bytes_written[_NAMES[tier]] += self._counted
             if tier == Tier.HOST:
                 self._copies.append(self.copies.submit_bytes("device->host", self.link_bytes))
         if self._capacity[Tier.DISK]:
@@ -220,7 +224,7 @@ class SimCheckpointStore:
                 self._counts[Tier.DISK] -= 1
                 continue
             e.tiers.add(Tier.DISK)
-            self.stats.bytes_written["disk"] += self.state_bytes
+            self.stats.bytes_written["disk"] += self._counted
         self._writes = pending
 
     # ---- reads --------------------------------------------------------------------------------
@@ -243,7 +247,7 @@ class SimCheckpointStore:
         """Account for ended ``read``: its bytes, or its failure (the copy dropped)."""
         if read.result() == 0:
             if read.tier in (Tier.HOST, Tier.DISK):
-                self.stats.bytes_loaded[_NAMES[read.tier]] += self.state_bytes
+                self.stats.bytes_loaded[_NAMES[read.tier]] += self._counted
             return True
         self.stats.failures[read.reason if read.reason in self.stats.failures else "error"] += 1
         self.drop(read.key, read.tier)
