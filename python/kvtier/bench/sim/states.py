@@ -33,29 +33,18 @@ its KV counters, so reports scale both alike.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle
 from kvtier.cache.pool_stats import StateStats
+from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.tiers.checkpoints import CheckpointKind
 from kvtier.options import check_choice, check_int
 from kvtier.serve.hybrid_state import HybridState
-from kvtier.serve.request import SequenceStatus
 
 CHECKPOINT_POLICIES = ("turn", "grid")
 """``turn``: prompt ends, turn ends and the grid (the engine's); ``grid``: the sparse grid only."""
 
-_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
-
-
-@dataclass
-class _Entry:
-    kind: CheckpointKind
-    last_use: float
-    tiers: set = field(default_factory=set)
-    protected: int = 0
 
 
 class SimCheckpointRead:
@@ -106,7 +95,7 @@ class CheckpointSizes:
     state_slots: int
 
 
-class SimCheckpointStore:
+class SimCheckpointStore(IndexedCheckpoints):
     """State checkpoints in the device, host and disk tiers, without bytes (module docstring).
 
     Args:
@@ -138,7 +127,7 @@ class SimCheckpointStore:
                           Tier.HOST: check_int("host_slots", host_slots, min_value=0),
                           Tier.DISK: check_int("disk_slots", disk_slots, min_value=0)}
         self._counts = dict.fromkeys(self._capacity, 0)
-        self._index: dict[bytes, _Entry] = {}
+        self.index = CheckpointIndex(self.clock)
         self._writes: list[tuple[bytes, SimCopyHandle]] = []  # disk writes in flight
         self._copies: list[SimCopyHandle] = []  # host copies in flight (collected by poll)
         self.stats = StateStats()
@@ -148,22 +137,13 @@ class SimCheckpointStore:
     def tiers(self) -> list[Tier]:
         return [t for t, cap in self._capacity.items() if cap]
 
-    def locate(self, key: bytes) -> Tier | None:
-        e = self._index.get(key)
-        return min(e.tiers) if e is not None and e.tiers else None
-
-    def where(self, key: bytes) -> list[Tier]:
-        e = self._index.get(key)
-        return sorted(e.tiers) if e is not None else []
 
     def lookup_remote(self, keys: list[bytes]) -> int:
         """No remote tier in the simulator: 0."""
         return 0
 
-    def __len__(self) -> int:
-        return sum(1 for e in self._index.values() if e.tiers)
-
     def count(self, tier: Tier) -> int:
+        """Copies held or reserved (a disk write in flight) in ``tier``."""
         return self._counts.get(tier, 0)
 
     # ---- saves --------------------------------------------------------------------------------
@@ -178,30 +158,29 @@ class SimCheckpointStore:
         """
         if not isinstance(key, bytes) or len(key) != 16:
             raise ValueError(f"key must be a 16-byte block hash, got {key!r}")
-        e = self._index.get(key)
-        if e is not None and e.tiers:
-            e.kind, e.last_use = max(e.kind, kind), self.clock()
+        e = self.index.add(key, kind)
+        if e.slots:
             return False
-        e = self._index.setdefault(key, _Entry(kind, self.clock()))
-        e.kind, e.last_use = max(e.kind, kind), self.clock()
         self.stats.saved[kind.name.lower()] += 1
         for tier in (Tier.DEVICE, Tier.HOST):
             if not self._capacity[tier]:
                 continue
             if not self._make_room(tier):
-                self.stats.refused[_NAMES[tier]] += 1
+                self.stats.refused[TIER_NAMES[tier]] += 1
                 continue
-            e.tiers.add(tier)
+            self.index.gain(key, tier)
             self._counts[tier] += 1
-            self.stats.bytes_written[_NAMES[tier]] += self._counted
+            self.stats.bytes_written[TIER_NAMES[tier]] += self._counted
             if tier == Tier.HOST:
                 self._copies.append(self.copies.submit_bytes("device->host", self.link_bytes))
         if self._capacity[Tier.DISK]:
             if self._make_room(Tier.DISK):
                 self._counts[Tier.DISK] += 1  # reserved now, indexed when the write ended
+                e.pending += 1
                 self._writes.append((key, self.copies.submit_bytes("disk", self.state_bytes)))
             else:
                 self.stats.refused["disk"] += 1
+        self.index.forget_if_idle(key)  # no tier took it
         return True
 
     def poll(self, wait: bool = False) -> None:
@@ -219,11 +198,8 @@ class SimCheckpointStore:
                 pending.append((key, handle))
                 continue
             handle.result()
-            e = self._index.get(key)
-            if e is None:  # dropped meanwhile: give the reserved room back
-                self._counts[Tier.DISK] -= 1
-                continue
-            e.tiers.add(Tier.DISK)
+            self.index.get(key).pending -= 1  # kept while its write ran
+            self.index.gain(key, Tier.DISK)
             self.stats.bytes_written["disk"] += self._counted
         self._writes = pending
 
@@ -231,10 +207,10 @@ class SimCheckpointStore:
     def read(self, key: bytes, tier: Tier) -> SimCheckpointRead:
         """Start reading ``key`` from ``tier``: a device read ends now; a host read after its
         host -> device job, a disk read after its storage job and then its host -> device job."""
-        e = self._index.get(key)
-        if e is None or tier not in e.tiers:
+        e = self.index.get(key)
+        if e is None or tier not in e.slots:
             return SimCheckpointRead(key, tier, None, 1, "missing")
-        e.last_use = self.clock()
+        self.index.touch(key)
         if tier == Tier.DEVICE:
             return SimCheckpointRead(key, tier, None)
         after = 0.0
@@ -247,49 +223,16 @@ class SimCheckpointStore:
         """Account for ended ``read``: its bytes, or its failure (the copy dropped)."""
         if read.result() == 0:
             if read.tier in (Tier.HOST, Tier.DISK):
-                self.stats.bytes_loaded[_NAMES[read.tier]] += self._counted
+                self.stats.bytes_loaded[TIER_NAMES[read.tier]] += self._counted
             return True
         self.stats.failures[read.reason if read.reason in self.stats.failures else "error"] += 1
         self.drop(read.key, read.tier)
         return False
 
     # ---- eviction and protection --------------------------------------------------------------
-    def drop(self, key: bytes, tier: Tier) -> None:
-        e = self._index.get(key)
-        if e is None or tier not in e.tiers:
-            return
-        e.tiers.discard(tier)
-        self._counts[tier] -= 1
-        if not e.tiers and not e.protected and not any(k == key for k, _ in self._writes):
-            del self._index[key]
-
-    def protect(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            if k in self._index:
-                self._index[k].protected += 1
-
-    def unprotect(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            e = self._index.get(k)
-            if e is not None and e.protected:
-                e.protected -= 1
-                if not e.tiers and not e.protected and not any(w == k for w, _ in self._writes):
-                    del self._index[k]
-
-    def _make_room(self, tier: Tier) -> bool:
-        """Room for one more checkpoint in ``tier``, evicting its least valuable unprotected one
-        (grid before turn ends, least recently used first) when full."""
-        if self._counts[tier] < self._capacity[tier]:
-            return True
-        victims = [(e.kind, e.last_use, k) for k, e in self._index.items() if tier in e.tiers and not e.protected]
-        if not victims:
-            return False
-        self.drop(min(victims)[2], tier)
-        self.stats.evictions[_NAMES[tier]] += 1
-        return True
-
     def drain_events(self) -> list:
-        """No KV events from the simulator's checkpoints."""
+        """No KV events from the simulator's checkpoints (nobody subscribes)."""
+        self.index.drain_events()
         return []
 
     def close(self) -> None:
@@ -316,8 +259,8 @@ class SimHybridState(HybridState):
             raise ValueError(f"checkpoint_tokens must be a multiple of page_size={page_size}, got {checkpoint_tokens}")
         self.page_size, self.checkpoint_tokens = page_size, checkpoint_tokens
         self.policy = check_choice("policy", policy, CHECKPOINT_POLICIES)
-        self._taken: list = []  # (seq, boundary, kind) to save after the step
-        self._last: dict[int, tuple] = {}  # seq_id -> (seq, its last decode page boundary)
+        self._taken: list = []  # (seq, boundary, None, kind) to save after the step (HybridState.save)
+        self._last: dict[int, tuple] = {}  # seq_id -> (seq, its last decode page boundary, None)
 
     def ran(self, batch, checkpoints=None) -> None:
         """Note the checkpoints ``batch`` yields (call before its sequences advance)."""
@@ -329,24 +272,11 @@ class SimHybridState(HybridState):
                     if boundary % self.checkpoint_tokens:
                         continue
                     kind = CheckpointKind.GRID
-                self._taken.append((seq, boundary, kind))
+                self._taken.append((seq, boundary, None, kind))  # no payload: no bytes kept
         if self.policy == "turn":
             for seq in batch.decodes:
                 if (seq.num_computed_tokens + 1) % self.page_size == 0:
-                    self._last[seq.seq_id] = (seq, seq.num_computed_tokens + 1)
-
-    def save(self, pool) -> None:
-        """Hand ``pool`` the last step's checkpoints and the turn ends of the sequences that
-        stopped running (payloads None)."""
-        taken, self._taken = self._taken, []
-        for seq, boundary, kind in taken:
-            pool.save_checkpoint(seq.kv, boundary, None, kind)
-        for seq_id, (seq, boundary) in list(self._last.items()):
-            if seq.status is SequenceStatus.RUNNING:
-                continue
-            del self._last[seq_id]
-            if seq.finish_reason not in ("abort", "error") and boundary <= seq.num_tokens:
-                pool.save_checkpoint(seq.kv, boundary, None, CheckpointKind.TURN)
+                    self._last[seq.seq_id] = (seq, seq.num_computed_tokens + 1, None)
 
 
 __all__ = ["CHECKPOINT_POLICIES", "CheckpointSizes", "SimCheckpointRead", "SimCheckpointStore", "SimHybridState"]

@@ -30,13 +30,11 @@ from the index.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
@@ -47,31 +45,12 @@ STATE_LAYOUT_CODE = 0x57A7E0
 """Layout code (bits 8-31 of :attr:`BlockMeta.dtype`) of a checkpoint file or value: it names their
 own namespace directory and key prefix, apart from every KV block layout."""
 
-_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
-
-
-class CheckpointKind(enum.IntEnum):
-    """Why a checkpoint was saved; under pressure lower kinds are dropped first."""
-
-    GRID = 0
-    """A point of the sparse grid (``state_checkpoint_tokens``)."""
-    TURN = 1
-    """The end of a prompt or of a finished turn: where a session's next request resumes."""
 
 
 def checkpoint_meta(checkpoint_bytes: int) -> BlockMeta:
     """The :class:`BlockMeta` a checkpoint file or remote value records (one ``checkpoint_bytes``
     row, layout :data:`STATE_LAYOUT_CODE`)."""
     return BlockMeta(1, 1, checkpoint_bytes, STATE_LAYOUT_CODE << 8, checkpoint_bytes)
-
-
-@dataclass
-class _Entry:
-    kind: CheckpointKind
-    last_use: float
-    slots: dict[Tier, int] = field(default_factory=dict)  # DEVICE/HOST: slot id; DISK/REMOTE: 0
-    protected: int = 0  # tool waits holding it
-    writing: int = 0    # disk/remote writes reading its host slot
 
 
 class CheckpointRead:
@@ -141,7 +120,7 @@ def _budget(name: str, value: int, nbytes: int, per_copy: int) -> int:
     return value // per_copy if value else 0
 
 
-class CheckpointStore:
+class CheckpointStore(IndexedCheckpoints):
     """Checkpoints of ``checkpoint_bytes`` bytes in the device, host, disk and remote tiers.
 
     Args:
@@ -187,20 +166,20 @@ class CheckpointStore:
         if remote is None and remote_url is not None:
             remote = open_remote(remote_url, self.meta, remote_timeout_s)
         self.remote = remote
-        self._index: dict[bytes, _Entry] = {}
-        self._events: list[tuple[bool, Tier, bytes]] = []  # (stored, tier, key), drained by the pool
+        self.index = CheckpointIndex(lambda: self.clock())
         self._counts = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
         self._capacity = {Tier.DEVICE: self.device.num_slots, Tier.HOST: 0 if self.host is None else self.host.num_slots,
                           Tier.DISK: self.disk_slots}
         # Reads on their own thread, so a restore never queues behind a save's writes. A host slot a
-        # write reads from is not evicted until the write ended (``_Entry.writing``).
+        # write reads from is not evicted until the write ended (``CheckpointEntry.pending``).
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-state-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-state-write")
-        self._writes: list[tuple[bytes, Tier, Future]] = []
+        self._writes: list[tuple[bytes, list[Tier], Future]] = []
         if self.disk is not None:
             for key, meta in self.disk.blocks():  # checkpoints a earlier run left: kept, dropped first
                 if meta == self.meta:
-                    self._gain(self._entry(key, CheckpointKind.GRID), key, Tier.DISK, 0)
+                    self.index.add(key, CheckpointKind.GRID)
+                    self.index.gain(key, Tier.DISK)
                     self._counts[Tier.DISK] += 1
 
     # ---- lookups ------------------------------------------------------------------------------
@@ -210,17 +189,6 @@ class CheckpointStore:
                 Tier.DISK: self.disk is not None, Tier.REMOTE: self.remote is not None}
         return [t for t in Tier if have[t]]
 
-    def locate(self, key: bytes) -> Tier | None:
-        """The fastest tier whose copy of checkpoint ``key`` is indexed, or None."""
-        e = self._index.get(key)
-        if e is None or not e.slots:
-            return None
-        return min(e.slots)
-
-    def where(self, key: bytes) -> list[Tier]:
-        """Every tier whose copy of ``key`` is indexed, fastest first."""
-        e = self._index.get(key)
-        return sorted(e.slots) if e is not None else []
 
     def lookup_remote(self, keys: list[bytes]) -> int:
         """Ask the remote store which of ``keys`` (not indexed anywhere yet) it holds and index
@@ -231,20 +199,16 @@ class CheckpointStore:
         found = 0
         for k, present in zip(ask, self.remote.exists(ask)):
             if present:
-                self._gain(self._entry(k, CheckpointKind.GRID), k, Tier.REMOTE, 0)
+                self.index.add(k, CheckpointKind.GRID)
+                self.index.gain(k, Tier.REMOTE)
                 found += 1
         return found
 
     def pending(self, key: bytes) -> bool:
         """Whether a disk or remote write of ``key`` is in flight (indexed by :meth:`poll` when it ends)."""
-        return any(k == key for k, _, _ in self._writes)
+        e = self.index.get(key)
+        return e is not None and e.pending > 0
 
-    def __len__(self) -> int:
-        return sum(1 for e in self._index.values() if e.slots)
-
-    def count(self, tier: Tier) -> int:
-        """Checkpoints indexed in ``tier``."""
-        return sum(1 for e in self._index.values() if tier in e.slots)
 
     # ---- saves --------------------------------------------------------------------------------
     def save(self, key: bytes, payload: torch.Tensor, kind: CheckpointKind) -> bool:
@@ -260,18 +224,15 @@ class CheckpointStore:
         if payload.dtype != torch.uint8 or payload.numel() != self.checkpoint_bytes:
             raise ValueError(f"payload must be {self.checkpoint_bytes} uint8 bytes, got {payload.numel()} "
                              f"{payload.dtype}")
-        e = self._index.get(key)
-        if e is not None and e.slots:
-            e.kind = max(e.kind, kind)
-            e.last_use = self.clock()
+        e = self.index.add(key, kind)
+        if e.slots:
             return False
-        e = self._entry(key, kind)
         self.stats.saved[kind.name.lower()] += 1
         n = self.checkpoint_bytes
         if self._make_room(Tier.DEVICE):
             slot = self.device.allocate()
             self.device.slot(slot).copy_(payload)
-            self._gain(e, key, Tier.DEVICE, slot)
+            self.index.gain(key, Tier.DEVICE, slot)
             self._counts[Tier.DEVICE] += 1
             self.stats.bytes_written["device"] += n
         elif self.device.num_slots:
@@ -282,7 +243,7 @@ class CheckpointStore:
                 slot = self.host.allocate()
                 host_copy = self.host.slot(slot)
                 host_copy.copy_(payload)
-                self._gain(e, key, Tier.HOST, slot)
+                self.index.gain(key, Tier.HOST, slot)
                 self._counts[Tier.HOST] += 1
                 self.stats.bytes_written["host"] += n
             else:
@@ -291,15 +252,12 @@ class CheckpointStore:
             if host_copy is None:
                 host_copy = aligned_empty(n)
                 host_copy.copy_(payload)
-            else:
-                e.writing += 1
-            self._write_below(key, e, host_copy, owned=Tier.HOST in e.slots)
-        elif not e.slots:  # no tier took it
-            del self._index[key]
+            self._write_below(key, e, host_copy)
+        self.index.forget_if_idle(key)  # no tier took it
         return True
 
-    def _write_below(self, key: bytes, e: _Entry, buf: torch.Tensor, owned: bool) -> None:
-        """Start the disk and remote writes of ``key`` from ``buf`` (its host slot when ``owned``)."""
+    def _write_below(self, key: bytes, e, buf: torch.Tensor) -> None:
+        """Start the disk and remote writes of ``key`` from ``buf`` (its host slot, or a copy)."""
         jobs = []
         if self.disk is not None:
             if self._make_room(Tier.DISK):
@@ -310,9 +268,8 @@ class CheckpointStore:
         if self.remote is not None:
             jobs.append(Tier.REMOTE)
         if not jobs:
-            if owned:
-                e.writing -= 1
             return
+        e.pending += 1
         meta, disk, remote = self.meta, self.disk, self.remote
 
         def run() -> dict[Tier, bool]:
@@ -324,48 +281,43 @@ class CheckpointStore:
                 out[Tier.REMOTE] = remote.put([key], buf).result()[0] == RemoteStatus.OK
             return out
 
-        self._writes.append((key, Tier.HOST if owned else Tier.DEVICE, self._writer.submit(run)))
+        self._writes.append((key, jobs, self._writer.submit(run)))
 
     def poll(self, wait: bool = False) -> None:
         """Index the disk and remote writes that ended (all of them, waiting, with ``wait``)."""
         pending = []
-        for key, owner, fut in self._writes:
+        for key, jobs, fut in self._writes:
             if not (wait or fut.done()):
-                pending.append((key, owner, fut))
+                pending.append((key, jobs, fut))
                 continue
             try:
                 ok = fut.result()
             except Exception:  # noqa: BLE001 - a failed write is a missing copy, never an error upward
-                ok = {}
-            e = self._index.get(key)
-            if e is not None and owner == Tier.HOST:
-                e.writing -= 1
+                ok = dict.fromkeys(jobs, False)
+            e = self.index.get(key)  # kept while its write ran (pending)
+            e.pending -= 1
             n = self.checkpoint_bytes
             for tier in (Tier.DISK, Tier.REMOTE):
                 if tier not in ok:
                     continue
                 if tier == Tier.DISK and not ok[tier]:
                     self._counts[Tier.DISK] -= 1
-                if ok[tier] and e is not None:
-                    self._gain(e, key, tier, 0)
-                    self.stats.bytes_written[_NAMES[tier]] += n
-                elif ok[tier] and tier == Tier.DISK:  # dropped meanwhile: remove the orphan file
-                    self.disk.remove(key)
-                    self._counts[Tier.DISK] -= 1
-                elif not ok[tier]:
-                    self.stats.refused[_NAMES[tier]] += 1
-            if e is not None and not e.slots and not e.writing and not e.protected:
-                del self._index[key]  # no tier kept it
+                if ok[tier]:
+                    self.index.gain(key, tier)
+                    self.stats.bytes_written[TIER_NAMES[tier]] += n
+                else:
+                    self.stats.refused[TIER_NAMES[tier]] += 1
+            self.index.forget_if_idle(key)  # no tier kept it
         self._writes = pending
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, key: bytes, tier: Tier) -> CheckpointRead:
         """Start reading checkpoint ``key`` from ``tier`` (device and host reads end at once).
         A failed read drops that copy from the index (see the module docstring)."""
-        e = self._index.get(key)
+        e = self.index.get(key)
         if e is None or tier not in e.slots:
             return self._failed(key, tier, "missing")
-        e.last_use = self.clock()
+        self.index.touch(key)
         n = self.checkpoint_bytes
         if tier == Tier.DEVICE:
             return CheckpointRead(key, tier, self.device.slot(e.slots[tier]).clone())
@@ -397,7 +349,7 @@ class CheckpointStore:
         status = read.result()
         if status == 0:
             if read.tier in (Tier.DISK, Tier.REMOTE):
-                self.stats.bytes_loaded[_NAMES[read.tier]] += self.checkpoint_bytes
+                self.stats.bytes_loaded[TIER_NAMES[read.tier]] += self.checkpoint_bytes
             return True
         self.stats.failures[read.reason if read.reason in self.stats.failures else "error"] += 1
         self.drop(read.key, read.tier)
@@ -407,70 +359,17 @@ class CheckpointStore:
         return CheckpointRead(key, tier, None, status=1, reason=reason)
 
     # ---- eviction and protection --------------------------------------------------------------
-    def drop(self, key: bytes, tier: Tier) -> None:
-        """Drop ``key``'s copy in ``tier`` (nothing when there is none)."""
-        e = self._index.get(key)
-        if e is None or tier not in e.slots:
-            return
-        slot = e.slots.pop(tier)
-        self._events.append((False, tier, key))
+    def _release(self, key: bytes, tier: Tier, slot: int) -> None:
         if tier == Tier.DEVICE:
             self.device.release(slot)
         elif tier == Tier.HOST:
             self.host.release(slot)
         elif tier == Tier.DISK:
             self.disk.remove(key)
-        if tier in self._counts:
-            self._counts[tier] -= 1
-        if not e.slots and not e.writing and not e.protected:
-            del self._index[key]
 
-    def protect(self, keys: Iterable[bytes]) -> None:
-        """Keep checkpoints ``keys`` (those stored) from eviction until :meth:`unprotect`."""
-        for k in keys:
-            if k in self._index:
-                self._index[k].protected += 1
-
-    def unprotect(self, keys: Iterable[bytes]) -> None:
-        for k in keys:
-            e = self._index.get(k)
-            if e is not None and e.protected:
-                e.protected -= 1
-                if not e.slots and not e.writing and not e.protected:
-                    del self._index[k]
-
-    def _make_room(self, tier: Tier) -> bool:
-        """Whether ``tier`` has room for one more checkpoint, evicting its least valuable
-        unprotected one (grid before turn ends, least recently used first) when full."""
-        cap = self._capacity[tier]
-        if cap == 0:
-            return False
-        if self._counts[tier] < cap:
-            return True
-        victims = [(e.kind, e.last_use, k) for k, e in self._index.items()
-                   if tier in e.slots and not e.protected and not (tier == Tier.HOST and e.writing)]
-        if not victims:
-            return False
-        _, _, key = min(victims)
-        self.drop(key, tier)
-        self.stats.evictions[_NAMES[tier]] += 1
-        return True
-
-    def _gain(self, e: _Entry, key: bytes, tier: Tier, slot: int) -> None:
-        e.slots[tier] = slot
-        self._events.append((True, tier, key))
-
-    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
-        """``(stored, tier, key)`` for each copy of a checkpoint gained or lost since the last call
-        (what :mod:`kvtier.cache.kv_events` publishes beside the blocks' events)."""
-        events, self._events = self._events, []
-        return events
-
-    def _entry(self, key: bytes, kind: CheckpointKind) -> _Entry:
-        e = self._index.get(key)
-        if e is None:
-            e = self._index[key] = _Entry(kind, self.clock())
-        return e
+    def _make_room(self, tier: Tier, skip=None) -> bool:
+        """As :meth:`IndexedCheckpoints._make_room`; a host copy a write still reads is not dropped."""
+        return super()._make_room(tier, (lambda e: e.pending > 0) if tier == Tier.HOST else skip)
 
     def close(self) -> None:
         """Wait for the writes in flight and stop the I/O thread (the remote tier is the pool's)."""

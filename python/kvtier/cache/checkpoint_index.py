@@ -1,0 +1,214 @@
+"""Which tiers hold each recurrent-state checkpoint, and which one a full tier drops: the records and
+rules every checkpoint store shares (the pool's, :mod:`kvtier.cache.tiers.checkpoints`, and the
+simulator's byte-less one, :mod:`kvtier.bench.sim.states`).
+
+A checkpoint is keyed by the 16-byte block hash of the block before its boundary. Its entry holds
+its kind, when it was last used, its slot in each tier that holds it, how many tool waits protect
+it and how many writes of it are in flight. Eviction order: an unprotected copy of the lowest kind
+(:attr:`CheckpointKind.GRID` before :attr:`CheckpointKind.TURN`), least recently used first. An
+entry with no copy, no write in flight and no protection is forgotten. Every copy gained or lost is
+an event ``(stored, tier, key)`` (what :mod:`kvtier.cache.kv_events` publishes).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvtier.cache.prefix_index import Tier
+
+
+class CheckpointKind(enum.IntEnum):
+    """Why a checkpoint was saved; under pressure lower kinds are dropped first."""
+
+    GRID = 0
+    """A point of the sparse grid (``state_checkpoint_tokens``)."""
+    TURN = 1
+    """The end of a prompt or of a finished turn: where a session's next request resumes."""
+
+
+@dataclass
+class CheckpointEntry:
+    """One checkpoint's record: ``slots`` by tier (a device or host slot id; 0 in keyed tiers),
+    ``protected`` tool waits holding it, ``pending`` writes of it in flight."""
+
+    kind: CheckpointKind
+    last_use: float
+    slots: dict[Tier, int] = field(default_factory=dict)
+    protected: int = 0
+    pending: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not (self.slots or self.pending or self.protected)
+
+
+class CheckpointIndex:
+    """Checkpoint entries by key, with the eviction order and events (see the module docstring).
+
+    Args:
+        clock: seconds, monotonic (recency of use).
+    """
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.entries: dict[bytes, CheckpointEntry] = {}
+        self._events: list[tuple[bool, Tier, bytes]] = []
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def get(self, key: bytes) -> CheckpointEntry | None:
+        return self.entries.get(key)
+
+    def locate(self, key: bytes) -> Tier | None:
+        """The fastest tier holding a copy of ``key``, or None."""
+        e = self.entries.get(key)
+        return min(e.slots) if e is not None and e.slots else None
+
+    def where(self, key: bytes) -> list[Tier]:
+        """Every tier holding a copy of ``key``, fastest first."""
+        e = self.entries.get(key)
+        return sorted(e.slots) if e is not None else []
+
+    def count(self, tier: Tier) -> int:
+        """Checkpoints with a copy in ``tier``."""
+        return sum(1 for e in self.entries.values() if tier in e.slots)
+
+    def __len__(self) -> int:
+        return sum(1 for e in self.entries.values() if e.slots)
+
+    # ---- changes ------------------------------------------------------------------------------
+    def add(self, key: bytes, kind: CheckpointKind) -> CheckpointEntry:
+        """``key``'s entry (made if new), raised to ``kind`` if higher and touched."""
+        e = self.entries.get(key)
+        if e is None:
+            e = self.entries[key] = CheckpointEntry(kind, self.clock())
+        else:
+            e.kind, e.last_use = max(e.kind, kind), self.clock()
+        return e
+
+    def touch(self, key: bytes) -> None:
+        e = self.entries.get(key)
+        if e is not None:
+            e.last_use = self.clock()
+
+    def gain(self, key: bytes, tier: Tier, slot: int = 0) -> None:
+        """``tier`` now holds a copy of ``key`` (its entry must exist) in ``slot``."""
+        self.entries[key].slots[tier] = slot
+        self._events.append((True, tier, key))
+
+    def lose(self, key: bytes, tier: Tier) -> int | None:
+        """``tier`` no longer holds ``key``: its slot (None when it held none). Forgets an idle entry."""
+        e = self.entries.get(key)
+        if e is None or tier not in e.slots:
+            return None
+        slot = e.slots.pop(tier)
+        self._events.append((False, tier, key))
+        self.forget_if_idle(key)
+        return slot
+
+    def forget_if_idle(self, key: bytes) -> None:
+        e = self.entries.get(key)
+        if e is not None and e.idle:
+            del self.entries[key]
+
+    def victim(self, tier: Tier, skip: Callable[[CheckpointEntry], bool] | None = None) -> bytes | None:
+        """The copy ``tier`` drops first: the unprotected entry of the lowest kind, least recently
+        used (``skip``: entries not to drop now); None when there is none."""
+        best = None
+        for k, e in self.entries.items():
+            if tier in e.slots and not e.protected and not (skip is not None and skip(e)):
+                rank = (e.kind, e.last_use)
+                if best is None or rank < best[0]:
+                    best = (rank, k)
+        return None if best is None else best[1]
+
+    def protect(self, keys: Iterable[bytes]) -> None:
+        """Keep ``keys`` (those indexed) from eviction until :meth:`unprotect`."""
+        for k in keys:
+            if k in self.entries:
+                self.entries[k].protected += 1
+
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None and e.protected:
+                e.protected -= 1
+                self.forget_if_idle(k)
+
+    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
+        """``(stored, tier, key)`` for each copy gained or lost since the last call."""
+        events, self._events = self._events, []
+        return events
+
+
+TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
+"""Tier names as :class:`kvtier.cache.pool_stats.StateStats` counts them."""
+
+
+class IndexedCheckpoints:
+    """What every checkpoint store does with its :class:`CheckpointIndex`: lookups, protection,
+    counted copies per tier within a capacity, and eviction to make room. A store sets ``index``,
+    ``stats`` (a :class:`kvtier.cache.pool_stats.StateStats`), ``_capacity`` (copies each tier
+    holds, by tier) and ``_counts`` (copies held or reserved now), and gives back a dropped copy's
+    storage in :meth:`_release`."""
+
+    index: CheckpointIndex
+    _capacity: dict[Tier, int]
+    _counts: dict[Tier, int]
+
+    def locate(self, key: bytes) -> Tier | None:
+        """The fastest tier whose copy of checkpoint ``key`` is indexed, or None."""
+        return self.index.locate(key)
+
+    def where(self, key: bytes) -> list[Tier]:
+        """Every tier whose copy of ``key`` is indexed, fastest first."""
+        return self.index.where(key)
+
+    def count(self, tier: Tier) -> int:
+        """Checkpoints indexed in ``tier``."""
+        return self.index.count(tier)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def protect(self, keys: Iterable[bytes]) -> None:
+        """Keep checkpoints ``keys`` (those stored) from eviction until :meth:`unprotect`."""
+        self.index.protect(keys)
+
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        self.index.unprotect(keys)
+
+    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
+        """``(stored, tier, key)`` for each copy gained or lost since the last call."""
+        return self.index.drain_events()
+
+    def drop(self, key: bytes, tier: Tier) -> None:
+        """Drop ``key``'s copy in ``tier`` (nothing when there is none)."""
+        slot = self.index.lose(key, tier)
+        if slot is None:
+            return
+        self._release(key, tier, slot)
+        if tier in self._counts:
+            self._counts[tier] -= 1
+
+    def _release(self, key: bytes, tier: Tier, slot: int) -> None:
+        """Give back the storage of ``key``'s dropped copy in ``tier`` (``slot``: its slot id)."""
+
+    def _make_room(self, tier: Tier, skip: Callable[[CheckpointEntry], bool] | None = None) -> bool:
+        """Whether ``tier`` has room for one more checkpoint, evicting its least valuable
+        unprotected copy (:meth:`CheckpointIndex.victim`, minus ``skip``) when full."""
+        cap = self._capacity.get(tier, 0)
+        if cap == 0:
+            return False
+        if self._counts[tier] < cap:
+            return True
+        key = self.index.victim(tier, skip)
+        if key is None:
+            return False
+        self.drop(key, tier)
+        self.stats.evictions[TIER_NAMES[tier]] += 1
+        return True
+
+
+__all__ = ["TIER_NAMES", "CheckpointEntry", "CheckpointIndex", "CheckpointKind", "IndexedCheckpoints"]
