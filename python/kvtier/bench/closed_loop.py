@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.cache.pool_stats import StateStats
 from kvtier.bench.workload import Session, Turn, Workload
 from kvtier.cache.eviction import ToolWaitEstimate
 from kvtier.serve.engine import Engine
@@ -255,4 +256,26 @@ def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, e
         copy_errors=sum(s.copy_errors for s in stats), evictions=total("evictions"),
         stores_refused=total("stores_refused"), preemptions=sum(s.scheduler.preemptions for s in snaps),
         device_pages=sum(e.config.pool.num_device_pages for e in engines),
-        working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency))
+        working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency),
+        state=sum_state_stats([s.state for s in stats], scales))
+
+
+def sum_state_stats(states: list[StateStats | None], bytes_scale: list[float]) -> StateStats | None:
+    """The checkpoint counters of several pools summed (their bytes each times its
+    ``bytes_scale``); None when no pool keeps states (every entry None)."""
+    kept = [(s, x) for s, x in zip(states, bytes_scale) if s is not None]
+    if not kept:
+        return None
+    total = StateStats()
+    for s, x in kept:
+        for name in ("hits", "saved", "evictions", "refused", "failures"):
+            mine = getattr(total, name)
+            for k, n in getattr(s, name).items():
+                mine[k] = mine.get(k, 0) + n
+        for name in ("bytes_loaded", "bytes_written"):
+            mine = getattr(total, name)
+            for k, n in getattr(s, name).items():
+                mine[k] = mine.get(k, 0) + round(n * x)
+        total.fallbacks += s.fallbacks
+        total.tokens_lost += s.tokens_lost
+    return total

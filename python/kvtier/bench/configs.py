@@ -9,16 +9,18 @@
 - ``tiered-tool-aware``: ``tiered`` with the tool-aware policy, told about tool waits.
 - ``no-cache``: no prefix caching at all (every prompt is prefilled in full).
 
-A hybrid KDA + MLA model (``--model tiny-k3``) runs without prefix reuse across requests (its
-engine keeps no KDA state with the cached pages yet, :mod:`kvtier.serve.hybrid_state`): only the
-configurations without a host or disk tier run (:func:`for_hybrid`), and ``device-only`` then
-computes every prompt in full as ``no-cache`` does.
+A hybrid KDA + MLA model (``--model tiny-k3``) runs every configuration: its pool keeps
+recurrent-state checkpoints beside the MLA blocks (:mod:`kvtier.cache.state_reuse`), and a prefix
+is reused only up to a boundary where both are reachable. ``device-only`` then keeps the MLA
+blocks in device pages and the checkpoints in device checkpoint slots (what an engine does by
+default); ``tiered`` adds the host and disk tiers for both. Each tier's checkpoint budget is
+its KV budget unless ``--state-device-bytes`` / ``--state-host-bytes`` / ``--state-disk-bytes``
+say otherwise; a configuration without a host or disk tier has no checkpoints there either.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from dataclasses import dataclass
 
 from kvtier.serve.config import EngineConfig
@@ -47,14 +49,22 @@ class BenchConfig:
     tool_aware: bool = False
 
     def engine_config(self, base: EngineConfig, host_cache_bytes: int, disk_dir: str | None,
-                      disk_cache_bytes: int) -> EngineConfig:
-        """``base`` with this configuration's pool fields."""
+                      disk_cache_bytes: int, state_host_bytes: int | None = None,
+                      state_disk_bytes: int | None = None) -> EngineConfig:
+        """``base`` with this configuration's pool fields.
+
+        ``state_host_bytes`` / ``state_disk_bytes``: the checkpoint budgets (bytes) of the host
+        and disk tiers of a hybrid model (None = the tier's KV budget); they apply only when this
+        configuration has that tier (else 0: no checkpoints there). ``base.pool`` carries the
+        grid spacing and the device checkpoint budget."""
         pool = dataclasses.replace(
             base.pool, enable_prefix_caching=self.enable_prefix_caching,
             host_cache_bytes=host_cache_bytes if self.host else 0,
             disk_cache_dir=disk_dir if self.disk else None,
             disk_cache_bytes=disk_cache_bytes if self.disk else 0,
-            cache_policy=self.cache_policy, write_policy=self.cache_write_policy)
+            cache_policy=self.cache_policy, write_policy=self.cache_write_policy,
+            state_host_bytes=state_host_bytes if self.host else 0,
+            state_disk_bytes=state_disk_bytes if self.disk else 0)
         return dataclasses.replace(base, pool=pool)
 
 
@@ -65,27 +75,6 @@ CONFIGS = {c.name: c for c in (
     BenchConfig("tiered-tool-aware", host=True, disk=True, cache_policy="tool-aware", tool_aware=True),
     BenchConfig("no-cache", enable_prefix_caching=False),
 )}
-
-
-def for_hybrid(configs: list[BenchConfig], model: str) -> list[BenchConfig]:
-    """The configurations of ``configs`` a hybrid model ``model`` runs: those without a host or disk
-    tier. The others are skipped with a logged note.
-
-    Raises:
-        ValueError: none is left (naming ``--configs`` and the ones that run).
-    """
-    kept = [c for c in configs if not (c.host or c.disk)]
-    skipped = [c.name for c in configs if c.host or c.disk]
-    runnable = [c.name for c in CONFIGS.values() if not (c.host or c.disk)]
-    if not kept:
-        raise ValueError(f"--configs {','.join(skipped)}: model {model!r} is a hybrid KDA + MLA model, which runs "
-                         f"device-only for now (no prefix reuse across requests); expected some of {runnable}")
-    if skipped:
-        logging.getLogger(__name__).warning(
-            "note: model %r is a hybrid KDA + MLA model: it runs device-only without prefix reuse across requests "
-            "(the hybrid cache is not built yet), so --configs %s run and %s are skipped", model,
-            ",".join(c.name for c in kept), ",".join(skipped))
-    return kept
 
 
 def parse_configs(text: str, by_name: dict = CONFIGS, where: str = "") -> list:

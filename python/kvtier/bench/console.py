@@ -34,6 +34,11 @@ def describe(console: Console, opts, workload, sizing) -> None:
                   f"{sizing.device_pages / sizing.working_set_pages:.2f} of the working set "
                   f"({sizing.working_set_pages} pages); host tier {sizing.host_cache_bytes / 2**20:.1f} MiB; "
                   f"{opts.schedule_policy} admission")
+    if sizing.checkpoint_bytes:
+        budgets = ", ".join(f"{t} {'the KV budget' if v is None else f'{v / 2**20:.1f} MiB'}" for t, v in (
+            ("device", opts.state_device_bytes), ("host", opts.state_host_bytes), ("disk", opts.state_disk_bytes)))
+        console.print(f"hybrid model: {sizing.checkpoint_bytes / 2**10:.1f} KiB recurrent-state checkpoints at prompt "
+                      f"and turn ends and every {sizing.checkpoint_tokens} tokens; checkpoint budgets {budgets}")
 
 
 def bench_once(opts, console: Console, *, json_path: str | None = None, plot: str | None = None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.cache.pool_stats import StateStats
+
 
 @dataclass
 class RequestRecord:
@@ -117,6 +119,10 @@ class ConfigRun:
         server_counters: False when the engine's own counters (bytes moved, copy errors,
             evictions, refused stores, preemptions, device pages) were not observed, as over HTTP
             (``kvtier bench --endpoint``): the report shows them as unknown, not 0.
+        state: a hybrid model's recurrent-state checkpoint counters (hits per tier, bytes loaded
+            and written per tier, fallbacks, prefix tokens lost to missing checkpoints; see
+            :class:`kvtier.cache.pool_stats.StateStats`); None for a model without recurrent
+            state, or when not observed.
     """
 
     name: str
@@ -131,3 +137,4 @@ class ConfigRun:
     device_pages: int = 0
     working_set_pages: int = 0
     server_counters: bool = True
+    state: StateStats | None = None

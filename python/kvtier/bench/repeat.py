@@ -24,8 +24,13 @@ from kvtier.bench.run import BenchOptions, bench_provenance, load_tokenizer_for,
 from kvtier.bench.tail import tail_json
 from kvtier.llm import load_for_serving
 
+STATE_FIGURES = ("state.hits.device", "state.hits.host", "state.hits.disk", "state.bytes_loaded_total",
+                 "state.bytes_written_total", "state.fallbacks", "state.tokens_lost")
+"""A hybrid model's checkpoint figures (:func:`kvtier.bench.report.state_json`): checkpoint hits
+per tier, state bytes loaded into and written below the device, fallbacks, prefix tokens lost
+to missing checkpoints; printed only when some configuration has them."""
 FIGURES = ("ttft_s.p50", "ttft_s.p90", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99", "queue_wait_s.p99",
-           "throughput_tok_s", "hit_rate.total", "preemptions")
+           "throughput_tok_s", "hit_rate.total", "preemptions", *STATE_FIGURES)
 """Per-configuration figures summarized, as dotted paths into ``report.summarize``'s dict."""
 RATIOS = ("ttft_p99_ratio", "throughput_ratio")
 """Per-configuration ratios against the baseline (``report.bench_json``'s ``comparison``)
@@ -148,7 +153,14 @@ _LABELS = {"ttft_s.p50": ("TTFT p50 (ms)", 1e3, "{:.0f}"), "ttft_s.p90": ("TTFT 
            "ttft_s.p99": ("TTFT p99 (ms)", 1e3, "{:.0f}"), "tpot_s.p50": ("TPOT p50 (ms)", 1e3, "{:.1f}"),
            "tpot_s.p99": ("TPOT p99 (ms)", 1e3, "{:.1f}"), "queue_wait_s.p99": ("queue wait p99 (ms)", 1e3, "{:.0f}"),
            "throughput_tok_s": ("throughput (tok/s)", 1.0, "{:.0f}"), "hit_rate.total": ("hit rate total", 1.0, "{:.2f}"),
-           "preemptions": ("preemptions", 1.0, "{:.0f}")}
+           "preemptions": ("preemptions", 1.0, "{:.0f}"),
+           "state.hits.device": ("checkpoint hits device", 1.0, "{:.0f}"),
+           "state.hits.host": ("checkpoint hits host", 1.0, "{:.0f}"),
+           "state.hits.disk": ("checkpoint hits disk", 1.0, "{:.0f}"),
+           "state.bytes_loaded_total": ("state MiB loaded", 1 / 2**20, "{:.1f}"),
+           "state.bytes_written_total": ("state MiB written", 1 / 2**20, "{:.1f}"),
+           "state.fallbacks": ("checkpoint fallbacks", 1.0, "{:.0f}"),
+           "state.tokens_lost": ("tokens lost (no ckpt)", 1.0, "{:.0f}")}
 
 
 def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
@@ -159,6 +171,8 @@ def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
     lines = [f"median [min-max] over {summary['repeats']} repeats (workload seeds {summary['seeds']})",
              " " * width + "  " + "  ".join(f"{n:>24}" for n in names)]
     for f in FIGURES:
+        if f in STATE_FIGURES and all(summary["configs"][n].get(f) is None for n in names):
+            continue  # no recurrent state (not a hybrid model)
         label, scale, fmt = _LABELS[f]
         lines.append(f"{label:<{width}}  " + "  ".join(f"{format_spread(summary['configs'][n][f], scale, fmt):>24}"
                                                         for n in names))
@@ -207,5 +221,6 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
     return 1 if failed else 0
 
 
-__all__ = ["FIGURES", "RATIOS", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds", "run_repeats",
+__all__ = ["FIGURES", "RATIOS", "STATE_FIGURES", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds",
+           "run_repeats",
            "format_spread", "spread", "summarize_repeats"]

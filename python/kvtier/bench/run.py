@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.configs import BenchConfig, for_hybrid, parse_configs
+from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.conversations import load_conversations
 from kvtier.bench.records import ConfigRun
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
+from kvtier.cache.host_tier import HostTier
 from kvtier.serve.builder import check_device, load_for_serving
-from kvtier.serve.hybrid_state import is_hybrid
+from kvtier.serve.hybrid_state import HybridState, default_checkpoint_tokens, is_hybrid
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -78,6 +79,13 @@ class BenchOptions:
             ``fcfs``; see :mod:`kvtier.serve.admission`).
         device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
             every configuration runs there (host and disk tiers through the device copy path).
+        state_checkpoint_tokens: a hybrid model's grid spacing of recurrent-state checkpoints, in
+            tokens: a positive multiple of the workload's page size (None: the engine's default,
+            :func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`).
+        state_device_bytes, state_host_bytes, state_disk_bytes: a hybrid model's checkpoint
+            budgets per tier in bytes (None: that tier's KV budget; 0: no checkpoints there);
+            the host and disk ones apply to the configurations with that tier. Each one that is
+            not 0 must hold one checkpoint (checked before any configuration runs).
     """
 
     model: str = "tiny"
@@ -105,6 +113,10 @@ class BenchOptions:
     threads: int = 1
     schedule_policy: str = "cache-aware"
     device: str = "cpu"
+    state_checkpoint_tokens: int | None = None
+    state_device_bytes: int | None = None
+    state_host_bytes: int | None = None
+    state_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_device("--device", self.device)
@@ -142,11 +154,13 @@ class BenchOptions:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError(f"--max-output-tokens must be >= 1, got {self.max_output_tokens}")
-        for name in ("num_device_pages", "host_cache_bytes"):
+        for name in ("num_device_pages", "host_cache_bytes", "state_checkpoint_tokens", "state_device_bytes",
+                     "state_host_bytes", "state_disk_bytes"):
             value = getattr(self, name)
-            if value is not None and value < (1 if name == "num_device_pages" else 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {1 if name == 'num_device_pages' else 0}, "
-                                 f"got {value}")
+            low = 1 if name in ("num_device_pages", "state_checkpoint_tokens") else 0
+            if value is not None and value < low:
+                what = "a positive multiple of the page size" if name == "state_checkpoint_tokens" else f">= {low}"
+                raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {value}")
         configs = parse_configs(self.configs)
         if self.disk_cache_dir is not None and any(c.disk for c in configs):
             d = Path(self.disk_cache_dir)
@@ -167,6 +181,8 @@ class Sizing:
         disk_cache_bytes: disk tier budget (room for every distinct block of the workload).
         device_floor_applied: the device tier was raised above ``device_fraction`` of the
             working set so that the largest turn fits.
+        checkpoint_bytes: bytes of one recurrent-state checkpoint of a hybrid model (0: none).
+        checkpoint_tokens: the checkpoint grid spacing in tokens the engines use (0: none).
     """
 
     page_size: int
@@ -176,6 +192,8 @@ class Sizing:
     host_cache_bytes: int
     disk_cache_bytes: int
     device_floor_applied: bool = False
+    checkpoint_bytes: int = 0
+    checkpoint_tokens: int = 0
 
 
 def load_tokenizer_for(opts: BenchOptions) -> KimiTokenizer:
@@ -220,7 +238,12 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
     distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
     disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
-    return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted)
+    ckpt_bytes = ckpt_tokens = 0
+    if is_hybrid(model):
+        ckpt_bytes = HybridState(model, 1).checkpoint_bytes
+        ckpt_tokens = opts.state_checkpoint_tokens or default_checkpoint_tokens(ckpt_bytes, block_bytes // ps, ps)
+    return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted,
+                  checkpoint_bytes=ckpt_bytes, checkpoint_tokens=ckpt_tokens)
 
 
 def warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
@@ -241,8 +264,8 @@ def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, b
     """Replay ``workload`` under ``config`` with a fresh engine (and a fresh disk directory)."""
     disk_dir = tempfile.mkdtemp(prefix=f"kvtier-bench-{config.name}-", dir=opts.disk_cache_dir) if config.disk else None
     try:
-        engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes),
-                        model_id)
+        engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes,
+                                                    opts.state_host_bytes, opts.state_disk_bytes), model_id)
         # As a server does once started: what exists now (model, workload, engine) leaves the
         # collector's generations, so a full collection no longer scans it (they paused steps
         # for ~150 ms each on the trace; ~55 ms frozen).
@@ -294,11 +317,51 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
     if not workload.sessions:
         raise ValueError("the workload has no session that fits the model's context "
                          f"(max_position_embeddings={model.config.max_position_embeddings} tokens after scaling)")
+    check_state_options(opts, model, workload.block_size)
     sizing = size_tiers(opts, workload, model)
-    base = EngineConfig(pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
+    pool = PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
+                      state_checkpoint_tokens=opts.state_checkpoint_tokens or 0,
+                      state_device_bytes=opts.state_device_bytes)
+    base = EngineConfig(pool=pool,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
                         seed=opts.seed, schedule_policy=opts.schedule_policy)
     return workload, sizing, base
+
+
+STATE_OPTIONS = ("state_checkpoint_tokens", "state_device_bytes", "state_host_bytes", "state_disk_bytes")
+"""The :class:`BenchOptions` fields that apply to hybrid models only."""
+
+
+def check_state_options(opts: BenchOptions, model, page_size: int) -> None:
+    """Check ``opts``'s checkpoint options against ``model`` and the workload's ``page_size``
+    (tokens), before any configuration runs (a budget the pool would refuse fails here, not
+    after the configurations before it have run).
+
+    Raises:
+        ValueError: a checkpoint option given for a model that is not hybrid;
+            ``--state-checkpoint-tokens`` not a multiple of ``page_size``; a budget that is not 0
+            and smaller than one checkpoint of ``model`` in its tier (each names the option and
+            what was expected).
+    """
+    given = [n for n in STATE_OPTIONS if getattr(opts, n) is not None]
+    if not is_hybrid(model):
+        if given:
+            raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)} apply to hybrid KDA + MLA "
+                             f"models only (recurrent-state checkpoints); model {opts.model!r} has none")
+        return
+    n = opts.state_checkpoint_tokens
+    if n is not None and n % page_size:
+        raise ValueError(f"--state-checkpoint-tokens must be a positive multiple of the page size ({page_size} tokens "
+                         f"here: the workload's block size times --token-scale), got {n}")
+    nbytes = HybridState(model, 1).checkpoint_bytes  # as the engine's runner sizes its slots
+    floors = {"state_device_bytes": nbytes, "state_host_bytes": HostTier.row_bytes(nbytes),
+              "state_disk_bytes": DiskTier.file_bytes(nbytes)}
+    for name, floor in floors.items():
+        value = getattr(opts, name)
+        if value and value < floor:
+            raise ValueError(f"--{name.replace('_', '-')}={value} is smaller than one state checkpoint of model "
+                             f"{opts.model!r} in that tier ({floor} bytes for a {nbytes}-byte checkpoint): give at "
+                             "least that many bytes, or 0 for no checkpoints there")
 
 
 def _start(opts: BenchOptions):
@@ -307,8 +370,6 @@ def _start(opts: BenchOptions):
     configs = parse_configs(opts.configs)
     torch.set_num_threads(opts.threads)
     prepared = prepare(opts)
-    if is_hybrid(prepared[0]):
-        configs = for_hybrid(configs, opts.model)
     warm_up(prepared[0], prepared[4])
     return configs, prepared
 
@@ -352,4 +413,5 @@ def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_fi
     return workload, sizing, points, bench_provenance(opts, workload, sizing, model) | {"load_sweep": list(loads)}
 
 
-__all__ = ["BenchOptions", "Sizing", "at_load", "prepare", "prepare_workload", "run_all", "run_config", "run_sweep", "size_tiers"]
+__all__ = ["BenchOptions", "STATE_OPTIONS", "Sizing", "at_load", "check_state_options", "prepare", "prepare_workload",
+           "run_all", "run_config", "run_sweep", "size_tiers"]

@@ -8,6 +8,7 @@ import math
 
 from rich.console import Console
 
+from kvtier.cli.serve import add_state_options, check_state_options
 from kvtier.model import PRESETS
 from kvtier.serve.config import SCHEDULE_POLICIES
 
@@ -20,6 +21,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.json_records and not args.json:
         raise ValueError("--json-records adds the per-request records to --json PATH; give --json too")
+    check_state_options(args, None)  # the page size comes from the workload: checked once it is loaded
     loads = parse_loads(args.load_sweep) if args.load_sweep is not None else None
     if args.ttft_slo is not None and (loads is None or not 0 < args.ttft_slo < math.inf):
         raise ValueError(f"--ttft-slo needs --load-sweep and a finite number of seconds > 0, got {args.ttft_slo}")
@@ -35,7 +37,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads,
-        schedule_policy=args.schedule_policy, device=args.device)
+        schedule_policy=args.schedule_policy, device=args.device,
+        state_checkpoint_tokens=args.state_checkpoint_tokens, state_device_bytes=args.state_device_bytes,
+        state_host_bytes=args.state_host_bytes, state_disk_bytes=args.state_disk_bytes)
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
@@ -87,6 +91,7 @@ def add_parser(sub) -> None:
                    help="host tier as a fraction of the working set's KV bytes")
     b.add_argument("--host-cache-bytes", type=int, default=None, help="host tier bytes (overrides the fraction)")
     b.add_argument("--disk-cache-dir", default=None, help="where the per-run disk tiers go (default: temp dir)")
+    add_state_options(b)
     b.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--device", default="cpu", help="cpu or cuda (also ROCm): where the model and its KV pages live")
