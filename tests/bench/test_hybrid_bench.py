@@ -43,7 +43,7 @@ def test_bench_tiny_k3_runs_device_only_and_tiered_with_checkpoints(tmp_path, ca
         assert st["saved"]["turn"] >= 4  # every prompt end is saved as a turn-boundary checkpoint
         assert st["hits_total"] == sum(st["hits"].values())
         assert st["bytes_loaded_total"] == sum(st["bytes_loaded"].values())
-        assert st["tokens_lost"] >= 0 and st["fallbacks"] == 0
+        assert st["tokens_lost"] >= 0
         # exact hits only: a record's cached tokens are the prefix the pool placed, split by tier
         for r in run["records"]:
             assert r["cached_tokens"] == sum(r["cached_tokens_by_tier"].values()) <= r["input_tokens"]
@@ -51,6 +51,7 @@ def test_bench_tiny_k3_runs_device_only_and_tiered_with_checkpoints(tmp_path, ca
         assert run["hit_rate"]["total"] == pytest.approx(cached / run["input_tokens"])
     device_only, tiered = data["configs"]["device-only"]["state"], data["configs"]["tiered"]["state"]
     assert device_only["hits"]["host"] == device_only["hits"]["disk"] == 0  # no host or disk tier there
+    assert device_only["fallbacks"] == 0  # nothing is loaded, so no load can fail
     assert device_only["bytes_written_total"] == 0 and device_only["bytes_written"]["device"] > 0
     assert tiered["bytes_written"]["host"] > 0  # device slots are few: checkpoints go down as they are evicted
     for label in ("checkpoint hits device", "checkpoint hits host", "state bytes host->device",
