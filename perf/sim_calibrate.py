@@ -16,9 +16,16 @@ next to it; with ``--ramp-grid S ...`` device-only and tiered are simulated at t
 first 128 sessions started over each of those many seconds (each row adds the p99 TTFT of the
 turns due after the ramp). Both are reported only.
 
+With ``--scenario`` another scenario's device-only configuration is fitted the same way (its
+think-time cap is its ``max_think_s / time_scale``, 600 s for both K2 and K3 scenarios); without
+``--trace`` its own generated sessions are replayed (``kimi-k3-mi355x-128``'s 400K-token sessions).
+When no grid point pair brackets the target, the fit is None and nothing more is simulated.
+
 Usage: python perf/sim_calibrate.py --trace ../shared/traces/kv-cache-tester
        [--grid 5.5 6 6.5 7 7.5 8] [--target-s 17.3] [--sensitivity] [--ramp-grid 0 300 1200]
        [--out perf/results/sim_calibration.json]
+       python perf/sim_calibrate.py --scenario kimi-k3-mi355x-128 --grid 6.4 64 640
+       [--out perf/results/sim_calibration_k3.json]
 """
 
 from __future__ import annotations
@@ -56,13 +63,18 @@ def scale_think_times(workload: Workload, f: float) -> Workload:
 
 
 def simulate_at(
-    trace: str, base: Workload, f: float, configs: str = "device-only", ramp_s: float | None = None
+    trace: str | None,
+    base: Workload,
+    f: float,
+    configs: str = "device-only",
+    ramp_s: float | None = None,
+    scenario: str = SCENARIO,
 ) -> list[dict]:
-    """Simulate ``configs`` at think-time scale ``f`` (and ``ramp_s``, None = the scenario's);
+    """Simulate ``scenario``'s ``configs`` at think-time scale ``f`` (and ``ramp_s``, None = the scenario's);
     per configuration its summary, the p99 TTFT of the turns due after the ramp, and the
     seconds from the call's start until that configuration was summarised."""
     opts = SimOptions(
-        SCENARIO,
+        scenario,
         trace=trace,
         configs=configs,
         time_scale=f,
@@ -91,9 +103,9 @@ def simulate_at(
     return rows
 
 
-def device_only(trace: str, base: Workload, f: float) -> dict:
-    """Simulate device-only at think-time scale ``f``; its summary and how long it took."""
-    return simulate_at(trace, base, f)[0]
+def device_only(trace: str | None, base: Workload, f: float, scenario: str = SCENARIO) -> dict:
+    """Simulate ``scenario``'s device-only at think-time scale ``f``; its summary and how long it took."""
+    return simulate_at(trace, base, f, scenario=scenario)[0]
 
 
 def interpolate(points: list[dict], target: float) -> float | None:
@@ -112,7 +124,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--trace", required=True, help="kv-cache-tester folder")
+    ap.add_argument(
+        "--scenario",
+        default=SCENARIO,
+        help=f"scenario whose device-only configuration is fitted (default: {SCENARIO})",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="kv-cache-tester folder (default: the scenario's generated sessions; "
+        f"{SCENARIO}'s fit uses ../shared/traces/kv-cache-tester)",
+    )
     ap.add_argument(
         "--grid",
         type=float,
@@ -142,21 +164,22 @@ def main() -> None:
         "published run's start schedule is not known): reported, never used to fit",
     )
     args = ap.parse_args()
-    scn = SimOptions(SCENARIO, time_scale=1.0, max_think_s=THINK_CAP_S).resolve()
+    scenario = args.scenario
+    scn = SimOptions(scenario, time_scale=1.0, max_think_s=THINK_CAP_S).resolve()
     base = load_workload(scn, args.trace)
     points = []
     for f in args.grid:
-        points.append(device_only(args.trace, base, f))
+        points.append(device_only(args.trace, base, f, scenario))
         print(json.dumps(points[-1]), flush=True)
     fit = interpolate(points, args.target_s)
     check = None
     if fit is not None:
         fit = round(fit, 1)
-        check = device_only(args.trace, base, fit)
+        check = device_only(args.trace, base, fit, scenario)
         print("fit", json.dumps(check), flush=True)
     result = {
         "provenance": provenance(
-            scenario=SCENARIO, trace=args.trace, target_s=args.target_s
+            scenario=scenario, trace=args.trace, target_s=args.target_s
         ),
         "grid": points,
         "fitted_time_scale": fit,
@@ -171,7 +194,7 @@ def main() -> None:
         others = ",".join(v.name for v in scn.variants if v.name != "device-only")
         result["sensitivity"] = []
         for f in below + [fit] + above:
-            rows = [done[f]] + simulate_at(args.trace, base, f, configs=others)
+            rows = [done[f]] + simulate_at(args.trace, base, f, configs=others, scenario=scenario)
             print("sensitivity", json.dumps(rows), flush=True)
             result["sensitivity"].extend(rows)
     if args.ramp_grid and fit is not None:
@@ -182,7 +205,9 @@ def main() -> None:
             if ramp == scn.replay.ramp_s and {"device-only", "tiered"} <= at_fit.keys():
                 rows = [at_fit["device-only"], at_fit["tiered"]]
             else:
-                rows = simulate_at(args.trace, base, fit, "device-only,tiered", ramp_s=ramp)
+                rows = simulate_at(
+                    args.trace, base, fit, "device-only,tiered", ramp_s=ramp, scenario=scenario
+                )
             print("ramp", json.dumps(rows), flush=True)
             result["ramp"].extend(rows)
     if args.out:
