@@ -13,7 +13,10 @@ budget (``--num-gpu-blocks-override``), block size and prefix caching on:
 * ``vllm+kvtier-host``: ``KvtierConnector`` with a host tier that holds the working set, default
   cost model (its prefill rate probed at start, then learned from vLLM's steps);
 * ``vllm+kvtier-disk``: the same with a host tier of a quarter of that and a disk tier (a fresh
-  directory per run).
+  directory per run);
+* ``vllm+kvtier-recompute-free``: ``vllm+kvtier-host`` with the cost model's prefill rate fixed
+  at 10^12 tokens/s (``prefill_tok_s``): recomputing is free, so the connector loads nothing and
+  only saves; what the connector costs vLLM when it cannot help (not in the default ``--configs``).
 
 Workloads: ``builtin`` (``kvtier bench``'s generator) and ``trace`` (``--sessions`` sessions
 sampled from the kv-cache-tester traces in ``--trace``), each replayed by ``kvtier bench
@@ -58,6 +61,7 @@ from timing import stop_process_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("vllm", "vllm+offloading", "vllm+kvtier-host", "vllm+kvtier-disk")
+EXTRA_CONFIGS = ("vllm+kvtier-recompute-free",)
 WORKLOADS = ("builtin", "trace")
 MODEL_NAME = "bench-llama"
 VOCAB = 32000  # kvtier bench's token-id prompts use ids below 32000 (kvtier.bench.endpoint.SAFE_VOCAB)
@@ -94,6 +98,8 @@ def server_args(args, config: str, model: Path, port: int, stats_path: Path, w: 
         cmd += ["--kv-offloading-size", str(w["host_bytes"] / (1 << 30))]
     elif config.startswith("vllm+kvtier"):
         extra = {"host_cache_bytes": w["host_bytes"], "stats_path": str(stats_path)}
+        if config == "vllm+kvtier-recompute-free":
+            extra["prefill_tok_s"] = 1e12
         if config == "vllm+kvtier-disk":
             extra |= {"host_cache_bytes": w["host_bytes"] // 4, "disk_cache_dir": str(disk_dir),
                       "disk_cache_bytes": 4 * w["host_bytes"]}
@@ -285,7 +291,7 @@ def main() -> int:
     p.add_argument("--python", default=os.environ.get("KVTIER_VLLM_PYTHON", str(ROOT / ".vllm-venv" / "bin" / "python")),
                    help="interpreter with vLLM 0.32")
     p.add_argument("--preset", default="standard", help="the checkpoint (tests/integrations/vllm_checkpoint.py PRESETS)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS}")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {CONFIGS + EXTRA_CONFIGS}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {WORKLOADS}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-calibrate", action="store_true", help="skip the cold-prefill vs host-load check")
@@ -315,9 +321,9 @@ def main() -> int:
     args = p.parse_args()
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     workloads = [c.strip() for c in args.workloads.split(",") if c.strip()]
-    bad = [c for c in configs if c not in CONFIGS] + [w for w in workloads if w not in WORKLOADS]
+    bad = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS] + [w for w in workloads if w not in WORKLOADS]
     if bad or not configs or not workloads:
-        p.error(f"unknown {bad}; --configs takes a subset of {CONFIGS}, --workloads of {WORKLOADS}")
+        p.error(f"unknown {bad}; --configs takes a subset of {CONFIGS + EXTRA_CONFIGS}, --workloads of {WORKLOADS}")
     if not Path(args.python).exists():
         p.error(f"--python {args.python!r} does not exist (KVTIER_WITH_VLLM=1 bash scripts/setup_vllm.sh makes it)")
 

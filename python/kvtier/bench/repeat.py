@@ -26,7 +26,7 @@ from kvtier.llm import load_for_serving
 
 STATE_FIGURES = ("state.hits.device", "state.hits.host", "state.hits.disk", "state.bytes_loaded_total",
                  "state.bytes_written_total", "state.fallbacks", "state.tokens_lost")
-"""A hybrid model's checkpoint figures (:func:`kvtier.bench.report.state_json`): checkpoint hits
+"""A hybrid model's checkpoint figures (:func:`kvtier.bench.state_report.state_json`): checkpoint hits
 per tier, state bytes loaded into and written below the device, fallbacks, prefix tokens lost
 to missing checkpoints; printed only when some configuration has them."""
 FIGURES = ("ttft_s.p50", "ttft_s.p90", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99", "queue_wait_s.p99",

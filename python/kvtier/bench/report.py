@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench.records import ConfigRun, RequestRecord
+from kvtier.bench.state_report import state_json, state_rows
 
 BASELINE = "device-only"
 """Name of the run the others are compared against (ratios appear when it is present)."""
@@ -136,23 +137,6 @@ def summarize(run: ConfigRun) -> dict:
         **_server_counters(run),
         "state": state_json(run),
     }
-
-
-def state_json(run: ConfigRun) -> dict | None:
-    """``run``'s recurrent-state checkpoint counters as JSON (None when it has none): every
-    :class:`kvtier.cache.pool_stats.StateStats` field (``hits`` by tier, ``bytes_loaded`` and
-    ``bytes_written`` in bytes by tier, ``saved`` by kind, ``evictions``, ``refused``,
-    ``failures`` by reason, ``fallbacks``, ``tokens_lost`` in tokens), plus ``hits_total``,
-    ``bytes_loaded_total`` and ``bytes_written_total`` (bytes written below the device: host,
-    disk and remote; a device write copies within the device)."""
-    st = run.state if run.server_counters else None
-    if st is None:
-        return None
-    out = asdict(st)
-    out["hits_total"] = sum(st.hits.values())
-    out["bytes_loaded_total"] = sum(st.bytes_loaded.values())
-    out["bytes_written_total"] = sum(n for t, n in st.bytes_written.items() if t != "device")
-    return out
 
 
 def _server_counters(run: ConfigRun) -> dict:
@@ -337,36 +321,11 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
         rows.append((label, col(lambda x, key=key: _count(x[key]))))
     rows.append(("stores refused host / disk", col(lambda x: "n/a" if x["stores_refused"] is None else " / ".join(
         str(x["stores_refused"].get(t, 0)) for t in ("host", "disk")))))
-    rows += _state_rows(s, names)
+    rows += state_rows(s, names, TIERS, _bytes)
     if baseline in s and len(s) > 1:
         cmp = {n: _compare(s[baseline], s[n]) for n in names}
         rows.append((f"TTFT p99 speedup vs {baseline}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))
         rows.append((f"throughput vs {baseline}", [_times(cmp[n]["throughput_ratio"]) for n in names]))
-    return rows
-
-
-def _state_rows(s: dict[str, dict], names: list[str]) -> list[tuple[str, list[str]]]:
-    """The checkpoint rows of a hybrid model's runs (none when no run has ``state``): hits per
-    tier, bytes loaded from and written to each tier below the device, fallbacks and tokens lost.
-    The remote tier shows only when some run used it."""
-    states = [s[n]["state"] for n in names if s[n]["state"] is not None]
-    if not states:
-        return []
-    tiers = [*TIERS, *(["remote"] if any(st["hits"].get("remote") or st["bytes_written"].get("remote")
-                                         for st in states) else [])]
-
-    def col(cell) -> list[str]:
-        return ["n/a" if s[n]["state"] is None else cell(s[n]["state"]) for n in names]
-
-    rows = [(f"checkpoint hits {t}", col(lambda x, t=t: str(x["hits"].get(t, 0)))) for t in tiers]
-    rows += [(f"state bytes {t}->device", col(lambda x, t=t: _bytes(x["bytes_loaded"].get(t, 0))))
-             for t in tiers if t != "device"]
-    rows += [(f"state bytes ->{t}", col(lambda x, t=t: _bytes(x["bytes_written"].get(t, 0))))
-             for t in tiers if t != "device"]
-    rows.append(("checkpoints saved grid / turn", col(lambda x: f"{x['saved'].get('grid', 0)} / "
-                                                                f"{x['saved'].get('turn', 0)}")))
-    rows.append(("checkpoint fallbacks", col(lambda x: str(x["fallbacks"]))))
-    rows.append(("prefix tokens lost (no checkpoint)", col(lambda x: str(x["tokens_lost"]))))
     return rows
 
 

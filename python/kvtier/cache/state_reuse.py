@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.cache.checkpoint_index import TIER_NAMES
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers import PoolTiers
@@ -31,7 +32,6 @@ from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
 
 _REMOTE_LOOKUP_KEYS = 4096  # checkpoint keys below the matched prefix's end asked of a remote store at most
 _PRICED_POINTS = 16  # resume points the cost model compares at most (longest first)
-_TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
 
 
 class StateReuse:
@@ -117,7 +117,7 @@ class StateReuse:
 
     def _restored(self, kv: KVState, k: int, read) -> int:
         kv.restored_state, kv.state_tokens = read.payload, k * self.page_size
-        self.store.stats.hits[_TIER_NAMES[read.tier]] += 1
+        self.store.stats.hits[TIER_NAMES[read.tier]] += 1
         return k
 
     def save(self, kv: KVState, num_tokens: int, payload, kind: CheckpointKind) -> bool:

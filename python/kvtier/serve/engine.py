@@ -1,9 +1,8 @@
 """The engine: ``step()`` = :meth:`Engine.begin_step` (schedule, start loads) -> the runner's
 ``run`` -> :meth:`Engine.end_step` (register computed pages, sample, finish).
 
-Its parts: request checks (:mod:`~kvtier.serve.intake`), the scheduler, the runner, tool
-grammars (:mod:`~kvtier.serve.grammar_runtime`), the sampler (:mod:`~kvtier.serve.sampler`)
-and outputs (:mod:`~kvtier.serve.outputs`)."""
+Its parts: request checks (:mod:`~kvtier.serve.intake`), the scheduler, the runner, tool grammars
+(:mod:`~kvtier.serve.grammar_runtime`), the sampler (:mod:`~kvtier.serve.sampler`), outputs."""
 
 from __future__ import annotations
 
@@ -161,9 +160,8 @@ class Engine:
         self.scheduler.set_resume_target(resume_ttft_s)
 
     def prefill_time_s(self, new_tokens: int, cached_tokens: int) -> float | None:
-        """Estimated seconds of a step that only prefills ``new_tokens`` tokens after
-        ``cached_tokens`` cached ones (the scheduler's step-time model,
-        :class:`~kvtier.serve.step_time.StepTimeModel`); None before its first fit."""
+        """Estimated seconds of a step that only prefills ``new_tokens`` tokens after ``cached_tokens``
+        cached ones (the scheduler's :class:`~kvtier.serve.step_time.StepTimeModel`); None before its first fit."""
         return self.scheduler.step_time.estimate_s(step_features([(new_tokens, cached_tokens)], 0, 0))
 
     def has_unfinished(self) -> bool:
@@ -243,9 +241,8 @@ class Engine:
                 done = True
             if done:
                 finished.append(seq)
-        hybrid = getattr(self.runner, "hybrid", None)
-        if hybrid is not None and self.pool.keeps_states:
-            hybrid.save(self.pool)  # the step's recurrent-state checkpoints, beside the blocks just indexed
+        if self.pool.keeps_states and getattr(self.runner, "hybrid", None) is not None:
+            self.runner.hybrid.save(self.pool)  # the step's state checkpoints, beside the blocks just indexed
         self.num_steps += 1
         return [request_output(self._sequences.pop(seq.seq_id), self.num_steps, self.pool.page_size) for seq in finished]
 
