@@ -123,3 +123,35 @@ def test_bad_saves_are_named():
         s.save(b"short", payload(1), TURN)
     with pytest.raises(ValueError, match=f"payload must be {N} uint8 bytes"):
         s.save(key(1), torch.zeros(N, dtype=torch.float32), TURN)
+
+
+def test_a_session_waiting_on_a_tool_keeps_its_last_checkpoint_until_it_returns(tmp_path):
+    """Tool-aware retention (kvtier/cache/state_reuse.py): the pool protects the last checkpoint
+    under a waiting session's blocks in every tier, so new saves evict others; after the tool
+    returns it is an ordinary checkpoint again."""
+    from kvtier.cache.config import PoolConfig
+    from kvtier.cache.kv_state import KVState, TokenList
+    from kvtier.cache.pool import KVPool
+
+    ps, pages = 4, 16
+    pool = KVPool(PoolConfig(page_size=ps, num_device_pages=pages, state_checkpoint_bytes=N,
+                             state_device_bytes=2 * N), [torch.zeros(pages, ps, 8)])
+
+    def saved(seed: int) -> list[bytes]:
+        kv = KVState(TokenList(list(range(seed * 100, seed * 100 + 8))))
+        assert pool.allocate(kv, 8)
+        kv.num_computed_tokens = 8
+        pool.register_computed(kv)
+        pool.save_checkpoint(kv, 8, payload(seed), GRID)
+        pool.free(kv)
+        return kv.block_hashes
+
+    waiting = saved(1)
+    pool.tool_wait_blocks("s", waiting, 30.0)
+    for seed in (2, 3, 4):  # two device slots: without the wait, seed 1's checkpoint would go first
+        saved(seed)
+    store = pool.state.store
+    assert store.where(waiting[-1]) == [Tier.DEVICE] and store.stats.evictions["device"] == 2
+    pool.tool_return("s")
+    saved(5)
+    assert store.where(waiting[-1]) == []
