@@ -5,7 +5,7 @@ import pytest
 from kvtier.bench.sim.copies import SimCopyEngine, TierLinks, VirtualClock
 from kvtier.bench.sim.hardware import Link
 from kvtier.bench.sim.run import SimOptions, run_scenario
-from kvtier.bench.sim.scenarios import SCENARIOS
+from kvtier.bench.sim.scenarios import SCENARIOS, Replay
 from kvtier.bench.sim.states import SimCheckpointStore, SimHybridState
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers.checkpoints import CheckpointKind
@@ -16,8 +16,9 @@ from kvtier.serve.hybrid_state import default_checkpoint_tokens
 
 @pytest.fixture(scope="module")
 def small_run():
-    # 6 sessions, 3 at a time, 4 turns each: seconds on 2 cores
-    opts = SimOptions(scenario="kimi-k3-mi355x-128", sessions=6, concurrency=3, max_turns=4, ramp_s=10.0)
+    # 6 sessions, 3 at a time, 4 turns each: seconds on 2 cores; cold start (every turn reported)
+    opts = SimOptions(scenario="kimi-k3-mi355x-128", sessions=6, concurrency=3, max_turns=4, ramp_s=10.0,
+                      warmup_turns=0)
     return run_scenario(opts)
 
 
@@ -50,6 +51,41 @@ def test_checkpoints_saved_and_restored(small_run):
     assert state["tiered-grid-only"]["tokens_lost"] > state["tiered"]["tokens_lost"]
     recomputed = {sr.run.name: sr.run.recomputed_tokens for sr in runs}
     assert recomputed["tiered-grid-only"] > recomputed["tiered"]
+
+
+def test_warmup_turns_run_before_the_window_and_are_not_reported():
+    assert SCENARIOS["kimi-k3-mi355x-128"].replay.warmup_turns == 1
+    # the same sessions, no time cut: every turn of every started session runs
+    opts = SimOptions(scenario="kimi-k3-mi355x-128", sessions=6, concurrency=3, max_turns=4, ramp_s=10.0,
+                      duration_s=1e9)
+    scn, workload, _, runs, prov = run_scenario(opts)
+    turns = {s.session_id: len(s.turns) for s in workload.sessions}
+    for sr in runs:
+        name, records, warm = sr.run.name, sr.run.records, sr.warmup_records
+        # warm-up turns: each started session's first, all of them run and none reported
+        assert [r.turn for r in warm] == [0] * len(warm), name
+        started = {r.session_id for r in warm}
+        assert len(started) == len(warm) >= 3, name
+        assert all(r.turn >= 1 for r in records), name
+        # the window opened when the 3 active sessions had run their first turn; every first turn
+        # (a session with only one ends then and the next starts) finished by then; after it no
+        # session starts, so the measured sessions are those 3, each with all its later turns
+        assert sr.window_s > 0 and sr.window_sessions == 3, name
+        assert all(r.finish_s <= sr.window_s for r in warm), name
+        assert all(r.arrival_s >= sr.window_s for r in records), name
+        measured = {r.session_id for r in records}
+        assert measured <= started and len(measured) == sr.window_sessions, name
+        assert len(records) == sum(turns[s] - 1 for s in measured), name
+        assert sorted((r.session_id, r.turn) for r in records) == sorted(
+            (s, k) for s in measured for k in range(1, turns[s])), name
+        assert prov["per_variant"][name]["warmup_requests"] == len(warm)
+        assert prov["per_variant"][name]["window_s"] == sr.window_s
+        # the run's counters are the window's: none negative
+        assert sr.run.recomputed_tokens >= 0 and sr.run.preemptions >= 0
+        for k, v in (sr.state or {}).items():
+            assert all(n >= 0 for n in v.values()) if isinstance(v, dict) else v >= 0, (name, k)
+    with pytest.raises(ValueError, match="warmup_turns"):
+        Replay(sessions=1, concurrency=1, warmup_turns=-1)
 
 
 def _store(**slots):

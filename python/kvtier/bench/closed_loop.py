@@ -22,6 +22,17 @@ turns due at or after ``duration_s`` are not submitted (their sessions stop, no 
 starts), every submitted turn runs to its end, and only turns due at or after ``warmup_s`` are
 reported. The defaults (0, infinity) report everything.
 
+Warm-up turns (``warmup_turns`` = N > 0) make a steady-state run of sessions already deep in a
+running service: each session's first N turns run through the same target before the window,
+and its turn N is held (parked) once they finished. The window opens at the loop time
+``window_s`` when every active session is parked (each slot holds a session that finished its
+warm-up turns, or no session is left to start); then each parked session's turn N is due its own
+think time after ``window_s`` (a tool wait, if its last warm-up turn stopped on ``tool_use``, is
+told to the pool then), ``warmup_s`` and ``duration_s`` count from ``window_s``, and no new
+session starts (a session that ends leaves its slot empty: the window measures the sessions that
+were warmed, and none of their warm-up turns). Warm-up turns are never reported. With N = 0 the
+window opens at 0 and nothing changes.
+
 What runs the turns is a :class:`LoopTarget`: it queues a turn on an engine, and advances the
 engines (a real step; virtual-time steps of several workers) until something finishes or the
 next turn is due.
@@ -29,6 +40,7 @@ next turn is due.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -42,6 +54,7 @@ from kvtier.cache.pool_stats import StateStats
 from kvtier.bench.workload import Session, Turn, Workload
 from kvtier.cache.eviction import ToolWaitEstimate
 from kvtier.serve.engine import Engine
+from kvtier.serve.stats import EngineStats
 from kvtier.serve.params import RequestOutput
 
 TOOL_WAIT_P50_S = 9.0  # docs/workload.md: think_time after tool_use, p50 over 710 sessions
@@ -103,29 +116,41 @@ class ClosedLoop:
         tool_aware: tell the pools about tool waits.
         declared_waits: with ``tool_aware``, tell each wait's recorded length (the client declares
             it) instead of the running median (module docstring).
-        warmup_s, duration_s: the measurement window (module docstring).
+        warmup_s, duration_s: the measurement window (module docstring), loop seconds after
+            ``window_s``.
+        warmup_turns: turns of each session run before the window and never reported (module
+            docstring); 0 = none.
+        on_window_open: called with the loop time ``window_s`` when the window opens (before
+            any measured turn is due), e.g. to snapshot counters.
         keep_outputs: keep each request's generated tokens and logprobs in its record.
         num_homes: workers the sessions are dealt over.
         on_finish: called with each request's record as it finishes.
 
     Attributes:
-        records: the reported turns' records; warmup_records: those due before ``warmup_s``.
+        records: the reported turns' records; warmup_records: the others (warm-up turns, and
+            turns due before ``window_s + warmup_s``).
+        window_s: loop seconds at which the window opened (0 without warm-up turns; None while
+            warm-up turns run).
+        window_sessions: sessions active when the window opened.
 
     Raises:
-        ValueError: ``concurrency`` < 1, ``ramp_s`` not finite and >= 0, or not
-            ``0 <= warmup_s < duration_s``.
+        ValueError: ``concurrency`` < 1, ``ramp_s`` not finite and >= 0, not
+            ``0 <= warmup_s < duration_s``, or ``warmup_turns`` not an int >= 0.
     """
 
     def __init__(self, workload: Workload, target: LoopTarget, clock: Callable[[], float], *, concurrency: int,
                  ramp_s: float = 0.0, tool_aware: bool = False, warmup_s: float = 0.0,
                  duration_s: float = math.inf, keep_outputs: bool = False, num_homes: int = 1,
-                 on_finish: Callable[[RequestRecord], None] | None = None, declared_waits: bool = False):
+                 on_finish: Callable[[RequestRecord], None] | None = None, declared_waits: bool = False,
+                 warmup_turns: int = 0, on_window_open: Callable[[float], None] | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if not 0 <= ramp_s < math.inf:
             raise ValueError(f"ramp_s must be a finite number >= 0, got {ramp_s}")
         if not 0 <= warmup_s < duration_s:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got warmup_s={warmup_s}, duration_s={duration_s}")
+        if isinstance(warmup_turns, bool) or not isinstance(warmup_turns, int) or warmup_turns < 0:
+            raise ValueError(f"warmup_turns must be an int >= 0, got {warmup_turns!r}")
         self.target, self.clock, self.concurrency, self.ramp_s = target, clock, concurrency, ramp_s
         self.tool_aware, self.warmup_s, self.duration_s = tool_aware, warmup_s, duration_s
         self.declared_waits = declared_waits
@@ -139,6 +164,10 @@ class ClosedLoop:
         self._due: list = []  # heap of (due_s, order, session) not yet submitted
         self._order = itertools.count()
         self._started = 0
+        self.warmup_turns, self.on_window_open = warmup_turns, on_window_open
+        self.window_s: float | None = 0.0 if warmup_turns == 0 else None
+        self.window_sessions = 0
+        self._parked: list[tuple[ActiveSession, bool]] = []  # (session, tell the pool of a tool wait)
 
     def now(self) -> float:
         """Loop seconds (since the run started)."""
@@ -147,6 +176,7 @@ class ClosedLoop:
     def run(self) -> float:
         """Run every session to its end; returns the loop time then (seconds)."""
         self._fill_slots()
+        self._open_window()
         while True:
             now = self.now()
             while self._due and self._due[0][0] <= now:
@@ -157,13 +187,39 @@ class ClosedLoop:
             for a, out in finished:
                 self._finish(a, self.record(a, out))
             self._fill_slots()
+            self._open_window()
+
+    def _cutoff_s(self) -> float:
+        """Loop seconds from which no turn is submitted (infinite while warm-up turns run)."""
+        return math.inf if self.window_s is None else self.window_s + self.duration_s
+
+    def _open_window(self) -> None:
+        """Open the window once every active session is parked after its warm-up turns and no
+        slot can be filled (module docstring)."""
+        if self.window_s is not None or len(self._parked) < len(self.active):
+            return
+        if self.queue and len(self.active) < self.concurrency:
+            return
+        now = self.now()
+        self.window_s, self.window_sessions = now, len(self.active)
+        if self.on_window_open is not None:
+            self.on_window_open(now)
+        for a, tell in self._parked:
+            nxt = a.session.turns[a.next_turn]
+            a.due_s = now + nxt.think_time_s
+            if tell:
+                self.target.tool_wait(a, nxt.think_time_s if self.declared_waits else self.tool_wait.value())
+            self._push(a)
+        self._parked = []
 
     def _push(self, a: ActiveSession) -> None:
         heapq.heappush(self._due, (a.due_s, next(self._order), a))
 
     def _fill_slots(self) -> None:
         now = self.now()
-        while self.queue and len(self.active) < self.concurrency and now < self.duration_s:
+        if self.warmup_turns and self.window_s is not None:  # the window measures the warmed sessions only
+            return
+        while self.queue and len(self.active) < self.concurrency and now < self._cutoff_s():
             offset = min(self._started, self.concurrency - 1) * self.ramp_s / self.concurrency  # never ahead
             a = ActiveSession(self.queue.popleft(), home=self._started % self.num_homes, due_s=max(now, offset))
             self.active.append(a)
@@ -172,7 +228,7 @@ class ClosedLoop:
 
     def _submit(self, a: ActiveSession, now: float) -> None:
         turn = a.session.turns[a.next_turn]
-        if a.due_s >= self.duration_s:  # past the window: the session stops here
+        if a.due_s >= self._cutoff_s():  # past the window: the session stops here
             self.active.remove(a)
             if self.tool_aware:
                 self.target.tool_return(a)
@@ -190,7 +246,9 @@ class ClosedLoop:
         a.in_flight = True
 
     def _finish(self, a: ActiveSession, record: RequestRecord) -> None:
-        (self.records if record.arrival_s >= self.warmup_s else self.warmup_records).append(record)
+        measured = (self.window_s is not None and record.turn >= self.warmup_turns
+                    and record.arrival_s >= self.window_s + self.warmup_s)
+        (self.records if measured else self.warmup_records).append(record)
         if self.on_finish is not None:
             self.on_finish(record)
         turn = a.session.turns[a.next_turn]
@@ -204,6 +262,9 @@ class ClosedLoop:
         nxt = a.session.turns[a.next_turn]
         a.due_s = (record.finish_s if record.finish_s is not None else self.now()) + nxt.think_time_s
         a.waiting_on_tool = turn.stop == "tool_use"
+        if self.window_s is None and a.next_turn == self.warmup_turns:  # warmed: held until the window opens
+            self._parked.append((a, self.tool_aware and a.waiting_on_tool and record.error is None))
+            return
         if self.tool_aware and a.waiting_on_tool and record.error is None:
             self.target.tool_wait(a, nxt.think_time_s if self.declared_waits else self.tool_wait.value())
         self._push(a)
@@ -237,13 +298,17 @@ def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> i
 
 
 def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, engines: list[Engine],
-               bytes_scale: list[float] | None = None) -> ConfigRun:
+               bytes_scale: list[float] | None = None, since: list[EngineStats] | None = None) -> ConfigRun:
     """The run of ``loop`` over ``engines`` (counters summed; each pool's bytes times its
-    ``bytes_scale``, 1 by default: the simulator's pools count placeholder bytes)."""
+    ``bytes_scale``, 1 by default: the simulator's pools count placeholder bytes); with ``since``
+    (each engine's :meth:`Engine.stats` at the window's opening, in order) the counters are
+    those of the window only (:func:`stats_since`)."""
     scales = bytes_scale or [1.0] * len(engines)
     keys = {"device->host": ("bytes_written", "host"), "host->device": ("bytes_loaded", "host"),
             "host->disk": ("bytes_written", "disk"), "disk->device": ("bytes_loaded", "disk")}
     snaps = [e.stats() for e in engines]
+    if since is not None:
+        snaps = [stats_since(end, start) for end, start in zip(snaps, since, strict=True)]
     stats = [s.pool for s in snaps]
 
     def total(counts: str) -> dict[str, int]:
@@ -279,3 +344,28 @@ def sum_state_stats(states: list[StateStats | None], bytes_scale: list[float]) -
         total.fallbacks += s.fallbacks
         total.tokens_lost += s.tokens_lost
     return total
+
+
+def _minus(end, start):
+    """``end - start`` of a counter: an int, or a dict of ints by name (names only in ``end`` kept)."""
+    if isinstance(end, dict):
+        return {k: v - start.get(k, 0) for k, v in end.items()}
+    return end - start
+
+
+def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
+    """What one engine counted between two of its :meth:`Engine.stats` snapshots: ``end`` with
+    every counter (prefill tokens, steps, preemptions, the pool's hits, bytes, evictions, copy
+    errors, prefetches, refused stores and checkpoint counters) less ``start``'s; the gauges
+    (queues, free pages, cached blocks) and the remote tier's and grammar counters are ``end``'s."""
+    p, q = end.pool, start.pool
+    counters = ("hit_tokens", "bytes_loaded", "bytes_written", "evictions", "copy_errors", "prefetched_blocks",
+                "stores_refused")
+    state = p.state
+    if state is not None and q.state is not None:
+        state = StateStats(**{f.name: _minus(getattr(p.state, f.name), getattr(q.state, f.name))
+                              for f in dataclasses.fields(StateStats)})
+    pool = dataclasses.replace(p, state=state, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters})
+    sched = dataclasses.replace(end.scheduler, preemptions=end.scheduler.preemptions - start.scheduler.preemptions)
+    return dataclasses.replace(end, scheduler=sched, pool=pool, prefill_tokens=end.prefill_tokens - start.prefill_tokens,
+                               steps=end.steps - start.steps)

@@ -20,7 +20,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     opts = SimOptions(
         scenario=args.scenario, trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
         max_turns=args.max_turns, time_scale=args.time_scale, max_think_s=args.max_think_s,
-        ramp_s=args.ramp_s, duration_s=args.duration_s, warmup_s=args.warmup_s, seed=args.seed,
+        ramp_s=args.ramp_s, duration_s=args.duration_s, warmup_s=args.warmup_s,
+        warmup_turns=args.warmup_turns, seed=args.seed,
         truncate_input_tokens=args.truncate_input_tokens, warm_prefix_fraction=args.warm_prefix_fraction,
         kv_dtype_bytes=args.kv_dtype_bytes, configs=args.configs, node=args.node,
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
@@ -44,6 +45,8 @@ def add_parser(sub) -> None:
     m.add_argument("--max-think-s", type=float, help="cap on a scaled think time (s)")
     m.add_argument("--ramp-s", type=float, help="seconds over which the first --concurrency sessions start")
     m.add_argument("--warmup-s", type=float, help="turns due before this (virtual s) are not reported")
+    m.add_argument("--warmup-turns", type=int, help="each session's first N turns run before the window and are "
+                   "not reported; the window (--warmup-s, --duration-s) starts when all active sessions ran them")
     m.add_argument("--duration-s", type=float, help="no turn is submitted from this virtual time on")
     m.add_argument("--truncate-input-tokens", type=int, help="each session stops before its first longer "
                    "prompt (kv-cache-tester's --max-context; 0 = off)")

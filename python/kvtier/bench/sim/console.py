@@ -48,7 +48,10 @@ def simulate(opts, console: Console, *, json_path: str | None = None, plot: str 
     console.print(f"workload {workload.name}: {len(workload.sessions)} sessions, {workload.num_requests()} requests, "
                   f"{r.concurrency} at a time, the first {r.concurrency} started over {r.ramp_s:g} s; "
                   f"think times x{r.time_scale:g} (cap {r.max_think_s:g} s); "
-                  f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported")
+                  f"turns due in [{r.warmup_s:g}, {r.duration_s:g}) s reported"
+                  + (f" after each session's first {r.warmup_turns} turn(s), from when the sessions active had run "
+                     "them (" + ", ".join(f"{sr.run.name} {sr.window_s:.0f} s, {sr.window_sessions} sessions"
+                                          for sr in runs) + "; counters of the window)" if r.warmup_turns else ""))
     console.print(f"per worker: {sizing.device_pages} device pages of {sizing.page_size} tokens "
                   f"({sizing.device_pages * sizing.page_size / 1e6:.2f}M tokens, "
                   f"{scn.workers * sizing.device_pages / sizing.working_set_pages:.2f} of the working set), "

@@ -8,7 +8,10 @@ begun at ``t`` ends at ``t + step_s``; a worker that can run nothing while its p
 wakes when the next copy ends. Events at one virtual time are handled together; then turns due
 by then are submitted and every idle worker with work starts its next step, so a turn that comes
 due during a step waits for the step's end, as in the real loop. With a window, ``wall_s`` is
-``min(duration_s, last finish) - warmup_s``.
+``min(window_s + duration_s, last finish) - (window_s + warmup_s)``, ``window_s`` the virtual time
+the window opened (0 unless ``warmup_turns``: the closed loop's docstring); with warm-up turns the
+run's counters (recomputed tokens, bytes, evictions, preemptions, checkpoint counters) are the
+window's: the workers' counters when it opened are taken off.
 
 Routing (several workers) runs the real router's policy (:class:`kvtier.cluster.router.routing.Router`,
 as ``kvtier router --policy`` runs it): ``sticky``, ``least-loaded`` (the fewest requests in
@@ -151,11 +154,15 @@ class SimRun:
         run: records of the turns due in the window, virtual times (seconds), counters summed
             over workers, ``bytes_moved`` in modelled bytes.
         migrations: turns served by another worker than the session's previous turn.
-        warmup_records: turns due before ``warmup_s`` (run, not reported).
-        busy_s: per worker, virtual seconds spent in steps.
+        warmup_records: warm-up turns and turns due before ``window_s + warmup_s`` (run, not
+            reported).
+        busy_s: per worker, virtual seconds spent in steps (the whole run's).
         end_s: virtual time of the last finish.
         state: a hybrid model's checkpoint counters summed over workers (the fields of
-            :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes); None without checkpoints.
+            :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes; the window's, as the
+            run's counters); None without checkpoints.
+        window_s: virtual time the measurement window opened (0 without warm-up turns).
+        window_sessions: sessions active when it opened.
     """
 
     run: ConfigRun
@@ -164,12 +171,14 @@ class SimRun:
     busy_s: list[float] = field(default_factory=list)
     end_s: float = 0.0
     state: dict | None = None
+    window_s: float = 0.0
+    window_sessions: int = 0
 
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
              ramp_s: float = 0.0, router: str = "sticky", warmup_s: float = 0.0, duration_s: float = math.inf,
              on_finish: Callable[[RequestRecord], None] | None = None, shared_store: bool | None = None,
-             declared_waits: bool = False) -> SimRun:
+             declared_waits: bool = False, warmup_turns: int = 0) -> SimRun:
     """Replay ``workload`` over ``workers`` in virtual time; returns the run as ``kvtier bench`` does.
 
     Args:
@@ -180,8 +189,8 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
         router: a routing policy of :data:`kvtier.cluster.router.routing.POLICIES` (module docstring).
         shared_store: the workers share a remote or disk tier (a moved session can load its
             prefix there); None: whether the first two workers' pools share a disk tier object.
-        concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish, declared_waits: as
-            :class:`~kvtier.bench.closed_loop.ClosedLoop` (times in virtual seconds).
+        concurrency, tool_aware, ramp_s, warmup_s, duration_s, on_finish, declared_waits, warmup_turns:
+            as :class:`~kvtier.bench.closed_loop.ClosedLoop` (times in virtual seconds).
 
     Returns:
         :class:`SimRun`; its ``run.device_pages`` is summed over workers.
@@ -200,19 +209,27 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     if shared_store is None:
         shared_store = len(workers) > 1 and workers[0].pool.shares_disk_with(workers[1].pool)
     target = _SimTarget(workers, workload, router, shared_store)
+    opened: dict = {}  # the workers' counters when the window opened (warm-up turns only)
+
+    def snapshot(_: float) -> None:
+        opened["engines"], opened["state"] = [w.engine.stats() for w in workers], state_counters(workers)
+
     loop = ClosedLoop(workload, target, lambda: target.now, concurrency=concurrency, ramp_s=ramp_s,
                       tool_aware=tool_aware, warmup_s=warmup_s, duration_s=duration_s, num_homes=len(workers),
-                      on_finish=on_finish, declared_waits=declared_waits)
+                      on_finish=on_finish, declared_waits=declared_waits, warmup_turns=warmup_turns,
+                      on_window_open=snapshot if warmup_turns else None)
     end_s = loop.run()
-    run = run_result(name, loop, min(end_s, duration_s) - warmup_s, workload, [w.engine for w in workers],
-                     [w.bytes_scale for w in workers])
+    window_s = loop.window_s if loop.window_s is not None else end_s
+    run = run_result(name, loop, min(end_s, window_s + duration_s) - (window_s + warmup_s), workload,
+                     [w.engine for w in workers], [w.bytes_scale for w in workers], since=opened.get("engines"))
     return SimRun(run, target.migrations, loop.warmup_records, [w.runner.busy_s for w in workers], end_s,
-                  state_counters(workers))
+                  state_counters(workers, since=opened.get("state")), window_s, loop.window_sessions)
 
 
-def state_counters(workers: list[SimWorker]) -> dict | None:
+def state_counters(workers: list[SimWorker], since: dict | None = None) -> dict | None:
     """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields, bytes
-    in modelled bytes) added up; None when no worker's pool keeps states."""
+    in modelled bytes) added up, less ``since`` (an earlier result of this function; None: from
+    the start); None when no worker's pool keeps states."""
     stats = []
     for w in workers:
         if w.pool.keeps_states:
@@ -226,4 +243,7 @@ def state_counters(workers: list[SimWorker]) -> dict | None:
     for s in stats[1:]:
         for k, v in s.items():
             total[k] = {n: total[k][n] + c for n, c in v.items()} if isinstance(v, dict) else total[k] + v
+    if since is not None:
+        for k, v in total.items():
+            total[k] = {n: c - since[k].get(n, 0) for n, c in v.items()} if isinstance(v, dict) else v - since[k]
     return total

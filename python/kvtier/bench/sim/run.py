@@ -88,6 +88,7 @@ class SimOptions:
     ramp_s: float | None = None
     duration_s: float | None = None
     warmup_s: float | None = None
+    warmup_turns: int | None = None
     seed: int | None = None
     truncate_input_tokens: int | None = None
     warm_prefix_fraction: float | None = None
@@ -111,7 +112,7 @@ class SimOptions:
             raise ValueError(f"--scenario: unknown scenario {self.scenario!r}; expected one of {list(SCENARIOS)}")
         scn = SCENARIOS[self.scenario]
         names = ("sessions", "concurrency", "max_turns", "time_scale", "max_think_s", "ramp_s", "duration_s",
-                 "warmup_s", "seed", "warm_prefix_fraction")
+                 "warmup_s", "warmup_turns", "seed", "warm_prefix_fraction")
         over = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.truncate_input_tokens is not None:
             over["truncate_input_tokens"] = self.truncate_input_tokens or None
@@ -309,7 +310,8 @@ def run_scenario(opts: SimOptions, on_start=None, on_finish=None, workload: Work
         tool_aware = v.cache.tool_aware or opts.resume_ttft_s is not None
         runs.append(simulate(engines, workload, v.name, concurrency=r.concurrency, tool_aware=tool_aware,
                              ramp_s=r.ramp_s, router=v.router, warmup_s=r.warmup_s, duration_s=r.duration_s,
-                             on_finish=on_finish, shared_store=v.shared_store, declared_waits=opts.declared_waits))
+                             on_finish=on_finish, shared_store=v.shared_store, declared_waits=opts.declared_waits,
+                             warmup_turns=r.warmup_turns))
     return (scn, workload, sizing, runs, sim_provenance(scn, workload, sizing, runs, timer, opts))
 
 
@@ -333,6 +335,7 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
     variants = [{"name": v.name, "cache": asdict(v.cache), "router": v.router, "shared_store": v.shared_store}
                 for v in scn.variants]
     per_variant = {sr.run.name: {"migrations": sr.migrations, "warmup_requests": len(sr.warmup_records),
+                                 "window_s": sr.window_s, "window_sessions": sr.window_sessions,
                                  "end_s": sr.end_s, "busy_s": sr.busy_s,
                                  "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0),
                                  **({"state": sr.state} if sr.state is not None else {})}

@@ -70,7 +70,11 @@ class Replay:
             None = the model's context only; the built-in generator always shares its whole tool +
             system prompt.
         ramp_s: seconds over which the first ``concurrency`` sessions start.
-        warmup_s, duration_s: the measurement window, virtual seconds.
+        warmup_s, duration_s: the measurement window, virtual seconds from the window's opening
+            (0 without ``warmup_turns``).
+        warmup_turns: each session's first turns run before the window and never reported (the
+            window opens when every active session has run them, and then no session starts:
+            :class:`kvtier.bench.closed_loop.ClosedLoop`); 0 = none, the window opens at 0.
         seed: of the built-in workload generator.
         prefix_tokens, increment_tokens: with both set (and no trace), the sessions are
             :func:`kvtier.bench.sim.long_sessions.long_session_workload`'s: a first prompt of
@@ -89,6 +93,7 @@ class Replay:
     ramp_s: float = 0.0
     warmup_s: float = 0.0
     duration_s: float = math.inf
+    warmup_turns: int = 0
     seed: int = 0
     prefix_tokens: int | None = None
     increment_tokens: int | None = None
@@ -103,6 +108,7 @@ class Replay:
         check_int("sessions", self.sessions, min_value=1)
         check_int("concurrency", self.concurrency, min_value=1)
         check_real("ramp_s", self.ramp_s, min_value=0)
+        check_int("warmup_turns", self.warmup_turns, min_value=0)
         if not 0 <= self.warmup_s < self.duration_s:
             raise ValueError(f"need 0 <= warmup_s < duration_s, got {self.warmup_s} and {self.duration_s}")
         check_replay_options(self.truncate_input_tokens, self.warm_prefix_fraction)
