@@ -140,37 +140,36 @@ class Transfer:
             return
         n = self.meta.payload_bytes
         body = encode_values(hashes[skip:], payload[skip * n:], self.meta)
-        t0 = time.perf_counter()
-        try:
-            resp = self.client.post(f"{self.decode_url}/v1/kv/blocks", content=body, timeout=self.timeout_s,
-                                    headers={"content-type": "application/octet-stream"})
-            resp.raise_for_status()
-            stored = resp.json()
-        except Exception as e:  # noqa: BLE001 - cut, refused, timed out: stop sending, it recomputes
-            self._sends.append((t0, time.perf_counter()))
-            self._fail(e)
+        stored = self._post("/v1/kv/blocks", body)
+        if stored is None:  # cut, refused, timed out: stop sending, it recomputes
             return
-        self._sends.append((t0, time.perf_counter()))
         self.report.blocks_sent += len(hashes) - skip
         self.report.bytes_sent += len(body)
         self.report.blocks_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
 
     def _send_state(self, key: bytes, payload) -> None:
         body = encode_values([key], payload, self.state_meta)
-        t0 = time.perf_counter()
-        try:
-            resp = self.client.post(f"{self.decode_url}/v1/kv/states", content=body, timeout=self.timeout_s,
-                                    headers={"content-type": "application/octet-stream"})
-            resp.raise_for_status()
-            stored = resp.json()
-        except Exception as e:  # noqa: BLE001 - the decode worker recomputes the prompt then
-            self._sends.append((t0, time.perf_counter()))
-            self._fail(e)
+        stored = self._post("/v1/kv/states", body)
+        if stored is None:  # the decode worker recomputes the prompt then
             return
-        self._sends.append((t0, time.perf_counter()))
         self.report.states_sent += 1
         self.report.bytes_sent += len(body)
         self.report.states_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
+
+    def _post(self, path: str, body: bytes) -> dict | None:
+        """POST ``body`` (wire values) to the decode worker's ``path``; its JSON counts, or None
+        when the call failed (the transfer is then marked failed and sends nothing more)."""
+        t0 = time.perf_counter()
+        try:
+            resp = self.client.post(f"{self.decode_url}{path}", content=body, timeout=self.timeout_s,
+                                    headers={"content-type": "application/octet-stream"})
+            resp.raise_for_status()
+            return resp.json()
+        except Exception as e:  # noqa: BLE001 - cut, refused, timed out: the decode side recomputes
+            self._fail(e)
+            return None
+        finally:
+            self._sends.append((t0, time.perf_counter()))
 
     def _fail(self, e: Exception) -> None:
         self.report.failed = True
