@@ -58,6 +58,7 @@ class CheckpointIndex:
 
     # ---- lookups ------------------------------------------------------------------------------
     def get(self, key: bytes) -> CheckpointEntry | None:
+        """``key``'s entry (16-byte block hash), or None."""
         return self.entries.get(key)
 
     def locate(self, key: bytes) -> Tier | None:
@@ -88,6 +89,7 @@ class CheckpointIndex:
         return e
 
     def touch(self, key: bytes) -> None:
+        """Mark ``key`` used now (clock seconds): it is evicted after less recently used ones."""
         e = self.entries.get(key)
         if e is not None:
             e.last_use = self.clock()
@@ -130,6 +132,7 @@ class CheckpointIndex:
                 self.entries[k].protected += 1
 
     def unprotect(self, keys: Iterable[bytes]) -> None:
+        """Undo one :meth:`protect` of each of ``keys``; an idle entry is then forgotten."""
         for k in keys:
             e = self.entries.get(k)
             if e is not None and e.protected:
@@ -177,6 +180,7 @@ class IndexedCheckpoints:
         self.index.protect(keys)
 
     def unprotect(self, keys: Iterable[bytes]) -> None:
+        """Undo one :meth:`protect` of each of ``keys``."""
         self.index.unprotect(keys)
 
     def drain_events(self) -> list[tuple[bool, Tier, bytes]]:

@@ -89,9 +89,11 @@ class StateReuse:
         kv.state_read = None if k == 0 else (k, self.store.read(hashes[k - 1], tier))
 
     def done(self, kv: KVState) -> bool:
+        """Whether ``kv``'s checkpoint read ended (True when none runs)."""
         return kv.state_read is None or kv.state_read[1].done()
 
     def wait(self, kv: KVState, timeout_s: float | None) -> None:
+        """Block until ``kv``'s checkpoint read ended or ``timeout_s`` seconds passed (None: no limit)."""
         if kv.state_read is not None:
             kv.state_read[1].wait(timeout_s)
 
@@ -159,4 +161,5 @@ class StateReuse:
             self._sessions[session_id] = [key]
 
     def tool_return(self, session_id) -> None:
+        """The session's tool returned: its checkpoint is evictable again (nothing for an unknown session)."""
         self.store.unprotect(self._sessions.pop(session_id, []))
