@@ -2,7 +2,8 @@
 # Set up (scripts/setup.sh), then run the C++ host tests (ctest; also an ASan+UBSan build), the
 # HIP compile gate (every hip/kernels source for sm_90 with nvcc and for gfx942/gfx90a with
 # clang-19, installing the AMD tools when missing), the Triton compile gate (every kernel at K2
-# shapes for gfx950, gfx942 and sm_90; no GPU needed) and the Python tests (pytest).
+# shapes for gfx950, gfx942 and sm_90; no GPU needed) and the Python tests (pytest, one worker per
+# core with pytest-xdist; KVTIER_TEST_WORKERS=0 for one process).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k parity
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,4 +48,6 @@ if [ -n "$agentx_pid" ]; then
   wait "$agentx_pid" || { echo "AgentX harness install failed (build/agentx-install.log):"; tail -20 build/agentx-install.log; exit 1; }
   tail -1 build/agentx-install.log
 fi
-python -m pytest "$@"
+# One pytest worker per core, each test file on one worker (its module fixtures built once);
+# KVTIER_TEST_WORKERS=0 runs the tests in this process, one after the other.
+python -m pytest -n "${KVTIER_TEST_WORKERS:-auto}" --dist loadfile "$@"

@@ -16,6 +16,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker computes on one thread:
+# two workers of two threads each on two cores spend their time spinning on each other.
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"  # ../shared beside the repository
 TOKENIZER_DIR = SHARED / "kimi_tokenizer"

@@ -17,7 +17,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import Tier
 from kvtier.transfer import CopyEngine
-from tests.cache.test_tiers_e2e import prompt
+from tests.cache.test_tiers_e2e import always_load, prompt
 
 PS, BLOCK = 16, 15360  # tiny preset, fp32: one block = 15360 bytes
 FILE = DiskTier.file_bytes(BLOCK)
@@ -307,3 +307,31 @@ def test_bench_table_and_json_show_refused_stores():
     render_table([run], console=console)
     line = next(x for x in console.export_text().splitlines() if "stores refused" in x)
     assert "3 / 17" in line
+
+
+def test_another_model_on_the_same_disk_dir_is_never_served_its_blocks(tmp_path):
+    p = prompt(6 * PS + 1, 7)
+    args = dict(page_size=PS, num_device_pages=16, host_cache_bytes=16 * BLOCK, disk_cache_dir=str(tmp_path),
+                disk_cache_bytes=1 << 24)
+    first = LLM("tiny", seed=0, **args)
+    first.generate(prompt_token_ids=[p], sampling_params=PARAMS)
+    first.engine.pool.poll(wait=True)
+    other = always_load(LLM("tiny", seed=1, **args))  # same shapes, other weights
+    assert other.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0].num_cached_tokens == 0
+    same = always_load(LLM("tiny", seed=0, **args))
+    assert same.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0].cached_tokens_by_tier["disk"] > 0
+
+
+def test_disk_writes_in_flight_count_against_the_budget(tmp_path):
+    from kvtier.cache.disk_tier import DiskTier
+    llm = LLM("tiny", page_size=PS, num_device_pages=16, host_cache_bytes=64 * BLOCK, disk_cache_dir=str(tmp_path),
+              disk_cache_bytes=2 * DiskTier.file_bytes(BLOCK))
+    llm.generate(prompt_token_ids=[prompt(6 * PS + 1, 1)], sampling_params=PARAMS)
+    llm.engine.pool.poll(wait=True)
+    assert llm.engine.pool.stats().copy_errors == 0 and llm.engine.pool.tiers.disk.used_bytes <= 2 * DiskTier.file_bytes(BLOCK)
+
+
+def test_disk_tier_needs_a_host_block(tmp_path):
+    with pytest.raises(ValueError, match="disk_cache_dir needs host_cache_bytes >= one block"):
+        LLM("tiny", page_size=PS, num_device_pages=8, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 20)
+

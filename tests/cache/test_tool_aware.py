@@ -128,3 +128,22 @@ def test_a_prefetch_locks_the_host_copy_it_reads():
     pool.poll(wait=True)
     assert pool.stats().prefetched_blocks == 3 and hashes <= evictable()  # and it is unlocked after
     pool.tiers.index.check_invariants()
+
+
+def test_returning_session_keeps_others_protection():
+    pol = ToolAwarePolicy()
+    shared, a_only, b_only = b"s" * 16, b"a" * 16, b"b" * 16
+    pol.tool_wait("A", [shared, a_only], expected_wait_s=20.0, now=0.0)
+    pol.tool_wait("B", [shared, b_only], expected_wait_s=40.0, now=0.0)
+    pol.tool_return("A")
+    from collections import OrderedDict
+    assert pol.pick_page(OrderedDict.fromkeys([0, 1]), [shared, None], 5.0) == 1  # B still protects shared
+    pol.tool_wait("C", [a_only], 100.0, 0.0)
+    pol.tool_wait("C", [b_only], 100.0, 0.0)  # a new wait replaces the old one
+    pol.tool_return("C")
+    assert pol.pick_page(OrderedDict.fromkeys([0]), [a_only], 1.0) == 0 and not pol._protected.get(a_only)
+
+
+def test_a_tool_wait_must_be_finite():
+    with pytest.raises(ValueError, match="expected_wait_s must be a finite number"):
+        ToolAwarePolicy().tool_wait("s", [], float("nan"), 0.0)

@@ -4,6 +4,7 @@ streaming and not, tool choices, the order of streamed tool calls."""
 from __future__ import annotations
 
 import json
+import uuid
 
 import pytest
 
@@ -174,6 +175,9 @@ def test_completions_text_and_token_ids(server):
 
 def test_cache_salt_isolates_requests(server):
     client = server.client()
+    # Salts no other test sends: the session-wide server keeps every earlier test's pages, and a
+    # salt another test used for a prompt with the same template opening shares that first page.
+    salt_a, salt_b = (f"{t}-{uuid.uuid4().hex}" for t in ("tenant-a", "tenant-b"))
     msgs = [{"role": "user", "content": "salted prompt " * 20}]
 
     def cached(salt=None, **kw):
@@ -181,14 +185,14 @@ def test_cache_salt_isolates_requests(server):
         r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, extra_body=body, **kw)
         return r.usage.prompt_tokens_details.cached_tokens
 
-    cached("tenant-a")
-    same = cached("tenant-a")
+    cached(salt_a)
+    same = cached(salt_a)
     assert same >= 64  # same salt: the prompt's pages are reused
-    assert cached("tenant-b") == 0  # a new salt shares nothing
+    assert cached(salt_b) == 0  # a new salt shares nothing
     # unsalted requests of earlier tests share the template's first page at most, never tenant-a's pages
     assert cached() <= 16 < same
     client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
-                                   extra_body={"cache_salt": "tenant-a", "session_id": "salted"})
+                                   extra_body={"cache_salt": salt_a, "session_id": "salted"})
     with pytest.raises(Exception, match="cache_salt"):
         client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1,
-                                       extra_body={"cache_salt": "tenant-b", "session_id": "salted"})
+                                       extra_body={"cache_salt": salt_b, "session_id": "salted"})
