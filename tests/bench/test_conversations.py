@@ -14,19 +14,9 @@ from kvtier.bench.workload import THINK_AFTER_END_TURN_Q, THINK_AFTER_TOOL_USE_Q
 from kvtier.cli import main
 from kvtier.tokenize import render_chat, render_messages
 from tests.conftest import SHARED
+from tests.helpers.conversations import CONVERSATION, TOOLS
 
 VERIFIER = SHARED / "toolcalls" / "K2-Vendor-Verifier" / "samples.jsonl"
-TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a command", "parameters": {
-    "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
-CALL = {"id": "functions.bash:0", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}
-CONVERSATION = [
-    {"role": "system", "content": "You are a coding agent."},
-    {"role": "user", "content": "List the files, then explain 缓存."},
-    {"role": "assistant", "content": "", "tool_calls": [CALL]},
-    {"role": "tool", "tool_call_id": "functions.bash:0", "content": "src/\ntests/\nREADME.md\n" * 20},
-    {"role": "assistant", "content": "There are three entries. 缓存 means cache."},
-    {"role": "user", "content": "Thanks!"},
-]
 
 
 def _write(path: Path, docs) -> Path:

@@ -14,8 +14,8 @@ from kvtier import LLM, SamplingParams
 from kvtier.cache.device_copy import DeviceCopyEngine
 from kvtier.cache.streams import CpuStreams, CudaStreams
 from kvtier.serve import admission
-from tests.cache.test_disk_e2e import HOST_BYTES, assert_matches, warm
-from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt
+from tests.helpers.serving import PS, always_load, prompt
+from tests.helpers.tiers import HOST_BYTES, PARAMS, assert_matches, flush_device, warm
 
 GPU_PARAM = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA or ROCm GPU")])

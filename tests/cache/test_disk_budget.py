@@ -17,7 +17,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.cache.pool_stats import PoolStats
 from kvtier.cache.prefix_index import Tier
 from kvtier.transfer import CopyEngine
-from tests.cache.test_tiers_e2e import always_load, prompt
+from tests.helpers.serving import always_load, prompt
 
 PS, BLOCK = 16, 15360  # tiny preset, fp32: one block = 15360 bytes
 FILE = DiskTier.file_bytes(BLOCK)

@@ -6,14 +6,12 @@ import os
 import subprocess
 
 import pytest
-import torch
 
 from kvtier import LLM
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.prefix_index import Tier
-from tests.cache.test_tiers_e2e import PARAMS, PS, always_load, flush_device, prompt, reference_logprobs
-
-HOST_BYTES = 2 * 15360  # two tiny-preset blocks: the prefix cannot stay in host memory
+from tests.helpers.serving import PS, always_load, prompt
+from tests.helpers.tiers import HOST_BYTES, PARAMS, assert_matches, reference_logprobs, warm
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +26,6 @@ def disk_llm(path, **kw):
                 disk_cache_bytes=64 << 20)
     args.update(kw)
     return always_load(LLM("tiny", **args))
-
-
-def warm(llm, first):
-    llm.generate(prompt_token_ids=[first], sampling_params=PARAMS)
-    llm.engine.pool.poll(wait=True)
-    flush_device(llm)
-    llm.engine.pool.poll(wait=True)
-
-
-def assert_matches(out, want, min_hit):
-    hit = out.num_cached_tokens
-    assert hit >= min_hit
-    assert out.prompt_logprobs[:hit] == [None] * hit
-    got = torch.tensor(out.prompt_logprobs[hit:], dtype=torch.float64)
-    ref = torch.tensor(want.prompt_logprobs[hit:], dtype=torch.float64)
-    assert float((got - ref).abs().max()) <= 1e-4
-    assert out.token_ids == want.token_ids
 
 
 def test_prefix_comes_back_from_disk(shared, tmp_path):

@@ -13,7 +13,7 @@ from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from kvtier.transfer import CopyEngine
-from tests.cache.test_tiers_e2e import always_load, prompt
+from tests.helpers.serving import always_load, prompt
 
 PS, BLOCK = 16, 15360  # tiny preset, fp32: one block = 15360 bytes
 PARAMS = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True, ignore_eos=True)

@@ -20,7 +20,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.tiers.checkpoints import CheckpointKind
-from tests.cache.test_tier_protocol import MemoryBackend
+from tests.helpers.memory_store import MemoryBackend
 
 PS = 4                   # tokens per page
 PAGES = 24               # device pages

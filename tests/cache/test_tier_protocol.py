@@ -24,6 +24,7 @@ from kvtier.cache.remote import (
 from kvtier.cache.tiers import Admit, DiskFiles, HostStore, RemoteStore, TierStore
 from kvtier.transfer import CopyEngine
 
+from tests.helpers.memory_store import MemoryBackend
 from tests.stores import redis_store  # noqa: F401
 
 META = BlockMeta(num_layers=2, page_size=4, row_bytes=48, dtype=1, payload_bytes=2 * 4 * 48)
@@ -37,46 +38,6 @@ def blocks(n: int, seed: int) -> torch.Tensor:
 
 def hashes(n: int, seed: int) -> list[bytes]:
     return [bytes([seed, i]) + bytes(14) for i in range(n)]
-
-
-class MemoryBackend:
-    """A remote store in this process (a dict), with a switch that makes every call fail."""
-
-    url = "memory://test"
-
-    def __init__(self):
-        self.values: dict[str, bytes] = {}
-        self.down = False
-
-    def _check(self):
-        if self.down:
-            raise ConnectionError("the store is down")
-
-    def batch_put(self, keys, values):
-        self._check()
-        self.values.update(zip(keys, (bytes(v) for v in values)))
-        return [RemoteStatus.OK] * len(keys)
-
-    def batch_get(self, keys, outs):
-        self._check()
-        statuses = []
-        for k, out in zip(keys, outs):
-            v = self.values.get(k)
-            if v is None:
-                statuses.append(RemoteStatus.MISSING)
-            elif len(v) != len(out):
-                statuses.append(RemoteStatus.CORRUPT)
-            else:
-                out[:] = v
-                statuses.append(RemoteStatus.OK)
-        return statuses
-
-    def exists(self, keys):
-        self._check()
-        return [k in self.values for k in keys]
-
-    def close(self):
-        pass
 
 
 @dataclass

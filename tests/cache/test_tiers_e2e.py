@@ -1,33 +1,14 @@
 """End to end through the engine: a prefix evicted from device pages comes back from a lower
 tier, and the logits are those of a run that recomputes everything."""
 
-import dataclasses
-
 import pytest
 import torch
 
-from kvtier import LLM, SamplingParams
+from kvtier import LLM
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.prefix_index import Tier
-
-PS = 16
-PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, ignore_eos=True)
-
-
-def prompt(n, seed):
-    return torch.randint(0, 163840, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def always_load(llm):
-    """A cost model under which loading always wins (the decision itself is tested elsewhere)."""
-    llm.engine.pool.tiers.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in (Tier.HOST, Tier.DISK)},
-                                           prefill_tok_s=1.0)
-    return llm
-
-
-def reference_logprobs(p):
-    llm = LLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
-    return llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0]
+from tests.helpers.serving import PS, always_load, prompt
+from tests.helpers.tiers import PARAMS, flush_device, reference_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +16,6 @@ def shared():
     first = prompt(200, 1)
     second = first[:170] + prompt(30, 2)
     return first, second, reference_logprobs(second)
-
-
-def flush_device(llm, n_prompts=2):
-    """Run unrelated prompts that take every device page, so cached device copies are evicted."""
-    for i in range(n_prompts):
-        llm.generate(prompt_token_ids=[prompt(250, 100 + i)], sampling_params=dataclasses.replace(PARAMS, max_tokens=1))
 
 
 def test_prefix_comes_back_from_host(shared):

@@ -5,20 +5,10 @@ import torch
 
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.config import PoolConfig
-from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.eviction import ToolAwarePolicy
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
-
-PS = 4
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
+from tests.helpers.pools import PS, Clock, on_device, run
 
 
 def make_pool(policy="tool-aware", pages=8):
@@ -27,25 +17,6 @@ def make_pool(policy="tool-aware", pages=8):
                   CostModel(tiers={Tier.HOST: TierCost(0.0, 1e15)}, prefill_tok_s=1.0))
     pool.tiers.clock = Clock()
     return pool
-
-
-def run(pool, tokens, sid):
-    """Compute a sequence fully (fake model: the pages keep whatever they hold) and free it."""
-    s = KVState(TokenList(tokens))
-    pool.begin_prefix(s)
-    while pool.finish_prefix(s) is None:
-        pool.wait_for_loads(0.1)
-    s.num_computed_tokens = pool.finish_prefix(s)
-    assert pool.allocate(s, s.num_tokens)
-    s.num_computed_tokens = s.num_tokens
-    pool.register_computed(s)
-    pool.poll(wait=True)
-    pool.free(s)
-    return s
-
-
-def on_device(pool, hashes):
-    return [pool.tiers.index.match([h], [Tier.DEVICE]).shape[0] == 1 for h in hashes]
 
 
 @pytest.mark.parametrize("policy, kept", [("lru", False), ("tool-aware", True)])

@@ -8,14 +8,13 @@ shuffled (so block tables are not monotone).
 from __future__ import annotations
 
 import dataclasses
-import random
-from collections import OrderedDict
 
 import pytest
 import torch
 
-from kvtier import LLM, SamplingParams
+from kvtier import SamplingParams
 from kvtier.model import YarnScaling, preset
+from tests.helpers.poisoned_engines import PAGE_SIZE, poisoned_llm
 from tests.hf_reference import hf_log_softmax, hf_token_logprobs, make_hf_checkpoint
 
 ATOL = 1e-4  # fp32 vs fp32; the contract
@@ -32,7 +31,6 @@ CONFIGS = {
         rope_scaling=YarnScaling(factor=64.0, original_max_position_embeddings=128, beta_fast=1.0, beta_slow=1.0,
                                  mscale=1.0, mscale_all_dim=1.0)),
 }
-PAGE_SIZE = 16
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -41,17 +39,6 @@ def hf_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     model = make_hf_checkpoint(config, path, seed=1234)
     return config, path, model
-
-
-def poisoned_llm(path, seed=0, **engine_args) -> LLM:
-    llm = LLM(str(path), dtype="float32", page_size=PAGE_SIZE, num_device_pages=96, **engine_args)
-    for cache in llm.engine.runner.kv_caches:
-        cache.fill_(float("nan"))
-    pages = llm.engine.pool.pages  # the pool's page accounting: shuffle its reuse order
-    order = list(pages.free_pages)
-    random.Random(seed).shuffle(order)
-    pages.free_pages = OrderedDict((p, None) for p in order)
-    return llm
 
 
 def random_prompt(config, n, seed):

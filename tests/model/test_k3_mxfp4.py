@@ -18,7 +18,7 @@ from kvtier.model.kimi_linear import situ_and_mul
 from kvtier.model.kimi_linear_config import tiny_k3
 from kvtier.model.loader import load_model
 from kvtier.reference.mxfp4 import dequantize_mxfp4
-from tests.model.test_k3_parts import _run
+from tests.helpers.hybrid_forward import _run
 
 TINY = tiny_k3()
 

@@ -24,7 +24,7 @@ from kvtier.cli import main
 from kvtier.model import AttentionBatch, load_model, preset
 from kvtier.model.kimi_k2 import MLAttention
 from kvtier.model.kimi_linear import HybridMoE, KimiLinearForCausalLM, situ_and_mul
-from kvtier.model.state_slots import StateBatch, StateSlots
+from tests.helpers.hybrid_forward import _run
 
 TINY = preset("tiny-k3")
 
@@ -174,25 +174,6 @@ def test_create_checkpoint_tiny_k3_round_trip(tiny_k3):
     assert all(n.startswith("language_model.") for n in names)
     assert "language_model.model.layers.1.block_sparse_moe.routed_expert_norm.weight" in names
     assert float(model.layers[0].self_attn.A_log.abs().sum()) > 0  # every parameter was filled
-
-
-def _run(model, ids, chunks):
-    c = model.config
-    page = 16
-    caches = [torch.zeros(4, page, c.kv_cache_dim) for _ in c.full_attn_layers]
-    table = torch.tensor([[3, 1, 0, 2]], dtype=torch.int32)
-    state = StateSlots(c, 2)
-    slot = state.allocate()
-    out, start = [], 0
-    for n in chunks:
-        pos = torch.arange(start, start + n)
-        batch = AttentionBatch(slot_mapping=table[0, pos // page].long() * page + pos % page, num_prefill_tokens=n,
-                               prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                               prefill_seq_lens=torch.tensor([start + n], dtype=torch.int32), prefill_block_table=table)
-        sb = StateBatch(prefill_slots=torch.tensor([slot], dtype=torch.int32))
-        out.append(model(torch.tensor(ids[start:start + n]), pos, batch, caches, state, sb))
-        start += n
-    return torch.cat(out)
 
 
 def test_tiny_k3_chunks_carry_the_state(tiny_k3):

@@ -335,7 +335,7 @@ def test_quantized_model_on_triton_matches_torch(ckpt, dtype, atol, monkeypatch)
 @pytest.mark.parametrize("dtype", ["int4", "fp8"])
 def test_quantized_decode_step_traces_whole(ckpt, dtype):
     """Dynamo fullgraph (eager backend) through the quantized ops: no graph break, same output."""
-    from tests.model.test_compile import _caches, _decode_inputs, _page_tables, _prefill
+    from tests.helpers.step_inputs import _caches, _decode_inputs, _page_tables, _prefill
 
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(1)
@@ -376,7 +376,7 @@ def test_fp8_weights_convert_to_e4m3fnuz_without_changing_the_model(ckpt, no_fp8
     values (weight x scale) stay the same, and so do the logits with the activation quantization
     off (W8A8 quantizes activations to the weight's fp8 dtype, whose largest value differs)."""
     from kvtier.model.loader import convert_fp8_weights
-    from tests.model.test_compile import _caches, _decode_inputs, _page_tables, _prefill
+    from tests.helpers.step_inputs import _caches, _decode_inputs, _page_tables, _prefill
 
     def logits(model):
         gen = torch.Generator().manual_seed(3)

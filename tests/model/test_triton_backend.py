@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from kvtier import LLM, SamplingParams  # noqa: E402
 from kvtier.ops import attention, dispatch, moe, sampling  # noqa: E402
-from tests.model.test_hf_parity import poisoned_llm  # noqa: E402
+from tests.helpers.poisoned_engines import poisoned_llm  # noqa: E402
 
 ATOL = 1e-4  # fp32 both ways: the kernels accumulate in fp32 in another order than the reference
 OPS = {"mla_extend", "mla_decode", "moe_route", "fused_moe", "sample"}

@@ -29,7 +29,7 @@ from kvtier import ops, reference
 from kvtier.ops import _aiter, dispatch
 
 from tests.ops._compare import assert_close
-from tests.ops.test_mla import SENTINEL, _paged_pool, _rounded
+from tests.helpers.mla_inputs import SENTINEL, _paged_pool, _rounded
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK, ROPE, SM_SCALE = 512, 64, 0.130861

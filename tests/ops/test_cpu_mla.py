@@ -1,5 +1,5 @@
 """The CPU kernel of the paged MLA ops (:mod:`kvtier.ops._cpu_mla`) against the fp32 reference
-(:func:`kvtier.reference.mla_extend`, same signature) and the float64 oracle of ``test_mla``.
+(:func:`kvtier.reference.mla_extend`, same signature) and the float64 oracle of ``tests/helpers/mla_inputs.py``.
 
 ``test_mla`` covers the ops' contract at small sizes, where this kernel takes the reference's
 dense path; here the sequences are long enough for the blocked path (prefix and causal block
@@ -16,7 +16,7 @@ import torch
 from kvtier import reference
 from kvtier.ops import _cpu_mla
 from tests.ops._compare import assert_close
-from tests.ops.test_mla import _dense_attention, _make_q, _paged_pool, _rounded
+from tests.helpers.mla_inputs import _dense_attention, _make_q, _paged_pool, _rounded
 
 # (seq_len, new tokens): a prompt past one key block; a chunk on a long prefix; a chunk of one
 # query block on a prefix ending mid-page; one query on a long context (decode); a short one that

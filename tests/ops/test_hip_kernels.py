@@ -19,7 +19,7 @@ from kvtier import ops, reference
 from kvtier.ops import _native
 from kvtier.ops.dispatch import unavailable_reason
 from tests.ops._compare import assert_close
-from tests.ops.test_gpu_kernels import RANK, ROPE, SM_SCALE, _fp8, _paged
+from tests.helpers.gpu_mla_inputs import RANK, ROPE, SM_SCALE, _fp8, _paged
 
 _HIP_REASON = unavailable_reason("mla_decode", "hip", "cuda") if torch.cuda.is_available() else None
 

@@ -13,7 +13,7 @@ import torch
 
 from kvtier import ops, reference
 from kvtier.reference.sampling import apply_token_bitmask
-from tests.ops.test_mla import _paged_pool, _rounded
+from tests.helpers.mla_inputs import _paged_pool, _rounded
 
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 RANK, ROPE, HEADS, SM_SCALE = 16, 8, 3, 0.3

@@ -12,7 +12,7 @@ import torch
 
 from kvtier import ops
 from kvtier.ops import dispatch
-from tests.ops.test_mla import _paged_pool, _rounded
+from tests.helpers.mla_inputs import _paged_pool, _rounded
 
 RANK, ROPE, HEADS, SM_SCALE = 16, 8, 5, 0.3
 SEQ_LENS = [17, 0, 1, 33, 0]

@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from kvtier import ops  # noqa: E402
 from kvtier.ops import _triton_mla  # noqa: E402
 from tests.ops._compare import assert_close  # noqa: E402
-from tests.ops.test_mla import SENTINEL, _dense_attention, _make_q, _paged_pool, _rounded  # noqa: E402
+from tests.helpers.mla_inputs import SENTINEL, _dense_attention, _make_q, _paged_pool, _rounded  # noqa: E402
 
 HUGE = 2**31 - 1
 

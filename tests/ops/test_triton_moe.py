@@ -1,5 +1,5 @@
 """``moe_route`` / ``fused_moe`` with ``backend="triton"`` (interpreter on CPU) against the loop
-oracles of test_moe.py and the fp32 references; ties, group variants, E=384 top-8, dtype tolerances."""
+oracles of tests/helpers/moe_inputs.py and the fp32 references; ties, group variants, E=384 top-8, dtype tolerances."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from kvtier import ops
 from kvtier.ops.moe import fused_moe_config, moe_align_block_size
 from tests.ops._compare import assert_close
-from tests.ops.test_moe import _dense_moe, _route_oracle, _routing_inputs, _sorted_by_id
+from tests.helpers.moe_inputs import _dense_moe, _route_oracle, _routing_inputs, _sorted_by_id
 
 
 @pytest.fixture(autouse=True)

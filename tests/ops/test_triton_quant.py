@@ -1,5 +1,5 @@
 """The quantized-weight ops with ``backend="triton"`` (interpreter on CPU) against the fp32
-references of :mod:`kvtier.reference.quant` and the float64 oracles of test_quant.py.
+references of :mod:`kvtier.reference.quant` and the float64 oracles of tests/helpers/quant_inputs.py.
 
 Adversarial inputs: an expert no token picks whose scales are NaN (any read of it shows), every
 token routed to one expert, K and N that are not multiples of the tiles (16 x 16 x 32 under the
@@ -20,7 +20,7 @@ import torch
 from kvtier import ops, reference
 from kvtier.ops import _triton_quant
 from tests.ops._compare import assert_close
-from tests.ops.test_quant import (
+from tests.helpers.quant_inputs import (
     act_quant_oracle,
     fp8_oracle_weight,
     int4_oracle_weight,

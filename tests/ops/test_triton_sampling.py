@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier import ops
-from tests.ops.test_sampling import _assert_frequencies, _pack_bitmask
+from tests.helpers.sampling_checks import _assert_frequencies, _pack_bitmask
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,8 @@ from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.config import PoolConfig
 from kvtier.serve.config import EngineConfig
-from tests.cache.test_tiers_e2e import always_load, flush_device, prompt
+from tests.helpers.serving import always_load, prompt
+from tests.helpers.tiers import flush_device
 
 PS, BLOCK = 16, 15360
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, ignore_eos=True)

@@ -19,8 +19,8 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteTier
 from kvtier.serve import Engine, EngineConfig
 from kvtier.serve.runner import ModelRunner
-from tests.cache.test_tier_protocol import MemoryBackend
-from tests.serve.test_hybrid_engine import llm, prompt, run  # noqa: F401 - llm is a fixture
+from tests.helpers.memory_store import MemoryBackend
+from tests.helpers.hybrid_engine import llm, prompt, run  # noqa: F401 - llm is a fixture
 
 TOL = 1e-4
 PS = 16

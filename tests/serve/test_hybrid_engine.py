@@ -8,28 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier import LLM, SamplingParams
+from kvtier import SamplingParams
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.state_slots import StateBatch, StateSlots
 from kvtier.serve import Engine, EngineConfig
 from kvtier.serve.hybrid_state import device_only
+from tests.helpers.hybrid_engine import PARAMS, llm, prompt, run  # noqa: F401 - llm is a fixture
 
 TOL = 1e-4  # fp32 engine vs direct forward, log-probabilities
-PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(1000, 150000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-@pytest.fixture(scope="module")
-def llm():
-    # One intra-op thread, as kvtier bench runs: the tiny model's ops are microseconds, and on a
-    # shared 2-core machine a second torch thread's barriers made these tests 10-100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LLM("tiny-k3", dtype="float32", page_size=16, num_device_pages=64, max_num_seqs=4)
-    torch.set_num_threads(threads)
 
 
 @torch.inference_mode()
@@ -57,14 +43,6 @@ def check_against_direct(model, prompt_ids: list[int], out) -> None:
     rows = lp[n - 1:]
     assert out.token_ids == rows.argmax(-1).tolist()
     assert out.logprobs == pytest.approx([rows[i, t].item() for i, t in enumerate(out.token_ids)], abs=TOL)
-
-
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list:
-    ids = [engine.add_request(p, params) for p in prompts]
-    outs = {}
-    while engine.has_unfinished():
-        outs.update({o.request_id: o for o in engine.step()})
-    return [outs[i] for i in ids]
 
 
 def engine_over(llm, **args) -> Engine:

@@ -13,8 +13,8 @@ from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.prefix_index import Tier
 from kvtier.serve import Engine, EngineConfig
 from tests.hf_reference import hf_log_softmax
-from tests.model.test_kimi_linear_parity import ATOL, CONFIG, pair  # noqa: F401 - pair is a fixture
-from tests.serve.test_hybrid_engine import run
+from tests.helpers.kimi_linear_pair import ATOL, CONFIG, pair  # noqa: F401 - pair is a fixture
+from tests.helpers.hybrid_engine import run
 
 PS = 16
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True, prompt_logprobs=True)

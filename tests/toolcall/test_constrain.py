@@ -16,35 +16,10 @@ from kvtier.toolcall import (
     turn_grammar,
 )
 
+from tests.helpers.tool_schemas import LS, SEARCH
 from tests.toolcall.sweep import as_parameters, check_arguments
 from tests.toolcall.conftest import UNGENERABLE_TOOL
 
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "parameters": {
-            "type": "object",
-            "properties": {"queries": {"type": "array", "items": {"type": "string"}}},
-            "required": ["queries"],
-        },
-    },
-}
-LS = {
-    "type": "function",
-    "function": {
-        "name": "ls",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {"type": "string"},
-                "depth": {"type": "integer", "minimum": 0, "maximum": 3},
-            },
-            "required": ["path"],
-            "additionalProperties": False,
-        },
-    },
-}
 TURN = (
     "Searching.<|tool_calls_section_begin|><|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>"
     '{"queries":["a","b"]}<|tool_call_end|><|tool_call_begin|>functions.ls:2<|tool_call_argument_begin|>'

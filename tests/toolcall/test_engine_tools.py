@@ -7,7 +7,7 @@ from kvtier import SamplingParams
 
 from tests.toolcall.sweep import check_arguments, k2vv_cases, walle_cases
 from tests.toolcall.conftest import UNGENERABLE_TOOL
-from tests.toolcall.test_constrain import LS, SEARCH
+from tests.helpers.tool_schemas import LS, SEARCH
 
 ASK = [{"role": "user", "content": "list the repository"}]
 

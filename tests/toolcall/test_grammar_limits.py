@@ -24,7 +24,7 @@ from kvtier.toolcall import (
 )
 from tests.toolcall.conftest import UNGENERABLE_TOOL
 from tests.toolcall.pathological import PATHOLOGICAL, REFUSED
-from tests.toolcall.test_constrain import LS
+from tests.helpers.tool_schemas import LS
 
 BASE = "tools[0].function.parameters"
 PREFILL_STEPS = 2  # steps before a request's first token at most (its prompt fits one step's budget)

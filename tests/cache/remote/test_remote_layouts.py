@@ -6,7 +6,7 @@ import torch
 
 from kvtier.cache.block_layout import gather_blocks, scatter_blocks
 from kvtier.cache.remote import RemoteStatus, block_format, open_backend, open_remote
-from tests.cache.test_block_layout import LAYOUTS, NUM_LAYERS, layout_of
+from tests.helpers.block_layouts import LAYOUTS, NUM_LAYERS, layout_of
 
 
 @pytest.mark.parametrize("name", ["mla", "kv", "lbhnc"])

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serve.api.test_k2vv import MAX_TOKENS
+from tests.helpers.k2vv import MAX_TOKENS
 from tests.toolcall.sweep import K2VV_DIR, Case, check_arguments, k2vv_cases
 
 anthropic = pytest.importorskip("anthropic")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvtier.cli import main
-from tests.bench.test_conversations import CONVERSATION, TOOLS
+from tests.helpers.conversations import CONVERSATION, TOOLS
 from tests.conftest import TOKENIZER_DIR
 
 

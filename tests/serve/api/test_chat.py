@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from tests.toolcall.sweep import check_arguments
-from tests.toolcall.test_constrain import LS, SEARCH
+from tests.helpers.tool_schemas import LS, SEARCH
 
 ASK = [{"role": "user", "content": "list the repository"}]
 # A tool without arguments: its calls close at once, so the random model writes several in a turn.

@@ -12,7 +12,7 @@ import pytest
 
 from tests.serve.api.conftest import start_server, stop_server
 from tests.toolcall.conftest import UNGENERABLE_TOOL
-from tests.toolcall.test_constrain import LS
+from tests.helpers.tool_schemas import LS
 
 ASK = [{"role": "user", "content": "hello"}]
 

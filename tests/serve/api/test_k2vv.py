@@ -7,9 +7,8 @@ import json
 
 import pytest
 
+from tests.helpers.k2vv import MAX_TOKENS
 from tests.toolcall.sweep import K2VV_DIR, check_arguments
-
-MAX_TOKENS = 192  # room for the shortest complete turn of each request plus free choices
 
 
 def _samples() -> list[dict]:

@@ -6,15 +6,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from kvtier.serve.api.jobs import Final
 from kvtier.serve.api.resume import ResumeTracker, miss_reason, shared_prefix
+from tests.helpers.resume_finals import _final
 from tests.serve.api.conftest import start_server, stop_server
 from tests.serve.api.tool_waits import settle, tool_waits
-
-
-def _final(ttft_s=2.0, prompt=100, cached=64, tiers=None, error=None) -> Final:
-    return Final("stop", prompt, 4, cached, tiers if tiers is not None else {"device": cached}, "", "", [], [], None,
-                 [], ttft_s=ttft_s, error=error)
 
 
 @pytest.mark.parametrize("ttft, kept, cached, tiers, why", [

@@ -13,8 +13,8 @@ from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel
 from kvtier.cache.pool import KVPool
 from kvtier.serve.api.resume import miss_reason
-from tests.cache.test_resume_target import PS, make_pool
-from tests.cache.test_tool_aware import Clock, run
+from tests.helpers.pools import PS, Clock, run
+from tests.helpers.resume_pools import make_pool
 from tests.serve.api.conftest import start_server, stop_server
 
 

@@ -96,7 +96,7 @@ def test_refused_requests_start_no_session(llm):
 def test_a_refused_resume_leaves_the_resume_to_the_retry(llm):
     """A resume refused before the engine (its prompt over the context, say) ends neither the tool
     wait nor the resume: the client's corrected retry is the one counted."""
-    from tests.serve.api.test_resume import _final
+    from tests.helpers.resume_finals import _final
 
     store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=Clock())
     store.encoder("r")
@@ -117,7 +117,7 @@ def test_a_resume_aborted_after_it_was_accepted_gives_the_wait_back(llm):
     """A resume the engine accepted and that was then aborted (its client disconnected) leaves
     the session waiting on its tool as before: the pool is told again, the wait it observed is
     taken back from the tool's estimate, and the client's retry is the resume counted."""
-    from tests.serve.api.test_resume import _final
+    from tests.helpers.resume_finals import _final
 
     clock = Clock()
     store = SessionStore(llm.engine, llm.tokenizer, ttl_s=60, clock=clock)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.toolcall.test_constrain import LS, SEARCH
+from tests.helpers.tool_schemas import LS, SEARCH
 
 ASK = [{"role": "user", "content": "list the repository"}]
 LS_SCHEMA = LS["function"]["parameters"]
