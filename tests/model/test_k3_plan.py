@@ -12,7 +12,8 @@ import pytest
 from kvtier.cli import main
 from kvtier.model import preset
 from kvtier.model.hybrid_plan import SESSION_LENGTHS, hybrid_memory_plan, hybrid_parameter_bytes
-from kvtier.model.plan import GB, plan_report
+from kvtier.model.plan import GB
+from kvtier.model.plan_report import plan_report
 
 K3 = preset("kimi-k3")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "k3.md"

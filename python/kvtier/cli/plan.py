@@ -11,7 +11,7 @@ from kvtier.model import PRESETS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kvtier.model.plan import plan_report
+    from kvtier.model.plan_report import plan_report
 
     formats = tuple(args.format.split(",")) if args.format else None
     print(plan_report(args.model, formats, args.devices, args.hbm_gb, parallel=args.parallel,

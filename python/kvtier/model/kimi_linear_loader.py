@@ -32,7 +32,7 @@ import torch
 
 from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import KimiLinearConfig
-from kvtier.model.loader import SafetensorsSource
+from kvtier.model.safetensors_source import SafetensorsSource
 from kvtier.model.weights import TensorSpec, _attention_specs, _mlp_specs, write_shards
 from kvtier.reference import mxfp4 as ref_mxfp4
 

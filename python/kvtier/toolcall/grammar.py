@@ -25,29 +25,12 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, fields
 
+from kvtier.toolcall.grammar_errors import GrammarError, GrammarLimitError
 from kvtier.toolcall.pattern_size import check_pattern_sizes
 from kvtier.toolcall.tools import ToolSpec
 
 IM_END = "<|im_end|>"
 CALL_INDEX = "/0|[1-9][0-9]{0,5}/"  # K2 numbers calls across the conversation: functions.NAME:IDX
-
-
-class GrammarError(ValueError):
-    """A grammar llguidance could not compile (the message carries llguidance's reason).
-
-    Attributes:
-        path: the JSON path of the schema keyword found at fault
-            (``tools[0].function.parameters.properties.x.minimum``), or None.
-    """
-
-    def __init__(self, message: str, path: str | None = None):
-        super().__init__(message)
-        self.path = path
-
-
-class GrammarLimitError(GrammarError):
-    """A tool grammar that exceeded one of :class:`GrammarLimits` (compile time, or the deadline of
-    one token's mask computation)."""
 
 
 # llguidance.LLParserLimits fields a GrammarLimits passes through (None: llguidance's default).

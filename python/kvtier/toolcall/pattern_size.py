@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from kvtier.toolcall.grammar_errors import GrammarLimitError
 from kvtier.toolcall.tools import ToolSpec
 
 _COUNT = re.compile(r"\{(\d*)(,(\d*))?\}[?+]?")  # {n}, {m,n}, {n,}, {,n}
@@ -170,8 +171,6 @@ def check_pattern_sizes(specs: Sequence[ToolSpec], max_size: int) -> None:
             (``tools[0].function.parameters.properties.x.pattern``) and whose message starts
             with it, then gives the size and the limit.
     """
-    from kvtier.toolcall.grammar import GrammarLimitError
-
     for i, spec in enumerate(specs):
         for path, s in _schemas(spec.grammar_schema(), f"tools[{i}].function.parameters"):
             pattern = s.get("pattern")

@@ -6,12 +6,17 @@ bounds and their ranges, ``enum`` values against the schema's types and size lim
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, NoReturn, Protocol
 
 from kvtier.toolcall.schema_refs import types_of
 
-if TYPE_CHECKING:
-    from kvtier.toolcall.schema import _Walk
+
+class _Walk(Protocol):
+    """What the checks use of the schema walk (:class:`kvtier.toolcall.schema` ``_Walk``)."""
+
+    limits: Any  # kvtier.toolcall.schema.SchemaLimits
+
+    def fail(self, message: str, path: str) -> NoReturn: ...
 
 
 def _is_int(v) -> bool:
