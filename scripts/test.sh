@@ -11,7 +11,7 @@ cd "$ROOT"
 . scripts/setup.sh
 # The newest official anthropic and openai clients, whatever the venv had: a field they start
 # sending back fails tests/serve/api/test_sdk_fields.py here, not a user's request.
-python -m pip install -q -U anthropic openai
+python -m pip install -q -U anthropic openai 2>&1 | quiet
 # vLLM for the connector's end-to-end test installs in the background while the C++ tests and the
 # compile gates run (KVTIER_WITH_VLLM=0 skips it; the test then skips, saying why).
 vllm_pid=""

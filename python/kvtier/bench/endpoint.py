@@ -222,9 +222,17 @@ async def replay_http(url: str, model: str, workload: Workload, name: str, *, co
                      server_counters=False)
 
 
+def server_root(url: str) -> str:
+    """``url`` without a trailing ``/`` or ``/v1``: an OpenAI client's ``base_url``
+    (``http://host:port/v1``) names the same server as ``http://host:port``."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workload, ConfigRun, dict]:
     """Load the workload ``opts`` (a :class:`kvtier.bench.run.BenchOptions`; ``opts.model`` is
-    the served model's name) describes and replay it against ``url``: ``(workload, run,
+    the served model's name) describes and replay it against ``url`` (a server root, or an OpenAI
+    client's ``base_url`` ending in ``/v1``): ``(workload, run,
     provenance)``; ``provenance["resume_slo"]`` is the server's resume-target counts for the
     replay (:func:`resume_slo_delta`; None without them). Token-id prompts use ids below the preset's vocabulary when ``opts.model``
     names a kvtier preset, else below :data:`SAFE_VOCAB`.
@@ -238,6 +246,7 @@ def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workloa
     from kvtier.model.config import PRESETS, preset
     from kvtier.provenance import provenance
 
+    url = server_root(url)
     info = server_info(url, opts.model)
     known = preset(opts.model) if opts.model in PRESETS else None
     max_len = info.get("max_model_len") or (known.max_position_embeddings if known else 1 << 20)

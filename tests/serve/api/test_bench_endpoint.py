@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from kvtier.cli import main
 from tests.helpers.conversations import CONVERSATION, TOOLS
 from tests.conftest import TOKENIZER_DIR
@@ -38,6 +36,15 @@ def test_bench_endpoint_replays_conversations_through_chat(server, tmp_path):
     (run,) = data["configs"].values()
     assert run["requests"] == data["provenance"]["workload"]["requests"] == 2 and run["errors"] == 0  # --max-turns 2
     assert run["hit_tokens"]["device"] > 0  # later turns of the session reuse the earlier turns' pages
+
+
+def test_bench_endpoint_takes_an_openai_clients_base_url(server, tmp_path):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--endpoint", server.url + "/v1/", "--model", "tiny", "--sessions", "1", "--max-turns", "1",
+                 "--ramp-s", "0", "--time-scale", "0.001", "--plot", "", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (run,) = data["configs"].values()
+    assert run["requests"] == 1 and run["errors"] == 0 and data["provenance"]["endpoint"] == server.url
 
 
 def test_bench_endpoint_names_a_model_the_server_lacks(server, tmp_path, capsys):

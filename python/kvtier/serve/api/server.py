@@ -48,6 +48,11 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     from kvtier.serve.builder import build_engine
     from kvtier.tokenize import load_tokenizer
 
+    from kvtier.model.config import PRESETS
+
+    if not Path(model).is_dir() and model not in PRESETS:
+        # Named first: a mistyped preset or a missing path is not a missing tokenizer.
+        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
     from kvtier.tokenize import has_tokenizer
