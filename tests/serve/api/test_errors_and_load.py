@@ -4,6 +4,7 @@ bounded 64-client load test ending with every device page free; ``/metrics`` cou
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -175,6 +176,20 @@ def test_a_non_streaming_client_that_leaves_frees_its_pages(server):
         time.sleep(0.2)
     assert server.metrics()[("kvtier_client_disconnects_total",)] == before + 1
     assert server.wait_pages_free() == 0
+
+
+def test_a_client_that_leaves_mid_upload_leaves_no_stack_trace(server):
+    """A body cut short (``Content-Length`` 1000, 8 bytes sent, socket closed) is answered as a 400
+    nobody reads: no traceback in the server's log, and the next request is served."""
+    host, port = server.url.removeprefix("http://").split(":")
+    before = len(server.log.read_text(errors="replace"))
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\"")
+    ok = _post(server, "/v1/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 1})
+    assert ok.status_code == 200
+    time.sleep(0.5)  # the cut request's handler runs beside the one above
+    assert "Traceback" not in server.log.read_text(errors="replace")[before:]
 
 
 def test_session_header_is_checked_like_the_body_field(server):

@@ -297,20 +297,27 @@ async def read_body(request, max_bytes: int | None = None) -> bytes:
 
     Raises:
         ApiError: 413 on ``body`` as soon as the declared ``Content-Length`` or the bytes
-            received so far exceed ``max_bytes``; the rest is not read.
+            received so far exceed ``max_bytes``; the rest is not read. 400 on ``body`` when the
+            client closes the connection before its whole body arrived (no one reads the answer;
+            it keeps a client's upload cut short out of the server log as a stack trace).
     """
-    if max_bytes is None:
-        return await request.body()
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(int(declared), max_bytes, False)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes, max_bytes, True)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    from starlette.requests import ClientDisconnect
+
+    try:
+        if max_bytes is None:
+            return await request.body()
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise _too_large(int(declared), max_bytes, False)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes, max_bytes, True)
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except ClientDisconnect:
+        raise ApiError(400, "the client closed the connection before the whole request body arrived", "body") from None
 
 
 async def json_body(request, max_bytes: int | None = None) -> Any:
