@@ -94,6 +94,13 @@ def _random_hybrid_model(name: str, seed: int, dtype: torch.dtype, device: str) 
     return model.to(device)
 
 
+def check_model(model: str | Path) -> None:
+    """Raise ValueError unless ``model`` is a checkpoint directory or a preset name
+    (:data:`kvtier.model.PRESETS`), naming both."""
+    if not Path(model).is_dir() and str(model) not in PRESETS:
+        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+
+
 def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
                      seed: int = 0, dequantize: bool = False
                      ) -> tuple[KimiK2ForCausalLM | KimiLinearForCausalLM, bytes]:
@@ -109,15 +116,14 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
         ValueError: neither a directory nor a known preset, a bad ``dtype``, or a ``device``
             that does not exist here (see :func:`check_device`).
     """
+    check_model(model)
     check_device("device", device)
     torch_dtype = _resolve_dtype(dtype, device)
     if Path(model).is_dir():
         model_id = checkpoint_fingerprint(model) + (b":dequantized" if dequantize else b"")
         return load_model(model, torch_dtype, device, dequantize=dequantize), model_id
-    if str(model) in PRESETS:
-        build = _random_hybrid_model if str(model) in HYBRID_PRESETS else _random_model
-        return build(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
-    raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+    build = _random_hybrid_model if str(model) in HYBRID_PRESETS else _random_model
+    return build(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()
 
 
 @dataclass

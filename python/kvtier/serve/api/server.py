@@ -45,14 +45,10 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
             a KV events endpoint that cannot be bound, or what ``on_engine`` raises.
     """
-    from kvtier.serve.builder import build_engine
+    from kvtier.serve.builder import build_engine, check_model
     from kvtier.tokenize import load_tokenizer
 
-    from kvtier.model.config import PRESETS
-
-    if not Path(model).is_dir() and model not in PRESETS:
-        # Named first: a mistyped preset or a missing path is not a missing tokenizer.
-        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+    check_model(model)  # first: a mistyped preset or a missing path is not a missing tokenizer
     if tokenizer is None and not Path(model).is_dir():
         raise ValueError(f"--tokenizer DIR is required for the preset {model!r} (it has no tokenizer files)")
     from kvtier.tokenize import has_tokenizer
