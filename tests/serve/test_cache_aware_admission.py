@@ -403,10 +403,10 @@ def test_a_request_that_waits_behind_the_chunked_prefill_preempts_nobody(tokens,
     ranking = scheduler.ranking
     assert (ranking.key(new_seq) < ranking.key(engine.sequence(chunked))) is overtakes
     assert ranking.waits_for_chunk(new_seq, scheduler.plan.budget) is not overtakes
-    scheduler.make_room()
-    assert (scheduler.num_preemptions > 0) is overtakes
-    if not overtakes:
-        assert {s.seq_id for s in scheduler.running} == {decode, chunked}
+    made = scheduler.preemption.make_room(scheduler.plan.budget)
+    assert (made is not None) is overtakes
+    if overtakes:
+        assert made[0] is new_seq and {s.seq_id for s in made[1]} == {decode, chunked}
 
 
 def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_back_in():
@@ -441,7 +441,7 @@ def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in()
     engine.step()
     aged_seq = engine.sequence(aged)
     assert aged_seq.output_token_ids and aged_seq in scheduler.running
-    scheduler.preempt(aged_seq)  # as a new turn displacing it would
+    scheduler.queues.preempt(aged_seq, engine.pool)  # as a new turn displacing it would
     engine.pool.poll(wait=True)  # its blocks reach the host tier
     dec = engine.add_request(decode_prompt, long_decode)
     engine.step()  # the decode holds 6 of the 10 pages: the aged request's 9 do not fit

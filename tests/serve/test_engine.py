@@ -273,7 +273,7 @@ def test_prompt_logprobs_stay_none_for_positions_reported_cached_after_a_preempt
     seq = engine._sequences[rid]
     engine.step()  # admitted with its 3 cached blocks; its last 5 tokens computed
     assert seq.num_cached_tokens == 48 and seq.prompt_logprobs[:48] == [None] * 48
-    engine.scheduler.preempt(seq)
+    engine.scheduler.queues.preempt(seq, pool)
     filler = KVState(TokenList(range(pool.num_free_pages * 16)))
     assert pool.allocate(filler, pool.num_free_pages * 16)  # evicts the cached blocks
     pool.free(filler)

@@ -4,7 +4,7 @@
 sequence is short of pages, the last admitted. :class:`PreemptBehind` (``cache-aware``) lets
 the best-ranked request blocked on pages take them from what ranks behind it (or, when its
 blocks load back, from decodes). The scheduler preempts the victims
-(:meth:`kvtier.serve.scheduler.Scheduler.preempt`).
+(:meth:`kvtier.serve.queues.Queues.preempt`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The scheduler's queues: who waits, who loads its prefix, who runs, and who failed admission.
 
-The scheduler (:mod:`kvtier.serve.scheduler`) is their one writer; the ranking and the
+A request moves between them through :class:`Queues`' methods alone (admission, loads ended,
+preemption), which the scheduler (:mod:`kvtier.serve.scheduler`) calls; the ranking and the
 preemption rule (:mod:`kvtier.serve.ranking`, :mod:`kvtier.serve.preemption`) read them.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvtier.cache.pool import KVPool
 
-from kvtier.serve.request import Sequence
+from kvtier.serve.request import Sequence, SequenceStatus
 
 
 @dataclass
@@ -20,12 +21,52 @@ class Queues:
     """``waiting`` (arrival order, preempted and loaded requests at the head), ``loading`` (their
     prefix loads run in the background), ``running`` (admission order), and ``blocked``: the
     requests that failed admission, by seq_id, with the free pages then and the token budget they
-    had (not retried until pages were freed or the budget shrank)."""
+    had (not retried until pages were freed or the budget shrank). ``num_preemptions`` counts
+    :meth:`preempt` calls."""
 
     waiting: deque[Sequence] = field(default_factory=deque)
     loading: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)
     blocked: dict[int, tuple[int, int]] = field(default_factory=dict)
+    num_preemptions: int = 0
+
+    def start_loading(self, seq: Sequence, clock: Callable[[], float]) -> None:
+        """Waiting ``seq`` is admitted and its prefix loads run: it holds pages now, so it is
+        placed as soon as they end (:meth:`collect_loaded`)."""
+        mark(seq, "admitted_time", clock)
+        self.waiting.remove(seq)
+        self.loading.append(seq)
+        self.unblock(seq)
+
+    def start_running(self, seq: Sequence, clock: Callable[[], float]) -> None:
+        """Waiting ``seq``'s first chunk was placed: it runs. Its first admission that runs
+        defines what it reports as cached (``num_cached_tokens``, ``cached_tokens_by_tier``)."""
+        self.waiting.remove(seq)
+        self.unblock(seq)
+        mark(seq, "admitted_time", clock)
+        mark(seq, "loaded_time", clock)
+        if not seq.admitted:
+            seq.admitted = True
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.cached_tokens_by_tier = dict(seq.kv.prefix_tokens_by_tier)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def preempt(self, seq: Sequence, pool: KVPool) -> None:
+        """Recompute preemption: running ``seq``'s pages go back to the prefix cache (its full
+        blocks stay cached, or are copied down a tier when evicted), and it waits at the queue's
+        head; when re-admitted it matches and loads them like any returning prompt."""
+        self.running.remove(seq)
+        pool.free(seq.kv)
+        if seq.output_token_ids:
+            seq.metrics.preemptions_after_first_token += 1
+        else:
+            seq.metrics.num_preemptions += 1
+        seq.num_computed_tokens = 0
+        seq.prefix_done = False
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     def block(self, seq: Sequence, free_pages: int, budget: int) -> None:
         self.blocked[seq.seq_id] = (free_pages, budget)

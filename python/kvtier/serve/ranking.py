@@ -49,7 +49,7 @@ class ArrivalOrder:
 
     def __init__(self, config: EngineConfig, pool: KVPool, queues: Queues):
         self.config, self.pool, self.queues = config, pool, queues
-        self._estimates: dict[int, tuple[int, float, float]] = {}
+        self._estimates: dict[tuple[int, int, int], tuple[int, float, float]] = {}
 
     def begin_step(self) -> None:
         """Forget the estimates of the step before (loads ended, pages moved)."""
@@ -57,19 +57,16 @@ class ArrivalOrder:
 
     def estimate(self, seq: Sequence) -> tuple[int, float, float]:
         """``(tokens to prefill, estimated seconds to serve its prompt, of which its loads)``,
-        memoised per step."""
-        got = self._estimates.get(seq.seq_id)
+        memoised per step and per preemption (a preempted sequence is estimated afresh)."""
+        memo = (seq.seq_id, seq.metrics.num_preemptions, seq.metrics.preemptions_after_first_token)
+        got = self._estimates.get(memo)
         if got is None:
             reused, load_s = 0, 0.0
             if seq.status is SequenceStatus.WAITING and not seq.prefix_done and not seq.page_ids:
                 reused, load_s = self.pool.estimate_prefix(seq.kv)
             tokens = max(1, remaining(seq) - reused)
-            got = self._estimates[seq.seq_id] = (tokens, load_s + self.pool.recompute_s(tokens), load_s)
+            got = self._estimates[memo] = (tokens, load_s + self.pool.recompute_s(tokens), load_s)
         return got
-
-    def invalidate(self, seq: Sequence) -> None:
-        """``seq`` was preempted: its estimate is stale."""
-        self._estimates.pop(seq.seq_id, None)
 
     def urgent(self, seq: Sequence) -> bool:
         """Whether ``seq`` is aged (ranks first and holds admission)."""

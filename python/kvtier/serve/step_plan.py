@@ -1,20 +1,26 @@
 """One step's plan: the batch it fills and the budgets it fills it within.
 
-A :class:`StepPlan` holds the step's :class:`ScheduledBatch` and places chunks in it
-(:meth:`StepPlan.place`, :meth:`StepPlan.grow`, :meth:`StepPlan.end_chunked`), charging each to a
-:class:`StepBudget`: what is left of the step besides its token budget, the attention work of
-its prefill chunks (``EngineConfig.max_num_batched_pairs``, query-key pairs) and the share of a
-full step's estimated time the step may spend waiting for short prefix loads at admission. Page
-accounting (which pages a sequence holds, which are free, what preempting it frees) is the
-pool's (:class:`kvtier.cache.pool.KVPool`); :func:`fit_tokens` and :func:`pages_freed` read it.
+A :class:`StepPlan` holds the step's :class:`ScheduledBatch`, the step's token budget
+(``max_num_batched_tokens``, :attr:`StepPlan.tokens_left`) and a :class:`StepBudget`: the
+attention work of its prefill chunks (``EngineConfig.max_num_batched_pairs``, query-key pairs)
+and the share of a full step's estimated time the step may spend waiting for short prefix loads
+at admission. It starts a waiting request's prefix (:meth:`StepPlan.start_prefix`), cuts a
+chunk to the budgets (:meth:`StepPlan.chunk`) and answers :meth:`StepPlan.add` with a
+:class:`Verdict`; :meth:`StepPlan.grow` and :meth:`StepPlan.end_chunked` add to placed chunks.
+It writes no queue: what a verdict means for the queues is the scheduler's. Page accounting
+(which pages a sequence holds, which are free, what preempting it frees) is the pool's
+(:class:`kvtier.cache.pool.KVPool`); :func:`fit_tokens` and :func:`pages_freed` read it.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.cache.pool import KVPool
+from kvtier.cache.pool import KVPool, PrefixStart
+from kvtier.serve.queues import mark
 from kvtier.serve.request import Sequence
 
 INLINE_LOAD_SHARE = 0.1
@@ -108,22 +114,102 @@ class StepBudget:
             self.inline_left = max(0.0, self.inline_left - (waited_s - load_s) / step_s)
 
 
+class Verdict(enum.Enum):
+    """What :meth:`StepPlan.add` did with a sequence's chunk."""
+
+    PLACED = "placed"  # its pages are allocated and the chunk is in the batch: go on
+    NO_TOKENS = "no tokens"  # the budgets leave it no token this step: nothing changed
+    NO_PAGES = "no pages"  # too few free pages for its chunk: nothing changed
+
+
 class StepPlan:
     """The batch of one step as it is filled, and the budgets it is filled within.
 
     Args:
         pool: the page pool the chunks' pages come from.
         budget: the step's attention and inline-load budget (a fresh one per step).
+        tokens: the step's token budget (``max_num_batched_tokens``); None: no bound.
     """
 
-    def __init__(self, pool: KVPool, budget: StepBudget | None = None):
+    def __init__(self, pool: KVPool, budget: StepBudget | None = None, tokens: int | None = None):
         self.pool = pool
         self.budget = budget if budget is not None else StepBudget()
+        self.tokens = self.tokens_left = tokens if tokens is not None else 2**62
         self.batch = ScheduledBatch()
+
+    def chunk(self, seq: Sequence, caps: dict[int, int] | None = None) -> int:
+        """Tokens running ``seq`` may run this step: its rest (1 for a decode) within the token
+        budget left, its cap in ``caps`` (the ranking's chunk plan by seq_id, absent: 0; None: no
+        cap; a decode is never capped) and the attention budget. A sequence computed but never
+        sampled (a step was interrupted) recomputes its last token."""
+        if seq.num_computed_tokens >= seq.num_tokens:
+            seq.num_computed_tokens = seq.num_tokens - 1
+        n = min(remaining(seq), self.tokens_left)
+        if caps is not None and n > 1:
+            n = min(n, caps.get(seq.seq_id, 0))
+        if remaining(seq) > 1:
+            n = self.budget.cap(seq, n)
+        return n
+
+    def add(self, seq: Sequence, n: int, shrink: bool = False) -> Verdict:
+        """Allocate ``seq``'s pages for ``n`` more tokens and place them (:meth:`place`).
+
+        Args:
+            seq: a running sequence, or a waiting one whose prefix :meth:`start_prefix` placed.
+            n: its chunk (<= 0: :attr:`Verdict.NO_TOKENS`).
+            shrink: when the pages for ``n`` are short, place the chunk its held and the free
+                pages do hold (:func:`fit_tokens`), if at least one token.
+
+        Returns:
+            ``PLACED``, ``NO_TOKENS`` or ``NO_PAGES`` (nothing allocated or placed).
+        """
+        if n <= 0:
+            return Verdict.NO_TOKENS
+        if not self.pool.allocate(seq.kv, seq.num_computed_tokens + n):
+            fit = fit_tokens(self.pool, seq)
+            if not (shrink and 1 <= fit < n and self.pool.allocate(seq.kv, seq.num_computed_tokens + fit)):
+                return Verdict.NO_PAGES
+            n = fit
+        self.place(seq, n)
+        return Verdict.PLACED
+
+    def start_prefix(self, seq: Sequence, partial: bool, clock: Callable[[], float],
+                     estimate: Callable[[Sequence], tuple[int, float, float]] | None = None) -> PrefixStart:
+        """Give waiting ``seq`` its cached prefix (:meth:`KVPool.begin_prefix`) unless placed
+        already. Loads estimated (``estimate(seq)[2]`` seconds, the ranking's
+        :meth:`~kvtier.serve.ranking.ArrivalOrder.estimate`; None: never waited for) to fit in
+        the step's inline share are waited for now, at most that share
+        (:meth:`StepBudget.take_inline`); ``seq`` is admitted (its ``admitted_time`` read from
+        ``clock``) before the wait.
+
+        Returns:
+            ``READY``: its ``num_computed_tokens`` is the prefix placed (cut by :func:`cap_reuse`);
+            ``LOADING``: its loads run on; ``NO_ROOM``: the loads need more free pages and
+            ``partial`` was False (nothing taken).
+        """
+        pool = self.pool
+        if not seq.prefix_done:
+            start = pool.begin_prefix(seq.kv, partial=partial)
+            if start is PrefixStart.LOADING and estimate is not None:
+                limit = self.budget.take_inline(estimate(seq)[2], pool.recompute_s(self.tokens))
+                if limit is not None:
+                    # Bounded: a load slower than its estimate goes on as any other (``loading``).
+                    mark(seq, "admitted_time", clock)
+                    began = clock()
+                    if pool.wait_prefix(seq.kv, timeout_s=limit) is not None:
+                        start = PrefixStart.READY
+                    self.budget.waited_inline(clock() - began)
+            if start is not PrefixStart.READY:
+                return start
+            seq.num_computed_tokens = pool.finish_prefix(seq.kv)  # the prefix it placed
+            seq.prefix_done = True
+        cap_reuse(pool, seq)
+        return PrefixStart.READY
 
     def place(self, seq: Sequence, n: int) -> None:
         """Add ``n`` tokens of ``seq`` (its pages allocated): a decode, or a prefill chunk whose
-        attention work is charged."""
+        attention work is charged; both are charged to the token budget."""
+        self.tokens_left -= n
         if n == 1 and seq.num_computed_tokens == seq.num_tokens - 1:
             self.batch.decodes.append(seq)
         else:
@@ -145,6 +231,7 @@ class StepPlan:
         if i is None:
             self.place(seq, extra)  # charges the chunk
         else:
+            self.tokens_left -= extra
             self.budget.charge(seq, extra, have)
             batch.extends[i] = (seq, have + extra)
         return extra
@@ -155,16 +242,16 @@ class StepPlan:
         placed.update((s.seq_id, 1) for s in self.batch.decodes)
         return [s for s in running if s.num_computed_tokens + placed.get(s.seq_id, 0) < s.num_tokens - 1]
 
-    def end_chunked(self, chunked: list[Sequence], tokens: int) -> int:
-        """Place the rest of the prompt of the one chunked prefill now, when it fits in ``tokens``
-        with a token to spare, so a waiting prompt longer than the budget left can start its
-        chunks beside it (the step is not left half empty). Returns the tokens placed."""
+    def end_chunked(self, chunked: list[Sequence]) -> int:
+        """Place the rest of the prompt of the one chunked prefill now, when it fits in the token
+        budget left with a token to spare, so a waiting prompt longer than the budget left can
+        start its chunks beside it (the step is not left half empty). Returns the tokens placed."""
         if len(chunked) != 1:
             return 0
         seq = chunked[0]
         have = next((n for q, n in self.batch.extends if q is seq), 0)
         rest = remaining(seq) - have
-        if not 0 < rest < tokens:
+        if not 0 < rest < self.tokens_left:
             return 0
         placed = self.grow(seq, rest, exact=True)
         if placed:
@@ -195,5 +282,5 @@ def pages_freed(pool: KVPool, seq: Sequence) -> int:
     return pool.num_private_pages(seq.kv)
 
 
-__all__ = ["INLINE_LOAD_SHARE", "ScheduledBatch", "StepBudget", "StepPlan", "cap_reuse", "fit_tokens", "pages_freed", "pairs",
-           "remaining"]
+__all__ = ["INLINE_LOAD_SHARE", "ScheduledBatch", "StepBudget", "StepPlan", "Verdict", "cap_reuse", "fit_tokens",
+           "pages_freed", "pairs", "remaining"]
