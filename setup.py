@@ -76,7 +76,7 @@ setup(
     packages=find_packages("python") + ["kvtier.triton_kernels"],
     package_dir={"": "python", "kvtier.triton_kernels": "triton_kernels"},
     package_data={"kvtier": ["py.typed"], "kvtier.triton_kernels": ["configs/*.json"],
-                  "kvtier.bench.sim": ["*.toml"]},  # the simulator's hardware and scenarios
+                  "kvtier.sim": ["*.toml"]},  # the simulator's hardware and scenarios
     ext_modules=[
         # Host runtime (block hash, prefix index, copy engine, disk tier, token buffer) and the CPU
         # implementations of the GPU kernels (hip/cpu).

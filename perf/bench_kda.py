@@ -5,7 +5,7 @@ p20_us, p80_us, gb_s, tflop_s, pct_hbm_peak, pct_matrix_peak, commit). Bytes and
 :mod:`kvtier.reference.kda` (``kda_decode_bytes``, ``kda_prefill_flops``): decode reads and
 writes each sequence's fp32 state (``2 * H * K * V * 4`` bytes) and moves its bf16 q/k/g/v/o, so
 ``pct_hbm_peak`` is the figure that matters for it; prefill counts its inputs, outputs and the
-states read and written. Peaks are the datasheet figures of :mod:`kvtier.bench.sim.hardware`
+states read and written. Peaks are the datasheet figures of :mod:`kvtier.sim.hardware`
 (H200, MI355X) found by the device name; blank elsewhere.
 
 On a GPU: K3 shapes (96 heads x head dim 128, fp32 states, bf16 activations; g in fp32 as the

@@ -9,7 +9,7 @@ baseline. Bytes: the weight in its storage format (:func:`kvtier.reference.quant
 :func:`~kvtier.reference.quant.int4_group_bytes`) + ``M * K`` activations in + ``M * N`` out, bf16;
 ``pct_hbm_peak`` counts the weight bytes only (decode: M small); FLOPs ``2 * M * N * K`` and
 ``pct_matrix_peak`` against the fp8 (W8A8) or bf16 (W4A16, bf16) dense peak of the device
-(:mod:`kvtier.bench.sim.hardware` datasheets, found by the device name; blank elsewhere).
+(:mod:`kvtier.sim.hardware` datasheets, found by the device name; blank elsewhere).
 
 K2 shapes (N x K): q_a_proj 1536 x 7168, kv_a_proj_with_mqa 576 x 7168, o_proj 7168 x 8192,
 dense MLP down 7168 x 18432 (FP8); expert gate/up 4096 x 7168 and down 7168 x 2048 (INT4). Tokens

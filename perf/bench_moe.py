@@ -7,7 +7,7 @@ tflop_s, pct_hbm_peak, pct_matrix_peak, commit. Bytes and FLOPs come from the fo
 a percentage of the device's HBM peak, the figure that matters at decode; ``pct_matrix_peak`` =
 ``tflop_s`` as a percentage of its dense matrix peak for the op's compute dtype (bf16 for bf16
 and W4A16, fp8 for W8A8), the figure that matters at prefill. Peaks are the datasheet figures of
-:mod:`kvtier.bench.sim.hardware` (MI355X, H200), found by the device name; blank elsewhere.
+:mod:`kvtier.sim.hardware` (MI355X, H200), found by the device name; blank elsewhere.
 
 On a GPU: K2 shapes (MoE at 1-4096 tokens, E=384, top-8, H=7168, I=2048 with bf16 weights, INT4
 group-32 weights (``fused_moe_w4a16``) and FP8 128x128-block weights (``fused_moe_fp8_block``,

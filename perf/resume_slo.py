@@ -85,7 +85,7 @@ def run_policy(policy: str, prepared, opts: BenchOptions, target_s: float, decla
 def run_sim(args, seed: int) -> tuple[int, list[dict]]:
     """Both policies in the simulator (``--sim SCENARIO``): its ``tiered`` (LRU) and
     ``tiered-tool-aware`` variants on the built-in workload drawn with ``seed``, the same sizes."""
-    from kvtier.bench.sim.run import SimOptions, run_scenario
+    from kvtier.sim.run import SimOptions, run_scenario
 
     opts = SimOptions(scenario=args.sim, configs="tiered,tiered-tool-aware", sessions=args.sessions,
                       concurrency=args.concurrency, max_turns=args.max_turns, seed=seed,

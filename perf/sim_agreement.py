@@ -2,7 +2,7 @@
 
 Three steps, one process, one machine:
 
-1. **Measure** (``kvtier.bench.calibrate.measure_cpu_costs``): the built-in workload of
+1. **Measure** (``kvtier.sim.calibrate.measure_cpu_costs``): the built-in workload of
    ``--calibration-seed`` is replayed through the real engine (``tiny`` model, ``tiered`` then
    ``device-only``); every step's batch shape and wall time are recorded and a linear step-time
    model is fitted; the host and disk copy costs are read from the tiered pool's cost model
@@ -32,7 +32,7 @@ import time
 import torch
 from kvtier.bench.report import summarize
 from kvtier.bench.run import BenchOptions, run_all
-from kvtier.bench.calibrate import measure_cpu_costs, simulate_bench
+from kvtier.sim.calibrate import measure_cpu_costs, simulate_bench
 from kvtier.provenance import provenance
 
 

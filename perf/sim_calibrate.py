@@ -38,12 +38,12 @@ import math
 import time
 
 from kvtier.bench.report import summarize
-from kvtier.bench.sim.run import SimOptions, load_workload, run_scenario, ttft_p99
+from kvtier.sim.run import SimOptions, load_workload, run_scenario, ttft_p99
 from kvtier.bench.workload import Workload
 from kvtier.provenance import provenance
 
 SCENARIO = "kimi-mi355x-128"
-THINK_CAP_S = 600.0  # kv-cache-tester's --max-delay (the think-time cap in kvtier/bench/sim/scenarios.toml)
+THINK_CAP_S = 600.0  # kv-cache-tester's --max-delay (the think-time cap in kvtier/sim/scenarios.toml)
 
 
 def scale_think_times(workload: Workload, f: float) -> Workload:

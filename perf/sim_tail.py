@@ -19,10 +19,10 @@ import json
 import pathlib
 import sys
 
-from kvtier.bench.calibrate import CpuCosts, LinearTimer, simulate_bench
+from kvtier.sim.calibrate import CpuCosts, LinearTimer, simulate_bench
 from kvtier.bench.report import bench_json
 from kvtier.bench.run import BenchOptions
-from kvtier.bench.sim.hardware import Link
+from kvtier.sim.hardware import Link
 from kvtier.provenance import provenance
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -55,9 +55,9 @@ def parse_kernel_bench_args(parser: argparse.ArgumentParser, argv: list[str] | N
 
 
 def device_peaks(device_name: str):
-    """The datasheet accelerator of :mod:`kvtier.bench.sim.hardware` whose name (``"H200"``,
+    """The datasheet accelerator of :mod:`kvtier.sim.hardware` whose name (``"H200"``,
     ``"MI355X"``) appears in ``device_name`` (``torch.cuda.get_device_name``), or None."""
-    from kvtier.bench.sim.hardware import ACCELERATORS
+    from kvtier.sim.hardware import ACCELERATORS
 
     return next((a for a in ACCELERATORS.values() if a.name.lower() in device_name.lower()), None)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kvtier.bench.resume import resume_misses
-from kvtier.bench.sim.run import SimOptions, run_scenario
+from kvtier.sim.run import SimOptions, run_scenario
 
 
 def _run(**kw):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
-from kvtier.bench.sim.copies import SimDisk
+from kvtier.sim.copies import SimDisk
 from kvtier.cache import PrefixIndex, block_hashes
 from kvtier.cache.tiers.disk_budget import DiskBudget, namespace_dir
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier

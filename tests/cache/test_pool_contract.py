@@ -4,8 +4,8 @@ moves bytes and knows no tier (the disk tier submits its own reads and writes)."
 import pytest
 import torch
 
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.bench.sim.hardware import Link
+from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.sim.hardware import Link
 from kvtier.cache import seams
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost

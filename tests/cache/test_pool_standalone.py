@@ -5,8 +5,8 @@ import sys
 
 import torch
 
-from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle, SimDisk, TierLinks, VirtualClock
-from kvtier.bench.sim.hardware import Link
+from kvtier.sim.copies import SimCopyEngine, SimCopyHandle, SimDisk, TierLinks, VirtualClock
+from kvtier.sim.hardware import Link
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import DiskTier
@@ -20,7 +20,7 @@ PS, PAGES = 4, 8
 
 
 def test_the_pool_and_its_tests_need_no_serving_layer():
-    code = ("import sys, kvtier.cache.pool, kvtier.cache.seams, kvtier.bench.sim.copies; "
+    code = ("import sys, kvtier.cache.pool, kvtier.cache.seams, kvtier.sim.copies; "
             "print(sorted(m for m in sys.modules if m.startswith('kvtier.serve')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -107,9 +107,9 @@ def test_simulator_takes_its_device_tier_from_the_plan():
     """The K2 scenario's device pages are the plan's KV tokens (tp on its node) over the page size."""
     import math
 
-    from kvtier.bench.sim import hardware
-    from kvtier.bench.sim.run import size_tiers
-    from kvtier.bench.sim.scenarios import SCENARIOS
+    from kvtier.sim import hardware
+    from kvtier.sim.run import size_tiers
+    from kvtier.sim.scenarios import SCENARIOS
     from kvtier.bench.workload import Session, Turn, Workload
 
     scn, node = SCENARIOS["kimi-mi355x-128"], hardware.node("mi355x")

@@ -1,6 +1,6 @@
 """The closed loop of agent sessions (docs/workload.md), on an injected clock: one driver for the real
 replay (:func:`kvtier.bench.replay.replay`, wall clock) and the simulator
-(:func:`kvtier.bench.sim.loop.simulate`, virtual clock).
+(:func:`kvtier.sim.loop.simulate`, virtual clock).
 
 At most ``concurrency`` sessions are active; the first ``concurrency`` start spread over
 ``ramp_s`` (session ``i`` at ``i * ramp_s / concurrency``: sessions of a running service are not in

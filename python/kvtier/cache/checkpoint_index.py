@@ -1,6 +1,6 @@
 """Which tiers hold each recurrent-state checkpoint, and which one a full tier drops: the records and
 rules every checkpoint store shares (the pool's, :mod:`kvtier.cache.tiers.checkpoints`, and the
-simulator's byte-less one, :mod:`kvtier.bench.sim.states`).
+simulator's byte-less one, :mod:`kvtier.sim.states`).
 
 A checkpoint is keyed by the 16-byte block hash of the block before its boundary. Its entry holds
 its kind, when it was last used, its slot in each tier that holds it, how many tool waits protect

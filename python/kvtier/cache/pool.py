@@ -72,7 +72,7 @@ class KVPool:
             workers for CPU page pools, a :class:`kvtier.cache.device_copy.DeviceCopyEngine`
             (copy stream, pinned host tier) for GPU page pools
             (``DeviceCopyEngine("cpu", CpuStreams(...))`` runs that path on CPU pools, for tests).
-            The simulator passes a virtual-time one (:mod:`kvtier.bench.sim.copies`).
+            The simulator passes a virtual-time one (:mod:`kvtier.sim.copies`).
         disk: the disk tier (:class:`kvtier.cache.seams.DiskStore`); None opens the subdirectory
             of ``config.disk_cache_dir`` (when set) named after this pool's salt and block layout
             (:func:`kvtier.cache.tiers.disk_budget.namespace_dir`) as a

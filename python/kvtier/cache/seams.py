@@ -3,7 +3,7 @@
 :class:`kvtier.cache.pool.KVPool` is written against these :class:`typing.Protocol` s only.
 The native implementations are :class:`kvtier.transfer.CopyEngine` (its handles
 :class:`kvtier.transfer.CopyHandle`), :class:`kvtier.cache.disk_tier.DiskTier` and
-``time.monotonic``; the simulator passes virtual-time ones (:mod:`kvtier.bench.sim.copies`:
+``time.monotonic``; the simulator passes virtual-time ones (:mod:`kvtier.sim.copies`:
 ``SimCopyEngine``, ``SimCopyHandle``, ``SimDisk``, ``VirtualClock``). Another copy engine (e.g.
 one that moves device pages on a GPU stream) plugs in by providing :class:`CopyEngine`.
 

@@ -1,4 +1,4 @@
-"""``kvtier simulate``: the bench replay at cluster scale, in virtual time (see :mod:`kvtier.bench.sim`)."""
+"""``kvtier simulate``: the bench replay at cluster scale, in virtual time (see :mod:`kvtier.sim`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from kvtier.serve.config import SCHEDULE_POLICIES
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from kvtier.bench.sim.console import list_scenarios, simulate
-    from kvtier.bench.sim.run import SimOptions
+    from kvtier.sim.console import list_scenarios, simulate
+    from kvtier.sim.run import SimOptions
 
     console = Console()
     if args.list:

@@ -31,7 +31,7 @@ gets what the weights leave of the usable HBM. Two layouts (``parallel``):
 - ``tp``: every weight split evenly over the devices (tensor + expert parallel; the few
   replicated tensors, e.g. ``kv_a_proj_with_mqa``, under 2 GB per device for K2, are ignored);
   MLA has one latent KV head, so every device caches every sequence and the capacity is one
-  device's (the simulator's :class:`kvtier.bench.sim.hardware.Node`).
+  device's (the simulator's :class:`kvtier.sim.hardware.Node`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :class:`StepRunner` is the seam between ``Engine.begin_step`` and ``Engine.end_step``: anything
 that runs a :class:`ScheduledBatch` and returns a :class:`StepResult` (the model here; a timed
-runner in the simulator, :mod:`kvtier.bench.sim.engine`).
+runner in the simulator, :mod:`kvtier.sim.engine`).
 """
 
 from __future__ import annotations

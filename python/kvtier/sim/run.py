@@ -23,7 +23,7 @@ slot per running sequence (``max_num_seqs`` = the replay's concurrency) and
 device. Host and disk hold ``state_host_bytes // state_bytes`` and ``state_disk_bytes //
 state_bytes`` checkpoints besides their KV blocks; the grid spacing is the scenario's or
 :func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`. Each worker's pool keeps them in a
-:class:`kvtier.bench.sim.states.SimCheckpointStore` (configurations without prefix caching keep none).
+:class:`kvtier.sim.states.SimCheckpointStore` (configurations without prefix caching keep none).
 """
 
 from __future__ import annotations
@@ -36,15 +36,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.resume import resume_misses
-from kvtier.bench.sim import hardware
-from kvtier.bench.sim.copies import SimDisk, TierLinks
-from kvtier.bench.sim.engine import SimWorker
-from kvtier.bench.sim.hardware import Node
-from kvtier.bench.sim.loop import SimRun, simulate
-from kvtier.bench.sim.scenarios import SCENARIOS, Scenario, Variant
-from kvtier.bench.sim.long_sessions import long_session_workload
-from kvtier.bench.sim.states import CheckpointSizes
-from kvtier.bench.sim.timing import HybridRooflineTimer, KernelRates, RooflineTimer, own_prefill_s, prefill_tok_s
+from kvtier.sim import hardware
+from kvtier.sim.copies import SimDisk, TierLinks
+from kvtier.sim.engine import SimWorker
+from kvtier.sim.hardware import Node
+from kvtier.sim.loop import SimRun, simulate
+from kvtier.sim.scenarios import SCENARIOS, Scenario, Variant
+from kvtier.sim.long_sessions import long_session_workload
+from kvtier.sim.states import CheckpointSizes
+from kvtier.sim.timing import HybridRooflineTimer, KernelRates, RooflineTimer, own_prefill_s, prefill_tok_s
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
@@ -60,8 +60,8 @@ from kvtier.serve.hybrid_state import default_checkpoint_tokens
 
 @dataclass(frozen=True)
 class SimOptions:
-    """What ``kvtier simulate`` runs: a scenario (:data:`kvtier.bench.sim.scenarios.SCENARIOS`) and
-    overrides (None = keep) of the :class:`~kvtier.bench.sim.scenarios.Replay` or :class:`Scenario`
+    """What ``kvtier simulate`` runs: a scenario (:data:`kvtier.sim.scenarios.SCENARIOS`) and
+    overrides (None = keep) of the :class:`~kvtier.sim.scenarios.Replay` or :class:`Scenario`
     field of the same name (``truncate_input_tokens`` 0 = off; ``matrix_efficiency`` overrides
     ``Efficiency.matrix``).
 

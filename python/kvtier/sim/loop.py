@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from kvtier.bench.closed_loop import ActiveSession, ClosedLoop, run_result
 from kvtier.bench.records import ConfigRun, RequestRecord
-from kvtier.bench.sim.engine import SimWorker
+from kvtier.sim.engine import SimWorker
 from kvtier.bench.workload import Turn, Workload
 from kvtier.cache.block_hash import block_hashes
 from kvtier.cluster.router.routing import POLICIES, CostParams, Router

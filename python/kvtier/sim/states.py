@@ -8,7 +8,7 @@ boundary) is 449 MB in fp32, so the simulator keeps only its bookkeeping:
   methods and policies (per-tier budgets, counted in checkpoints; sparse-grid checkpoints dropped
   before prompt and turn ends, least recently used first within a kind; tool-wait protection;
   write-through to every tier) without payloads. Its copies are jobs of the worker's
-  :class:`~kvtier.bench.sim.copies.SimCopyEngine`, queued on the same modelled links as the KV
+  :class:`~kvtier.sim.copies.SimCopyEngine`, queued on the same modelled links as the KV
   blocks: a save's host copy on the device -> host link, its disk copy on the storage link
   (indexed when it ended, by :meth:`SimCheckpointStore.poll`); a host read on the host -> device
   link, a disk read on the storage link then the host -> device link. A device read ends at once.
@@ -26,7 +26,7 @@ heads) and copies its share over its own host link, as it loads its replica of t
 So a host copy moves ``state_bytes / tp`` bytes per device (``link_bytes``), a disk copy the
 whole ``state_bytes`` through the node's storage link. The pool's cost model prices a checkpoint
 by ``checkpoint_bytes``: the per-device share in the pool's placeholder units (see
-:class:`~kvtier.bench.sim.copies.TierLinks`). The byte counters (``stats``) count ``counted_bytes`` per checkpoint: a
+:class:`~kvtier.sim.copies.TierLinks`). The byte counters (``stats``) count ``counted_bytes`` per checkpoint: a
 worker's store counts ``state_bytes`` (all devices together) in its pool's placeholder units, as
 its KV counters, so reports scale both alike.
 """
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.bench.sim.copies import SimCopyEngine, SimCopyHandle
+from kvtier.sim.copies import SimCopyEngine, SimCopyHandle
 from kvtier.cache.pool_stats import StateStats
 from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.prefix_index import Tier
@@ -76,7 +76,7 @@ class SimCheckpointRead:
 
 @dataclass(frozen=True)
 class CheckpointSizes:
-    """A hybrid model's checkpoint sizes and per-worker budgets (:mod:`kvtier.bench.sim.run` sizes them).
+    """A hybrid model's checkpoint sizes and per-worker budgets (:mod:`kvtier.sim.run` sizes them).
 
     Attributes:
         state_bytes: one sequence's KDA states and conv windows, all devices, bytes.

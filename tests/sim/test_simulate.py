@@ -9,24 +9,24 @@ import math
 
 import pytest
 import torch
-from kvtier.bench.calibrate import FEATURES, LinearTimer, fit_linear_timer
+from kvtier.sim.calibrate import FEATURES, LinearTimer, fit_linear_timer
 from kvtier.bench.configs import CONFIGS
 from kvtier.bench.report import summarize
 from kvtier.bench.resume import resume_misses
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.bench.sim.engine import SimWorker
-from kvtier.bench.sim import hardware
-from kvtier.bench.sim.hardware import GB, Efficiency, Link
-from kvtier.bench.sim.loop import simulate
-from kvtier.bench.sim.run import (
+from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.sim.engine import SimWorker
+from kvtier.sim import hardware
+from kvtier.sim.hardware import GB, Efficiency, Link
+from kvtier.sim.loop import simulate
+from kvtier.sim.run import (
     SimOptions,
     build_engines,
     make_timer,
     run_scenario,
     size_tiers,
 )
-from kvtier.bench.sim.scenarios import SCENARIOS, Replay, Scenario, Variant, load_scenarios
-from kvtier.bench.sim.timing import (
+from kvtier.sim.scenarios import SCENARIOS, Replay, Scenario, Variant, load_scenarios
+from kvtier.sim.timing import (
     BatchShape,
     KernelRates,
     RooflineTimer,
@@ -671,7 +671,7 @@ def test_schedule_policy_reaches_the_simulated_engines():
 
 @pytest.mark.parametrize("policy", ["least-loaded", "kv-aware", "sticky"])
 def test_the_simulator_routes_with_the_real_router_policy(monkeypatch, policy):
-    import kvtier.bench.sim.loop as loop
+    import kvtier.sim.loop as loop
     from kvtier.cluster.router.routing import Router
 
     made: list[Router] = []

@@ -4,7 +4,7 @@ its reason beside it, and the one fitted value is the think-time scale of ``kimi
 
 ``kimi-mi355x-128`` reproduces the published measurement (docs/workload.md); ``kimi-k3-mi355x-128``
 runs its shape on Kimi K3 (a hybrid KDA + MLA model: recurrent-state checkpoints beside the MLA
-blocks, :mod:`kvtier.bench.sim.states`) with 400K-token sessions; ``migration`` puts two such
+blocks, :mod:`kvtier.sim.states`) with 400K-token sessions; ``migration`` puts two such
 workers behind a router; ``tiny`` is a seconds-long smoke run at CPU scale.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.bench.configs import CONFIGS, BenchConfig, parse_configs
-from kvtier.bench.sim.hardware import Efficiency, from_table
-from kvtier.bench.sim.loop import ROUTERS
-from kvtier.bench.sim.states import CHECKPOINT_POLICIES
+from kvtier.sim.hardware import Efficiency, from_table
+from kvtier.sim.loop import ROUTERS
+from kvtier.sim.states import CHECKPOINT_POLICIES
 from kvtier.bench.workload import check_replay_options
 from kvtier.model.formats import PRESET_FORMATS
 from kvtier.model.hybrid_plan import HYBRID_FORMATS, STATE_DTYPE_BYTES
@@ -37,10 +37,10 @@ class Variant:
     Attributes:
         name: column name in the results.
         cache: the pool's tiers and policies (a ``kvtier bench`` configuration).
-        router: how turns pick a worker (:data:`kvtier.bench.sim.loop.ROUTERS`).
+        router: how turns pick a worker (:data:`kvtier.sim.loop.ROUTERS`).
         shared_store: the tier below host memory is one store all workers read and write
             (else each worker has its own).
-        checkpoints: a hybrid model's checkpoint policy (:data:`kvtier.bench.sim.states.CHECKPOINT_POLICIES`):
+        checkpoints: a hybrid model's checkpoint policy (:data:`kvtier.sim.states.CHECKPOINT_POLICIES`):
             ``turn`` (prompt ends, turn ends and the sparse grid, as the engine saves them) or
             ``grid`` (the sparse grid only).
     """
@@ -58,7 +58,7 @@ class Variant:
 
 @dataclass(frozen=True)
 class Replay:
-    """The workload and how it is replayed (see :mod:`kvtier.bench.sim.loop`).
+    """The workload and how it is replayed (see :mod:`kvtier.sim.loop`).
 
     Attributes:
         sessions: sessions taken from the trace or generated (more than ``concurrency``: a
@@ -77,7 +77,7 @@ class Replay:
             :class:`kvtier.bench.closed_loop.ClosedLoop`); 0 = none, the window opens at 0.
         seed: of the built-in workload generator.
         prefix_tokens, increment_tokens: with both set (and no trace), the sessions are
-            :func:`kvtier.bench.sim.long_sessions.long_session_workload`'s: a first prompt of
+            :func:`kvtier.sim.long_sessions.long_session_workload`'s: a first prompt of
             ``prefix_tokens`` tokens growing by ``increment_tokens`` per turn; None: the built-in
             generator's.
     """

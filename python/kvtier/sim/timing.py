@@ -33,7 +33,7 @@ attention at ``bf16_flops * efficiency.matrix``; memory at ``hbm_Bps * efficienc
 
 Any object with ``step_s(BatchShape) -> seconds`` can time the simulator's steps; the agreement
 check's CPU cost model is a linear one fitted on measured steps
-(:class:`kvtier.bench.calibrate.LinearTimer`).
+(:class:`kvtier.sim.calibrate.LinearTimer`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench.sim.hardware import Efficiency, Node
+from kvtier.sim.hardware import Efficiency, Node
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.step_plan import ScheduledBatch
 

@@ -26,11 +26,11 @@ import numpy as np
 from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.replay import replay
 from kvtier.bench.run import BenchOptions, Sizing, prepare, warm_up
-from kvtier.bench.sim.copies import SimDisk, TierLinks
-from kvtier.bench.sim.engine import SimWorker
-from kvtier.bench.sim.hardware import Link
-from kvtier.bench.sim.loop import SimRun, simulate
-from kvtier.bench.sim.timing import BatchShape
+from kvtier.sim.copies import SimDisk, TierLinks
+from kvtier.sim.engine import SimWorker
+from kvtier.sim.hardware import Link
+from kvtier.sim.loop import SimRun, simulate
+from kvtier.sim.timing import BatchShape
 from kvtier.bench.workload import Workload
 from kvtier.cache.cost_model import UNPROBED_TIER, CostModel
 from kvtier.cache.disk_tier import DiskTier

@@ -13,7 +13,7 @@ from kvtier.serve.api.resume import REASONS
 
 def list_scenarios(console: Console) -> None:
     """Print the table of ``kvtier simulate`` scenarios."""
-    from kvtier.bench.sim.scenarios import SCENARIOS
+    from kvtier.sim.scenarios import SCENARIOS
 
     table = Table(title="kvtier simulate scenarios")
     for col in ("scenario", "workers x node", "configurations", "description"):
@@ -28,10 +28,10 @@ def _ms(seconds: float | None) -> str:
 
 
 def simulate(opts, console: Console, *, json_path: str | None = None, plot: str | None = None) -> int:
-    """Run the scenario of ``opts`` (:class:`kvtier.bench.sim.run.SimOptions`); print its tables,
+    """Run the scenario of ``opts`` (:class:`kvtier.sim.run.SimOptions`); print its tables,
     write the plot and JSON; 0."""
     from kvtier.bench import report
-    from kvtier.bench.sim.run import run_scenario
+    from kvtier.sim.run import run_scenario
 
     opts.resolve()  # bad options fail before anything runs
     for path in (json_path, plot):

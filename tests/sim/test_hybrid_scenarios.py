@@ -2,11 +2,11 @@
 a few 400K-token sessions), its byte-less checkpoint store and the grid-only policy."""
 
 import pytest
-from kvtier.bench.sim.copies import SimCopyEngine, TierLinks, VirtualClock
-from kvtier.bench.sim.hardware import Link
-from kvtier.bench.sim.run import SimOptions, run_scenario
-from kvtier.bench.sim.scenarios import SCENARIOS, Replay
-from kvtier.bench.sim.states import SimCheckpointStore, SimHybridState
+from kvtier.sim.copies import SimCopyEngine, TierLinks, VirtualClock
+from kvtier.sim.hardware import Link
+from kvtier.sim.run import SimOptions, run_scenario
+from kvtier.sim.scenarios import SCENARIOS, Replay
+from kvtier.sim.states import SimCheckpointStore, SimHybridState
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers.checkpoints import CheckpointKind
 from kvtier.model.config import preset

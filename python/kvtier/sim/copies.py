@@ -21,7 +21,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.bench.sim.hardware import Link
+from kvtier.sim.hardware import Link
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.prefix_index import Tier
@@ -202,7 +202,7 @@ class SimCopyEngine:
         """A job of ``nbytes`` modelled bytes on link ``link_name`` (``"device->host"``,
         ``"host->device"``, ``"disk"``) that starts when the link is free and not before
         ``not_before`` seconds (a job that follows another one), e.g. a state checkpoint's copy
-        (:mod:`kvtier.bench.sim.states`). ``effect`` runs when the pool collects it.
+        (:mod:`kvtier.sim.states`). ``effect`` runs when the pool collects it.
 
         Raises:
             KeyError: an unknown link name.

@@ -1,6 +1,6 @@
 """One simulated worker: the real :class:`~kvtier.serve.engine.Engine` (scheduler, tiered pool,
 ``begin_step``/``end_step``) with the model replaced by a :class:`TimedRunner` and every copy by
-a virtual-time job (the pool's seams, :mod:`kvtier.bench.sim.copies`). The prefill rate the
+a virtual-time job (the pool's seams, :mod:`kvtier.sim.copies`). The prefill rate the
 pool's cost model learns comes from the virtual step times, as the engine's does from measured
 ones.
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from kvtier.bench.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.bench.sim.states import CheckpointSizes, SimCheckpointStore, SimHybridState
-from kvtier.bench.sim.timing import BatchShape, ending, prefill_tok_s
+from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.sim.states import CheckpointSizes, SimCheckpointStore, SimHybridState
+from kvtier.sim.timing import BatchShape, ending, prefill_tok_s
 from kvtier.cache.pool import KVPool
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
@@ -41,7 +41,7 @@ class TimedRunner:
         kv_caches: one layer of one-byte rows, ``[num_device_pages, page_size, 1]``: the pool's
             placeholder storage (``page_size`` bytes per block).
         busy_s: virtual seconds of the steps run.
-        hybrid: a hybrid model's :class:`~kvtier.bench.sim.states.SimHybridState` (the checkpoints
+        hybrid: a hybrid model's :class:`~kvtier.sim.states.SimHybridState` (the checkpoints
             each step yields, saved by the engine after it), or None.
     """
 
@@ -76,16 +76,16 @@ class SimWorker:
         disk: the disk tier (None = none); may be shared with other workers.
         states: a hybrid model's checkpoint sizes and budgets (None: a K2-class model). With
             prefix caching, the pool keeps checkpoints in a
-            :class:`~kvtier.bench.sim.states.SimCheckpointStore` (device slots; host and disk slots
+            :class:`~kvtier.sim.states.SimCheckpointStore` (device slots; host and disk slots
             when the configuration has those tiers) and the runner saves them.
-        checkpoints: the checkpoint policy (:data:`kvtier.bench.sim.states.CHECKPOINT_POLICIES`).
+        checkpoints: the checkpoint policy (:data:`kvtier.sim.states.CHECKPOINT_POLICIES`).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
             scheduler.
         runner: its :class:`TimedRunner`; copy_engine: its :class:`SimCopyEngine`.
         busy, step: a step (or a wait for a copy to end) is in flight; that step (None: a wait).
-        running: the closed loop's session of each request id it runs (:mod:`kvtier.bench.sim.loop`).
+        running: the closed loop's session of each request id it runs (:mod:`kvtier.sim.loop`).
     """
 
     def __init__(self, config: EngineConfig, timer, links: TierLinks, model_config: KimiK2Config,
