@@ -212,7 +212,7 @@ def test_placing_the_rest_of_the_chunked_prefill_charges_its_attention_work_once
     from kvtier.serve.step_plan import StepBudget, StepPlan
 
     config = PoolConfig(page_size=1, num_device_pages=64)
-    plan = StepPlan(KVPool(config, [torch.zeros(64, 1, 8)]), StepBudget(10_000), tokens=64)
+    plan = StepPlan(KVPool(config, [torch.zeros(64, 1, 8)]), 64, StepBudget(10_000))
     seq = Sequence(1, list(range(20)), SamplingParams(max_tokens=1), RequestMetrics(0.0))
     seq.status = SequenceStatus.RUNNING
     assert plan.end_chunked([seq]) == 20 and plan.tokens_left == 44

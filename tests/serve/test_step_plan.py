@@ -49,12 +49,10 @@ def test_chunk_keeps_to_the_chunk_plan_and_the_attention_budget_but_never_caps_a
     assert StepPlan(pool, tokens=64).chunk(seq, {1: 12}) == 12
     assert StepPlan(pool, tokens=64).chunk(seq, {}) == 0  # absent from a plan: no prefill tokens
     # 36 query-key pairs hold a causal chunk of 8 tokens (8 * 9 / 2) from position 0.
-    assert StepPlan(pool, StepBudget(pairs_budget=36), tokens=64).chunk(seq) == 8
+    assert StepPlan(pool, 64, StepBudget(pairs_budget=36)).chunk(seq) == 8
     decode = _seq(2, 9)
     decode.num_computed_tokens = 8
-    assert StepPlan(pool, StepBudget(pairs_budget=1), tokens=64).chunk(decode, {}) == 1
-    decode.num_computed_tokens = 9  # computed but never sampled: its last token is recomputed
-    assert StepPlan(pool, tokens=64).chunk(decode) == 1 and decode.num_computed_tokens == 8
+    assert StepPlan(pool, 64, StepBudget(pairs_budget=1)).chunk(decode, {}) == 1
 
 
 def test_a_preempted_sequence_waits_at_the_head_with_its_pages_freed():

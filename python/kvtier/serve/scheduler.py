@@ -41,7 +41,7 @@ class Scheduler:
         self.ranking = self.policy.ranking(config, pool, self.queues)
         self.preemption = self.policy.preemption(self.ranking, config, pool, self.queues)
         # The step being scheduled.
-        self.plan = StepPlan(pool, self.policy.step_budget(config), config.max_num_batched_tokens)
+        self.plan = StepPlan(pool, config.max_num_batched_tokens, self.policy.step_budget(config))
         self.step_time = StepTimeModel()  # fed by the engine with every step's measured seconds
         self.resume = ResumeBound()  # the resume target, and the steps it shortened
 
@@ -72,7 +72,8 @@ class Scheduler:
         class."""
         self.pool.poll()
         self.queues.collect_loaded(self.pool, self.clock)
-        plan = self.plan = StepPlan(self.pool, self.policy.step_budget(self.config), self.config.max_num_batched_tokens)
+        config = self.config
+        plan = self.plan = StepPlan(self.pool, config.max_num_batched_tokens, self.policy.step_budget(config))
         self.ranking.begin_step()
         self.preemption.begin_step()
         made = self.preemption.make_room(plan.budget)  # (the best-ranked request blocked on pages, victims)
@@ -88,6 +89,9 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if seq.num_computed_tokens >= seq.num_tokens:
+                # Computed but never sampled (a step was interrupted): recompute the last token.
+                seq.num_computed_tokens = seq.num_tokens - 1
             while plan.add(seq, plan.chunk(seq, caps), shrink=caps is not None) is Verdict.NO_PAGES:
                 victim = self.preemption.running_victim(seq)
                 self.queues.preempt(victim, self.pool)
@@ -101,7 +105,7 @@ class Scheduler:
         num_loading, hold = len(self.queues.loading), self.ranking.hold_line
         chunked = [] if hold else plan.chunked(self.queues.running)
         for seq in self.ranking.order(made[0] if made else None, fast):
-            if plan.tokens_left <= 0 or len(self.queues.running) + len(self.queues.loading) >= self.config.max_num_seqs:
+            if plan.tokens_left <= 0 or len(self.queues.running) + len(self.queues.loading) >= config.max_num_seqs:
                 break
             if self.preemption.deferred(seq, plan.budget):
                 continue
@@ -143,7 +147,7 @@ class Scheduler:
                 break
             plan.grow(seq, plan.tokens_left)
         self.ranking.count_passed_over(plan.batch, self.queues.loading[num_loading:])
-        self.resume.apply(plan.batch, self.step_time, self.config.pool.page_size, self.clock, self.pool.returns_within)
+        self.resume.apply(plan.batch, self.step_time, config.pool.page_size, self.clock, self.pool.returns_within)
         return plan.batch
 
     def abort(self, seq: Sequence) -> None:

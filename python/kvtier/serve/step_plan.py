@@ -127,23 +127,21 @@ class StepPlan:
 
     Args:
         pool: the page pool the chunks' pages come from.
-        budget: the step's attention and inline-load budget (a fresh one per step).
-        tokens: the step's token budget (``max_num_batched_tokens``); None: no bound.
+        tokens: the step's token budget (``max_num_batched_tokens``).
+        budget: the step's attention and inline-load budget (a fresh one per step; None: no
+            attention bound, no inline waits).
     """
 
-    def __init__(self, pool: KVPool, budget: StepBudget | None = None, tokens: int | None = None):
+    def __init__(self, pool: KVPool, tokens: int, budget: StepBudget | None = None):
         self.pool = pool
         self.budget = budget if budget is not None else StepBudget()
-        self.tokens = self.tokens_left = tokens if tokens is not None else 2**62
+        self.tokens = self.tokens_left = tokens
         self.batch = ScheduledBatch()
 
     def chunk(self, seq: Sequence, caps: dict[int, int] | None = None) -> int:
         """Tokens running ``seq`` may run this step: its rest (1 for a decode) within the token
         budget left, its cap in ``caps`` (the ranking's chunk plan by seq_id, absent: 0; None: no
-        cap; a decode is never capped) and the attention budget. A sequence computed but never
-        sampled (a step was interrupted) recomputes its last token."""
-        if seq.num_computed_tokens >= seq.num_tokens:
-            seq.num_computed_tokens = seq.num_tokens - 1
+        cap; a decode is never capped) and the attention budget."""
         n = min(remaining(seq), self.tokens_left)
         if caps is not None and n > 1:
             n = min(n, caps.get(seq.seq_id, 0))

@@ -42,7 +42,8 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``/metrics`` (:mod:`kvtier.serve.api.resume`).
 
     Raises:
-        ValueError: no tokenizer (a preset needs ``tokenizer``), a bad engine argument or limit,
+        ValueError: a model that is neither a checkpoint directory nor a preset, no tokenizer (a
+            preset needs ``tokenizer``), a bad engine argument or limit,
             a KV events endpoint that cannot be bound, or what ``on_engine`` raises.
     """
     from kvtier.serve.builder import build_engine, check_model
