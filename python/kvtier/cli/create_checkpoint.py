@@ -16,8 +16,12 @@ def cmd_create_checkpoint(args: argparse.Namespace) -> int:
     path = create_random_checkpoint(args.path, args.preset, args.seed, args.dtype)
     with_tokenizer = ""
     if args.tokenizer is not None:
-        copy_tokenizer(args.tokenizer, path)
-        with_tokenizer = f" with the tokenizer of {args.tokenizer}"
+        from kvtier.model.config import preset
+        from kvtier.tokenize.formats import model_chat_format
+
+        chat_format = model_chat_format(preset(args.preset).model_type)  # K3: K3's control tokens
+        copy_tokenizer(args.tokenizer, path, chat_format=chat_format)
+        with_tokenizer = f" with the tokenizer of {args.tokenizer} ({chat_format.value} chat format)"
     print(f"wrote {args.dtype} checkpoint of preset {args.preset!r} (seed {args.seed}) to {path}{with_tokenizer}")
     return 0
 
@@ -34,5 +38,6 @@ def add_parser(sub) -> None:
                         "mxfp4 = routed experts compressed-tensors mxfp4-pack-quantized (K3; hybrid presets)")
     c.add_argument("--tokenizer", metavar="DIR",
                    help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the checkpoint, "
-                        "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer)")
+                        "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer); a K3 "
+                        "model (model_type kimi_k3) gets K3's tokenizer_config.json (its control tokens) instead")
     c.set_defaults(func=cmd_create_checkpoint)

@@ -7,8 +7,9 @@
 """
 
 from kvtier.tokenize.chat import DEFAULT_SYSTEM, GENERATION_PROMPT, render_chat, render_messages
+from kvtier.tokenize.formats import K3_CONTROL_TOKENS, ChatFormat, choose_chat_format
 from kvtier.tokenize.session import AppendResult, IdStore, ListIdStore, SessionEncoder
 from kvtier.tokenize.tokenizer import KimiTokenizer, StreamDecoder, copy_tokenizer, has_tokenizer, load_tokenizer
 
-__all__ = ["AppendResult", "DEFAULT_SYSTEM", "GENERATION_PROMPT", "IdStore", "KimiTokenizer", "ListIdStore",
+__all__ = ["AppendResult", "ChatFormat", "K3_CONTROL_TOKENS", "choose_chat_format", "DEFAULT_SYSTEM", "GENERATION_PROMPT", "IdStore", "KimiTokenizer", "ListIdStore",
            "SessionEncoder", "StreamDecoder", "copy_tokenizer", "has_tokenizer", "load_tokenizer", "render_chat", "render_messages"]

@@ -11,6 +11,7 @@ puts them at ids 163584-163589 and 163838-163839, where K2 has ``[BOS]``, ``[EOS
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 
@@ -32,3 +33,51 @@ K3_CONTROL_TOKENS: dict[str, int] = {
     "[UNK]": 163838,
     "[PAD]": 163839,
 }
+
+# The tokens that make a message in K3's format; a tokenizer with all four at K3's ids speaks XTML.
+_K3_MESSAGE_TOKENS = ("<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>")
+
+
+def choose_chat_format(special_tokens: Mapping[str, int]) -> ChatFormat:
+    """The chat format of a model, read from its tokenizer's special tokens.
+
+    K3's checkpoint has no chat template; its ``tokenizer_config.json`` names ``<|end_of_msg|>``,
+    ``<|open|>``, ``<|close|>`` and ``<|sep|>`` at ids 163586-163589, the ids K2's names
+    ``<|im_end|>``, ``<|im_user|>``, ``<|im_assistant|>`` and 163589 (unnamed). So the tokenizer files a
+    model ships with decide the format, whatever the model is called.
+
+    Args:
+        special_tokens: ``{string: id}`` of the tokenizer's special tokens
+            (:attr:`kvtier.tokenize.KimiTokenizer.special_tokens`).
+
+    Returns:
+        :attr:`ChatFormat.K3_XTML` when all four message tokens are at K3's ids, else
+        :attr:`ChatFormat.K2_TEMPLATE`.
+
+    Raises:
+        ValueError: some of K3's message tokens are present but not all, or at other ids than K3's
+            (a tokenizer config that is neither K2's nor K3's), naming the tokens.
+    """
+    present = {t: special_tokens[t] for t in _K3_MESSAGE_TOKENS if t in special_tokens}
+    if not present:
+        return ChatFormat.K2_TEMPLATE
+    expected = {t: K3_CONTROL_TOKENS[t] for t in _K3_MESSAGE_TOKENS}
+    if present != expected:
+        raise ValueError(f"special_tokens: K3's message tokens must all be at K3's ids {expected}, got {present} "
+                         "(a tokenizer_config.json that is neither K2's nor K3's)")
+    return ChatFormat.K3_XTML
+
+
+def model_chat_format(model_type: str) -> ChatFormat:
+    """The chat format a model's ``config.json`` says it was trained on, from its ``model_type``
+    (the outer one of a multimodal config): ``kimi_k3`` speaks XTML, every other Kimi model
+    (``deepseek_v3`` K2, ``kimi_k2``, ``kimi_linear``) K2's template. Used where the tokenizer
+    files are written for a model (``kvtier create-checkpoint --tokenizer``); a served model's
+    format is its tokenizer's (:func:`choose_chat_format`).
+
+    Raises:
+        ValueError: ``model_type`` is not a string.
+    """
+    if not isinstance(model_type, str):
+        raise ValueError(f"model_type must be a string, got {type(model_type).__name__}")
+    return ChatFormat.K3_XTML if model_type == "kimi_k3" else ChatFormat.K2_TEMPLATE

@@ -19,9 +19,12 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvtier.tokenize.formats import choose_chat_format
+
 VOCAB_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 NUM_RESERVED_SPECIAL_TOKENS = 256
+K3_NUM_BPE_RANKS = 163_584  # K3's control ids (163584+) sit right after K2's BPE ranks
 WINDOW_CHARS = 400_000  # Moonshot's TIKTOKEN_MAX_ENCODE_CHARS
 MAX_RUN_CHARS = 25_000  # Moonshot's MAX_NO_WHITESPACES_CHARS
 
@@ -66,6 +69,9 @@ class KimiTokenizer:
         special_tokens: ``{string: id}`` for all 256 special ids (named ones from
             ``tokenizer_config.json``; the rest ``<|reserved_token_{id}|>``).
         n_vocab: 163840 for the real vocabulary.
+        chat_format: the :class:`kvtier.tokenize.formats.ChatFormat` the model speaks, chosen from
+            the special tokens (:func:`kvtier.tokenize.formats.choose_chat_format`): K3's control
+            tokens give ``K3_XTML``, K2's ``K2_TEMPLATE``.
     """
 
     def __init__(self, mergeable_ranks: dict[bytes, int], special_tokens: dict[str, int], name: str = "kimi"):
@@ -73,6 +79,7 @@ class KimiTokenizer:
 
         self.special_tokens = dict(special_tokens)
         self.special_ids = {i: s for s, i in self.special_tokens.items()}
+        self.chat_format = choose_chat_format(self.special_tokens)
         self._enc = tiktoken.Encoding(name=name, pat_str=PAT_STR, mergeable_ranks=mergeable_ranks,
                                       special_tokens=self.special_tokens)
         self.n_vocab = self._enc.n_vocab
@@ -226,24 +233,64 @@ def load_tokenizer(model_dir: str | Path) -> KimiTokenizer:
     return KimiTokenizer(ranks, specials, name=f"kimi:{vocab_path}")
 
 
-def copy_tokenizer(src_dir: str | Path, dst_dir: str | Path) -> Path:
+def k3_tokenizer_config() -> dict:
+    """The ``tokenizer_config.json`` of Kimi K3 (``../shared/docs/K3.md``, "K3's chat format").
+
+    Its named special tokens are K3's control tokens at their ids
+    (:data:`kvtier.tokenize.formats.K3_CONTROL_TOKENS`: ``[BOS]`` 163584 ... ``<|sep|>`` 163589,
+    ``[UNK]`` 163838, ``[PAD]`` 163839); no chat template (K3 renders in code, not Jinja) and no
+    token past the 163,840-id vocabulary (K3's ``tokenization_kimi.py`` still lists K2's
+    ``<|im_end|>`` ... as additional special tokens, which would land at ids 163840+: left out).
+    """
+    from kvtier.tokenize.formats import K3_CONTROL_TOKENS
+
+    decoder = {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True}
+               for t, i in sorted(K3_CONTROL_TOKENS.items(), key=lambda kv: kv[1])}
+    return {"added_tokens_decoder": decoder, "bos_token": "[BOS]", "eos_token": "[EOS]",
+            "unk_token": "[UNK]", "pad_token": "[PAD]", "additional_special_tokens": [],
+            "clean_up_tokenization_spaces": False, "model_max_length": 1048576,
+            "tokenizer_class": "TikTokenTokenizer"}
+
+
+def copy_tokenizer(src_dir: str | Path, dst_dir: str | Path, chat_format=None) -> Path:
     """Copy the Kimi tokenizer files (``tiktoken.model``, ``tokenizer_config.json``) of
     ``src_dir`` into ``dst_dir`` (a checkpoint directory, as released checkpoints carry them),
     after checking that they load.
+
+    Args:
+        chat_format: None: copy both files as they are. ``ChatFormat.K3_XTML``: copy the BPE
+            vocabulary and write K3's :func:`k3_tokenizer_config` (K3 shares K2's 163,584 BPE
+            ranks, not its control tokens), so the checkpoint speaks K3's format.
+            ``ChatFormat.K2_TEMPLATE``: copy both, and refuse a source whose config is K3's.
 
     Returns:
         ``dst_dir``.
 
     Raises:
-        FileNotFoundError / ValueError: as :func:`load_tokenizer` for ``src_dir``.
+        FileNotFoundError / ValueError: as :func:`load_tokenizer` for ``src_dir``; ValueError for
+            an unknown ``chat_format``, a K3 vocabulary whose rank count is not 163,584, or a K3
+            source asked to be K2's.
     """
     import shutil
 
-    load_tokenizer(src_dir)
+    from kvtier.tokenize.formats import ChatFormat
+
+    if chat_format is not None and not isinstance(chat_format, ChatFormat):
+        raise ValueError(f"chat_format must be a ChatFormat or None, got {chat_format!r}")
+    tok = load_tokenizer(src_dir)
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    if chat_format is ChatFormat.K2_TEMPLATE and tok.chat_format is not ChatFormat.K2_TEMPLATE:
+        raise ValueError(f"{src_dir / CONFIG_FILE}: a K3 tokenizer config, but the model speaks K2's chat format")
+    base = tok.n_vocab - NUM_RESERVED_SPECIAL_TOKENS
+    if chat_format is ChatFormat.K3_XTML and base != K3_NUM_BPE_RANKS:
+        raise ValueError(f"{src_dir / VOCAB_FILE}: K3's control ids need {K3_NUM_BPE_RANKS} BPE ranks, got {base}")
     dst_dir.mkdir(parents=True, exist_ok=True)
-    for name in (VOCAB_FILE, CONFIG_FILE):
-        shutil.copyfile(src_dir / name, dst_dir / name)
+    shutil.copyfile(src_dir / VOCAB_FILE, dst_dir / VOCAB_FILE)
+    if chat_format is ChatFormat.K3_XTML:
+        (dst_dir / CONFIG_FILE).write_text(json.dumps(k3_tokenizer_config(), indent=2) + "\n", encoding="utf-8")
+    else:
+        shutil.copyfile(src_dir / CONFIG_FILE, dst_dir / CONFIG_FILE)
     return dst_dir
 
 
