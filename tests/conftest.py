@@ -41,6 +41,23 @@ def tok(tok_dir):
     return load_tokenizer(tok_dir)
 
 
+@pytest.fixture(scope="session")
+def k3_tok_dir(tok_dir, tmp_path_factory) -> Path:
+    """Kimi K3's tokenizer files: the real BPE vocabulary with K3's ``tokenizer_config.json``
+    (its control tokens, as ``kvtier create-checkpoint --tokenizer`` writes them for a K3 model)."""
+    from kvtier.tokenize import ChatFormat, copy_tokenizer
+
+    return copy_tokenizer(tok_dir, tmp_path_factory.mktemp("k3_tokenizer"), chat_format=ChatFormat.K3_XTML)
+
+
+@pytest.fixture(scope="session")
+def k3_tok(k3_tok_dir):
+    """The K3 tokenizer loaded from :func:`k3_tok_dir` (``chat_format`` ``K3_XTML``)."""
+    from kvtier.tokenize import load_tokenizer
+
+    return load_tokenizer(k3_tok_dir)
+
+
 @pytest.fixture
 def tool_call_parsers(monkeypatch):
     """Every :class:`kvtier.toolcall.ToolCallParser` built while the test runs, in order (however

@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Literal, Protocol
 
+from kvtier.tokenize.formats import ChatFormat
 from kvtier.tokenize.chat import GENERATION_PROMPT, header_parts, history_end, render_message, render_tools
 from kvtier.tokenize.tokenizer import KimiTokenizer
 
@@ -110,55 +111,15 @@ def _common_prefix_len(a: str, b: str) -> int:
     return lo
 
 
-class SessionEncoder:
-    """Encode one chat session incrementally.
+class EncodedSession:
+    """A session's ids in an :class:`IdStore` (by default the C++ token buffer, which keeps the
+    block-hash chain of full ``page_size`` pages salted with ``salt``): what every session encoder
+    shares, whatever chat format it renders."""
 
-    Args:
-        tokenizer: a :class:`KimiTokenizer`.
-        mode: ``"canonical"``: ids always equal ``tokenizer.encode(render_chat(...))``.
-            ``"tito"``: as canonical, but ids passed to :meth:`append_generated` are kept
-            while the rendering reproduces their text.
-        add_generation_prompt, thinking: passed to the template (see ``render_chat``).
-        store: where ids live. Default: the fused C++ :class:`kvtier.tokenize.buffer.TokenBuffer`
-            (keeps the block-hash chain of full ``page_size`` pages; ``ids`` is then a uint32
-            numpy array) when ``kvtier._C`` has it, else a Python list.
-        page_size: tokens per KV page for the default C++ buffer's hash chain.
-        salt: tenant salt of that chain (an engine's ``block_hash_salt``, so that
-            :meth:`block_hashes` can be handed to ``Engine.add_request``).
-
-    Example:
-        >>> enc = SessionEncoder(tok)                                         # doctest: +SKIP
-        >>> r = enc.append([{"role": "user", "content": "hi"}])                  # doctest: +SKIP
-        >>> enc.ids == tok.encode(render_chat([{"role": "user", "content": "hi"}]))  # doctest: +SKIP
-        True
-    """
-
-    def __init__(self, tokenizer: KimiTokenizer, mode: Literal["canonical", "tito"] = "canonical", *,
-                 add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None,
-                 page_size: int = 64, salt: bytes = b""):
-        if mode not in ("canonical", "tito"):
-            raise ValueError(f"mode must be 'canonical' or 'tito', got {mode!r}")
-        self.tokenizer = tokenizer
-        self.mode = mode
-        self.add_generation_prompt = add_generation_prompt
-        self.thinking = thinking
+    def __init__(self, store: IdStore | None, page_size: int, salt: bytes):
         self._store: IdStore = store if store is not None else default_store(page_size, salt)
         if len(self._store):
             raise ValueError("store must start empty")
-        self._parts: list[str] = []  # rendered parts the ids encode (last may hold generated text)
-        self._starts: list[int] = []  # char offset of each part
-        self._length = 0  # total chars of the parts
-        self._n_header = 0  # parts before the first message's part (tool declaration, default system)
-        self._bound_chars: list[int] = [0]  # safe boundaries: char offset ...
-        self._bound_toks: list[int] = [0]  # ... and the number of ids before it
-        # per message of the last call: a deep copy, its rendered part and the tool-call count
-        # after it; a message equal to its copy (and all earlier ones) is not rendered again
-        self._msgs: list[dict] = []
-        self._msg_parts: list[str] = []
-        self._msg_calls: list[int] = []
-        self._n_hist = 0  # messages rendered as history (thinking: up to the last final answer)
-        self._tools_copy: list | None = None  # deep copy of the last tools and ...
-        self._tools_part = ""  # ... their declaration part (re-serialised only when they change)
 
     @property
     def ids(self) -> Sequence[int]:
@@ -188,13 +149,65 @@ class SessionEncoder:
 
         return self._store if isinstance(self._store, TokenBuffer) else None
 
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+class SessionEncoder(EncodedSession):
+    """Encode one chat session incrementally.
+
+    Args:
+        tokenizer: a :class:`KimiTokenizer`.
+        mode: ``"canonical"``: ids always equal ``tokenizer.encode(render_chat(...))``.
+            ``"tito"``: as canonical, but ids passed to :meth:`append_generated` are kept
+            while the rendering reproduces their text.
+        add_generation_prompt, thinking: passed to the template (see ``render_chat``).
+        store: where ids live. Default: the fused C++ :class:`kvtier.tokenize.buffer.TokenBuffer`
+            (keeps the block-hash chain of full ``page_size`` pages; ``ids`` is then a uint32
+            numpy array) when ``kvtier._C`` has it, else a Python list.
+        page_size: tokens per KV page for the default C++ buffer's hash chain.
+        salt: tenant salt of that chain (an engine's ``block_hash_salt``, so that
+            :meth:`block_hashes` can be handed to ``Engine.add_request``).
+
+    Example:
+        >>> enc = SessionEncoder(tok)                                         # doctest: +SKIP
+        >>> r = enc.append([{"role": "user", "content": "hi"}])                  # doctest: +SKIP
+        >>> enc.ids == tok.encode(render_chat([{"role": "user", "content": "hi"}]))  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, tokenizer: KimiTokenizer, mode: Literal["canonical", "tito"] = "canonical", *,
+                 add_generation_prompt: bool = True, thinking: bool = False, store: IdStore | None = None,
+                 page_size: int = 64, salt: bytes = b""):
+        if mode not in ("canonical", "tito"):
+            raise ValueError(f"mode must be 'canonical' or 'tito', got {mode!r}")
+        if getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE) is not ChatFormat.K2_TEMPLATE:
+            raise ValueError(f"tokenizer: speaks {tokenizer.chat_format.value}, not K2's template; encode its sessions "
+                             "with kvtier.tokenize.xtml_session.XtmlSessionEncoder (session_encoder picks one)")
+        super().__init__(store, page_size, salt)
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self.add_generation_prompt = add_generation_prompt
+        self.thinking = thinking
+        self._parts: list[str] = []  # rendered parts the ids encode (last may hold generated text)
+        self._starts: list[int] = []  # char offset of each part
+        self._length = 0  # total chars of the parts
+        self._n_header = 0  # parts before the first message's part (tool declaration, default system)
+        self._bound_chars: list[int] = [0]  # safe boundaries: char offset ...
+        self._bound_toks: list[int] = [0]  # ... and the number of ids before it
+        # per message of the last call: a deep copy, its rendered part and the tool-call count
+        # after it; a message equal to its copy (and all earlier ones) is not rendered again
+        self._msgs: list[dict] = []
+        self._msg_parts: list[str] = []
+        self._msg_calls: list[int] = []
+        self._n_hist = 0  # messages rendered as history (thinking: up to the last final answer)
+        self._tools_copy: list | None = None  # deep copy of the last tools and ...
+        self._tools_part = ""  # ... their declaration part (re-serialised only when they change)
+
     @property
     def text(self) -> str:
         """The text the ids stand for."""
         return "".join(self._parts)
-
-    def __len__(self) -> int:
-        return len(self._store)
 
     def _first_difference(self, parts: list[str], start: int) -> tuple[int, int]:
         """(index of the first differing part, char offset of the first differing char).
