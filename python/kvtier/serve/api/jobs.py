@@ -169,11 +169,10 @@ class Job:
         self.content += out
         return Delta(out, "".join(reasoning), tuple(calls), tuple(ids), tuple(logprobs), tuple(top_logprobs))
 
-    def final(self, seq_or_output, finish_reason: str | None, error: str | None = None) -> Final:
-        """The summary of a finished request (its :class:`RequestOutput`) or of one ended by a stop
-        string (its live ``Sequence``)."""
-        o = seq_or_output
-        ids = list(o.token_ids if isinstance(o, RequestOutput) else o.output_token_ids)
+    def final(self, o: RequestOutput, finish_reason: str | None, error: str | None = None) -> Final:
+        """The summary of a finished request from its :class:`RequestOutput` (for one a stop string
+        ended, :func:`kvtier.serve.outputs.request_output` of its live ``Sequence``)."""
+        ids = list(o.token_ids)
         n_out = len(ids)
         if self.stop is not None and self.stop.hit:
             finish_reason = "stop"
@@ -184,6 +183,6 @@ class Job:
         return Final(finish_reason or "stop", len(o.prompt_token_ids), n_out, o.num_cached_tokens,
                      dict(o.cached_tokens_by_tier), self.content, self.reasoning,
                      list(self.calls), list(self.problems), lps, ids, o.metrics.ttft_s, o.metrics.e2e_s,
-                     error, status, getattr(o, "last_prompt_block", None),  # a Sequence when cut by a stop string
+                     error, status, o.last_prompt_block,
                      o.metrics.engine_steps, self.stop.matched if self.stop is not None else None,
                      list(o.top_logprobs) if self.params.top_logprobs and o.top_logprobs is not None else None)

@@ -2,8 +2,10 @@
 
 Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
 requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
-and bytes per tier, copy errors, preemptions, engine steps, and the ``kvtier_grammar_*`` series
-of tool-grammar compiles, mask work and requests a grammar limit ended) are read, when scraped,
+and bytes per tier, copy errors, preemptions, engine steps, a hybrid model's
+``kvtier_state_checkpoint*`` series (every counter of ``stats().pool.state``: checkpoint hits,
+bytes, saves, evictions, refusals, failures, fallbacks, tokens lost) and the ``kvtier_grammar_*``
+series of tool-grammar compiles, mask work and requests a grammar limit ended) are read, when scraped,
 from the engine thread's last published snapshot only
 (:class:`kvtier.serve.api.worker.WorkerStats`: the scheduler's, the pool's and the engine's
 frozen ``stats()``, refreshed after each step and every 0.2 s while idle), never from the
@@ -11,6 +13,8 @@ engine, its scheduler or its pool.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -23,8 +27,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 
 class _EngineCollector:
-    def __init__(self, snapshot):
+    def __init__(self, snapshot, probe_prefill_tokens: int = 0):
         self.snapshot = snapshot  # () -> WorkerStats | None
+        self.probe_prefill_tokens = probe_prefill_tokens  # the start-up probe's, not a client's
 
     def collect(self):
         w = self.snapshot()
@@ -44,7 +49,8 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=value)
         counters = [("kvtier_copy_errors", "failed tier copies (each ended in recomputation)", kv.copy_errors),
                     ("kvtier_preemptions", "running requests preempted for pages", sched.preemptions),
-                    ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache)", e.prefill_tokens),
+                    ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache; the start-up "
+                     "probe's excluded)", e.prefill_tokens - self.probe_prefill_tokens),
                     ("kvtier_sessions_expired", "sessions dropped after their idle TTL", w.sessions_expired),
                     ("kvtier_engine_errors", "engine steps that failed", w.engine_errors),
                     ("kvtier_engine_busy_seconds", "seconds the engine spent stepping (utilisation: its rate)",
@@ -69,6 +75,8 @@ class _EngineCollector:
         yield from _resume_families(w.resume)
         if kv.remote is not None:  # a pool with a remote tier: its reads and writes by outcome
             yield from _remote_families(kv.remote)
+        if kv.state is not None:  # a hybrid model's pool: its recurrent-state checkpoints
+            yield from _state_families(kv.state)
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
         if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
             yield from _grammar_families(e.grammar)
@@ -109,6 +117,42 @@ def _resume_families(r: dict):
                                 "counted against", value=r["target_s"])
 
 
+# StateStats field -> (metric name, help, label of its dict's keys; None for a plain count)
+STATE_METRICS = {
+    "hits": ("kvtier_state_checkpoint_hits", "recurrent-state checkpoints restored into a request, by the tier "
+             "they came from (device: a device checkpoint slot)", "tier"),
+    "bytes_loaded": ("kvtier_state_checkpoint_bytes_loaded", "checkpoint bytes read from a tier below the device, "
+                     "by tier", "tier"),
+    "bytes_written": ("kvtier_state_checkpoint_bytes_written", "checkpoint bytes written, by tier", "tier"),
+    "saved": ("kvtier_state_checkpoints_saved", "checkpoints saved, by kind (grid: the prefill's sparse grid; "
+              "turn: a prompt's or a turn's end)", "kind"),
+    "evictions": ("kvtier_state_checkpoint_evictions", "checkpoints dropped to make room, by tier", "tier"),
+    "refused": ("kvtier_state_checkpoints_refused", "checkpoints not stored in a tier that had no room, by tier",
+                "tier"),
+    "failures": ("kvtier_state_checkpoint_failures", "checkpoint reads that failed (each fell back to an earlier "
+                 "point), by reason: missing, corrupt, error", "reason"),
+    "fallbacks": ("kvtier_state_checkpoint_fallbacks", "restores that fell back to an earlier point after a failed "
+                  "checkpoint or a missing MLA block", None),
+    "tokens_lost": ("kvtier_state_tokens_lost", "prompt tokens whose MLA blocks were reachable but not reused: no "
+                    "checkpoint was reachable at their boundary", None),
+}
+
+
+def _state_families(state):
+    """The counters of a hybrid pool's :class:`kvtier.cache.pool_stats.StateStats`, one family per
+    field (:data:`STATE_METRICS`)."""
+    for f in dataclasses.fields(state):
+        name, doc, label = STATE_METRICS[f.name]  # a new StateStats field needs its metric here
+        value = getattr(state, f.name)
+        if label is None:
+            yield CounterMetricFamily(name, doc, value=value)
+            continue
+        fam = CounterMetricFamily(name, doc, labels=[label])
+        for key, v in sorted(value.items()):
+            fam.add_metric([key], v)
+        yield fam
+
+
 def _remote_families(r):
     for name, doc, counts in [("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)",
                                r.gets),
@@ -128,9 +172,12 @@ class ServerMetrics:
         snapshot: returns the engine thread's last published
             :class:`kvtier.serve.api.worker.WorkerStats` (None before the first); the only
             source of the engine, scheduler and pool series.
+        probe_prefill_tokens: tokens the server's start-up probe prefilled
+            (:func:`kvtier.serve.api.server.warm_up`), left out of ``kvtier_prefill_tokens``.
     """
 
-    def __init__(self, snapshot):
+    def __init__(self, snapshot, probe_prefill_tokens: int = 0):
+        self.probe_prefill_tokens = probe_prefill_tokens
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvtier_requests", "HTTP requests answered, by endpoint and status",
@@ -147,7 +194,7 @@ class ServerMetrics:
                               buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("kvtier_time_per_output_token_seconds", "TPOT after the first token",
                               buckets=_TPOT_BUCKETS, registry=r)
-        r.register(_EngineCollector(snapshot))
+        r.register(_EngineCollector(snapshot, probe_prefill_tokens))
 
     def observe_final(self, f: Final) -> None:
         """Count one finished request (called on the engine thread; prometheus_client is thread-safe)."""

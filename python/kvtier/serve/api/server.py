@@ -70,7 +70,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     engine.attach_tokenizer(tok)
     engine.grammar.limits = grammar_limits
     engine.grammar.compiler()  # built now (about a second), not by the first request with tools
-    warm_up(engine)
+    probe_prefill_tokens = warm_up(engine)
     options.max_model_len = built.config.max_position_embeddings
     if kv_events_endpoint is not None:
         from kvtier.cache.kv_events import KVEventPublisher
@@ -79,7 +79,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
         publisher.worker_id = options.kv_events = publisher.endpoint
         engine.pool.publish_events_to(publisher)  # called on the engine thread (pool.poll)
     holder: dict = {}
-    metrics = ServerMetrics(lambda: holder["worker"].snapshot)
+    metrics = ServerMetrics(lambda: holder["worker"].snapshot, probe_prefill_tokens)
     if on_engine is not None:
         on_engine(engine)
     worker = holder["worker"] = worker_factory(engine, tok, session_ttl_s, metrics)
@@ -91,9 +91,10 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     return app
 
 
-def warm_up(engine) -> None:
+def warm_up(engine) -> int:
     """One uncached prefill of up to a step's token budget and a few decodes, so that the first
-    client does not pay one-time costs (allocator growth, lazy initialisation)."""
+    client does not pay one-time costs (allocator growth, lazy initialisation). Returns the
+    tokens it prefilled (``/metrics`` leaves them out of ``kvtier_prefill_tokens``)."""
     from kvtier.serve.params import SamplingParams
 
     cfg, model = engine.config, engine.runner.model.config
@@ -101,8 +102,10 @@ def warm_up(engine) -> None:
                    (cfg.pool.num_device_pages - 1) * cfg.pool.page_size - 4, 1024))
     rid = engine.add_request(list(range(300, 300 + n)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                              0)
+    before = engine.stats().prefill_tokens
     while not any(out.request_id == rid for out in engine.step()):
         pass
+    return engine.stats().prefill_tokens - before
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -21,6 +21,7 @@ from kvtier.serve.api.protocol import ApiError, value_error
 from kvtier.serve.api.sessions import DECLARED_WAIT, SessionStore
 from kvtier.serve.chat import add_chat_request
 from kvtier.serve.engine import Engine
+from kvtier.serve.outputs import request_output
 from kvtier.serve.stats import EngineStats
 
 log = logging.getLogger("kvtier.serve")
@@ -262,9 +263,10 @@ class EngineWorker:
                     job.emit("delta", delta)
             if out is not None:
                 self._finish(job, job.final(out, out.finish_reason, out.error))
-            elif job.stop is not None and job.stop.hit:  # a stop string: end it here
-                self.engine.abort([rid])
-                self._finish(job, job.final(state, "stop"))
+            elif job.stop is not None and job.stop.hit:  # a stop string: end it here, with the usage
+                out = request_output(state, self.engine.num_steps, self.engine.config.pool.page_size)
+                self.engine.abort([rid])  # of any finished request (last prompt block, engine steps)
+                self._finish(job, job.final(out, "stop"))
 
     def _parsed(self, job: Job, out) -> list:
         """The engine's tool-call parser events of ``job``'s new tokens (a chat job parses nothing
