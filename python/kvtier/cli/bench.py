@@ -19,6 +19,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvtier.bench.run import BenchOptions
     from kvtier.bench.sweep import parse_loads
 
+    if args.workload == "sdk-agents":
+        return cmd_bench_agents(args)
     if args.json_records and not args.json:
         raise ValueError("--json-records adds the per-request records to --json PATH; give --json too")
     check_state_options(args, None)  # the page size comes from the workload: checked once it is loaded
@@ -57,6 +59,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_console.bench_once(opts, console, **out)
 
 
+def cmd_bench_agents(args: argparse.Namespace) -> int:
+    """``--workload sdk-agents``: agent sessions through the server's HTTP APIs with the official
+    SDKs (:mod:`kvtier.bench.agent_sessions`), reuse per turn (:mod:`kvtier.bench.agent_reuse`)."""
+    from kvtier.bench import report
+    from kvtier.bench.agent_sessions import AgentWorkload, bench_agents
+
+    if args.trace or args.conversations or args.load_sweep or args.repeat is not None:
+        raise ValueError("--workload sdk-agents makes its own sessions; it takes no --trace, --conversations, "
+                         "--load-sweep or --repeat")
+    workload = AgentWorkload(sessions=args.agent_sessions, turns=args.agent_turns,
+                             apis=tuple(a.strip() for a in args.agent_apis.split(",")), tool_share=args.agent_tool_share,
+                             max_tokens=args.max_output_tokens or 64, concurrency=args.concurrency, seed=args.seed)
+    if args.json:
+        report.check_writable(args.json)
+    server_args = ["--seed", str(args.seed), "--device", args.device, "--threads", str(args.threads)]
+    if args.num_device_pages is not None:
+        server_args += ["--num-device-pages", str(args.num_device_pages)]
+    for name in ("state_checkpoint_tokens", "state_device_bytes", "state_host_bytes", "state_disk_bytes"):
+        if getattr(args, name) is not None:
+            server_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    bench_agents(workload, model=args.model, tokenizer=args.tokenizer, page_size=args.page_size or 16,
+                 endpoint=args.endpoint, server_args=tuple(server_args), console=Console(), json_path=args.json)
+    return 0
+
+
 def add_parser(sub) -> None:
     """Register ``kvtier bench`` on the CLI's subparsers."""
     b = sub.add_parser("bench", help="replay coding-agent sessions under several cache configurations")
@@ -65,7 +92,19 @@ def add_parser(sub) -> None:
     b.add_argument("--conversations", metavar="PATH",
                    help="JSONL of text chat sessions (OpenAI message lists; see kvtier.bench.conversations) "
                         "instead of a trace; needs --tokenizer with a preset model")
-    b.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files for --conversations (default: the model dir)")
+    b.add_argument("--workload", default="replay", choices=("replay", "sdk-agents"),
+                   help="replay: the sessions of --trace, --conversations or the built-in generator, in-process "
+                        "or against --endpoint; sdk-agents: agent sessions through a server's chat, Messages and "
+                        "Responses APIs with the official SDKs, reporting cached / reachable tokens per turn "
+                        "(against --endpoint, or a kvtier serve --model started for the run)")
+    b.add_argument("--agent-sessions", type=int, default=4, help="sdk-agents: sessions per API")
+    b.add_argument("--agent-turns", type=int, default=6, help="sdk-agents: requests per session")
+    b.add_argument("--agent-apis", default="chat,messages,responses",
+                   help="sdk-agents: comma-separated APIs out of chat, messages, responses")
+    b.add_argument("--agent-tool-share", type=float, default=0.5,
+                   help="sdk-agents: share of turns with tool calls forced (tool_choice required / any)")
+    b.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files for --conversations and sdk-agents "
+                   "(default: the model dir)")
     b.add_argument("--page-size", type=int, default=None, help="tokens per KV page for --conversations (default 16)")
     b.add_argument("--max-output-tokens", type=int, default=None, help="cap on each response length for --conversations")
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")

@@ -1,0 +1,134 @@
+"""The reuse report of ``kvtier bench --workload sdk-agents`` (sessions:
+:mod:`kvtier.bench.agent_sessions`): per turn, the cached tokens the server reported divided by
+the tokens it could have found, by API and by what the reused turn was.
+
+Reachable tokens of turn k >= 1 of a session: the previous turn's prompt and output whose KV
+was computed, in whole pages::
+
+    reachable_k = floor((prompt_{k-1} + output_{k-1} - 1) / page_size) * page_size
+
+(the last sampled token is never run through the model, so its KV does not exist; the next
+turn's prompt starts with all of turn k-1 when the client sends back what it got). The row's
+``kind`` is what turn k-1 produced: ``tool`` (it made tool calls, and turn k carries their
+results) or ``text``. A new session (turn 0 of every session but the run's first) can reach
+the prefix it shares with the sessions before it, the same system prompt and tools
+(``new-session``): the common prefix of two sessions' first prompts, rendered with the K2 chat
+template and encoded by the served tokenizer, in whole pages (:func:`shared_prefix_tokens`;
+None, and the row not counted, for another chat format or without a tokenizer). The run's
+first request reaches nothing (``first``, not counted).
+
+``ratio = cached / reachable`` per row; a group's ratio is sum(cached) / sum(reachable), with
+the lowest row ratio and the rows at >= 0.99 beside it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+KINDS = ("text", "tool", "new-session")
+FULL = 0.99  # a row at or above this share of its bound counts as reusing it all
+
+
+def reachable_tokens(prev_prompt: int, prev_output: int, page_size: int) -> int:
+    """Tokens of the previous turn whose KV exists, in whole pages (module docstring).
+
+    Raises:
+        ValueError: ``page_size`` < 1 or a negative count.
+    """
+    if page_size < 1 or prev_prompt < 0 or prev_output < 0:
+        raise ValueError(f"page_size must be >= 1 and token counts >= 0, got page_size={page_size}, "
+                         f"prev_prompt={prev_prompt}, prev_output={prev_output}")
+    return max(prev_prompt + prev_output - 1, 0) // page_size * page_size
+
+
+SPLIT = "\x00first message\x00"  # stands for a session's first message while the shared part is rendered
+
+
+def shared_prefix_tokens(tokenizer, page_size: int) -> int | None:
+    """Tokens every session's first prompt shares (tool declaration, system prompt and the user
+    turn's header), in whole pages: the K2 template's rendering of a first prompt up to where
+    its first message starts, encoded (it ends in a special token, so its ids are a prefix of
+    every session's). None when ``tokenizer`` is None or speaks another chat format."""
+    from kvtier.bench.agent_sessions import SYSTEM, ChatDriver
+    from kvtier.tokenize import ChatFormat, render_chat
+
+    if tokenizer is None or getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE) != ChatFormat.K2_TEMPLATE:
+        return None
+    text = render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": SPLIT}],
+                       ChatDriver(None, "").tools)
+    return len(tokenizer.encode(text[:text.index(SPLIT)])) // page_size * page_size
+
+
+def annotate(rows: list[dict], page_size: int, shared_prefix: int | None) -> list[dict]:
+    """``rows`` (one per request, from :func:`kvtier.bench.agent_sessions.run_agents`) with
+    ``kind``, ``reachable_tokens`` and ``ratio`` added (``ratio`` None where nothing is
+    reachable). The run's first request is the first row."""
+    out, prev = [], {}
+    for i, row in enumerate(rows):
+        key = (row["api"], row["session"])
+        if i == 0:
+            kind, reach = "first", None
+        elif row["turn"] == 0:
+            kind, reach = "new-session", shared_prefix
+        else:
+            p = prev[key]
+            kind = "tool" if p["tool_calls"] else "text"
+            reach = reachable_tokens(p["prompt_tokens"], p["output_tokens"], page_size)
+        ratio = row["cached_tokens"] / reach if reach else None
+        out.append({**row, "kind": kind, "reachable_tokens": reach, "ratio": ratio})
+        prev[key] = row
+    return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One entry per (api, kind) with counted rows: ``turns``, ``cached_tokens``,
+    ``reachable_tokens`` (sums), ``ratio`` (their quotient), ``min_ratio`` and ``full_turns``
+    (rows at >= :data:`FULL`); then one per kind over every API (``api`` ``"all"``)."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r["ratio"] is not None:
+            groups[(r["api"], r["kind"])].append(r)
+            groups[("all", r["kind"])].append(r)
+    apis = list(dict.fromkeys(r["api"] for r in rows)) + ["all"]
+    out = []
+    for api in apis:
+        for kind in KINDS:
+            g = groups.get((api, kind))
+            if not g:
+                continue
+            cached, reach = sum(r["cached_tokens"] for r in g), sum(r["reachable_tokens"] for r in g)
+            out.append({"api": api, "kind": kind, "turns": len(g), "cached_tokens": cached,
+                        "reachable_tokens": reach, "ratio": cached / reach, "min_ratio": min(r["ratio"] for r in g),
+                        "full_turns": sum(r["ratio"] >= FULL for r in g)})
+    return out
+
+
+def markdown_table(summary: list[dict]) -> str:
+    """``summary`` as a Markdown table (the form docs/benchmarks.md keeps)."""
+    lines = ["| API | reused turn | turns | cached / reachable tokens | ratio | lowest turn | turns >= 0.99 |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for s in summary:
+        lines.append(f"| {s['api']} | {s['kind']} | {s['turns']} | {s['cached_tokens']} / {s['reachable_tokens']} | "
+                     f"{s['ratio']:.3f} | {s['min_ratio']:.3f} | {s['full_turns']} / {s['turns']} |")
+    return "\n".join(lines)
+
+
+def print_report(console, summary: list[dict], title: str) -> None:
+    """``summary`` as a rich table on ``console``."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("API", "reused turn", "turns", "cached", "reachable", "ratio", "lowest", ">= 0.99"):
+        t.add_column(col, justify="left" if col in ("API", "reused turn") else "right")
+    for s in summary:
+        t.add_row(s["api"], s["kind"], str(s["turns"]), str(s["cached_tokens"]), str(s["reachable_tokens"]),
+                  f"{s['ratio']:.3f}", f"{s['min_ratio']:.3f}", f"{s['full_turns']}/{s['turns']}")
+    console.print(t)
+
+
+def agent_json(rows: list[dict], summary: list[dict], **extra) -> dict:
+    """The run as JSON: provenance (``kvtier.provenance.provenance(**extra)``: commit, machine,
+    time and the run's settings), the summary and every row."""
+    from kvtier.provenance import provenance
+
+    return {"provenance": provenance(**extra), "summary": summary, "turns": rows}
