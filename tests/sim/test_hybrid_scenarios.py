@@ -25,7 +25,8 @@ def small_run():
 def test_scenario_has_k3_sizes(small_run):
     scn, workload, sizing, runs, prov = small_run
     plan = hybrid_memory_plan(preset("kimi-k3"), "mxfp4", 8, 288, parallel="tp")
-    assert scn.model == "kimi-k3" and [v.name for v in scn.variants] == ["device-only", "tiered", "tiered-grid-only"]
+    assert scn.model == "kimi-k3" and [v.name for v in scn.variants] == ["device-only", "tiered", "tiered-grid-only",
+                                                                   "ideal"]
     assert sizing.block_bytes == 256 * plan.kv_bytes_per_token == 256 * 27_648
     states = sizing.states
     assert states.state_bytes == plan.state_bytes_per_sequence == preset("kimi-k3").state_bytes_per_sequence()

@@ -297,6 +297,42 @@ def working_set_pages(workload: Workload, page_size: int, concurrency: int) -> i
     return sum(peaks[:concurrency])
 
 
+def whole_working_set_pages(workload: Workload, page_size: int, concurrency: int) -> int:
+    """Device pages (per layer) that hold every page the replay of ``workload`` ever caches, so
+    that a pool of this size never evicts and never preempts for lack of pages: the ``ideal``
+    configuration's device tier (:mod:`kvtier.bench.configs`).
+
+    Counted as: the distinct prompt pages over all turns (a page is its chain of block ids from
+    the prompt's start, as the pool's block hash chains them; with ``page_size`` a multiple of
+    the workload's block size), plus each turn's output pages and one partial page
+    (``ceil(output_tokens / page_size) + 1``: generated tokens hash to pages no prompt repeats),
+    plus one partial prompt page per active session and 16 spare. With a ``page_size`` that is
+    not a multiple of the block size, every turn's whole context counts (an upper bound).
+
+    Args:
+        workload: the sessions (``Workload.block_size`` tokens per block id).
+        page_size: tokens per device page (> 0).
+        concurrency: sessions active at once.
+
+    Raises:
+        ValueError: ``page_size`` < 1.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1 token, got {page_size}")
+    turns = [t for s in workload.sessions for t in s.turns]
+    outputs = sum(-(-t.output_tokens // page_size) + 1 for t in turns)
+    if page_size % workload.block_size:
+        return sum(-(-(t.input_tokens + t.output_tokens) // page_size) + 1 for t in turns) + concurrency + 16
+    per_page = page_size // workload.block_size
+    pages: set[int] = set()
+    for t in turns:
+        key = 0
+        for i in range(0, len(t.block_ids), per_page):
+            key = hash((key, t.block_ids[i:i + per_page]))
+            pages.add(key)
+    return len(pages) + outputs + concurrency + 16
+
+
 def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, engines: list[Engine],
                bytes_scale: list[float] | None = None, since: list[EngineStats] | None = None) -> ConfigRun:
     """The run of ``loop`` over ``engines`` (counters summed; each pool's bytes times its

@@ -8,6 +8,11 @@
   once, so an eviction never waits for a copy).
 - ``tiered-tool-aware``: ``tiered`` with the tool-aware policy, told about tool waits.
 - ``no-cache``: no prefix caching at all (every prompt is prefilled in full).
+- ``ideal``: the bound: ``device-only`` with device pages for the whole working set (every page
+  the replay ever caches, :func:`kvtier.bench.closed_loop.whole_working_set_pages`), so nothing is
+  evicted and no request is preempted for lack of pages; the same engine, scheduler and sampler.
+  What no cache can beat on this workload: each configuration's distance to it
+  (:func:`kvtier.bench.report.bench_json`'s ``bound``) is what a cache could still gain.
 
 A hybrid KDA + MLA model (``--model tiny-k3``) runs every configuration: its pool keeps
 recurrent-state checkpoints beside the MLA blocks (:mod:`kvtier.cache.state_reuse`), and a prefix
@@ -38,6 +43,8 @@ class BenchConfig:
         cache_policy: ``lru`` or ``tool-aware``.
         cache_write_policy: ``write-through`` or ``write-back``.
         tool_aware: the replay tells the pool about tool waits.
+        whole_working_set: device pages for the whole working set (the ``ideal`` bound) instead
+            of the bench's device tier.
     """
 
     name: str
@@ -47,16 +54,25 @@ class BenchConfig:
     cache_policy: str = "lru"
     cache_write_policy: str = "write-back"
     tool_aware: bool = False
+    whole_working_set: bool = False
 
     def engine_config(self, base: EngineConfig, host_cache_bytes: int, disk_dir: str | None,
                       disk_cache_bytes: int, state_host_bytes: int | None = None,
-                      state_disk_bytes: int | None = None) -> EngineConfig:
+                      state_disk_bytes: int | None = None, whole_working_set_pages: int | None = None) -> EngineConfig:
         """``base`` with this configuration's pool fields.
 
         ``state_host_bytes`` / ``state_disk_bytes``: the checkpoint budgets (bytes) of the host
         and disk tiers of a hybrid model (None = the tier's KV budget); they apply only when this
         configuration has that tier (else 0: no checkpoints there). ``base.pool`` carries the
-        grid spacing and the device checkpoint budget."""
+        grid spacing and the device checkpoint budget. ``whole_working_set_pages``: the device
+        pages of a ``whole_working_set`` configuration (ignored by the others).
+
+        Raises:
+            ValueError: a ``whole_working_set`` configuration without ``whole_working_set_pages``.
+        """
+        if self.whole_working_set and not whole_working_set_pages:
+            raise ValueError(f"configuration {self.name!r} needs whole_working_set_pages (device pages for the whole "
+                             f"working set, > 0), got {whole_working_set_pages!r}")
         pool = dataclasses.replace(
             base.pool, enable_prefix_caching=self.enable_prefix_caching,
             host_cache_bytes=host_cache_bytes if self.host else 0,
@@ -65,6 +81,9 @@ class BenchConfig:
             cache_policy=self.cache_policy, write_policy=self.cache_write_policy,
             state_host_bytes=state_host_bytes if self.host else 0,
             state_disk_bytes=state_disk_bytes if self.disk else 0)
+        if self.whole_working_set:
+            # a hybrid model's device checkpoints get that whole KV budget too (None: the tier's KV bytes)
+            pool = dataclasses.replace(pool, num_device_pages=whole_working_set_pages, state_device_bytes=None)
         return dataclasses.replace(base, pool=pool)
 
 
@@ -74,7 +93,10 @@ CONFIGS = {c.name: c for c in (
     BenchConfig("tiered-write-through", host=True, disk=True, cache_write_policy="write-through"),
     BenchConfig("tiered-tool-aware", host=True, disk=True, cache_policy="tool-aware", tool_aware=True),
     BenchConfig("no-cache", enable_prefix_caching=False),
+    BenchConfig("ideal", whole_working_set=True),
 )}
+IDEAL = "ideal"
+"""The bound's configuration: reports give every other configuration's distance to it."""
 
 
 def parse_configs(text: str, by_name: dict = CONFIGS, where: str = "") -> list:

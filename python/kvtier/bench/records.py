@@ -119,6 +119,8 @@ class ConfigRun:
         server_counters: False when the engine's own counters (bytes moved, copy errors,
             evictions, refused stores, preemptions, device pages) were not observed, as over HTTP
             (``kvtier bench --endpoint``): the report shows them as unknown, not 0.
+        mean_running_batch: sequences running per engine step, averaged over the steps that ran
+            any (None: not observed, as over HTTP or in the simulator).
         state: a hybrid model's recurrent-state checkpoint counters (hits per tier, bytes loaded
             and written per tier, fallbacks, prefix tokens lost to missing checkpoints; see
             :class:`kvtier.cache.pool_stats.StateStats`); None for a model without recurrent
@@ -138,3 +140,4 @@ class ConfigRun:
     working_set_pages: int = 0
     server_counters: bool = True
     state: StateStats | None = None
+    mean_running_batch: float | None = None

@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 
 from kvtier.bench import report
-from kvtier.bench.configs import parse_configs
+from kvtier.bench.configs import IDEAL, parse_configs
 from kvtier.bench.run import BenchOptions, bench_provenance, load_tokenizer_for, prepare_workload, run_config, warm_up
 from kvtier.bench.tail import tail_json
 from kvtier.llm import load_for_serving
@@ -30,11 +30,14 @@ STATE_FIGURES = ("state.hits.device", "state.hits.host", "state.hits.disk", "sta
 per tier, state bytes loaded into and written below the device, fallbacks, prefix tokens lost
 to missing checkpoints; printed only when some configuration has them."""
 FIGURES = ("ttft_s.p50", "ttft_s.p90", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99", "queue_wait_s.p99",
-           "throughput_tok_s", "hit_rate.total", "preemptions", *STATE_FIGURES)
+           "throughput_tok_s", "hit_rate.total", "preemptions", "mean_running_batch", *STATE_FIGURES)
 """Per-configuration figures summarized, as dotted paths into ``report.summarize``'s dict."""
 RATIOS = ("ttft_p99_ratio", "throughput_ratio")
 """Per-configuration ratios against the baseline (``report.bench_json``'s ``comparison``)
-summarized; ``ttft_p99_ratio`` (baseline p99 TTFT / this configuration's) is the headline."""
+summarized; ``ttft_p99_ratio`` (baseline p99 TTFT / this configuration's)."""
+BOUND = tuple(report.BOUND_FIGURES)
+"""Per-configuration distances to the bound (``report.bench_json``'s ``bound``: each figure / the
+``ideal`` run's) summarized; the headline."""
 
 
 def repeat_seeds(opts: BenchOptions, repeats: int) -> list[int]:
@@ -114,7 +117,8 @@ def summarize_repeats(docs: list[dict]) -> dict:
 
     Returns:
         ``{"repeats": n, "seeds": [...], "configs": {name: {figure: spread}}, "comparison":
-        {name: {ratio: spread}}}`` over :data:`FIGURES` and :data:`RATIOS`; a configuration
+        {name: {ratio: spread}}, "bound": {name: {figure: spread}}}`` over :data:`FIGURES`,
+        :data:`RATIOS` and :data:`BOUND` (``"bound"`` empty without an ``ideal`` run); a configuration
         appears when any repeat has it, a figure's spread is over the repeats that have it.
 
     Raises:
@@ -124,6 +128,7 @@ def summarize_repeats(docs: list[dict]) -> dict:
         raise ValueError("summarize_repeats: no repeats given")
     names = list(dict.fromkeys(n for d in docs for n in d["configs"]))
     compared = list(dict.fromkeys(n for d in docs for n in d.get("comparison", {})))
+    bounded = list(dict.fromkeys(n for d in docs for n in d.get("bound", {})))
     return {
         "repeats": len(docs),
         "seeds": [d.get("seed") for d in docs],
@@ -131,6 +136,8 @@ def summarize_repeats(docs: list[dict]) -> dict:
                     for n in names},
         "comparison": {n: {r: spread([d["comparison"][n][r] for d in docs if n in d.get("comparison", {})])
                            for r in RATIOS} for n in compared},
+        "bound": {n: {f: spread([d["bound"][n][f] for d in docs if n in d.get("bound", {})]) for f in BOUND}
+                  for n in bounded},
     }
 
 
@@ -154,6 +161,7 @@ _LABELS = {"ttft_s.p50": ("TTFT p50 (ms)", 1e3, "{:.0f}"), "ttft_s.p90": ("TTFT 
            "tpot_s.p99": ("TPOT p99 (ms)", 1e3, "{:.1f}"), "queue_wait_s.p99": ("queue wait p99 (ms)", 1e3, "{:.0f}"),
            "throughput_tok_s": ("throughput (tok/s)", 1.0, "{:.0f}"), "hit_rate.total": ("hit rate total", 1.0, "{:.2f}"),
            "preemptions": ("preemptions", 1.0, "{:.0f}"),
+           "mean_running_batch": ("mean running batch", 1.0, "{:.2f}"),
            "state.hits.device": ("checkpoint hits device", 1.0, "{:.0f}"),
            "state.hits.host": ("checkpoint hits host", 1.0, "{:.0f}"),
            "state.hits.disk": ("checkpoint hits disk", 1.0, "{:.0f}"),
@@ -165,7 +173,8 @@ _LABELS = {"ttft_s.p50": ("TTFT p50 (ms)", 1e3, "{:.0f}"), "ttft_s.p90": ("TTFT 
 
 def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
     """Plain-text lines: per figure and configuration ``median [min-max]`` over the repeats,
-    then each configuration's p99 TTFT ratio and throughput ratio against ``baseline``."""
+    then each configuration's distance to the bound (p99 and p90 TTFT, p99 TPOT, throughput, each
+    / the ``ideal`` run's) and its p99 TTFT ratio and throughput ratio against ``baseline``."""
     names = list(summary["configs"])
     width = max(len(label) for label, _, _ in _LABELS.values())
     lines = [f"median [min-max] over {summary['repeats']} repeats (workload seeds {summary['seeds']})",
@@ -176,6 +185,11 @@ def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
         label, scale, fmt = _LABELS[f]
         lines.append(f"{label:<{width}}  " + "  ".join(f"{format_spread(summary['configs'][n][f], scale, fmt):>24}"
                                                         for n in names))
+    for n, b in summary.get("bound", {}).items():
+        lines.append(f"{n} vs {IDEAL} (bound): " + ", ".join(
+            f"{label} {format_spread(b[f], fmt='{:.2f}x')}" for f, label in (
+                ("ttft_p99", "p99 TTFT"), ("ttft_p90", "p90 TTFT"), ("tpot_p99", "p99 TPOT"),
+                ("throughput", "throughput"))) + " (median [min-max])")
     for n, c in summary["comparison"].items():
         lines.append(f"{n} vs {baseline}: p99 TTFT ratio {format_spread(c['ttft_p99_ratio'], fmt='{:.2f}x')}, "
                      f"throughput ratio {format_spread(c['throughput_ratio'], fmt='{:.2f}x')} (median [min-max])")
@@ -221,6 +235,6 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
     return 1 if failed else 0
 
 
-__all__ = ["FIGURES", "RATIOS", "STATE_FIGURES", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds",
+__all__ = ["BOUND", "FIGURES", "RATIOS", "STATE_FIGURES", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds",
            "run_repeats",
            "format_spread", "spread", "summarize_repeats"]

@@ -45,6 +45,13 @@ class _EngineTarget:
         self.engine, self.block_size, self.tokenizer = engine, workload.block_size, tokenizer
         self.keep_outputs, self.clock, self.sleep = keep_outputs, clock, sleep
         self.by_request: dict[int, ActiveSession] = {}
+        self.steps = self.running = 0  # steps that ran a sequence, and the sequences they ran
+
+    @property
+    def mean_running_batch(self) -> float | None:
+        """Sequences per step (running after the step plus those it finished), over the steps
+        that ran any; None before one did."""
+        return self.running / self.steps if self.steps else None
 
     def submit(self, a: ActiveSession, turn: Turn, arrival_time: float) -> None:
         params = SamplingParams(max_tokens=turn.output_tokens, temperature=0.0, ignore_eos=True,
@@ -65,7 +72,11 @@ class _EngineTarget:
 
     def advance(self, until: float | None) -> list[tuple[ActiveSession, RequestOutput]] | None:
         if self.engine.has_unfinished():
-            return [(self.by_request.pop(out.request_id), out) for out in self.engine.step()]
+            outs = self.engine.step()
+            ran = self.engine.scheduler.stats().running + len(outs)
+            if ran:
+                self.steps, self.running = self.steps + 1, self.running + ran
+            return [(self.by_request.pop(out.request_id), out) for out in outs]
         if until is None:
             return None
         self.sleep(max(0.0, until - self.clock()))
@@ -113,4 +124,6 @@ def replay(engine: Engine, workload: Workload, name: str, *, concurrency: int, t
     loop = ClosedLoop(workload, target, clock, concurrency=concurrency, ramp_s=ramp_s, tool_aware=tool_aware,
                       keep_outputs=keep_outputs, on_finish=on_finish, declared_waits=declared_waits)
     wall_s = loop.run()
-    return run_result(name, loop, wall_s, workload, [engine])
+    run = run_result(name, loop, wall_s, workload, [engine])
+    run.mean_running_batch = target.mean_running_batch
+    return run

@@ -30,11 +30,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from kvtier.bench.configs import IDEAL
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.state_report import state_json, state_rows
 
 BASELINE = "device-only"
 """Name of the run the others are compared against (ratios appear when it is present)."""
+BOUND_FIGURES = {"ttft_p99": ("ttft_s", "p99"), "ttft_p90": ("ttft_s", "p90"), "tpot_p99": ("tpot_s", "p99"),
+                 "throughput": ("throughput_tok_s", None)}
+"""The distance to the bound (:data:`~kvtier.bench.configs.IDEAL`'s run): each figure of a
+configuration divided by the ideal's (key -> path into :func:`summarize`'s dict)."""
 
 TIERS = ("device", "host", "disk")
 PHASES = ("queue_wait_s", "load_wait_s", "prefill_s")
@@ -73,7 +78,8 @@ def summarize(run: ConfigRun) -> dict:
         "recomputed_tokens", "bytes_moved": {direction: bytes}, "errors",
         "hit_rate": {"device", "host", "disk", "total"}, "input_tokens", "output_tokens",
         "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors",
-        "stores_refused": {tier: blocks}, "device_pages", "working_set_pages", "state"}``.
+        "stores_refused": {tier: blocks}, "device_pages", "working_set_pages", "mean_running_batch",
+        "state"}``.
 
         - ``*_s`` percentiles: seconds, numpy ``"linear"`` percentiles over finished requests
           (TPOT only over those with >= 2 output tokens; the TTFT parts over those that
@@ -134,6 +140,7 @@ def summarize(run: ConfigRun) -> dict:
         "output_tokens": output_tokens,
         "wall_s": float(run.wall_s),
         "working_set_pages": run.working_set_pages,
+        "mean_running_batch": run.mean_running_batch,
         **_server_counters(run),
         "state": state_json(run),
     }
@@ -151,6 +158,26 @@ def _server_counters(run: ConfigRun) -> dict:
 def _compare(baseline: dict, summary: dict) -> dict:
     return {"ttft_p99_ratio": _ratio(baseline["ttft_s"]["p99"], summary["ttft_s"]["p99"]),
             "throughput_ratio": _ratio(summary["throughput_tok_s"], baseline["throughput_tok_s"])}
+
+
+def _figure(summary: dict, key: str, q: str | None) -> float | None:
+    return summary[key] if q is None else summary[key][q]
+
+
+def bound_distance(ideal: dict, summary: dict) -> dict[str, float | None]:
+    """A configuration's distance to the bound: ``{name: summary's figure / ideal's}`` over
+    :data:`BOUND_FIGURES` (``ttft_p99``, ``ttft_p90``, ``tpot_p99``: >= 1 when slower than the
+    bound; ``throughput``: <= 1 when fewer tokens/s); None when either is None or the ideal's is 0.
+
+    Args:
+        ideal, summary: :func:`summarize` dicts of the ``ideal`` run and of the configuration.
+
+    Example:
+        >>> bound_distance({"ttft_s": {"p99": 2.0, "p90": 1.0}, "tpot_s": {"p99": 0.1}, "throughput_tok_s": 100.0},
+        ...                {"ttft_s": {"p99": 2.2, "p90": 1.0}, "tpot_s": {"p99": 0.2}, "throughput_tok_s": 90.0})
+        {'ttft_p99': 1.1, 'ttft_p90': 1.0, 'tpot_p99': 2.0, 'throughput': 0.9}
+    """
+    return {name: _ratio(_figure(summary, *path), _figure(ideal, *path)) for name, path in BOUND_FIGURES.items()}
 
 
 def _summaries(runs: list[ConfigRun]) -> dict[str, dict]:
@@ -183,6 +210,8 @@ def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE
         where ``ttft_p99_ratio`` = the baseline's p99 TTFT / this run's (> 1: this run is
         faster) and ``throughput_ratio`` = this run's throughput / the baseline's (> 1: more
         tokens/s); a ratio is None when either side is None or the denominator is 0.
+        When a run named ``ideal`` (:data:`~kvtier.bench.configs.IDEAL`, the bound) and at least
+        one other exist, ``"bound": {name: bound_distance(ideal, summary)}`` for every other run.
         With ``records``, each configuration also holds ``"records"``: every request as
         :func:`record_json` writes it, in finishing order.
 
@@ -194,6 +223,8 @@ def bench_json(runs: list[ConfigRun], provenance: dict, baseline: str = BASELINE
         for run in runs:
             configs[run.name]["records"] = [record_json(r) for r in run.records]
     data = {"provenance": provenance, "configs": configs}
+    if IDEAL in configs and len(configs) > 1:
+        data["bound"] = {name: bound_distance(configs[IDEAL], s) for name, s in configs.items() if name != IDEAL}
     if baseline in configs and len(configs) > 1:
         data["comparison"] = {name: _compare(configs[baseline], s)
                               for name, s in configs.items() if name != baseline}
@@ -315,6 +346,8 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
     seen = {d for x in s.values() for d in x["bytes_moved"]}
     dirs = [d for d in DIRECTIONS if d in seen] + sorted(seen - set(DIRECTIONS))
     rows += [(f"bytes moved {d}", col(lambda x, d=d: _bytes(x["bytes_moved"].get(d, 0)))) for d in dirs]
+    rows.append(("mean running batch / step", col(lambda x: "n/a" if x.get("mean_running_batch") is None
+                                                  else f"{x['mean_running_batch']:.2f}")))
     rows.append(("device pages / working set",
                  col(lambda x: f"{_count(x['device_pages'])} / {x['working_set_pages']}")))
     for label, key in (("copy errors", "copy_errors"), ("request errors", "errors"), ("preemptions", "preemptions")):
@@ -322,6 +355,11 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
     rows.append(("stores refused host / disk", col(lambda x: "n/a" if x["stores_refused"] is None else " / ".join(
         str(x["stores_refused"].get(t, 0)) for t in ("host", "disk")))))
     rows += state_rows(s, names, TIERS, _bytes)
+    if IDEAL in s and len(s) > 1:  # the distance to the bound leads, then the baseline's ratios
+        bound = {n: bound_distance(s[IDEAL], s[n]) for n in names}
+        for key, label in (("ttft_p99", "TTFT p99"), ("ttft_p90", "TTFT p90"), ("tpot_p99", "TPOT p99"),
+                           ("throughput", "throughput")):
+            rows.append((f"{label} / {IDEAL} (bound)", [_times(bound[n][key]) for n in names]))
     if baseline in s and len(s) > 1:
         cmp = {n: _compare(s[baseline], s[n]) for n in names}
         rows.append((f"TTFT p99 speedup vs {baseline}", [_times(cmp[n]["ttft_p99_ratio"]) for n in names]))
@@ -334,9 +372,10 @@ def render_table(runs: list[ConfigRun], console: Console | None = None, *, basel
     """Print one column per configuration and one row per metric; return the ``rich`` table.
 
     Times are shown in milliseconds, hit rates in percent, bytes in binary units (B, KiB, MiB,
-    GiB); "n/a" marks a value with no data. When a ``baseline`` run (default ``device-only``)
-    and others exist, two ratio rows follow: p99 TTFT speedup (baseline / config) and
-    throughput (config / baseline). Without a terminal (CI logs, files) the output is plain
+    GiB); "n/a" marks a value with no data. When an ``ideal`` run (the bound) and others exist,
+    the distance to the bound follows (p99 and p90 TTFT, p99 TPOT and throughput, each config /
+    ideal); when a ``baseline`` run (default ``device-only``) and others exist, two ratio rows
+    follow: p99 TTFT speedup (baseline / config) and throughput (config / baseline). Without a terminal (CI logs, files) the output is plain
     text, no colour codes.
 
     Args:

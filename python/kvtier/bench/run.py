@@ -21,6 +21,7 @@ import torch
 from kvtier.bench.configs import BenchConfig, parse_configs
 from kvtier.bench.conversations import load_conversations
 from kvtier.bench.records import ConfigRun
+from kvtier.bench.closed_loop import whole_working_set_pages
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
 from kvtier.cache.config import PoolConfig
@@ -96,7 +97,7 @@ class BenchOptions:
     max_output_tokens: int | None = None
     sessions: int = 16
     concurrency: int = 8
-    configs: str = "device-only,tiered"
+    configs: str = "device-only,tiered,ideal"
     token_scale: float = 1 / 64
     time_scale: float = 0.01
     max_think_s: float = 1.0
@@ -183,6 +184,8 @@ class Sizing:
             working set so that the largest turn fits.
         checkpoint_bytes: bytes of one recurrent-state checkpoint of a hybrid model (0: none).
         checkpoint_tokens: the checkpoint grid spacing in tokens the engines use (0: none).
+        whole_working_set_pages: device pages of the ``ideal`` configuration, every page the
+            replay ever caches (:func:`kvtier.bench.closed_loop.whole_working_set_pages`).
     """
 
     page_size: int
@@ -194,6 +197,7 @@ class Sizing:
     device_floor_applied: bool = False
     checkpoint_bytes: int = 0
     checkpoint_tokens: int = 0
+    whole_working_set_pages: int = 0
 
 
 def load_tokenizer_for(opts: BenchOptions) -> KimiTokenizer:
@@ -243,7 +247,8 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
         ckpt_bytes = HybridState(model, 1).checkpoint_bytes
         ckpt_tokens = opts.state_checkpoint_tokens or default_checkpoint_tokens(ckpt_bytes, block_bytes // ps, ps)
     return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted,
-                  checkpoint_bytes=ckpt_bytes, checkpoint_tokens=ckpt_tokens)
+                  checkpoint_bytes=ckpt_bytes, checkpoint_tokens=ckpt_tokens,
+                  whole_working_set_pages=max(whole_working_set_pages(workload, ps, opts.concurrency), device))
 
 
 def warm_up(model: KimiK2ForCausalLM, base: EngineConfig) -> None:
@@ -265,7 +270,8 @@ def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, b
     disk_dir = tempfile.mkdtemp(prefix=f"kvtier-bench-{config.name}-", dir=opts.disk_cache_dir) if config.disk else None
     try:
         engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes,
-                                                    opts.state_host_bytes, opts.state_disk_bytes), model_id)
+                                                    opts.state_host_bytes, opts.state_disk_bytes,
+                                                    sizing.whole_working_set_pages), model_id)
         # As a server does once started: what exists now (model, workload, engine) leaves the
         # collector's generations, so a full collection no longer scans it (they paused steps
         # for ~150 ms each on the trace; ~55 ms frozen).

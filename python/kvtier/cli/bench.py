@@ -109,8 +109,10 @@ def add_parser(sub) -> None:
     b.add_argument("--max-output-tokens", type=int, default=None, help="cap on each response length for --conversations")
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
-    b.add_argument("--configs", default="device-only,tiered",
-                   help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache")
+    b.add_argument("--configs", default="device-only,tiered,ideal",
+                   help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache, "
+                        "ideal (the bound: device pages for the whole working set; each other configuration's "
+                        "distance to it is reported)")
     b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}; with "
                    "--endpoint, the served model's name")
     b.add_argument("--endpoint", metavar="URL", help="replay against this OpenAI-compatible server over HTTP "

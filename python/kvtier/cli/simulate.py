@@ -10,7 +10,7 @@ from kvtier.serve.config import SCHEDULE_POLICIES
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from kvtier.sim.console import list_scenarios, simulate
+    from kvtier.sim.console import list_scenarios, simulate, simulate_sweep
     from kvtier.sim.run import SimOptions
 
     console = Console()
@@ -27,6 +27,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         matrix_efficiency=args.matrix_efficiency, kernel_csv=tuple(args.kernel_csv or ()),
         kernel_device=args.kernel_device, schedule_policy=args.schedule_policy,
         resume_ttft_s=args.resume_ttft_s, declared_waits=args.declared_waits)
+    if args.sweep is not None:
+        from kvtier.sim.sweep import parse_sweep
+
+        if args.concurrency is not None or args.sessions is not None:
+            raise ValueError("--sweep sets the sessions at once per point; give no --concurrency or --sessions")
+        return simulate_sweep(opts, parse_sweep(args.sweep), args.ttft_target_s, console, json_path=args.json)
     return simulate(opts, console, json_path=args.json, plot=args.plot)
 
 
@@ -65,6 +71,12 @@ def add_parser(sub) -> None:
                    "waits for it (as kvtier serve --resume-ttft-s); resumes and misses by why are shown and written")
     m.add_argument("--declared-waits", action="store_true", help="tool-aware configurations hear each tool wait's "
                    "recorded length (a client sending expected_tool_wait_s) instead of the learned median")
+    m.add_argument("--sweep", nargs="?", const="8,16,32,64,128", metavar="SESSIONS",
+                   help="run the scenario at each of these concurrencies (comma-separated sessions at once; "
+                        "default 8,16,32,64,128) and report the sessions each configuration holds under "
+                        "--ttft-target-s, its throughput there, and tiered / device-only (see kvtier.sim.sweep)")
+    m.add_argument("--ttft-target-s", type=float, default=30.0, metavar="S",
+                   help="with --sweep: the p99 TTFT target in seconds (default 30)")
     m.add_argument("--plot", metavar="PATH", default="kvtier-simulate-ttft.png", help="TTFT plot PNG ('' = none)")
     m.add_argument("--json", metavar="PATH", help="write the results with provenance here (kvtier bench's shape)")
     m.set_defaults(func=cmd_simulate)

@@ -27,6 +27,36 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.1f} ms"
 
 
+def simulate_sweep(opts, concurrencies: tuple[int, ...], target_s: float, console: Console, *,
+                   json_path: str | None = None) -> int:
+    """``kvtier simulate --sweep``: the scenario of ``opts`` at each concurrency
+    (:mod:`kvtier.sim.sweep`); print the table, the sessions held and the headline, write the
+    JSON; 0."""
+    from kvtier.bench import report
+    from kvtier.provenance import provenance
+    from kvtier.sim.sweep import run_sweep, sweep_json, sweep_lines
+
+    scn = opts.resolve()  # bad options fail before anything runs
+    if json_path:
+        report.check_writable(json_path)
+    t0 = time.perf_counter()
+    points = run_sweep(opts, concurrencies,
+                       on_start=lambda text: console.print(f"simulating {text} ({time.perf_counter() - t0:.0f} s)"))
+    compared = "tiered" if any(v.name == "tiered" for v in scn.variants) else scn.variants[-1].name
+    doc = sweep_json(points, target_s, scn.baseline, compared)
+    console.print(f"{scn.name}: {scn.description}")
+    for line in sweep_lines(doc):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    if json_path:
+        from dataclasses import asdict
+        prov = provenance(kind="simulation-sweep", scenario=scn.name, model=scn.model, node=scn.node,
+                          sweep=list(concurrencies), options=asdict(opts))
+        report.write_json(json_path, {"provenance": prov, "sweep": doc})
+        console.print(f"wrote {json_path}")
+    return 0
+
+
 def simulate(opts, console: Console, *, json_path: str | None = None, plot: str | None = None) -> int:
     """Run the scenario of ``opts`` (:class:`kvtier.sim.run.SimOptions`); print its tables,
     write the plot and JSON; 0."""

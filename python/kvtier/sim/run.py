@@ -34,6 +34,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from kvtier.bench.closed_loop import whole_working_set_pages
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.resume import resume_misses
 from kvtier.sim import hardware
@@ -148,6 +149,10 @@ class SimSizing:
         store_slots: blocks of the tier below host memory, per worker.
         working_set_pages: pages the concurrent sessions need at their peak (all workers).
         states: a hybrid model's checkpoint sizes and budgets (None for K2-class models).
+        whole_working_set_pages: device pages per worker of the ``ideal`` configuration (every
+            page the replay ever caches: :func:`kvtier.bench.closed_loop.whole_working_set_pages`;
+            the bound, whatever the HBM holds); a hybrid model's ideal keeps as many device
+            checkpoints.
     """
 
     page_size: int
@@ -158,6 +163,7 @@ class SimSizing:
     store_slots: int
     working_set_pages: int
     states: CheckpointSizes | None = None
+    whole_working_set_pages: int = 0
 
 
 def load_workload(scn: Scenario, trace: str | None) -> Workload:
@@ -203,7 +209,8 @@ def size_tiers(scn: Scenario, model: KimiK2Config | KimiLinearConfig, node: Node
         device = max(math.ceil(scn.device_fraction * ws), largest + 16)
         distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
         host, store = ws, distinct + 16
-    return SimSizing(ps, block, wb, device, host, store, ws)
+    whole = max(whole_working_set_pages(workload, ps, scn.replay.concurrency), device)
+    return SimSizing(ps, block, wb, device, host, store, ws, whole_working_set_pages=whole)
 
 
 def _size_hybrid(scn: Scenario, model: KimiLinearConfig, node: Node, workload: Workload) -> SimSizing:
@@ -228,8 +235,10 @@ def _size_hybrid(scn: Scenario, model: KimiLinearConfig, node: Node, workload: W
                              host_checkpoints=int(scn.state_host_bytes // state),
                              disk_checkpoints=int(scn.state_disk_bytes // state), state_slots=slots)
     ws = working_set_pages(workload, ps, scn.replay.concurrency)
-    return SimSizing(ps, block, plan.total_weight_bytes, int(free // block), int(node.host_kv_bytes // block),
-                     int(node.disk_kv_bytes // block), ws, states)
+    device = int(free // block)
+    whole = max(whole_working_set_pages(workload, ps, scn.replay.concurrency), device)
+    return SimSizing(ps, block, plan.total_weight_bytes, device, int(node.host_kv_bytes // block),
+                     int(node.disk_kv_bytes // block), ws, states, whole)
 
 
 def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig:
@@ -238,7 +247,8 @@ def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig
                         seed=scn.replay.seed, schedule_policy=scn.schedule_policy)
     host_bytes = sizing.host_slots * HostTier.row_bytes(sizing.page_size)  # the pool's blocks: page_size bytes
     store_bytes = sizing.store_slots * DiskTier.file_bytes(sizing.page_size)
-    return v.cache.engine_config(base, host_bytes, None, store_bytes)
+    return v.cache.engine_config(base, host_bytes, None, store_bytes,
+                                 whole_working_set_pages=sizing.whole_working_set_pages)
 
 
 def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Node,
@@ -247,6 +257,9 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     below host memory (when the variant has one) shared or not as ``v`` says; each engine planning
     for the resume target ``resume_ttft_s`` seconds (None: none)."""
     config = _engine_config(scn, v, sizing)
+    states = sizing.states
+    if states is not None and v.cache.whole_working_set:  # the bound: no checkpoint leaves the device either
+        states = dataclasses.replace(states, device_checkpoints=sizing.whole_working_set_pages)
     store_link = node.disk_link if scn.store == "disk" else node.network_link
     links = TierLinks(sizing.block_bytes, node.host_link, store_link)
     shared = SimDisk(config.pool.disk_cache_bytes * scn.workers) if v.cache.disk and v.shared_store else None
@@ -254,7 +267,7 @@ def build_engines(scn: Scenario, v: Variant, sizing: SimSizing, timer, node: Nod
     for _ in range(scn.workers):
         disk = shared if shared is not None else (SimDisk(config.pool.disk_cache_bytes) if v.cache.disk else None)
         engines.append(SimWorker(config, timer, links, preset(scn.model), scn.max_context_tokens, disk=disk,
-                                 states=sizing.states, checkpoints=v.checkpoints))
+                                 states=states, checkpoints=v.checkpoints))
     if shared is not None:
         for e in engines:
             e.share_store(shared)
