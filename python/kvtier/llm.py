@@ -97,33 +97,45 @@ class LLM:
             self.engine.attach_tokenizer(self.tokenizer)
 
     def chat(self, messages: Seq[dict], tools: Seq[dict] | None = None,
-             sampling_params: SamplingParams | None = None, session_id=None, tool_choice=None) -> RequestOutput:
+             sampling_params: SamplingParams | None = None, session_id=None, tool_choice=None, *,
+             thinking: dict | None = None, reasoning_effort: str | None = None,
+             response_format: dict | None = None) -> RequestOutput:
         """Generate the assistant's next turn for an OpenAI-style conversation.
 
-        The conversation is rendered with the Kimi K2 template and encoded by a per-session
-        :class:`kvtier.tokenize.SessionEncoder` (``session_id`` given: kept across calls, so a
-        growing conversation encodes only what changed, until :meth:`end_session` drops it; None:
-        a one-off encoder). With ``tools`` the turn is decoded under the tool grammar
-        (``sampling_params.tools`` set to ``tools`` unless it names its own; ``tool_choice``
-        overrides ``sampling_params.tool_choice``). The output carries ``content``,
-        ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
+        The conversation is rendered in the model's chat format (its tokenizer's
+        ``chat_format``: Kimi K2's template, or K3's XTML) and encoded by a per-session encoder
+        (``session_id`` given: kept across calls, so a growing conversation encodes only what
+        changed, until :meth:`end_session` drops it; None: a one-off encoder). With ``tools`` the
+        turn is decoded under the tool grammar (``sampling_params.tools`` set to ``tools`` unless
+        it names its own; ``tool_choice`` overrides ``sampling_params.tool_choice``). The output
+        carries ``content``, ``reasoning_content`` and ``tool_calls`` (``token_ids`` too).
+
+        ``thinking`` (``{"type": "enabled" | "disabled", "effort"?: ...}``), ``reasoning_effort``
+        (``low`` / ``high`` / ``max``) and ``response_format`` shape a K3 prompt
+        (:func:`kvtier.serve.chat.chat_prompt_options`); a K2 model takes none of them.
 
         Raises:
-            ValueError: no tokenizer, or bad messages/tools (naming ``messages[i].field`` or
-            ``tools[i]...``).
+            ValueError: no tokenizer, bad messages/tools (naming ``messages[i].field`` or
+            ``tools[i]...``), a bad K3 field (naming it), or K3 fields for a K2 model.
         """
-        from kvtier.serve.chat import add_chat_request, chat_sampling_params, new_encoder
+        from kvtier.serve.chat import add_chat_request, chat_prompt_options, chat_sampling_params, new_encoder
 
         if session_id is not None:
             check_hashable("session_id", session_id)
         params = chat_sampling_params(sampling_params, tools, tool_choice)
+        options = chat_prompt_options(self.tokenizer.chat_format, params, tools=tools, tool_choice=tool_choice,
+                                      thinking=thinking, reasoning_effort=reasoning_effort,
+                                      response_format=response_format)
+        if options is None and (thinking, reasoning_effort, response_format) != (None, None, None):
+            raise ValueError("thinking / reasoning_effort / response_format: K3's prompt fields; this model speaks "
+                             "K2's template, which takes none of them")
         self._attach_tokenizer()
         enc = self._sessions.get(session_id) if session_id is not None else None
         if enc is None:
             enc = new_encoder(self.engine, self.tokenizer)
             if session_id is not None:
                 self._sessions[session_id] = enc
-        rid = add_chat_request(self.engine, enc, messages, params)
+        rid = add_chat_request(self.engine, enc, messages, params, prompt_options=options)
         return self._run([rid])[0]
 
     def end_session(self, session_id) -> bool:

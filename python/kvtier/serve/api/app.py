@@ -137,13 +137,13 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         params = req.params()
         sid = req.session(request.headers.get(SESSION_HEADER))
         hint = req.tool_wait(request.headers.get(TOOL_WAIT_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True)
+        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params), sid, hint, tools=True)
 
     @app.post(messages.PATH)
     async def anthropic_messages(request: Request):
         req, params, sid, fmt = messages_stream.prepare(await body(request), request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
+        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params), sid, hint, tools=True,
                             fmt=fmt)
 
     kept = responses.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
@@ -153,7 +153,7 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         req, params, sid, fmt = responses_stream.prepare(await body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
-        return await _serve(st, request, "chat", req, params, {"messages": req.messages}, sid, hint, tools=True,
+        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params), sid, hint, tools=True,
                             fmt=fmt)
 
     @app.post("/v1/completions")
@@ -165,6 +165,14 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
                             req.tool_wait(request.headers.get(TOOL_WAIT_HEADER)))
 
     return app
+
+
+def _chat_payload(st: _State, req, params) -> dict:
+    """A chat job's payload: the messages and the prompt options of the model's chat format
+    (K3's ``thinking`` / ``reasoning_effort`` / ``tool_choice`` / ``response_format``, a 400 when
+    malformed; None for K2's template)."""
+    chat_format = getattr(st.worker.tokenizer, "chat_format", None)
+    return {"messages": req.messages, "prompt_options": req.prompt_options(chat_format, params)}
 
 
 def _error_body(path: str, e: ApiError) -> dict:

@@ -13,7 +13,8 @@ schema-constrained as chat tool calls are (a root ``$schema``, the dialect's nam
 back unchanged.
 
 Validated as Anthropic's API does: unknown fields are a 400 (a few fields kvtier has no use for
-are accepted and ignored: ``thinking``, ``service_tier``, ``cache_control``,
+are accepted and ignored: ``thinking`` (except by a K3 model, whose prompt it shapes:
+``kvtier.serve.chat.chat_prompt_options``), ``service_tier``, ``cache_control``,
 ``context_management``, ``inference_geo``, ``speed``, ``container``, ``diagnostics``,
 ``user_profile_id``, ``workspace_id``, ``output_config`` without ``format``), and
 so are content blocks in the wrong place (``tool_use`` from the user, ``tool_result`` from the
@@ -364,6 +365,8 @@ def to_chat(req: MessagesRequest) -> dict:
     if req.tools:
         body["tools"] = _tools(req.tools)
     body.update(_tool_choice(req.tool_choice, bool(req.tools)))
+    if req.thinking is not None:
+        body["thinking"] = req.thinking  # shapes a K3 prompt; K2's template ignores it
     return body
 
 

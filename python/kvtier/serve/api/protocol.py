@@ -229,6 +229,10 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs logprobs
+    # K3's prompt fields (kvtier.serve.chat.chat_prompt_options); a K2 model's template takes none
+    thinking: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def max_new_tokens(self) -> int:
         if self.max_completion_tokens is not None:
@@ -250,6 +254,19 @@ class ChatRequest(_Common):
             raise ApiError(400, f"tool_choice: {self.tool_choice!r:.60} needs tools", "tool_choice")
         try:
             return chat_sampling_params(base, self.tools or None, self.tool_choice if self.tools else None)
+        except ValueError as e:
+            raise value_error(e) from None
+
+    def prompt_options(self, chat_format, params: SamplingParams):
+        """The prompt's options for a model speaking ``chat_format`` (K3: ``thinking``,
+        ``reasoning_effort``, ``tool_choice``, ``response_format``, checked as K3's API checks
+        them; K2: None). A bad field is a 400 naming it."""
+        from kvtier.serve.chat import chat_prompt_options
+
+        try:
+            return chat_prompt_options(chat_format, params, tools=self.tools, tool_choice=self.tool_choice,
+                                       thinking=self.thinking, reasoning_effort=self.reasoning_effort,
+                                       response_format=self.response_format)
         except ValueError as e:
             raise value_error(e) from None
 

@@ -13,7 +13,7 @@ assistant turn's reasoning. Function tools are flat (``{"type": "function", "nam
 
 Validated as OpenAI's API does: unknown fields are a 400 (fields kvtier has no use for are
 accepted and ignored: ``user``, ``safety_identifier``, ``service_tier``, ``truncation``,
-``reasoning``, ``include``, ``stream_options``, ``prompt_cache_retention``, ``prompt_cache_options``,
+``reasoning`` (except its ``effort`` for a K3 model, whose prompt it shapes), ``include``, ``stream_options``, ``prompt_cache_retention``, ``prompt_cache_options``,
 ``max_tool_calls``, ``context_management``, ``background_options``, ``access_programs``,
 ``image``, ``moderation``),
 and so are a ``function_call_output`` whose ``call_id`` no earlier ``function_call`` has, a
@@ -329,6 +329,9 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[dict, list[dict
     choice = _tool_choice(req.tool_choice)
     if choice is not None and (req.tools or choice != "none"):
         body["tool_choice"] = choice
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = effort  # shapes a K3 prompt; K2's template ignores it
     return body, turns
 
 

@@ -212,7 +212,7 @@ class EngineWorker:
                 enc = self.sessions.encoder(job.session_id, job.cache_salt)
                 try:
                     rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt,
-                                           job.tool_matcher)
+                                           job.tool_matcher, job.payload.get("prompt_options"))
                 except BaseException:
                     self.sessions.refused(job.session_id)
                     raise
