@@ -150,7 +150,7 @@ def test_a_session_waiting_on_a_tool_keeps_its_last_checkpoint_until_it_returns(
     pool.tool_wait_blocks("s", waiting, 30.0)
     for seed in (2, 3, 4):  # two device slots: without the wait, seed 1's checkpoint would go first
         saved(seed)
-    store = pool.state.store
+    store = pool.resume_rule.store
     assert store.where(waiting[-1]) == [Tier.DEVICE] and store.stats.evictions["device"] == 2
     pool.tool_return("s")
     saved(5)

@@ -94,7 +94,7 @@ def test_a_hybrid_pool_publishes_its_checkpoints_beside_its_blocks():
         pool.poll()
         while sub.poll(0.5):
             pass
-        store = pool.state.store
+        store = pool.resume_rule.store
         keys = [k for s in range(3) for k in block_hashes(prompt(70, s)[:64], PS, None, pool.config.salt)]
         held = {k: {t.name.lower() for t in store.where(k)} for k in keys if store.where(k)}
         assert held and sub.view.keeps_states("worker-k3")

@@ -80,21 +80,23 @@ def restore(pool: KVPool, ids: list[int]) -> KVState:
     return kv
 
 
-def assert_placed(kv: KVState, payloads: dict[int, torch.Tensor], k: int) -> None:
-    """Exactly ``k`` blocks and the checkpoint saved after them are placed (nothing for k == 0)."""
+def assert_placed(pool: KVPool, kv: KVState, payloads: dict[int, torch.Tensor], k: int) -> None:
+    """Exactly ``k`` blocks and the checkpoint saved after them are placed (nothing for k == 0);
+    the pool hands the checkpoint over once."""
     assert kv.num_prefix_tokens == k * PS
     assert len(kv.page_ids) == k
-    assert kv.state_tokens == k * PS
+    restored = pool.take_restore(kv)
     if k == 0:
-        assert kv.restored_state is None
+        assert restored is None
     else:
-        assert kv.restored_state is not None
-        assert torch.equal(kv.restored_state.cpu(), payloads[k])
+        assert restored is not None and restored.num_tokens == k * PS
+        assert torch.equal(restored.payload.cpu(), payloads[k])
+        assert pool.take_restore(kv) is None
 
 
 def only_in(pool: KVPool, key: bytes, tier: Tier) -> None:
     """Drop every copy of checkpoint ``key`` except the one in ``tier``."""
-    store = pool.state.store
+    store = pool.resume_rule.store
     for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE):
         if t != tier:
             store.drop(key, t)
@@ -114,7 +116,7 @@ def test_checkpoint_and_blocks_restored_together_from_each_tier(tmp_path, tier):
     for key in keys(kv).values():
         only_in(pool, key, tier)
     got = restore(pool, ids)
-    assert_placed(got, payloads, NUM_BLOCKS)
+    assert_placed(pool, got, payloads, NUM_BLOCKS)
     s = pool.stats().state
     assert s.hits[tier.name.lower()] == 1 and sum(s.hits.values()) == 1
     assert s.fallbacks == 0 and sum(s.failures.values()) == 0
@@ -123,11 +125,11 @@ def test_checkpoint_and_blocks_restored_together_from_each_tier(tmp_path, tier):
 
 # ---- one bad checkpoint: the longest earlier valid point, counted -----------------------------------
 def _disk_path(pool: KVPool, key: bytes):
-    return pool.state.store.disk.path(key)
+    return pool.resume_rule.store.disk.path(key)
 
 
 def _remote_key(pool: KVPool, key: bytes) -> str:
-    return pool.state.store.remote.key(key)
+    return pool.resume_rule.store.remote.key(key)
 
 
 def lose(pool, backend, tier, key, other):
@@ -185,12 +187,12 @@ def test_bad_checkpoint_falls_back_to_the_last_valid_point(tmp_path, tier, fault
     damage, reason = FAULTS[fault]
     damage(pool, backend, tier, ks[8], ks[4])
     got = restore(pool, ids)
-    assert_placed(got, payloads, 6)  # the checkpoint at 8 blocks failed: the one at 6 with its blocks
+    assert_placed(pool, got, payloads, 6)  # the checkpoint at 8 blocks failed: the one at 6 with its blocks
     s = pool.stats().state
     assert s.fallbacks == 1
     assert s.failures[reason] == 1 and sum(s.failures.values()) == 1
     assert s.hits[tier.name.lower()] == 1 and sum(s.hits.values()) == 1
-    assert tier not in pool.state.store.where(ks[8])  # the bad copy is dropped from the index
+    assert tier not in pool.resume_rule.store.where(ks[8])  # the bad copy is dropped from the index
     pool.close()
 
 
@@ -205,7 +207,7 @@ def test_every_checkpoint_bad_computes_from_token_zero(tmp_path, tier):
         only_in(pool, key, tier)
         corrupt(pool, backend, tier, key, None)
     got = restore(pool, ids)
-    assert_placed(got, payloads, 0)
+    assert_placed(pool, got, payloads, 0)
     s = pool.stats().state
     assert s.fallbacks == 1 and s.failures["corrupt"] == len(POINTS) and sum(s.hits.values()) == 0
     assert pool.num_free_pages == PAGES  # no page kept for blocks placed without their state
@@ -223,7 +225,7 @@ def test_a_second_fault_on_the_fallback_path_falls_back_further(tmp_path):
     corrupt(pool, None, Tier.DISK, ks[8], None)
     lose(pool, None, Tier.DISK, ks[6], None)
     got = restore(pool, ids)
-    assert_placed(got, payloads, 4)
+    assert_placed(pool, got, payloads, 4)
     s = pool.stats().state
     assert s.fallbacks == 1 and s.failures["corrupt"] == 1 and s.failures["missing"] == 1
     pool.close()
@@ -236,13 +238,13 @@ def test_checkpoint_dropped_from_every_tier_resumes_at_the_one_before(tmp_path):
     ids = tokens(5)
     kv, payloads = compute(pool, ids)
     ks = keys(kv)
-    store = pool.state.store
+    store = pool.resume_rule.store
     for t in (Tier.DEVICE, Tier.HOST, Tier.DISK):
         store.drop(ks[8], t)
     del store.remote.backend.values[store.remote.key(ks[8])]
     store.drop(ks[8], Tier.REMOTE)
     got = restore(pool, ids)
-    assert_placed(got, payloads, 6)
+    assert_placed(pool, got, payloads, 6)
     s = pool.stats().state
     assert s.tokens_lost == 2 * PS and s.fallbacks == 0 and sum(s.failures.values()) == 0
     pool.close()
@@ -284,7 +286,7 @@ def test_failed_block_load_falls_back_below_it(tmp_path, damage):
         data[4096 + 5] ^= 0x01  # a payload byte (after the 4096-byte header)
         path.write_bytes(bytes(data))
     got = restore(pool, ids)
-    assert_placed(got, payloads, 4)
+    assert_placed(pool, got, payloads, 4)
     assert torch.equal(pool.kv_caches[0][got.page_ids[3]], page_written(3))
     s = pool.stats().state
     assert s.fallbacks == 1 and sum(s.failures.values()) == 0  # the checkpoints themselves were fine
@@ -310,7 +312,7 @@ def test_block_dropped_from_the_index_stops_the_match_below_it(tmp_path):
     pool.tiers.index.remove(h, Tier.DISK)  # evicted from disk, as the disk budget does
     pool.tiers.stores[Tier.DISK].evict([h])
     got = restore(pool, ids)
-    assert_placed(got, payloads, 4)
+    assert_placed(pool, got, payloads, 4)
     s = pool.stats().state
     assert s.fallbacks == 0 and sum(s.failures.values()) == 0
     pool.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 
+import torch
+
 import pytest
 
 from kvtier.model import load_model, preset
@@ -84,3 +86,21 @@ def test_unsupported_quantization_and_wrapper_are_refused(tmp_path):
         KimiLinearConfig.from_hf_dict({"model_type": "kimi_k3"})
     with pytest.raises(ValueError, match="model_type"):
         KimiLinearConfig.from_hf_dict({"model_type": "llama"})
+
+
+def test_cache_spec_states_the_bytes_the_slots_hold():
+    """The one size formula (``cache_spec``) agrees with what a state slot packs and with the page
+    pools' rows, for the hybrid model and for K2."""
+    from kvtier.model.kimi_linear import KimiLinearForCausalLM
+    from kvtier.model.kimi_linear_config import tiny_k3
+    from kvtier.model.state_slots import StateSlots
+
+    model = KimiLinearForCausalLM(tiny_k3(), dtype=torch.bfloat16)
+    spec = model.cache_spec()
+    assert spec.state_bytes == StateSlots(model.config, 1, conv_dtype=torch.bfloat16).checkpoint_bytes
+    assert spec.kv_layers == len(model.config.full_attn_layers)
+    assert spec.kv_bytes_per_token == model.config.kv_cache_bytes_per_token(2)
+    from kvtier.model import KimiK2ForCausalLM, PRESETS
+
+    k2 = KimiK2ForCausalLM(PRESETS["tiny"](), dtype=torch.bfloat16).cache_spec()
+    assert k2.state_bytes == 0 and k2.kv_bytes_per_token == PRESETS["tiny"]().kv_cache_bytes_per_token(2)

@@ -18,6 +18,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteTier
 from kvtier.serve import Engine, EngineConfig
+from kvtier.serve.hybrid_state import cache_config
 from kvtier.serve.runner import ModelRunner
 from tests.helpers.memory_store import MemoryBackend
 from tests.helpers.hybrid_engine import llm, prompt, run  # noqa: F401 - llm is a fixture
@@ -32,21 +33,21 @@ def cached_engine(llm, disk_dir, backend: MemoryBackend) -> Engine:
     in ``disk_dir`` and a remote tier over ``backend``; checkpoint budgets of 2 (device), 3 (host)
     and 64 (disk) checkpoints; a grid checkpoint every 2 pages; loads always preferred."""
     model = llm.engine.runner.model
-    probe = ModelRunner(model, EngineConfig.of(page_size=PS, num_device_pages=2, max_num_seqs=1))
-    ck = probe.hybrid.checkpoint_bytes
-    block = BlockMeta.of_pools(probe.kv_caches).payload_bytes
+    spec = model.cache_spec()
+    ck = spec.state_bytes
+    block = PS * spec.kv_bytes_per_token
     config = EngineConfig.of(page_size=PS, num_device_pages=40, max_num_seqs=4, host_cache_bytes=4 * block,
                              disk_cache_dir=str(disk_dir), disk_cache_bytes=64 << 20, state_checkpoint_tokens=2 * PS,
                              state_device_bytes=2 * ck, state_host_bytes=3 * -(-ck // 4096) * 4096,
                              state_disk_bytes=64 * (ck + 8192))
-    runner = ModelRunner(model, config)
+    runner = ModelRunner(model, cache_config(config, spec))
     salt = compose_salt(b"tiny-k3", str(model.dtype).encode())
     remote = RemoteTier(backend, BlockMeta.of_pools(runner.kv_caches), timeout_s=5.0)
     pool = KVPool(runner.config.pool_config(salt), runner.kv_caches, remote=remote)
     pool.tiers.cost_model = CostModel(tiers={t: TierCost(0.0, 1e15) for t in (Tier.HOST, Tier.DISK, Tier.REMOTE)},
                                       prefill_tok_s=1.0)
     engine = Engine(None, runner.config, runner=runner, pool=pool)
-    assert engine.pool.keeps_states
+    assert engine.pool.checkpoint_meta is not None
     return engine
 
 
@@ -103,7 +104,7 @@ def resume_key(engine: Engine, prompt_ids: list[int]) -> tuple[int, bytes]:
     """``(k, key)``: the checkpoint the pool would resume ``prompt_ids`` from (its block count and key)."""
     pool = engine.pool
     hashes = pool.prefetcher.hash_tokens(prompt_ids[:(len(prompt_ids) - 1) // PS * PS])
-    points = pool.state.points(hashes, len(hashes))
+    points = pool.resume_rule.points(hashes, len(hashes))
     assert points, "no checkpoint under the prompt"
     k = points[0][0]
     return k, hashes[k - 1]
@@ -111,7 +112,7 @@ def resume_key(engine: Engine, prompt_ids: list[int]) -> tuple[int, bytes]:
 
 def forget(engine: Engine, backend: MemoryBackend, key: bytes, keep: Tier | None = None) -> None:
     """Drop every copy of checkpoint ``key`` (the remote value too) except the one in ``keep``."""
-    store = engine.pool.state.store
+    store = engine.pool.resume_rule.store
     for t in (Tier.DEVICE, Tier.HOST, Tier.DISK, Tier.REMOTE):
         if t != keep:
             store.drop(key, t)
@@ -141,7 +142,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     assert all(o.num_cached_tokens > 0 for o in (*second, second0))
 
     # host: session 0's checkpoints lose their device copies
-    store = e1.pool.state.store
+    store = e1.pool.resume_rule.store
     hits = dict(e1.pool.stats().state.hits)
     p0 = s.next(0, second0)
     k, key = resume_key(e1, p0)

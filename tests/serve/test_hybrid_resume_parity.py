@@ -69,7 +69,7 @@ def test_turn_two_restored_equals_a_cold_transformers_run(pair, tmp_path, one_th
     if source == "host":
         run(engine, [ids(15 * PS, 3)], SamplingParams(max_tokens=1))  # takes every device page
         engine.pool.poll(wait=True)
-        store = engine.pool.state.store
+        store = engine.pool.resume_rule.store
         for key in engine.pool.prefetcher.hash_tokens(second[:(len(second) - 1) // PS * PS]):
             store.drop(key, Tier.DEVICE)  # checkpoints come back from host memory
     else:

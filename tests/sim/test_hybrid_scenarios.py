@@ -6,7 +6,8 @@ from kvtier.sim.copies import SimCopyEngine, TierLinks, VirtualClock
 from kvtier.sim.hardware import Link
 from kvtier.sim.run import SimOptions, run_scenario
 from kvtier.sim.scenarios import SCENARIOS, Replay
-from kvtier.sim.states import SimCheckpointStore, SimHybridState
+from kvtier.serve.hybrid_state import CheckpointPlan
+from kvtier.sim.states import SimCheckpointStore
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers.checkpoints import CheckpointKind
 from kvtier.model.config import preset
@@ -128,7 +129,7 @@ def test_bad_options():
     with pytest.raises(ValueError, match="key"):
         _store(device_slots=1)[1].save(b"short", None, CheckpointKind.TURN)
     with pytest.raises(ValueError, match="policy"):
-        SimHybridState(256, 16_384, "never")
+        CheckpointPlan(256, 16_384, "never")
     with pytest.raises(ValueError, match="checkpoint_tokens"):
-        SimHybridState(256, 1000)
+        CheckpointPlan(256, 1000)
     assert SCENARIOS["kimi-k3-mi355x-128"].state_checkpoint_tokens == 0

@@ -28,7 +28,7 @@ from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.serve.builder import check_device, load_for_serving
-from kvtier.serve.hybrid_state import HybridState, default_checkpoint_tokens, is_hybrid
+from kvtier.serve.hybrid_state import default_checkpoint_tokens
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -236,15 +236,13 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     floor = largest + 16
     wanted = opts.num_device_pages or math.ceil(opts.device_fraction * ws)
     device = max(wanted, floor) if opts.num_device_pages is None else wanted
-    cfg = model.config
-    layers = len(cfg.full_attn_layers) if is_hybrid(model) else cfg.num_hidden_layers  # layers with KV pages
-    block_bytes = layers * ps * cfg.kv_cache_dim * torch.finfo(model.dtype).bits // 8
+    spec = model.cache_spec()
+    block_bytes = ps * spec.kv_bytes_per_token
     host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
     distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
     disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
-    ckpt_bytes = ckpt_tokens = 0
-    if is_hybrid(model):
-        ckpt_bytes = HybridState(model, 1).checkpoint_bytes
+    ckpt_bytes, ckpt_tokens = spec.state_bytes, 0
+    if ckpt_bytes:
         ckpt_tokens = opts.state_checkpoint_tokens or default_checkpoint_tokens(ckpt_bytes, block_bytes // ps, ps)
     return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted,
                   checkpoint_bytes=ckpt_bytes, checkpoint_tokens=ckpt_tokens,
@@ -350,7 +348,8 @@ def check_state_options(opts: BenchOptions, model, page_size: int) -> None:
             what was expected).
     """
     given = [n for n in STATE_OPTIONS if getattr(opts, n) is not None]
-    if not is_hybrid(model):
+    nbytes = model.cache_spec().state_bytes  # as the engine sizes its checkpoints
+    if not nbytes:
         if given:
             raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)} apply to hybrid KDA + MLA "
                              f"models only (recurrent-state checkpoints); model {opts.model!r} has none")
@@ -359,7 +358,6 @@ def check_state_options(opts: BenchOptions, model, page_size: int) -> None:
     if n is not None and n % page_size:
         raise ValueError(f"--state-checkpoint-tokens must be a positive multiple of the page size ({page_size} tokens "
                          f"here: the workload's block size times --token-scale), got {n}")
-    nbytes = HybridState(model, 1).checkpoint_bytes  # as the engine's runner sizes its slots
     floors = {"state_device_bytes": nbytes, "state_host_bytes": HostTier.row_bytes(nbytes),
               "state_disk_bytes": DiskTier.file_bytes(nbytes)}
     for name, floor in floors.items():

@@ -28,6 +28,27 @@ class CheckpointKind(enum.IntEnum):
     """The end of a prompt or of a finished turn: where a session's next request resumes."""
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """One recurrent-state checkpoint crossing the serving loop as data: a restore the pool hands
+    the runner (on the step's batch) or a save the runner hands the pool (in its step result).
+
+    Attributes:
+        kv: the request it belongs to (a :class:`kvtier.cache.kv_state.KVState`); its block
+            hashes key the checkpoint.
+        num_tokens: the token boundary it stands at (a positive multiple of ``page_size``).
+        payload: ``[checkpoint_bytes]`` uint8 (the model's layout,
+            :meth:`kvtier.model.state_slots.StateSlots.pack`), on any device; None where no bytes
+            are kept (the simulator).
+        kind: why it was taken (:class:`CheckpointKind`).
+    """
+
+    kv: object = field(repr=False)
+    num_tokens: int
+    payload: object = field(default=None, repr=False)
+    kind: CheckpointKind = CheckpointKind.TURN
+
+
 @dataclass
 class CheckpointEntry:
     """One checkpoint's record: ``slots`` by tier (a device or host slot id; 0 in keyed tiers),
@@ -215,4 +236,4 @@ class IndexedCheckpoints:
         return True
 
 
-__all__ = ["TIER_NAMES", "CheckpointEntry", "CheckpointIndex", "CheckpointKind", "IndexedCheckpoints"]
+__all__ = ["TIER_NAMES", "Checkpoint", "CheckpointEntry", "CheckpointIndex", "CheckpointKind", "IndexedCheckpoints"]

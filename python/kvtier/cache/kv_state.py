@@ -6,7 +6,7 @@ serving layer. The request's tokens are read through :class:`TokenSource` (the r
 or a :class:`TokenList`), only to hash blocks that have no hash yet.
 
 Ownership: the pool writes ``page_ids``, ``block_hashes``, ``num_registered_blocks``,
-``num_prefix_tokens``, ``prefix_tokens_by_tier``, ``hit_tiers``, ``loads`` and the state fields; the caller (the
+``num_prefix_tokens``, ``prefix_tokens_by_tier``, ``hit_tiers`` and ``loads``; the caller (the
 scheduler) alone writes ``num_computed_tokens``, from what the pool reports
 (:meth:`kvtier.cache.pool.KVPool.finish_prefix`, :meth:`~kvtier.cache.pool.KVPool.truncate`)
 and from the tokens the model ran.
@@ -75,14 +75,12 @@ class KVState:
         hit_tiers: block hash -> tier name each reused block was first served from, or
             ``"computed"`` for a block the request computed itself; the pool counts each block
             as a hit once per request (a reload after a preemption is not a second hit).
-        loads: the block loads in flight into ``page_ids`` (None when none run).
-        state_read: a hybrid pool's checkpoint read in flight beside ``loads``, as ``(blocks,
-            read)`` (None when none runs).
-        restored_state: a hybrid pool's placed prefix's recurrent-state checkpoint (uint8 bytes,
-            :mod:`kvtier.cache.tiers.checkpoints`), for the caller to load into the sequence's
-            state slot and then set to None; None when the prefix is empty or the pool keeps no
-            states.
-        state_tokens: the token boundary ``restored_state`` stands at (the placed prefix's length).
+        loads: the block loads in flight into ``page_ids`` (None when none run; an empty list
+            while only a hybrid pool's checkpoint read runs).
+
+    A hybrid pool's checkpoint reads and restores are the pool's own
+    (:mod:`kvtier.cache.state_reuse`): a restore leaves it as data
+    (:meth:`kvtier.cache.pool.KVPool.take_restore`).
     """
 
     tokens: TokenSource = field(repr=False)
@@ -95,9 +93,6 @@ class KVState:
     prefix_tokens_by_tier: dict[str, int] = field(default_factory=_by_tier)
     hit_tiers: dict[bytes, str] = field(default_factory=dict)
     loads: list | None = None
-    state_read: tuple | None = None
-    restored_state: object | None = field(default=None, repr=False)
-    state_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -107,4 +102,4 @@ class KVState:
     @property
     def loading(self) -> bool:
         """Blocks (or a checkpoint) are being loaded into its pages (poll ``KVPool.finish_prefix``)."""
-        return self.loads is not None or self.state_read is not None
+        return self.loads is not None

@@ -52,9 +52,10 @@ from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
-from kvtier.cache.state_reuse import StateReuse
+from kvtier.cache.state_reuse import CheckpointReuse, EveryBlock
 from kvtier.cache.tiers import PoolTiers
-from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
+from kvtier.cache.checkpoint_index import Checkpoint, CheckpointKind
+from kvtier.cache.tiers.checkpoints import CheckpointStore
 from kvtier.cache.writes import Writes
 
 __all__ = ["KVPool", "PrefixStart"]
@@ -128,8 +129,9 @@ class KVPool:
         self.writes = Writes(self.tiers, self.pages)
         self.loads = Loads(self.tiers, self.pages)
         store = self.tiers.checkpoints
-        self.state = StateReuse(self.tiers, store) if store is not None else None
-        self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes, self.state)
+        # Where a prefix may resume: after any block, or (a hybrid model) only at a checkpoint.
+        self.resume_rule = EveryBlock() if store is None else CheckpointReuse(self.tiers, store)
+        self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes, self.resume_rule)
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
         self.block_io = BlockIO(self.tiers, self.pages)
         self.event_sink: Callable[[list], None] | None = None
@@ -145,7 +147,7 @@ class KVPool:
         cached = t.cached_blocks()
         return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
                                cached_blocks=cached, remote=None if t.remote is None else t.remote.stats,
-                               state=None if self.state is None else self.state.store.stats)
+                               state=self.resume_rule.stats)
 
     # ---- device pages -------------------------------------------------------------------------
     @property
@@ -188,10 +190,7 @@ class KVPool:
             the tokens ``kv``'s pages still hold at most (``kept_blocks * page_size``): the caller
             lowers ``num_computed_tokens`` to it.
         """
-        if kv.restored_state is not None and num_tokens < kv.state_tokens:  # the state stands past the cut
-            kv.restored_state, kv.state_tokens = None, 0
-            num_tokens = 0
-        return self.pages.truncate(kv, num_tokens)
+        return self.pages.truncate(kv, self.resume_rule.truncate(kv, num_tokens))
 
     # ---- prefix reuse and loads ---------------------------------------------------------------
     def begin_prefix(self, kv: KVState, *, partial: bool = True) -> PrefixStart:
@@ -281,11 +280,11 @@ class KVPool:
         return self.tiers.disk is not None and self.tiers.disk is other.tiers.disk
 
     # ---- recurrent-state checkpoints (hybrid models) ------------------------------------------
-    @property
-    def keeps_states(self) -> bool:
-        """Whether this pool keeps recurrent-state checkpoints (``config.state_checkpoint_bytes``
-        with prefix caching): a hybrid model's prefixes are then reused at exact checkpoints."""
-        return self.state is not None
+    def take_restore(self, kv: KVState) -> Checkpoint | None:
+        """The recurrent-state checkpoint ``kv``'s placed prefix ends with, handed over once (the
+        scheduler puts it on the batch that runs the request's first chunk); None for an
+        attention-only pool or a prefix placed without one."""
+        return self.resume_rule.take_restore(kv)
 
     def save_checkpoint(self, kv: KVState, num_tokens: int, payload: torch.Tensor, kind: CheckpointKind) -> bool:
         """Keep ``payload`` as the recurrent-state checkpoint of ``kv`` after its first ``num_tokens``
@@ -305,27 +304,24 @@ class KVPool:
             ValueError: a pool without state checkpoints, a bad ``num_tokens``, or a payload of
                 the wrong size or dtype.
         """
-        if self.state is None:
-            raise ValueError("save_checkpoint needs a pool with state checkpoints (state_checkpoint_bytes > 0 and "
-                             "prefix caching on)")
-        ps = self.page_size
-        if not isinstance(num_tokens, int) or num_tokens <= 0 or num_tokens % ps or num_tokens > kv.num_tokens:
-            raise ValueError(f"num_tokens must be a positive multiple of page_size={ps} and at most the request's "
-                             f"{kv.num_tokens} tokens, got {num_tokens!r}")
-        self.reuse.hash_blocks(kv, num_tokens // ps)
-        return self.state.save(kv, num_tokens, payload, kind)
+        return self.resume_rule.save(kv, num_tokens, payload, kind, self.reuse.hash_blocks)
+
+    def save_checkpoints(self, checkpoints: list[Checkpoint]) -> None:
+        """:meth:`save_checkpoint` each of ``checkpoints`` (what a runner's step produced)."""
+        for c in checkpoints:
+            self.save_checkpoint(c.kv, c.num_tokens, c.payload, c.kind)
 
     @property
     def checkpoint_meta(self):
         """The layout a state checkpoint travels in (:func:`kvtier.cache.tiers.checkpoints.checkpoint_meta`,
         as ``meta`` is a block's); None for a pool without state checkpoints."""
-        return None if self.state is None else self.state.store.meta
+        return self.resume_rule.meta
 
     def export_checkpoint(self, block_hash: bytes):
         """The state checkpoint after block ``block_hash`` (16 bytes, the block before its boundary)
         as a ``[state_checkpoint_bytes]`` uint8 CPU tensor, for another worker; None when this
         pool keeps no states, holds no such checkpoint or could not read it back."""
-        return None if self.state is None else self.state.export(block_hash)
+        return self.resume_rule.export(block_hash)
 
     def import_checkpoints(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
         """Keep checked checkpoints ``(block hash, payload bytes)`` another worker sent (as turn
@@ -334,9 +330,7 @@ class KVPool:
         Raises:
             ValueError: this pool keeps no states.
         """
-        if self.state is None:
-            raise ValueError("import_checkpoints needs a pool with state checkpoints")
-        return self.state.import_(values)
+        return self.resume_rule.import_(values)
 
     # ---- the load decision's costs -----------------------------------------------------------
     def recompute_s(self, num_tokens: int) -> float:
@@ -382,14 +376,12 @@ class KVPool:
                 ``bytes``, or a bad ``expected_wait_s``.
         """
         self.prefetcher.tool_wait_blocks(session_id, hashes, expected_wait_s)
-        if self.state is not None:
-            self.state.tool_wait(session_id, hashes)
+        self.resume_rule.tool_wait(session_id, hashes)
 
     def tool_return(self, session_id) -> None:
         """The session's tool returned; its blocks lose any special treatment."""
         self.prefetcher.tool_return(session_id)
-        if self.state is not None:
-            self.state.tool_return(session_id)
+        self.resume_rule.tool_return(session_id)
 
     def returns_within(self, before_s: float, after_s: float) -> int:
         """Sessions waiting on a tool (:meth:`tool_wait`, under any policy) whose expected return
@@ -418,11 +410,10 @@ class KVPool:
         self.prefetcher.start_due()
         self.prefetcher.finish(wait)
         self.writes.finish(wait)
-        if self.state is not None:
-            self.state.store.poll(wait)
+        self.resume_rule.poll(wait)
         if self.event_sink is not None:
             events = self.tiers.index.drain_events()
-            states = self.state.store.drain_events() if self.state is not None else []
+            states = self.resume_rule.drain_events()
             if states:
                 self.event_sink(events, states)
             elif events:
@@ -455,13 +446,11 @@ class KVPool:
         with a hybrid pool's state checkpoint events as a second argument when there are some;
         None stops. Events from before the call are dropped: call it before serving."""
         self.tiers.index.drain_events()
-        if self.state is not None:
-            self.state.store.drain_events()
+        self.resume_rule.drain_events()
         self.event_sink = sink
 
     def close(self) -> None:
         """Release the remote tier's connections (the pool's other resources are memory)."""
-        if self.state is not None:
-            self.state.store.close()
+        self.resume_rule.close()
         if self.tiers.remote is not None:
             self.tiers.remote.close()

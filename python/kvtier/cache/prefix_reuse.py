@@ -14,7 +14,7 @@ from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import BlockLoad, Loads
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.state_reuse import StateReuse
+from kvtier.cache.state_reuse import EveryBlock
 from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.writes import Writes
 
@@ -37,10 +37,9 @@ class PrefixStart(enum.Enum):
 class PrefixReuse:
     """Matching, placement and registration of requests' blocks (see :class:`kvtier.cache.pool.KVPool`)."""
 
-    def __init__(self, tiers: PoolTiers, pages: DevicePages, loads: Loads, writes: Writes,
-                 state: StateReuse | None = None):
+    def __init__(self, tiers: PoolTiers, pages: DevicePages, loads: Loads, writes: Writes, rule: EveryBlock):
         self.tiers, self.pages, self.loads, self.writes = tiers, pages, loads, writes
-        self.state = state  # a hybrid pool's checkpoints: exact resume points only
+        self.rule = rule  # where a prefix may resume (:mod:`kvtier.cache.state_reuse`)
         self.page_size = tiers.config.page_size
         self.loading: dict[int, KVState] = {}  # requests whose loads run, by id(), in start order
 
@@ -92,8 +91,7 @@ class PrefixReuse:
         if not t.config.enable_prefix_caching:
             return 0, 0.0
         hashes, rows, sources, take = self.match(kv, remote=False)
-        if self.state is not None:
-            take, _, _ = self.state.choose(hashes, rows, remote=False)
+        take, _, _ = self.rule.choose(hashes, rows, take, remote=False)
         return take * self.page_size, t.cost_model.prefix_load_s(sources[:take], t.block_bytes)
 
     # ---- placement ----------------------------------------------------------------------------
@@ -104,15 +102,11 @@ class PrefixReuse:
         if not self.tiers.config.enable_prefix_caching:
             return PrefixStart.READY
         hashes, rows, _, take = self.match(kv)
-        point, lost = None, 0
-        if self.state is not None:  # a hybrid pool: only up to a boundary whose checkpoint is reachable
-            take, point, lost = self.state.choose(hashes, rows, remote=True)
+        take, point, lost = self.rule.choose(hashes, rows, take, remote=True)
         chosen = take
         sources = self.tiers.best_sources(rows[:take])
         if not partial and self._load_pages(rows, sources, take) > self.pages.num_free:
             return PrefixStart.NO_ROOM
-        if lost:
-            self.state.count_lost(lost)
         for i in range(take):  # reference resident pages first: loads must not evict them
             if sources[i] == Tier.DEVICE:
                 self.pages.ref(int(rows[i][Tier.DEVICE]))
@@ -120,12 +114,8 @@ class PrefixReuse:
         take = self._lock_sources(hashes, rows, sources, take)
         loads = self.loads.start_all(hashes, rows, sources, take)
         kv.page_ids = [b.page for b in loads]
-        if self.state is not None:
-            k = take
-            if take < chosen:  # fewer pages than planned: the best point the placed blocks reach
-                k, point = next(iter(self.state.points(hashes, take)), (0, None))
-            self.state.start(kv, hashes, k, point)
-        if any(b.ok is None for b in loads) or (self.state is not None and not self.state.done(kv)):
+        self.rule.start(kv, hashes, take, chosen, point, lost)
+        if any(b.ok is None for b in loads) or not self.rule.done(kv):
             kv.loads = loads
             self.loading[id(kv)] = kv
             return PrefixStart.LOADING
@@ -170,9 +160,8 @@ class PrefixReuse:
             return kv.num_prefix_tokens
         if wait:
             self.loads.wait_all(kv.loads, timeout_s)
-            if self.state is not None:
-                self.state.wait(kv, timeout_s)
-        if not self.loads.advance_all(kv.loads) or (self.state is not None and not self.state.done(kv)):
+            self.rule.wait(kv, timeout_s)
+        if not self.loads.advance_all(kv.loads) or not self.rule.done(kv):
             return None
         loads, kv.loads = kv.loads, None
         del self.loading[id(kv)]
@@ -186,16 +175,15 @@ class PrefixReuse:
                 if b.ok is None:
                     b.handle.wait(timeout_s)
                     return
-            if self.state is not None and not self.state.done(kv):
-                self.state.wait(kv, timeout_s)
+            if not self.rule.done(kv):
+                self.rule.wait(kv, timeout_s)
                 return
 
     def _complete(self, kv: KVState, loads: list[BlockLoad]) -> None:
         keep = 0
         while keep < len(loads) and loads[keep].ok:
             keep += 1
-        if self.state is not None:  # restore both or neither: at most up to a checkpoint that read back
-            keep = self.state.settle(kv, keep)
+        keep = self.rule.settle(kv, keep)  # a hybrid pool: at most up to a checkpoint that read back
         self._keep_loaded(kv, loads, keep)
         stats = self.tiers.stats
         by_tier = kv.prefix_tokens_by_tier = dict.fromkeys(stats.hit_tokens, 0)
@@ -234,11 +222,9 @@ class PrefixReuse:
             del self.loading[id(kv)]
             self.loads.wait_all(loads)
             self._keep_loaded(kv, loads, keep=0)
-            if kv.state_read is not None:  # its checkpoint read ends unused
-                kv.state_read[1].wait()
-                kv.state_read = None
+            self.rule.free(kv)  # its checkpoint read ends unused
             return
-        kv.restored_state = None
+        self.rule.free(kv)
         self.pages.release(kv)
 
     # ---- registration -------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Exact prefix reuse for hybrid models: MLA blocks and the recurrent-state checkpoint at their end,
-restored together or not at all.
+"""Where a cached prefix may resume: the pool's resume rule.
 
-A hybrid model's sequence can resume after ``k`` blocks only from the KDA state at exactly that
-boundary: the MLA blocks alone would skip tokens the state never took in, the state alone has no
-KV to attend to. So for a pool with state checkpoints (:class:`kvtier.cache.tiers.checkpoints.CheckpointStore`):
+:class:`kvtier.cache.prefix_reuse.PrefixReuse` asks its rule where a matched prefix may resume,
+starts the rule's reads beside the block loads and lets it settle the placement. An
+attention-only model resumes after any block (:class:`EveryBlock`, the null rule: nothing to read,
+nothing to restore). A hybrid model (KDA + MLA) resumes only at a recurrent-state checkpoint
+(:class:`CheckpointReuse`): the MLA blocks alone would skip tokens the state never took in, the
+state alone has no KV to attend to. For it:
 
 - **choosing**: the reusable prefix is the longest one whose MLA blocks are reachable and whose
   checkpoint at exactly that boundary is reachable, each on any tier; among those points the cost
@@ -16,31 +18,114 @@ KV to attend to. So for a pool with state checkpoints (:class:`kvtier.cache.tier
 - **retention**: a session waiting on a tool keeps its last checkpoint protected in every tier
   that holds it until the tool returns.
 
-The restored state reaches the caller as ``KVState.restored_state`` (the checkpoint's bytes) with
-``KVState.state_tokens`` (where it stands); the caller loads it into the sequence's state slot.
+The restored state leaves the pool as data: :meth:`take_restore` hands the placed prefix's
+:class:`~kvtier.cache.checkpoint_index.Checkpoint` to whoever places the request's first chunk
+(the scheduler puts it on the step's batch), which loads it into the sequence's state slot. The
+request's :class:`~kvtier.cache.kv_state.KVState` carries no state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvtier.cache.checkpoint_index import TIER_NAMES
+from kvtier.cache.checkpoint_index import TIER_NAMES, Checkpoint, CheckpointKind
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers import PoolTiers
-from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
+from kvtier.cache.tiers.checkpoints import CheckpointStore
 
 _REMOTE_LOOKUP_KEYS = 4096  # checkpoint keys below the matched prefix's end asked of a remote store at most
 _PRICED_POINTS = 16  # resume points the cost model compares at most (longest first)
 
 
-class StateReuse:
-    """The checkpoint side of a hybrid pool's prefix reuse (see the module docstring)."""
+class EveryBlock:
+    """The resume rule of an attention-only model: a prefix resumes after any block it matched.
+
+    Every method is the identity or does nothing; :meth:`save` and :meth:`import_` raise, as
+    there is nowhere to keep a checkpoint.
+
+    Attributes:
+        store, stats, meta: None (no checkpoints are kept, counted or moved).
+    """
+
+    store = stats = meta = None
+
+    def choose(self, hashes: list[bytes], rows, take: int, *, remote: bool) -> tuple[int, Tier | None, int]:
+        """``(take, None, 0)``: the cost model's choice stands, nothing is lost."""
+        return take, None, 0
+
+    def start(self, kv: KVState, hashes: list[bytes], placed: int, chosen: int, point: Tier | None,
+              lost: int) -> None:
+        """Nothing to read."""
+
+    def done(self, kv: KVState) -> bool:
+        """True: nothing is read."""
+        return True
+
+    def wait(self, kv: KVState, timeout_s: float | None) -> None:
+        """Nothing to wait for."""
+
+    def settle(self, kv: KVState, loaded_blocks: int) -> int:
+        """``loaded_blocks``: every loaded block is a resume point."""
+        return loaded_blocks
+
+    def truncate(self, kv: KVState, num_tokens: int) -> int:
+        """``num_tokens``: a prefix may be cut anywhere."""
+        return num_tokens
+
+    def take_restore(self, kv: KVState) -> Checkpoint | None:
+        """None: there is no state to restore."""
+        return None
+
+    def free(self, kv: KVState) -> None:
+        """Nothing is held for ``kv``."""
+
+    def save(self, kv: KVState, num_tokens: int, payload, kind: CheckpointKind, hash_blocks) -> bool:
+        """Raises ValueError: this pool keeps no checkpoints."""
+        raise ValueError("save_checkpoint needs a pool with state checkpoints (state_checkpoint_bytes > 0 and "
+                         "prefix caching on)")
+
+    def export(self, key: bytes):
+        """None: no checkpoint is kept."""
+        return None
+
+    def import_(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
+        """Raises ValueError: this pool keeps no checkpoints."""
+        raise ValueError("import_checkpoints needs a pool with state checkpoints")
+
+    def tool_wait(self, session_id, hashes: list[bytes]) -> None:
+        """Nothing to protect."""
+
+    def tool_return(self, session_id) -> None:
+        """Nothing was protected."""
+
+    def poll(self, wait: bool = False) -> None:
+        """No writes run."""
+
+    def drain_events(self) -> list:
+        """No events: ``[]``."""
+        return []
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class CheckpointReuse(EveryBlock):
+    """The resume rule of a hybrid model: only at a checkpoint (see the module docstring).
+
+    Args:
+        tiers: the pool's tiers (index, cost model, block bytes).
+        store: the pool's :class:`~kvtier.cache.tiers.checkpoints.CheckpointStore` (or the
+            simulator's byte-less one).
+    """
 
     def __init__(self, tiers: PoolTiers, store: CheckpointStore):
         self.tiers, self.store = tiers, store
+        self.stats, self.meta = store.stats, getattr(store, "meta", None)
         self.page_size = tiers.config.page_size
         self._sessions: dict[object, list[bytes]] = {}  # tool-waiting session -> protected keys
+        self._reads: dict[int, tuple[int, object]] = {}  # id(kv) -> (blocks, read in flight)
+        self._restores: dict[int, Checkpoint] = {}  # id(kv) -> the placed prefix's checkpoint
 
     def points(self, hashes: list[bytes], num_blocks: int, limit: int | None = None) -> list[tuple[int, Tier]]:
         """``(k, tier)`` for each boundary ``k <= num_blocks`` (longest first) whose checkpoint is
@@ -54,7 +139,7 @@ class StateReuse:
                     break
         return out
 
-    def choose(self, hashes: list[bytes], rows, *, remote: bool) -> tuple[int, Tier | None, int]:
+    def choose(self, hashes: list[bytes], rows, take: int, *, remote: bool) -> tuple[int, Tier | None, int]:
         """The resume point of a matched prefix: ``(k, tier, lost)``, the blocks to place, where
         the checkpoint at their end comes from (``(0, None)``: compute from token 0), and the
         matched tokens past the last reachable checkpoint (what exact hits lose).
@@ -62,6 +147,8 @@ class StateReuse:
         Args:
             hashes: the prompt's block hashes; ``rows``: the index rows of its matched blocks
                 (``len(rows)`` blocks reachable, as ``PrefixReuse.match`` returns them).
+            take: the blocks the cost model would load without a checkpoint (not used: the
+                checkpoint's cost is priced with them).
             remote: ask the remote store for checkpoint keys not indexed yet.
 
         The :data:`_PRICED_POINTS` longest points are priced (an earlier one saves less unless
@@ -79,29 +166,35 @@ class StateReuse:
         j = t.cost_model.best_resume_point(sources, t.block_bytes, self.page_size, points, self.store.checkpoint_bytes)
         return (0, None, lost) if j < 0 else (*points[j], lost)
 
-    def count_lost(self, tokens: int) -> None:
-        """Count ``tokens`` matched MLA tokens a placed prefix lost to a missing checkpoint."""
-        self.store.stats.tokens_lost += tokens
-
-    def start(self, kv: KVState, hashes: list[bytes], k: int, tier: Tier | None) -> None:
-        """Start reading the checkpoint after block ``k`` (nothing for ``k == 0``)."""
-        kv.restored_state, kv.state_tokens = None, 0
-        kv.state_read = None if k == 0 else (k, self.store.read(hashes[k - 1], tier))
+    def start(self, kv: KVState, hashes: list[bytes], placed: int, chosen: int, point: Tier | None,
+              lost: int) -> None:
+        """Count ``lost`` tokens and start reading the checkpoint after the ``placed`` blocks: at
+        ``chosen`` from ``point`` when all were placed, else at the best point they reach."""
+        self.store.stats.tokens_lost += lost
+        k = chosen
+        if placed < chosen:  # fewer pages than planned: the best point the placed blocks reach
+            k, point = next(iter(self.points(hashes, placed)), (0, None))
+        self.free(kv)
+        if k:
+            self._reads[id(kv)] = (k, self.store.read(hashes[k - 1], point))
 
     def done(self, kv: KVState) -> bool:
         """Whether ``kv``'s checkpoint read ended (True when none runs)."""
-        return kv.state_read is None or kv.state_read[1].done()
+        pending = self._reads.get(id(kv))
+        return pending is None or pending[1].done()
 
     def wait(self, kv: KVState, timeout_s: float | None) -> None:
         """Block until ``kv``'s checkpoint read ended or ``timeout_s`` seconds passed (None: no limit)."""
-        if kv.state_read is not None:
-            kv.state_read[1].wait(timeout_s)
+        pending = self._reads.get(id(kv))
+        if pending is not None:
+            pending[1].wait(timeout_s)
 
     def settle(self, kv: KVState, loaded_blocks: int) -> int:
-        """The blocks to place once the checkpoint read and the block loads ended:
-        ``loaded_blocks`` leading blocks loaded. Sets ``kv.restored_state`` / ``kv.state_tokens``;
-        falls back (see the module docstring) when the checkpoint or a block failed."""
-        pending, kv.state_read = kv.state_read, None
+        """The blocks to place once the checkpoint read and the block loads ended
+        (``loaded_blocks`` leading blocks loaded); keeps the restored checkpoint for
+        :meth:`take_restore`; falls back (see the module docstring) when the checkpoint or a block
+        failed."""
+        pending = self._reads.pop(id(kv), None)
         if pending is None:
             return 0
         k, read = pending
@@ -118,14 +211,54 @@ class StateReuse:
         return 0
 
     def _restored(self, kv: KVState, k: int, read) -> int:
-        kv.restored_state, kv.state_tokens = read.payload, k * self.page_size
+        self._restores[id(kv)] = Checkpoint(kv, k * self.page_size, read.payload)
         self.store.stats.hits[TIER_NAMES[read.tier]] += 1
         return k
 
-    def save(self, kv: KVState, num_tokens: int, payload, kind: CheckpointKind) -> bool:
-        """Store ``payload`` as the checkpoint after ``kv``'s first ``num_tokens`` tokens (its block
-        hashes must reach that far). Returns whether it was new."""
-        return self.store.save(kv.block_hashes[num_tokens // self.page_size - 1], payload, kind)
+    def truncate(self, kv: KVState, num_tokens: int) -> int:
+        """``num_tokens``, or 0 when ``kv``'s restored state stands past it (a state cannot be
+        moved back: the sequence computes from token 0)."""
+        restore = self._restores.get(id(kv))
+        if restore is not None and num_tokens < restore.num_tokens:
+            del self._restores[id(kv)]
+            return 0
+        return num_tokens
+
+    def take_restore(self, kv: KVState) -> Checkpoint | None:
+        """The checkpoint ``kv``'s placed prefix ends with (``num_tokens``: its boundary;
+        ``payload``: ``[checkpoint_bytes]`` uint8), handed over once; None when there is none."""
+        return self._restores.pop(id(kv), None)
+
+    def free(self, kv: KVState) -> None:
+        """Drop what is held for ``kv``: a read in flight ends unused, a restore is forgotten."""
+        self._restores.pop(id(kv), None)
+        pending = self._reads.pop(id(kv), None)
+        if pending is not None:
+            pending[1].wait()
+
+    def save(self, kv: KVState, num_tokens: int, payload, kind: CheckpointKind, hash_blocks) -> bool:
+        """Store ``payload`` as the checkpoint after ``kv``'s first ``num_tokens`` tokens
+        (``hash_blocks(kv, n)`` extends its block hashes to ``n`` blocks first). Returns whether
+        it was new. ValueError: ``num_tokens`` not a positive multiple of ``page_size`` within the
+        request's tokens."""
+        ps = self.page_size
+        if not isinstance(num_tokens, int) or num_tokens <= 0 or num_tokens % ps or num_tokens > kv.num_tokens:
+            raise ValueError(f"num_tokens must be a positive multiple of page_size={ps} and at most the request's "
+                             f"{kv.num_tokens} tokens, got {num_tokens!r}")
+        hash_blocks(kv, num_tokens // ps)
+        return self.store.save(kv.block_hashes[num_tokens // ps - 1], payload, kind)
+
+    def poll(self, wait: bool = False) -> None:
+        """Index the store's writes that ended (all of them, waiting, with ``wait``)."""
+        self.store.poll(wait)
+
+    def drain_events(self) -> list:
+        """The store's ``(stored, tier, key)`` events since the last call."""
+        return self.store.drain_events()
+
+    def close(self) -> None:
+        """Wait for the store's writes and stop its threads."""
+        self.store.close()
 
     # ---- checkpoints for another worker (P/D transfer) ----------------------------------------
     def export(self, key: bytes):
@@ -163,3 +296,6 @@ class StateReuse:
     def tool_return(self, session_id) -> None:
         """The session's tool returned: its checkpoint is evictable again (nothing for an unknown session)."""
         self.store.unprotect(self._sessions.pop(session_id, []))
+
+
+__all__ = ["CheckpointReuse", "EveryBlock"]

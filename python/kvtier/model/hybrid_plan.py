@@ -188,9 +188,8 @@ def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: 
     per_device = sum(b if part in HYBRID_REPLICATED[parallel] else b / devices for part, (_, b) in parts.items())
     usable = hbm_gb * GB * hbm_fraction - reserve_gb * GB
     free = usable - per_device
-    kda_layers = len(config.kda_layers)
-    recurrent = config.linear_num_heads * config.linear_head_dim ** 2 * STATE_DTYPE_BYTES[state_dtype] * kda_layers
-    conv = config.conv_dim * (config.short_conv_kernel_size - 1) * conv_dtype_bytes * kda_layers
+    recurrent = config.recurrent_bytes_per_sequence(STATE_DTYPE_BYTES[state_dtype])
+    conv = config.conv_bytes_per_sequence(conv_dtype_bytes)
     plan = HybridMemoryPlan(format, devices, hbm_gb * GB, parallel, hbm_fraction, reserve_gb * GB, parts, total,
                             per_device, usable, free, config.kv_cache_bytes_per_token(kv_dtype_bytes), state_dtype,
                             recurrent, conv, tuple(session_lengths), {})

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvtier import ops
 from kvtier.model.batch import AttentionBatch
+from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.config import KimiK2Config
 from kvtier.model.formats import DENSE, FP8, INT4, WeightFormats, cdiv
 from kvtier.model.rope import build_cos_sin_cache
@@ -256,6 +257,11 @@ class KimiK2ForCausalLM(nn.Module):
         for module in self.modules():  # attention: the step's plans carry the backend
             if module is not self and hasattr(module, "backend"):
                 module.backend = backend
+
+    def cache_spec(self) -> CacheSpec:
+        """What this model caches per sequence: KV pages in every layer (``[.., kv_cache_dim]`` rows
+        in the compute dtype), no recurrent state."""
+        return CacheSpec(self.config.num_hidden_layers, self.config.kv_cache_dim, self.dtype)
 
     def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
              decode_max_seq_len: int | None = None) -> AttentionBatch:

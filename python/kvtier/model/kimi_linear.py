@@ -26,9 +26,10 @@ from torch import nn
 
 from kvtier import ops
 from kvtier.model.batch import AttentionBatch
+from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_k2 import FEW_ROWS, DenseMLP, MLAttention, _param, few_rows_linear
 from kvtier.model.kimi_linear_config import KimiLinearConfig
-from kvtier.model.state_slots import StateBatch, StateCheckpoints, StateSlots
+from kvtier.model.state_slots import STATE_DTYPE, StateBatch, StateCheckpoints, StateSlots
 
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it (transformers' and the KDA kernels' form)
 
@@ -302,6 +303,14 @@ class KimiLinearForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "backend"):
                 module.backend = backend
+
+    def cache_spec(self) -> CacheSpec:
+        """What this model caches per sequence: KV pages in its MLA layers (``[.., kv_cache_dim]``
+        rows in the compute dtype) and one KDA state (fp32 recurrent states, conv windows in the
+        compute dtype: :class:`StateSlots`' layout), checkpointed at page boundaries."""
+        c = self.config
+        return CacheSpec(len(c.full_attn_layers), c.kv_cache_dim, self.dtype,
+                         c.state_bytes_per_sequence(STATE_DTYPE.itemsize, self.dtype.itemsize))
 
     def plan(self, batch: AttentionBatch, kv_caches: list[torch.Tensor]) -> AttentionBatch:
         """Check the step's slot mapping and plan the MLA layers' paged attention once for all of them

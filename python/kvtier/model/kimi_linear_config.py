@@ -238,12 +238,19 @@ class KimiLinearConfig:
         """Bytes of MLA KV per token over the MLA layers (27,648 for K3 in bf16)."""
         return self.kv_cache_dim * dtype_bytes * len(self.full_attn_layers)
 
+    def recurrent_bytes_per_sequence(self, state_dtype_bytes: int = 4) -> int:
+        """Bytes of one sequence's KDA recurrent states: ``[heads, head_dim, head_dim]`` per KDA layer."""
+        return self.linear_num_heads * self.linear_head_dim ** 2 * state_dtype_bytes * len(self.kda_layers)
+
+    def conv_bytes_per_sequence(self, conv_dtype_bytes: int = 2) -> int:
+        """Bytes of one sequence's conv windows: ``[conv_dim, short_conv_kernel_size - 1]`` per KDA layer."""
+        return self.conv_dim * (self.short_conv_kernel_size - 1) * conv_dtype_bytes * len(self.kda_layers)
+
     def state_bytes_per_sequence(self, state_dtype_bytes: int = 4, conv_dtype_bytes: int = 2) -> int:
-        """Bytes of one sequence's KDA state: per KDA layer the ``[heads, head_dim, head_dim]``
-        recurrent state plus the ``[conv_dim, short_conv_kernel_size - 1]`` conv window."""
-        recurrent = self.linear_num_heads * self.linear_head_dim ** 2 * state_dtype_bytes
-        conv = self.conv_dim * (self.short_conv_kernel_size - 1) * conv_dtype_bytes
-        return (recurrent + conv) * len(self.kda_layers)
+        """Bytes of one sequence's KDA state (one checkpoint): its recurrent states plus its conv
+        windows (the one formula every size in kvtier reads, through
+        :meth:`kvtier.model.kimi_linear.KimiLinearForCausalLM.cache_spec` where a model exists)."""
+        return self.recurrent_bytes_per_sequence(state_dtype_bytes) + self.conv_bytes_per_sequence(conv_dtype_bytes)
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise ValueError unless the KDA and MLA heads split evenly over ``tp_size`` ranks."""

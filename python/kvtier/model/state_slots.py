@@ -21,6 +21,10 @@ import torch
 from kvtier.model.kimi_linear_config import KimiLinearConfig
 
 
+STATE_DTYPE = torch.float32
+"""The recurrent states' dtype in a running model's slots (the KDA kernels keep them in fp32)."""
+
+
 class StateSlots:
     """Slot pool of KDA states: per KDA layer ``recurrent[i]`` [num_slots, H, K, K] and
     ``conv[i]`` [num_slots, conv_dim, kernel - 1], ``i`` counting KDA layers in model order.
@@ -36,7 +40,7 @@ class StateSlots:
         ValueError: ``num_slots`` < 1.
     """
 
-    def __init__(self, config: KimiLinearConfig, num_slots: int, *, state_dtype: torch.dtype = torch.float32,
+    def __init__(self, config: KimiLinearConfig, num_slots: int, *, state_dtype: torch.dtype = STATE_DTYPE,
                  conv_dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be a positive int, got {num_slots!r}")

@@ -18,6 +18,7 @@ from kvtier.cache.pool import KVPool
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.grammar_runtime import GrammarRuntime
+from kvtier.serve.hybrid_state import cache_config, turn_end_checkpoints
 from kvtier.serve.intake import Intake, request_salt
 from kvtier.serve.outputs import append_token, parse, request_output
 from kvtier.serve.params import RequestMetrics, RequestOutput, SamplingParams
@@ -54,8 +55,10 @@ class Engine:
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if (model is None) == (runner is None):
             raise ValueError("Engine needs exactly one of model= and runner=")
+        if runner is None:  # the pool's checkpoints (or none) as the model's cache spec says
+            config = cache_config(config, model.cache_spec())
         self.runner = runner if runner is not None else ModelRunner(model, config)
-        self.config = config = config if runner is not None else self.runner.config  # hybrid: with state checkpoints
+        self.config = config
         self.model_config = self.runner.model_config
         if pool is None:
             salt = compose_salt(model_id, str(model.dtype).encode()) if model is not None else model_id
@@ -241,8 +244,8 @@ class Engine:
                 done = True
             if done:
                 finished.append(seq)
-        if self.pool.keeps_states and getattr(self.runner, "hybrid", None) is not None:
-            self.runner.hybrid.save(self.pool)  # the step's state checkpoints, beside the blocks just indexed
+        # the step's state checkpoints, beside the blocks just indexed
+        self.pool.save_checkpoints(result.checkpoints + turn_end_checkpoints(finished, result.turn_ends))
         self.num_steps += 1
         return [request_output(self._sequences.pop(seq.seq_id), self.num_steps, self.pool.page_size) for seq in finished]
 

@@ -7,21 +7,23 @@ beside the MLA layers' KV pages, a fixed-size recurrent state per sequence in a
 :class:`kvtier.serve.runner.ModelRunner` (``max_num_seqs`` slots) and does its bookkeeping:
 
 - a sequence gets a slot the first step it runs (admission). The slot starts from zeros when the
-  sequence starts at token 0, or from the checkpoint the pool restored with its cached prefix
-  (``KVState.restored_state`` at ``KVState.state_tokens``, :mod:`kvtier.cache.state_reuse`);
+  sequence starts at token 0, or from the checkpoint the pool restored with its cached prefix,
+  which rides on the step's batch (``ScheduledBatch.restores``, :mod:`kvtier.cache.state_reuse`);
 - a chunked prefill's next chunk starts from the state the previous chunk left in the slot;
 - the slot of a sequence that is no longer running (finished, aborted or preempted) is freed at
   the start of the next step the runner runs, before any slot is taken.
 
-With a pool that keeps states (:attr:`kvtier.cache.pool.KVPool.keeps_states`), the forward hands
-back the state at chosen page boundaries, saved as checkpoints after the step (:meth:`HybridState.save`):
+With checkpoints on (``checkpoint_tokens`` > 0), the forward hands back the state at chosen page
+boundaries (:class:`CheckpointPlan`, which the simulator's timed runner shares), and the runner
+returns them in its step result for the engine to hand the pool (``StepResult.checkpoints``):
 
 - **prompt end**: the last page boundary of what a prefill chunk computes up to the sequence's
   tokens so far (a prompt, or a preempted sequence's prompt and output), and the page boundary
   before it when the tokens end on one (where the same prompt sent again resumes) --
   :attr:`CheckpointKind.TURN`;
-- **turn end**: the last page boundary a decode step crossed, kept (one copy per sequence) and
-  saved when the sequence stops running (finished, or preempted) -- ``TURN``;
+- **turn end**: the last page boundary a decode step crossed, kept (one copy per sequence; every
+  step's result offers it, ``StepResult.turn_ends``, and the engine saves it for a sequence that
+  finished) or returned by the next step when the sequence was preempted -- ``TURN``;
 - **grid**: every ``state_checkpoint_tokens`` tokens of a prefill -- :attr:`CheckpointKind.GRID`.
 
 Without such a pool (prefix caching off), a preempted sequence recomputes from its first token and
@@ -35,8 +37,8 @@ import logging
 
 import torch
 
-from kvtier.cache.pool import KVPool
-from kvtier.cache.tiers.checkpoints import CheckpointKind
+from kvtier.cache.checkpoint_index import Checkpoint, CheckpointKind
+from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_linear import KimiLinearForCausalLM
 from kvtier.model.state_slots import StateBatch, StateCheckpoints, StateSlots
 from kvtier.serve.config import EngineConfig
@@ -44,11 +46,6 @@ from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.step_plan import ScheduledBatch
 
 log = logging.getLogger(__name__)
-
-
-def is_hybrid(model) -> bool:
-    """Whether ``model`` is a hybrid KDA + MLA model (it needs state slots)."""
-    return isinstance(model, KimiLinearForCausalLM)
 
 
 def device_only(config: EngineConfig) -> EngineConfig:
@@ -78,16 +75,109 @@ def default_checkpoint_tokens(checkpoint_bytes: int, kv_bytes_per_token: int, pa
     return max(page_size, -(-tokens // page_size) * page_size)
 
 
-def with_checkpoints(config: EngineConfig, checkpoint_bytes: int, kv_bytes_per_token: int) -> EngineConfig:
-    """``config`` with its pool keeping state checkpoints of ``checkpoint_bytes`` bytes (prefix
-    caching on): ``state_checkpoint_tokens`` 0 becomes :func:`default_checkpoint_tokens`."""
+def cache_config(config: EngineConfig, spec: CacheSpec) -> EngineConfig:
+    """``config`` as a model with cache ``spec`` runs: an attention-only model's as it is; for a
+    model with a recurrent state, the pool keeps checkpoints of ``spec.state_bytes`` (prefix
+    caching on; ``state_checkpoint_tokens`` 0 becomes :func:`default_checkpoint_tokens`), or,
+    with prefix caching off, no tiers (:func:`device_only`)."""
     pool = config.pool
+    if not spec.state_bytes:
+        return config
     if not pool.enable_prefix_caching:
         return device_only(config)
-    grid = pool.state_checkpoint_tokens or default_checkpoint_tokens(checkpoint_bytes, kv_bytes_per_token,
+    grid = pool.state_checkpoint_tokens or default_checkpoint_tokens(spec.state_bytes, spec.kv_bytes_per_token,
                                                                      pool.page_size)
-    pool = dataclasses.replace(pool, state_checkpoint_bytes=checkpoint_bytes, state_checkpoint_tokens=grid)
+    pool = dataclasses.replace(pool, state_checkpoint_bytes=spec.state_bytes, state_checkpoint_tokens=grid)
     return dataclasses.replace(config, pool=pool)
+
+
+class CheckpointPlan:
+    """Which checkpoints a step yields, without the states: the page boundaries of each prefill
+    chunk (:meth:`boundaries`), the last page boundary each decode crossed (a turn's end), and the
+    turn ends of sequences that stopped running. :class:`HybridState` fills the payloads from its
+    slots; the simulator's timed runner keeps none.
+
+    Args:
+        page_size: tokens per page (checkpoints sit on page boundaries).
+        checkpoint_tokens: the grid spacing of prefill checkpoints (a multiple of ``page_size``),
+            or 0 to take no checkpoints (a pool that keeps none).
+        policy: ``"turn"`` (prompt ends, turn ends and the grid) or ``"grid"`` (the grid only:
+            prompt ends off the grid are not taken, decodes never).
+
+    Raises:
+        ValueError: a bad size, a grid that is not a multiple of ``page_size``, or an unknown policy.
+    """
+
+    POLICIES = ("turn", "grid")
+
+    def __init__(self, page_size: int, checkpoint_tokens: int = 0, policy: str = "turn"):
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if not isinstance(checkpoint_tokens, int) or checkpoint_tokens < 0:
+            raise ValueError(f"checkpoint_tokens must be an int >= 0, got {checkpoint_tokens!r}")
+        if checkpoint_tokens % page_size:
+            raise ValueError(f"checkpoint_tokens must be a multiple of page_size={page_size}, got {checkpoint_tokens}")
+        if policy not in self.POLICIES:
+            raise ValueError(f"policy must be one of {self.POLICIES}, got {policy!r}")
+        self.page_size, self.checkpoint_tokens, self.policy = page_size, checkpoint_tokens, policy
+        self._last: dict[int, tuple[Sequence, Checkpoint]] = {}  # seq_id -> its last decode boundary
+
+    def boundaries(self, start: int, num_new: int, num_tokens: int) -> list[tuple[int, CheckpointKind]]:
+        """The checkpoint boundaries of a prefill chunk of ``num_new`` tokens from ``start``, of a
+        sequence of ``num_tokens`` tokens so far: grid points, and its last page boundary (and the
+        one before when the tokens end on a page boundary: the point the same prompt resumes from)."""
+        ps, grid = self.page_size, self.checkpoint_tokens
+        # The last page boundary, and the last one a request of exactly these tokens can reuse
+        # (its last token is always computed): they differ when the tokens fill their last page.
+        ends = {(num_tokens // ps) * ps, ((num_tokens - 1) // ps) * ps}
+        out = []
+        for b in range((start // ps + 1) * ps, start + num_new + 1, ps):
+            if b % grid == 0:
+                out.append((b, CheckpointKind.GRID if b not in ends or self.policy == "grid" else CheckpointKind.TURN))
+            elif b in ends and self.policy == "turn":
+                out.append((b, CheckpointKind.TURN))
+        return out
+
+    def asked(self, batch: ScheduledBatch) -> list[tuple[int, Sequence, int, CheckpointKind]]:
+        """``(row, seq, boundary, kind)`` for each checkpoint the step's prefill chunks yield
+        (``row``: the chunk's index in ``batch.extends``), in batch order; none without a grid."""
+        if not self.checkpoint_tokens:
+            return []
+        return [(i, seq, b, kind) for i, (seq, n) in enumerate(batch.extends)
+                for b, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens)]
+
+    def decoded(self, batch: ScheduledBatch, snapshot) -> None:
+        """Keep, for each decode of ``batch`` that ends on a page boundary, ``snapshot(seq)`` (its
+        state's bytes, or None) as its turn end (call before its sequences advance)."""
+        if not self.checkpoint_tokens or self.policy != "turn":
+            return
+        for seq in batch.decodes:
+            boundary = seq.num_computed_tokens + 1
+            if boundary % self.page_size == 0:
+                self._last[seq.seq_id] = (seq, Checkpoint(seq.kv, boundary, snapshot(seq)))
+
+    def turn_ends(self, batch: ScheduledBatch) -> dict[int, Checkpoint]:
+        """By ``seq_id``, the turn end each decode of ``batch`` would leave if it stopped now."""
+        return {s.seq_id: self._last[s.seq_id][1] for s in batch.decodes if s.seq_id in self._last}
+
+    def stopped(self) -> list[Checkpoint]:
+        """Forget the turn ends of sequences no longer running; those of preempted ones (not
+        finished: the engine saved a finished one's from :meth:`turn_ends`) are returned."""
+        out = []
+        for seq_id, (seq, c) in list(self._last.items()):
+            if seq.status is SequenceStatus.RUNNING:
+                continue
+            del self._last[seq_id]
+            if seq.status is not SequenceStatus.FINISHED and c.num_tokens <= seq.num_tokens:
+                out.append(c)
+        return out
+
+
+def turn_end_checkpoints(finished: list[Sequence], turn_ends: dict[int, Checkpoint]) -> list[Checkpoint]:
+    """The turn ends of ``finished`` sequences that stopped well (not aborted, not failed)."""
+    return [turn_ends[s.seq_id] for s in finished
+            if s.seq_id in turn_ends and s.finish_reason not in ("abort", "error")
+            and turn_ends[s.seq_id].num_tokens <= s.num_tokens]
 
 
 class HybridState:
@@ -103,18 +193,18 @@ class HybridState:
 
     Attributes:
         slots: the :class:`StateSlots` pool the model's forward reads and writes.
+        plan: the :class:`CheckpointPlan` of the checkpoints each step yields.
     """
 
     def __init__(self, model: KimiLinearForCausalLM, num_slots: int, page_size: int = 16, checkpoint_tokens: int = 0):
-        self.slots = StateSlots(model.config, num_slots, state_dtype=torch.float32, conv_dtype=model.dtype,
+        self.slots = StateSlots(model.config, num_slots, conv_dtype=model.dtype,
                                 device=model.embed_tokens.device)
         self.device = model.embed_tokens.device
-        self.page_size, self.checkpoint_tokens = page_size, checkpoint_tokens
+        self.plan = CheckpointPlan(page_size, checkpoint_tokens)
         self._held: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (sequence, slot)
         self._absorbed: dict[int, int] = {}  # seq_id -> tokens the slot's state has taken in
-        self._asked: list[tuple[Sequence, int, CheckpointKind]] = []  # this step's checkpoints, in batch order
-        self._taken: list[tuple[Sequence, int, torch.Tensor, CheckpointKind]] = []  # to save after the step
-        self._last: dict[int, tuple[Sequence, int, torch.Tensor]] = {}  # seq_id -> its last decode boundary
+        self._asked: list[tuple[int, Sequence, int, CheckpointKind]] = []  # this step's checkpoints
+        self._stopped: list[Checkpoint] = []  # turn ends of preempted sequences, returned by this step
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -128,12 +218,13 @@ class HybridState:
 
     def release_stale(self) -> None:
         """Free the slots of sequences that are no longer running (finished, aborted, preempted)."""
+        self._stopped += self.plan.stopped()
         for seq_id, (seq, slot) in list(self._held.items()):
             if seq.status is not SequenceStatus.RUNNING:
                 del self._held[seq_id], self._absorbed[seq_id]
                 self.slots.free(slot)
 
-    def _slot_for(self, seq: Sequence) -> int:
+    def _slot_for(self, seq: Sequence, restore: Checkpoint | None) -> int:
         start = seq.num_computed_tokens
         held = self._held.get(seq.seq_id)
         if held is None:
@@ -141,17 +232,15 @@ class HybridState:
             self._held[seq.seq_id], self._absorbed[seq.seq_id] = (seq, slot), 0
         else:
             slot = held[1]
-        kv = seq.kv
         if start == 0:
             if self._absorbed[seq.seq_id]:
                 self.slots.reset(slot)  # re-admitted after preemption: recomputed from scratch
-        elif kv.restored_state is not None and kv.state_tokens == start:
-            self.slots.unpack(slot, kv.restored_state)  # the checkpoint placed with its cached prefix
+        elif restore is not None and restore.num_tokens == start:
+            self.slots.unpack(slot, restore.payload)  # the checkpoint placed with its cached prefix
         elif self._absorbed[seq.seq_id] != start:
             raise RuntimeError(f"sequence {seq.seq_id}: its KDA state has taken in {self._absorbed[seq.seq_id]} "
                                f"tokens but the step runs it from token {start}, and no checkpoint was restored "
                                "there")
-        kv.restored_state = None
         self._absorbed[seq.seq_id] = start
         return slot
 
@@ -160,68 +249,31 @@ class HybridState:
         then decodes), allocating, resetting or restoring slots as the module docstring says, and
         the page boundaries whose states the forward hands back."""
         self.release_stale()
-        as_slots = lambda seqs: torch.tensor([self._slot_for(s) for s in seqs], dtype=torch.int32,  # noqa: E731
-                                             device=self.device)
+        as_slots = lambda seqs: torch.tensor([self._slot_for(s, batch.restores.get(s.seq_id)) for s in seqs],  # noqa: E731
+                                             dtype=torch.int32, device=self.device)
         state = StateBatch(prefill_slots=as_slots([s for s, _ in batch.extends]) if batch.extends else None,
                            decode_slots=as_slots(batch.decodes) if batch.decodes else None)
-        self._asked = []
-        if self.checkpoint_tokens:
-            rows, lens = [], []
-            for i, (seq, n) in enumerate(batch.extends):
-                for boundary, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens):
-                    rows.append(i)
-                    lens.append(boundary - seq.num_computed_tokens)
-                    self._asked.append((seq, boundary, kind))
-            if rows:
-                state.checkpoint_seq = torch.tensor(rows, dtype=torch.int32, device=self.device)
-                state.checkpoint_len = torch.tensor(lens, dtype=torch.int32, device=self.device)
+        self._asked = self.plan.asked(batch)
+        if self._asked:
+            state.checkpoint_seq = torch.tensor([row for row, *_ in self._asked], dtype=torch.int32,
+                                                device=self.device)
+            state.checkpoint_len = torch.tensor([b - seq.num_computed_tokens for _, seq, b, _ in self._asked],
+                                                dtype=torch.int32, device=self.device)
         return state
 
-    def boundaries(self, start: int, num_new: int, num_tokens: int) -> list[tuple[int, CheckpointKind]]:
-        """The checkpoint boundaries of a prefill chunk of ``num_new`` tokens from ``start``, of a
-        sequence of ``num_tokens`` tokens so far: grid points, and its last page boundary (and the
-        one before when the tokens end on a page boundary: the point the same prompt resumes from)."""
-        ps, grid = self.page_size, self.checkpoint_tokens
-        # The last page boundary, and the last one a request of exactly these tokens can reuse
-        # (its last token is always computed): they differ when the tokens fill their last page.
-        ends = {(num_tokens // ps) * ps, ((num_tokens - 1) // ps) * ps}
-        out = []
-        for b in range((start // ps + 1) * ps, start + num_new + 1, ps):
-            if b in ends:
-                out.append((b, CheckpointKind.TURN))
-            elif b % grid == 0:
-                out.append((b, CheckpointKind.GRID))
-        return out
-
-    def ran(self, batch: ScheduledBatch, checkpoints: StateCheckpoints | None = None) -> None:
-        """Count the tokens each sequence's state took in by running ``batch``; keep the states
-        the forward handed back (``checkpoints``, rows as :meth:`state_batch` asked) and the state
-        of each decode that ended on a page boundary."""
+    def ran(self, batch: ScheduledBatch, checkpoints: StateCheckpoints | None = None) -> list[Checkpoint]:
+        """Count the tokens each sequence's state took in by running ``batch``; keep the state of
+        each decode that ended on a page boundary. Returns the step's checkpoints: the states the
+        forward handed back (``checkpoints``, rows as :meth:`state_batch` asked) and the turn ends
+        of sequences preempted since the last step."""
         for seq, n in [*batch.extends, *((s, 1) for s in batch.decodes)]:
             self._absorbed[seq.seq_id] = seq.num_computed_tokens + n
-        if checkpoints is not None:
-            for row, (seq, boundary, kind) in enumerate(self._asked):
-                self._taken.append((seq, boundary, self.slots.pack_checkpoint(checkpoints, row), kind))
-        self._asked = []
-        if self.checkpoint_tokens:
-            for seq in batch.decodes:
-                boundary = seq.num_computed_tokens + 1
-                if boundary % self.page_size == 0:
-                    self._last[seq.seq_id] = (seq, boundary, self.slots.pack(self._held[seq.seq_id][1]))
-
-    def save(self, pool: KVPool) -> None:
-        """Hand the pool the checkpoints of the last step, and the last decode boundary of each
-        sequence that stopped running (finished or preempted), as turn ends. Call after the
-        step's sequences advanced."""
-        taken, self._taken = self._taken, []
-        for seq, boundary, payload, kind in taken:
-            pool.save_checkpoint(seq.kv, boundary, payload, kind)
-        for seq_id, (seq, boundary, payload) in list(self._last.items()):
-            if seq.status is SequenceStatus.RUNNING:
-                continue
-            del self._last[seq_id]
-            if seq.finish_reason not in ("abort", "error") and boundary <= seq.num_tokens:
-                pool.save_checkpoint(seq.kv, boundary, payload, CheckpointKind.TURN)
+        out = [] if checkpoints is None else [Checkpoint(seq.kv, b, self.slots.pack_checkpoint(checkpoints, row), kind)
+                                              for row, (_, seq, b, kind) in enumerate(self._asked)]
+        out, self._stopped, self._asked = out + self._stopped, [], []
+        self.plan.decoded(batch, lambda seq: self.slots.pack(self._held[seq.seq_id][1]))
+        return out
 
 
-__all__ = ["HybridState", "default_checkpoint_tokens", "device_only", "is_hybrid", "with_checkpoints"]
+__all__ = ["CheckpointPlan", "HybridState", "cache_config", "default_checkpoint_tokens", "device_only",
+           "turn_end_checkpoints"]

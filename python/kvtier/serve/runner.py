@@ -12,10 +12,12 @@ from typing import Protocol
 
 import torch
 
+from kvtier.cache.checkpoint_index import Checkpoint
 from kvtier.model.batch import AttentionBatch
+from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.hybrid_state import HybridState, is_hybrid, with_checkpoints
+from kvtier.serve.hybrid_state import HybridState
 from kvtier.serve.request import Sequence
 from kvtier.serve.step_plan import ScheduledBatch
 
@@ -47,11 +49,18 @@ class StepResult:
             (a timed runner without a model); used as sampled, without logprobs.
         seconds: the step's duration when the runner models it (virtual time); None = measured on
             the engine's clock from ``begin_step`` to ``end_step``.
+        checkpoints: the recurrent-state checkpoints the step produced (a hybrid model's prefill
+            boundaries, and the turn ends of sequences preempted since the last step), for the
+            engine to hand the pool.
+        turn_ends: by ``seq_id``, the turn end each decoding sequence leaves if it stops now (its
+            last decode page boundary); the engine saves those of the sequences that finished.
     """
 
     logits: dict[int, SeqLogits] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     seconds: float | None = None
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    turn_ends: dict[int, Checkpoint] = field(default_factory=dict)
 
 
 class StepRunner(Protocol):
@@ -74,31 +83,32 @@ class StepRunner(Protocol):
         ...
 
 
-def _allocate_kv_caches(model: KimiK2ForCausalLM, config: EngineConfig, device) -> list[torch.Tensor]:
-    """One zeroed ``[num_device_pages, page_size, kv_cache_dim]`` page pool per MLA layer (every
-    layer of K2; ``full_attn_layers`` of a hybrid model).
+def _allocate_kv_caches(spec: CacheSpec, config: EngineConfig, device) -> list[torch.Tensor]:
+    """One zeroed ``[num_device_pages, page_size, kv_width]`` page pool per KV layer of ``spec``
+    (every layer of K2; the MLA layers of a hybrid model).
 
     Raises:
         ValueError: the pools do not fit on ``device`` (naming ``num_device_pages`` and the bytes).
     """
-    shape = (config.pool.num_device_pages, config.pool.page_size, model.config.kv_cache_dim)
-    layers = len(model.config.full_attn_layers) if is_hybrid(model) else model.config.num_hidden_layers
+    shape = spec.kv_cache_shape(config.pool.num_device_pages, config.pool.page_size)
+    layers = spec.kv_layers
     try:
-        return [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(layers)]
+        return [torch.zeros(shape, dtype=spec.kv_dtype, device=device) for _ in range(layers)]
     except RuntimeError as e:  # torch.OutOfMemoryError, or the CPU allocator's enforce failure
-        per_layer = config.pool.num_device_pages * config.pool.page_size * model.config.kv_cache_dim * model.dtype.itemsize
+        per_layer = config.pool.num_device_pages * config.pool.page_size * spec.kv_row_bytes
         raise ValueError(f"num_device_pages={config.pool.num_device_pages} needs {per_layer * layers:,} bytes of KV "
                          f"cache on {device} ({layers} layers x {per_layer:,} bytes), which could not be "
                          f"allocated: {str(e).splitlines()[0][:200]}") from None
 
 
 class ModelRunner:
-    """Owns the model and the per-layer page pools ``[num_device_pages, page_size, kv_lora_rank + rope]``;
-    for a hybrid model (:mod:`kvtier.model.kimi_linear`) also its KDA state slots
-    (:class:`~kvtier.serve.hybrid_state.HybridState`, ``max_num_seqs`` of them), and ``config`` is
-    then the engine config whose pool keeps state checkpoints of those slots' size
-    (:func:`~kvtier.serve.hybrid_state.with_checkpoints`; with prefix caching off, no tiers), which
-    the engine builds its pool from.
+    """Owns the model and the page pools its cache spec declares (``model.cache_spec()``: one
+    ``[num_device_pages, page_size, kv_width]`` pool per KV layer); for a model with a recurrent
+    state (a hybrid model, :mod:`kvtier.model.kimi_linear`) also its state slots
+    (:class:`~kvtier.serve.hybrid_state.HybridState`, ``max_num_seqs`` of them), which take
+    checkpoints every ``config.pool.state_checkpoint_tokens`` when the pool keeps them
+    (``state_checkpoint_bytes``; the engine derives that config from the spec,
+    :func:`~kvtier.serve.hybrid_state.cache_config`).
 
     Raises:
         ValueError: the page pools do not fit, or ``cuda_graph`` with a hybrid model.
@@ -110,15 +120,14 @@ class ModelRunner:
         self.hybrid = None
         device = model.embed_tokens.device
         self.device = device
-        self.kv_caches = _allocate_kv_caches(model, config, device)
-        if is_hybrid(model):
+        spec = model.cache_spec()
+        self.kv_caches = _allocate_kv_caches(spec, config, device)
+        if spec.state_bytes:
             if config.cuda_graph:
                 raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs "
                                  "capture the K2 forward only); expected cuda_graph=False")
-            self.hybrid = HybridState(model, config.max_num_seqs, config.pool.page_size)
-            kv_bytes_per_token = sum(c.shape[2] * c.element_size() for c in self.kv_caches)
-            config = with_checkpoints(config, self.hybrid.checkpoint_bytes, kv_bytes_per_token)
-            self.hybrid.checkpoint_tokens = config.pool.state_checkpoint_tokens if config.pool.state_checkpoint_bytes else 0
+            grid = config.pool.state_checkpoint_tokens if config.pool.state_checkpoint_bytes else 0
+            self.hybrid = HybridState(model, config.max_num_seqs, config.pool.page_size, grid)
         self.config = config
         self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
         if config.cuda_graph:
@@ -162,24 +171,24 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), attn, owners
 
-    def _forward_logits(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]) -> torch.Tensor:
-        """[len(rows), vocab] fp32 logits of the step's token rows ``rows``: from a captured graph for
-        a decode-only step that fits one, else from an eager forward (a hybrid model's reads and
-        writes the step's state slots)."""
+    def _forward_logits(self, batch: ScheduledBatch, input_ids, positions, attn,
+                        rows: list[int]) -> tuple[torch.Tensor, list[Checkpoint]]:
+        """[len(rows), vocab] fp32 logits of the step's token rows ``rows`` and the checkpoints the
+        step produced: from a captured graph for a decode-only step that fits one, else from an
+        eager forward (a hybrid model's reads and writes the step's state slots)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.hybrid is not None:
             state_batch = self.hybrid.state_batch(batch)
             attn = self.model.plan(attn, self.kv_caches)
             hidden, checkpoints = self.model.forward_with_checkpoints(input_ids, positions, attn, self.kv_caches,
                                                                       self.hybrid.slots, state_batch)
-            self.hybrid.ran(batch, checkpoints)
-            return self.model.compute_logits(hidden[index])
+            return self.model.compute_logits(hidden[index]), self.hybrid.ran(batch, checkpoints)
         attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
         if (self.graphs is not None and not batch.extends
                 and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
-            return self.graphs.run(input_ids, positions, attn)[index]
+            return self.graphs.run(input_ids, positions, attn)[index], []
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        return self.model.compute_logits(hidden[index])
+        return self.model.compute_logits(hidden[index]), []
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -194,7 +203,7 @@ class ModelRunner:
                 wanted[seq.seq_id] = (entry[0], row)
         for prompt_rows, last in wanted.values():
             rows += [r for r, _ in prompt_rows] + ([last] if last is not None else [])
-        logits = self._forward_logits(batch, input_ids, positions, attn, rows)
+        logits, checkpoints = self._forward_logits(batch, input_ids, positions, attn, rows)
         where = {r: i for i, r in enumerate(rows)}
         out = {}
         for seq_id, (prompt_rows, last) in wanted.items():
@@ -204,4 +213,5 @@ class ModelRunner:
                 prompt_positions=[p for _, p in prompt_rows],
                 prompt_logits=logits[idx] if idx else None,
             )
-        return StepResult(logits=out)
+        turn_ends = self.hybrid.plan.turn_ends(batch) if self.hybrid is not None else {}
+        return StepResult(logits=out, checkpoints=checkpoints, turn_ends=turn_ends)

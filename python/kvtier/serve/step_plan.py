@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvtier.cache.checkpoint_index import Checkpoint
 from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.serve.queues import mark
 from kvtier.serve.request import Sequence
@@ -32,10 +33,13 @@ the next."""
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: ``extends`` (sequence, new tokens) chunks, then one token per ``decodes``."""
+    """One step's work: ``extends`` (sequence, new tokens) chunks, then one token per ``decodes``;
+    ``restores``: by ``seq_id``, the recurrent-state checkpoint a hybrid sequence's first chunk
+    starts from (:meth:`KVPool.take_restore`: its cached prefix's end)."""
 
     extends: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
+    restores: dict[int, Checkpoint] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -213,6 +217,9 @@ class StepPlan:
         else:
             self.batch.extends.append((seq, n))
             self.budget.charge(seq, n)
+        restore = self.pool.take_restore(seq.kv)
+        if restore is not None:
+            self.batch.restores[seq.seq_id] = restore
 
     def grow(self, seq: Sequence, tokens: int, exact: bool = False) -> int:
         """Add up to ``tokens`` prefill tokens to running ``seq``'s chunk (within its prompt, the

@@ -14,12 +14,14 @@ import dataclasses
 
 import torch
 from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.sim.states import CheckpointSizes, SimCheckpointStore, SimHybridState
+from kvtier.sim.states import CheckpointSizes, SimCheckpointStore
 from kvtier.sim.timing import BatchShape, ending, prefill_tok_s
+from kvtier.cache.checkpoint_index import Checkpoint
 from kvtier.cache.pool import KVPool
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
+from kvtier.serve.hybrid_state import CheckpointPlan
 from kvtier.serve.runner import StepResult
 from kvtier.serve.step_plan import ScheduledBatch
 
@@ -41,8 +43,8 @@ class TimedRunner:
         kv_caches: one layer of one-byte rows, ``[num_device_pages, page_size, 1]``: the pool's
             placeholder storage (``page_size`` bytes per block).
         busy_s: virtual seconds of the steps run.
-        hybrid: a hybrid model's :class:`~kvtier.sim.states.SimHybridState` (the checkpoints
-            each step yields, saved by the engine after it), or None.
+        checkpoints: a hybrid model's :class:`~kvtier.serve.hybrid_state.CheckpointPlan` (the
+            checkpoints each step yields, without bytes, returned in its result), or None.
     """
 
     def __init__(self, timer, model_config: KimiK2Config, config: EngineConfig):
@@ -51,15 +53,18 @@ class TimedRunner:
         self.kv_caches = [torch.zeros((config.pool.num_device_pages, config.pool.page_size, 1),
                                       dtype=torch.uint8).view(torch.float8_e4m3fn)]
         self.busy_s = 0.0
-        self.hybrid: SimHybridState | None = None
+        self.checkpoints = CheckpointPlan(config.pool.page_size)  # none taken until a grid is set
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """The step's modelled seconds, and a placeholder token for each sequence it ends."""
-        if self.hybrid is not None:
-            self.hybrid.ran(batch)
+        """The step's modelled seconds, a placeholder token for each sequence it ends, and the
+        checkpoints it yields (no bytes)."""
+        plan = self.checkpoints
+        saved = [Checkpoint(seq.kv, b, None, kind) for _, seq, b, kind in plan.asked(batch)] + plan.stopped()
+        plan.decoded(batch, lambda seq: None)
         seconds = self.timer.step_s(BatchShape.of(batch))
         self.busy_s += seconds
-        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds)
+        return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds,
+                          checkpoints=saved, turn_ends=plan.turn_ends(batch))
 
 
 class SimWorker:
@@ -78,7 +83,7 @@ class SimWorker:
             prefix caching, the pool keeps checkpoints in a
             :class:`~kvtier.sim.states.SimCheckpointStore` (device slots; host and disk slots
             when the configuration has those tiers) and the runner saves them.
-        checkpoints: the checkpoint policy (:data:`kvtier.sim.states.CHECKPOINT_POLICIES`).
+        checkpoints: the checkpoint policy (:attr:`kvtier.serve.hybrid_state.CheckpointPlan.POLICIES`).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
@@ -109,7 +114,7 @@ class SimWorker:
                                        counted_bytes=states.state_bytes * scale)
             pool_config = dataclasses.replace(pool_config, state_checkpoint_bytes=store.checkpoint_bytes,
                                               state_checkpoint_tokens=states.checkpoint_tokens)
-            self.runner.hybrid = SimHybridState(config.pool.page_size, states.checkpoint_tokens, checkpoints)
+            self.runner.checkpoints = CheckpointPlan(config.pool.page_size, states.checkpoint_tokens, checkpoints)
         pool = KVPool(pool_config, self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock, checkpoints=store)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)

@@ -232,8 +232,9 @@ def state_counters(workers: list[SimWorker], since: dict | None = None) -> dict 
     the start); None when no worker's pool keeps states."""
     stats = []
     for w in workers:
-        if w.pool.keeps_states:
-            s = dataclasses.asdict(w.pool.state.store.stats)
+        state = w.pool.stats().state
+        if state is not None:
+            s = dataclasses.asdict(state)
             for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
                 s[k] = {n: round(v * w.bytes_scale) for n, v in s[k].items()}
             stats.append(s)

@@ -1,5 +1,4 @@
-"""A hybrid model's recurrent state in virtual time: a checkpoint store that keeps no bytes, and
-the engine side that saves checkpoints where the real engine does.
+"""A hybrid model's recurrent state in virtual time: a checkpoint store that keeps no bytes.
 
 Kimi K3's checkpoint (the KDA states and conv windows of its 69 linear layers at one token
 boundary) is 449 MB in fp32, so the simulator keeps only its bookkeeping:
@@ -14,12 +13,12 @@ boundary) is 449 MB in fp32, so the simulator keeps only its bookkeeping:
   link, a disk read on the storage link then the host -> device link. A device read ends at once.
   The pool waits for a read as it waits for a block load (the request stays LOADING), so a
   restored checkpoint's load time is charged before the request runs.
-- :class:`SimHybridState` is the timed runner's ``hybrid``: the boundaries of
-  :meth:`kvtier.serve.hybrid_state.HybridState.boundaries` (the last page boundary of each prompt
+- the timed runner (:class:`kvtier.sim.engine.TimedRunner`) takes the engine's checkpoints
+  (:class:`kvtier.serve.hybrid_state.CheckpointPlan`: the last page boundary of each prompt
   chunk that reaches the sequence's end as ``TURN``, every ``state_checkpoint_tokens`` as
-  ``GRID``) and the last decode page boundary of a sequence that stops running (``TURN``), handed
-  to :meth:`kvtier.cache.pool.KVPool.save_checkpoint` after the step as the engine does. The
-  ``grid`` policy saves only the grid points.
+  ``GRID``, and the last decode page boundary of a sequence that stops running as ``TURN``) and
+  returns them in its step result, without bytes, for the engine to hand the pool. The ``grid``
+  policy saves only the grid points.
 
 Bytes: under tensor parallelism each device holds ``1 / tp`` of a sequence's KDA state (its KDA
 heads) and copies its share over its own host link, as it loads its replica of the MLA blocks.
@@ -39,10 +38,10 @@ from kvtier.sim.copies import SimCopyEngine, SimCopyHandle
 from kvtier.cache.pool_stats import StateStats
 from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.prefix_index import Tier
-from kvtier.options import check_choice, check_int
-from kvtier.serve.hybrid_state import HybridState
+from kvtier.options import check_int
+from kvtier.serve.hybrid_state import CheckpointPlan
 
-CHECKPOINT_POLICIES = ("turn", "grid")
+CHECKPOINT_POLICIES = CheckpointPlan.POLICIES
 """``turn``: prompt ends, turn ends and the grid (the engine's); ``grid``: the sparse grid only."""
 
 
@@ -239,44 +238,4 @@ class SimCheckpointStore(IndexedCheckpoints):
         self.poll(wait=True)
 
 
-class SimHybridState(HybridState):
-    """The timed runner's recurrent-state bookkeeping (module docstring): which checkpoints a step
-    yields, saved by :meth:`save` after it, as :class:`HybridState` does without the slots.
-
-    Args:
-        page_size: tokens per page.
-        checkpoint_tokens: the grid spacing (a multiple of ``page_size``), 0 for no checkpoints.
-        policy: :data:`CHECKPOINT_POLICIES`.
-
-    Raises:
-        ValueError: an unknown policy, or a grid that is not a non-negative multiple of ``page_size``.
-    """
-
-    def __init__(self, page_size: int, checkpoint_tokens: int, policy: str = "turn"):  # no slots: no super()
-        check_int("page_size", page_size, min_value=1)
-        check_int("checkpoint_tokens", checkpoint_tokens, min_value=0)
-        if checkpoint_tokens % page_size:
-            raise ValueError(f"checkpoint_tokens must be a multiple of page_size={page_size}, got {checkpoint_tokens}")
-        self.page_size, self.checkpoint_tokens = page_size, checkpoint_tokens
-        self.policy = check_choice("policy", policy, CHECKPOINT_POLICIES)
-        self._taken: list = []  # (seq, boundary, None, kind) to save after the step (HybridState.save)
-        self._last: dict[int, tuple] = {}  # seq_id -> (seq, its last decode page boundary, None)
-
-    def ran(self, batch, checkpoints=None) -> None:
-        """Note the checkpoints ``batch`` yields (call before its sequences advance)."""
-        if not self.checkpoint_tokens:
-            return
-        for seq, n in batch.extends:
-            for boundary, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens):
-                if kind == CheckpointKind.TURN and self.policy == "grid":
-                    if boundary % self.checkpoint_tokens:
-                        continue
-                    kind = CheckpointKind.GRID
-                self._taken.append((seq, boundary, None, kind))  # no payload: no bytes kept
-        if self.policy == "turn":
-            for seq in batch.decodes:
-                if (seq.num_computed_tokens + 1) % self.page_size == 0:
-                    self._last[seq.seq_id] = (seq, seq.num_computed_tokens + 1, None)
-
-
-__all__ = ["CHECKPOINT_POLICIES", "CheckpointSizes", "SimCheckpointRead", "SimCheckpointStore", "SimHybridState"]
+__all__ = ["CHECKPOINT_POLICIES", "CheckpointSizes", "SimCheckpointRead", "SimCheckpointStore"]
