@@ -77,7 +77,7 @@ class AgentWorkload:
         send_session_id: send each session's id (module docstring).
 
     Raises:
-        ValueError: a field outside its range, naming its option.
+        ValueError: a field outside its range, naming its ``kvtier bench`` option.
     """
 
     sessions: int = 4
@@ -90,11 +90,14 @@ class AgentWorkload:
     send_session_id: bool = True
 
     def __post_init__(self):
-        for name in ("sessions", "turns", "max_tokens", "concurrency"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"--agent-{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name, option in (("sessions", "--agent-sessions"), ("turns", "--agent-turns"),
+                             ("max_tokens", "--max-output-tokens"), ("concurrency", "--concurrency")):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
         if not self.apis or set(self.apis) - set(APIS) or len(set(self.apis)) != len(self.apis):
-            raise ValueError(f"--agent-apis must be distinct names out of {','.join(APIS)}, got {','.join(self.apis)!r}")
+            raise ValueError(f"--agent-apis must be distinct names out of {','.join(APIS)}, "
+                             f"got {','.join(self.apis)!r}")
         if not 0.0 <= self.tool_share <= 1.0:
             raise ValueError(f"--agent-tool-share must be in [0, 1], got {self.tool_share!r}")
 
@@ -324,7 +327,8 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
 @contextmanager
 def local_server(model: str, tokenizer: str | None, server_args: list[str]):
     """``kvtier serve MODEL --tokenizer DIR SERVER_ARGS`` as a child process on a free loopback
-    port; yields its URL and stops it by PID (SIGTERM, then SIGKILL) on exit. The log goes to a
+    port; yields it (a :class:`kvtier.cluster.launch.WorkerProcess`: ``url``, ``proc``, ``log``) and
+    stops it by PID (SIGTERM, then SIGKILL) on exit. The log goes to a
     temporary file, printed in the error when the server does not start.
 
     Raises:
@@ -336,7 +340,7 @@ def local_server(model: str, tokenizer: str | None, server_args: list[str]):
         args = (["--tokenizer", tokenizer] if tokenizer else []) + server_args
         worker = wait_worker(spawn_worker(model, args, Path(tmp) / "serve.log"), Path(tmp) / "serve.log")
         try:
-            yield worker.url
+            yield worker
         finally:
             worker.stop()
 
@@ -372,13 +376,14 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
     if endpoint is not None:
         rows = run_agents(endpoint, model, workload)
     else:
-        with local_server(model, tokenizer, ["--page-size", str(page_size), *server_args]) as url:
-            rows = run_agents(url, model, workload)
+        with local_server(model, tokenizer, ["--page-size", str(page_size), *server_args]) as server:
+            rows = run_agents(server.url, model, workload)
     rows = agent_reuse.annotate(rows, page_size, shared)
     summary = agent_reuse.summarize(rows)
     where = endpoint or f"kvtier serve {model} (started for the run)"
+    settings = {**asdict(workload), "apis": list(workload.apis)}
     result = agent_reuse.agent_json(rows, summary, endpoint=where, model=model, tokenizer=tokenizer,
-                                    page_size=page_size, shared_prefix_tokens=shared, workload=asdict(workload),
+                                    page_size=page_size, shared_prefix_tokens=shared, workload=settings,
                                     server_args=list(server_args))
     if console is not None:
         agent_reuse.print_report(console, summary, f"cached / reachable tokens per turn: {model} via {where}")

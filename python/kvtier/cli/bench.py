@@ -68,9 +68,10 @@ def cmd_bench_agents(args: argparse.Namespace) -> int:
     if args.trace or args.conversations or args.load_sweep or args.repeat is not None:
         raise ValueError("--workload sdk-agents makes its own sessions; it takes no --trace, --conversations, "
                          "--load-sweep or --repeat")
-    workload = AgentWorkload(sessions=args.agent_sessions, turns=args.agent_turns,
-                             apis=tuple(a.strip() for a in args.agent_apis.split(",")), tool_share=args.agent_tool_share,
-                             max_tokens=args.max_output_tokens or 64, concurrency=args.concurrency, seed=args.seed)
+    apis = tuple(a.strip() for a in args.agent_apis.split(","))
+    workload = AgentWorkload(sessions=args.agent_sessions, turns=args.agent_turns, apis=apis,
+                             tool_share=args.agent_tool_share, max_tokens=args.max_output_tokens or 64,
+                             concurrency=args.concurrency, seed=args.seed)
     if args.json:
         report.check_writable(args.json)
     server_args = ["--seed", str(args.seed), "--device", args.device, "--threads", str(args.threads)]
