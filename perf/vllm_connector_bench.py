@@ -20,6 +20,11 @@ computes on both cores while vLLM alone computes on one. That alone made any con
   cost model (its prefill rate probed at start, then learned from vLLM's steps);
 * ``vllm+kvtier-disk``: the same with a host tier of a quarter of that and a disk tier (a fresh
   directory per run);
+* ``vllm-ideal``: the bound, vLLM alone with device blocks for the whole working set (every block
+  the replay ever caches, :func:`kvtier.bench.closed_loop.whole_working_set_pages` of the same
+  workload draw at vLLM's block size, and ``VLLM_CPU_KVCACHE_SPACE`` raised to hold them): no
+  eviction, no preemption for lack of blocks; the table gives each configuration's distance to it
+  (p99 TTFT and throughput / the bound's) beside its ratio to vLLM alone;
 * ``vllm+kvtier-recompute-free``: ``vllm+kvtier-host`` with the cost model's prefill rate fixed
   at 10^12 tokens/s (``prefill_tok_s``): recomputing is free, so the connector loads nothing and
   only saves; what the connector costs vLLM when it cannot help (not in the default ``--configs``).
@@ -66,7 +71,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import stop_process_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("vllm", "vllm+offloading", "vllm+kvtier-host", "vllm+kvtier-disk")
+CONFIGS = ("vllm", "vllm+offloading", "vllm+kvtier-host", "vllm+kvtier-disk", "vllm-ideal")
+BOUND = "vllm-ideal"
 EXTRA_CONFIGS = ("vllm+kvtier-recompute-free",)
 WORKLOADS = ("builtin", "trace")
 MODEL_NAME = "bench-llama"
@@ -91,6 +97,32 @@ def workload_args(args, workload: str) -> dict:
                       str(args.trace_max_turns), "--token-scale", str(args.trace_token_scale)],
             "device_blocks": args.trace_device_blocks, "max_model_len": args.trace_max_model_len,
             "host_bytes": int(args.trace_host_gib * (1 << 30))}
+
+
+def whole_working_set_blocks(args, w: dict, seed: int) -> int:
+    """vLLM device blocks that hold every block the replay of ``w``'s workload with ``seed`` ever
+    caches (the ``vllm-ideal`` bound): the same draw ``kvtier bench --endpoint --seed`` replays
+    (its flags parsed by the CLI's own parser), at ``--block-size`` tokens per block."""
+    from kvtier.bench.closed_loop import whole_working_set_pages
+    from kvtier.bench.run import BenchOptions, load_workload
+    from kvtier.cli import build_parser
+
+    a = build_parser().parse_args(["bench", *w["flags"], "--concurrency", str(args.concurrency), "--time-scale",
+                                   str(args.time_scale), "--seed", str(seed)])
+    opts = BenchOptions(trace=a.trace, sessions=a.sessions, concurrency=a.concurrency, token_scale=a.token_scale,
+                        time_scale=a.time_scale, max_think_s=a.max_think_s, max_turns=a.max_turns or None,
+                        seed=a.seed, configs="device-only")
+    workload = load_workload(opts, w["max_model_len"])
+    return whole_working_set_pages(workload, args.block_size, args.concurrency)
+
+
+def kv_cache_gib(model: Path, blocks: int, block_size: int) -> int:
+    """GiB of ``VLLM_CPU_KVCACHE_SPACE`` for ``blocks`` blocks of ``model`` (K and V of every
+    layer and KV head, fp32, as the servers here run it), rounded up, plus 1, at least 2."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * block_size * 4
+    return max(2, -(-blocks * block_bytes // (1 << 30)) + 1)
 
 
 def server_args(args, config: str, model: Path, port: int, stats_path: Path, w: dict, disk_dir: Path) -> list[str]:
@@ -158,9 +190,10 @@ class Server:
         disk = work / f"{tag}.disk"
         self.cmd = server_args(args, config, model, self.port, self.stats, w, disk)
         self.args, self.url = args, f"http://127.0.0.1:{self.port}"
+        self.kv_gib = kv_cache_gib(model, w["device_blocks"], args.block_size)
 
     def __enter__(self):
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "VLLM_CPU_KVCACHE_SPACE": "2",
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib),
                "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.args.reserved_cpus)}
         t0 = time.monotonic()
         with open(self.log, "w") as f:
@@ -183,6 +216,8 @@ class Server:
 def run_once(args, config: str, model: Path, work: Path, workload: str, seed: int) -> dict:
     """Start vLLM as ``config`` says, replay ``workload`` with ``seed`` against it, stop it; the summary."""
     w = workload_args(args, workload)
+    if config == BOUND:
+        w = {**w, "device_blocks": whole_working_set_blocks(args, w, seed)}
     tag = f"{workload}-{seed}-{config}"
     out = work / f"{tag}.json"
     with Server(args, config, model, work, w, tag) as server:
@@ -275,21 +310,32 @@ def summarize(runs: list[dict]) -> dict:
     return {f: spread([r[f] for r in ok]) for f, _, _ in FIGURES} | {"repeats": len(ok)}
 
 
+def _bound_ratio(summary: dict, bound: dict, figure: str) -> str:
+    """Median of ``figure`` over the bound's median, as ``0.00x``; '' when either is missing."""
+    a, b = summary.get(figure), bound.get(figure)
+    return f"{a['median'] / b['median']:.2f}x" if a and b and b["median"] else ""
+
+
 def table(results: dict) -> str:
     from kvtier.bench.repeat import format_spread
 
-    lines = ["| workload | config | p50 TTFT (ms) | p99 TTFT (ms) | throughput (tok/s) | hit rate (%) | p99 vs vLLM |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| workload | config | p50 TTFT (ms) | p99 TTFT (ms) | throughput (tok/s) | hit rate (%) | p99 vs vLLM "
+             "| p99 / bound | throughput / bound |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for workload, rows in results.items():
         base = rows.get("vllm", {}).get("summary", {}).get("ttft_p99_s")
+        bound = rows.get(BOUND, {}).get("summary", {})
         for config, r in rows.items():
             if not r["runs"]:
-                lines.append(f"| {workload} | {config} | failed: {(r.get('error') or 'no run').splitlines()[0][:140]} | | | | |")
+                lines.append(f"| {workload} | {config} | failed: {(r.get('error') or 'no run').splitlines()[0][:140]} "
+                         "| | | | | | |")
                 continue
             cells = [format_spread(r["summary"][f], scale, fmt) for f, scale, fmt in FIGURES]
             p99 = r["summary"]["ttft_p99_s"]
             ratio = f"{p99['median'] / base['median']:.2f}x" if base and p99 and config != "vllm" else ""
-            lines.append(f"| {workload} | {config} | " + " | ".join(cells) + f" | {ratio} |")
+            to_bound = [_bound_ratio(r["summary"], bound, f) if config != BOUND else ""
+                        for f in ("ttft_p99_s", "throughput_tok_s")]
+            lines.append(f"| {workload} | {config} | " + " | ".join(cells) + f" | {ratio} | " + " | ".join(to_bound) + " |")
     return "\n".join(lines)
 
 

@@ -573,10 +573,11 @@ def test_cli_simulate_tiny(tmp_path, capsys):
     )
     assert rc == 0 and png.stat().st_size > 0
     data = json.loads(out.read_text())
-    assert set(data) == {"provenance", "configs", "comparison"}
+    assert set(data) == {"provenance", "configs", "comparison", "bound"}
     assert (
-        set(data["configs"]) == {"device-only", "tiered"}
+        set(data["configs"]) == {"device-only", "tiered", "ideal"}
         and "tiered" in data["comparison"]
+        and set(data["bound"]) == {"device-only", "tiered"}
     )
     prov = data["provenance"]
     assert (
