@@ -6,6 +6,20 @@ from __future__ import annotations
 import argparse
 
 from kvtier.model import PRESETS, create_random_checkpoint
+from kvtier.model.checkpoint import CHECKPOINT_DTYPES
+from kvtier.model.config import did_you_mean
+
+
+def preset_name(value: str) -> str:
+    """``value`` if it names a preset (:data:`kvtier.model.PRESETS`).
+
+    Raises:
+        argparse.ArgumentTypeError: another name, with the nearest preset when one is close.
+    """
+    if value not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {value!r}{did_you_mean(value)} (choose from "
+                                         f"{', '.join(sorted(PRESETS))})")
+    return value
 
 
 def cmd_create_checkpoint(args: argparse.Namespace) -> int:
@@ -30,12 +44,14 @@ def add_parser(sub) -> None:
     """Register ``kvtier create-checkpoint`` on the CLI's subparsers."""
     c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout checkpoint")
     c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
-    c.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    c.add_argument("--preset", default="tiny", type=preset_name, choices=sorted(PRESETS),
+                   help="model shape (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "fp8", "int4", "mxfp4"],
+    c.add_argument("--dtype", default="bfloat16", choices=list(CHECKPOINT_DTYPES),
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
                         "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6); "
-                        "mxfp4 = routed experts compressed-tensors mxfp4-pack-quantized (K3; hybrid presets)")
+                        "mxfp4 = routed experts compressed-tensors mxfp4-pack-quantized (K3; hybrid presets) "
+                        "(default: %(default)s)")
     c.add_argument("--tokenizer", metavar="DIR",
                    help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the checkpoint, "
                         "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer); a K3 "

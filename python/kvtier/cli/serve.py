@@ -121,6 +121,11 @@ def parse_grammar_limits(text: str | None):
 
 
 def add_parser(sub) -> None:
+    """Register ``kvtier serve`` on the CLI's subparsers."""
+    from kvtier.cache.config import CACHE_POLICIES, WRITE_POLICIES
+    from kvtier.cluster.disagg.routes import ROLES
+    from kvtier.serve.builder import COMPUTE_DTYPES
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, tools, sessions, metrics)")
     s.add_argument("model", help=f"checkpoint directory or preset {sorted(PRESETS)}")
     s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
@@ -133,7 +138,9 @@ def add_parser(sub) -> None:
     s.add_argument("--session-ttl-s", type=float, default=600.0, help="idle seconds before a session is dropped")
     s.add_argument("--resume-ttft-s", type=float, default=None, metavar="S",
                    help="TTFT target of a session's turn after a tool wait; misses are counted by why in /metrics")
-    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    s.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES,
+                   help="compute dtype of weights and KV: auto = float32 on a CPU, bfloat16 on a GPU "
+                        "(default: %(default)s)")
     s.add_argument("--device", default="cpu", help="torch device of weights and KV cache")
     s.add_argument("--seed", type=int, default=0, help="preset weights and the engine's sampler")
     s.add_argument("--page-size", type=int, default=16, help="tokens per KV page (power of two)")
@@ -144,8 +151,13 @@ def add_parser(sub) -> None:
     s.add_argument("--host-cache-bytes", type=int, default=0, help="host-memory KV tier budget (0 = none)")
     s.add_argument("--disk-cache-dir", default=None, help="disk KV tier directory (default: none)")
     s.add_argument("--disk-cache-bytes", type=int, default=0, help="disk KV tier budget")
-    s.add_argument("--cache-policy", default="lru", help="eviction policy: lru or tool-aware")
-    s.add_argument("--cache-write-policy", default="write-through", help="write-through or write-back")
+    s.add_argument("--cache-policy", default="lru", choices=CACHE_POLICIES,
+                   help="eviction policy: lru, or tool-aware (a session waiting on a tool keeps its device blocks "
+                        "for a while, then they are demoted and prefetched back before it returns) "
+                        "(default: %(default)s)")
+    s.add_argument("--cache-write-policy", default="write-through", choices=WRITE_POLICIES,
+                   help="write-through: each full block is copied down to the lower tiers at once; write-back: "
+                        "only when evicted (default: %(default)s)")
     s.add_argument("--cache-salt", default="", help="tenant salt of every cached block")
     s.add_argument("--remote-cache-url", default=None,
                    help="shared remote KV tier: redis://HOST:PORT or mooncake://HOST:PORT (needs --host-cache-bytes)")
@@ -153,8 +165,9 @@ def add_parser(sub) -> None:
     s.add_argument("--remote-timeout-s", type=float, default=1.0, help="seconds before a remote call is a miss")
     s.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="publish KV events (blocks stored/removed per tier) on this ZeroMQ PUB endpoint; port 0 = free")
-    s.add_argument("--role", default="both", help="prefill, decode or both (colocated): a prefill worker sends "
-                   "each turn's KV blocks to a decode worker (see kvtier router --prefill-workers/--decode-workers)")
+    s.add_argument("--role", default="both", choices=ROLES,
+                   help="prefill, decode or both (colocated): a prefill worker sends each turn's KV blocks to a "
+                        "decode worker (see kvtier router --prefill-workers/--decode-workers) (default: %(default)s)")
     s.add_argument("--decode-workers", default=None, metavar="URL,...",
                    help="--role prefill: the decode workers it may send blocks to (at least one must answer at start)")
     s.add_argument("--transfer-timeout-s", type=float, default=5.0,

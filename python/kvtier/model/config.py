@@ -9,6 +9,7 @@ or ``deepseek_v3``, optionally wrapped in ``text_config``; rope as ``rope_scalin
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -307,6 +308,13 @@ def _k2_gpu() -> KimiK2Config:
 PRESETS = {"kimi-k2": _k2, "k2-gpu": _k2_gpu, "tiny": _tiny, **HYBRID_PRESETS}
 
 
+def did_you_mean(name) -> str:
+    """``"; did you mean 'tiny-k3'?"`` naming the preset closest to ``name`` (difflib's
+    similarity ratio >= 0.6), or ``""`` when none is that close (a path, an unrelated word)."""
+    close = difflib.get_close_matches(str(name), PRESETS, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
 def preset(name: str) -> KimiK2Config | KimiLinearConfig:
     """A named configuration: ``kimi-k2`` (full size, for sizing/simulation), ``k2-gpu`` (K2's
     layers at one-GPU size, random weights; see :func:`_k2_gpu`) or ``tiny`` (CPU); the hybrid
@@ -317,5 +325,5 @@ def preset(name: str) -> KimiK2Config | KimiLinearConfig:
         ValueError: unknown preset name.
     """
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}{did_you_mean(name)}")
     return PRESETS[name]()

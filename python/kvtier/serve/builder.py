@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvtier.model.checkpoint import random_tensors
-from kvtier.model.config import PRESETS, KimiK2Config, preset
+from kvtier.model.config import PRESETS, KimiK2Config, did_you_mean, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
@@ -27,6 +27,7 @@ from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = ("auto", *_DTYPES)  # what dtype= takes: auto = float32 on a CPU, bfloat16 on a GPU
 MAX_RANDOM_PRESET_BYTES = 8 << 30  # presets larger than this are for sizing, not for running here
 
 
@@ -68,15 +69,17 @@ def check_device(name: str, device) -> torch.device:
     return dev
 
 
-def _check_size(name: str, size: int) -> None:
+def _check_size(name: str, size: int, dtype: torch.dtype) -> None:
     if size > MAX_RANDOM_PRESET_BYTES:
-        raise ValueError(f"preset {name!r} has {size / 2**30:.0f} GiB of weights; it is for sizing and "
-                         "simulation. Pass a checkpoint directory to run it.")
+        dtype_name = str(dtype).removeprefix("torch.")
+        raise ValueError(f"preset {name!r} has {size / 2**30:,.0f} GiB of weights in {dtype_name} (the dtype it would "
+                         f"run in): it is for sizing and simulation (kvtier plan --model {name}). Pass a checkpoint "
+                         "directory to run it.")
 
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
     config = preset(name)
-    _check_size(name, checkpoint_bytes(config, torch.finfo(dtype).bits // 8))
+    _check_size(name, checkpoint_bytes(config, torch.finfo(dtype).bits // 8), dtype)
     model = KimiK2ForCausalLM(config, dtype)
     load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
     return model.to(device)
@@ -87,7 +90,7 @@ def _random_hybrid_model(name: str, seed: int, dtype: torch.dtype, device: str) 
     (:func:`random_hybrid_tensor` in spec order, before its cast to the checkpoint dtype), in ``dtype``."""
     config = preset(name)
     specs = hybrid_checkpoint_specs(config)
-    _check_size(name, sum(math.prod(s.shape) for s in specs.values()) * torch.finfo(dtype).bits // 8)
+    _check_size(name, sum(math.prod(s.shape) for s in specs.values()) * torch.finfo(dtype).bits // 8, dtype)
     gen = torch.Generator().manual_seed(seed)
     model = KimiLinearForCausalLM(config, dtype)
     load_hybrid_weights(model, _DictSource({n: random_hybrid_tensor(n, s.shape, gen) for n, s in specs.items()}))
@@ -98,7 +101,8 @@ def check_model(model: str | Path) -> None:
     """Raise ValueError unless ``model`` is a checkpoint directory or a preset name
     (:data:`kvtier.model.PRESETS`), naming both."""
     if not Path(model).is_dir() and str(model) not in PRESETS:
-        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}")
+        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}"
+                         f"{did_you_mean(model)}")
 
 
 def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "cpu",
