@@ -45,14 +45,29 @@ def test_k3_routed_experts_in_mxfp4():
 
 def test_tp_sessions_hand_computation():
     """tp: per device the weights split 8 ways; a session of n tokens takes n x 27,648 B of KV on every
-    device and 1/8 of its state: sessions = floor(free / (n x 27,648 + state / 8))."""
-    p = hybrid_memory_plan(K3, "mxfp4", 8, 288, parallel="tp")
+    device and 1/8 of its state. Without device checkpoints: sessions = floor(free / (n x 27,648 +
+    state / 8)); with serve's default checkpoint budget (as many bytes as the KV) the KV counts
+    twice; with an explicit budget B per device: floor((free - B) / (n x 27,648 + state / 8))."""
+    p = hybrid_memory_plan(K3, "mxfp4", 8, 288, parallel="tp", state_device_bytes=0)
     total = sum(b for _, b in p.parts.values())
     free = 288e9 * 0.9 - 8e9 - total / 8
     assert p.free_bytes_per_device == pytest.approx(free, rel=1e-12)
     for n in SESSION_LENGTHS:
         assert p.sessions[n] == int(free // (n * 27_648 + 449_372_160 / 8))
     assert p.sessions[1_048_576] >= 1 and p.sessions[131_072] > p.sessions[409_600]
+    serve = hybrid_memory_plan(K3, "mxfp4", 8, 288, parallel="tp")  # kvtier serve's default budget
+    assert serve.state_device_bytes is None and serve.free_bytes_per_device == p.free_bytes_per_device
+    for n in SESSION_LENGTHS:
+        assert serve.sessions[n] == int(free // (2 * n * 27_648 + 449_372_160 / 8)) <= p.sessions[n]
+    assert (serve.sessions[131_072], serve.sessions[1_048_576]) == (7, 0)
+    # the checkpoint budget (7 sessions' KV) holds 451 checkpoints of 1/8 of a state each
+    assert serve.device_checkpoints(131_072) == int(7 * 131_072 * 27_648 // (449_372_160 / 8)) == 451
+    given = hybrid_memory_plan(K3, "mxfp4", 8, 288, parallel="tp", state_device_bytes=20e9)
+    for n in SESSION_LENGTHS:
+        assert given.sessions[n] == int((free - 20e9) // (n * 27_648 + 449_372_160 / 8))
+    assert given.device_checkpoints() == int(20e9 // (449_372_160 / 8)) == 356
+    with pytest.raises(ValueError, match="state_device_bytes"):
+        hybrid_memory_plan(K3, state_device_bytes=-1)
 
 
 def test_dp_ep_replicates_attention_and_bad_arguments_are_named():
@@ -85,11 +100,46 @@ def test_doc_table_is_recomputed_from_the_function():
     assert "sessions 1M" in header and len(body) >= 6
     for line in body:
         cells = [c.strip() for c in line.strip("|").split("|")]
-        layout, kv, state = cells[:3]
+        layout, kv, state, checkpoints = cells[:4]
         p = hybrid_memory_plan(K3, "mxfp4", 8, 288, parallel=layout, kv_dtype_bytes={"bf16": 2, "fp8": 1}[kv],
-                               state_dtype=state)
+                               state_dtype=state, state_device_bytes={"as the KV": None, "none": 0}[checkpoints])
         free = f"{p.free_bytes_per_device / GB:,.1f}" if p.fits else "does not fit"
-        want = [layout, kv, state, f"{p.kv_bytes_per_token:,}", f"{p.state_bytes_per_sequence:,}",
+        want = [layout, kv, state, checkpoints, f"{p.kv_bytes_per_token:,}", f"{p.state_bytes_per_sequence:,}",
                 f"{p.weight_bytes_per_device / GB:,.1f}", free] + [f"{p.sessions[n]:,}" for n in SESSION_LENGTHS]
         assert cells == want, line
-    assert re.search(r"\| tp \| bf16 \| fp32 \| 27,648 \|", "\n".join(body))
+    assert re.search(r"\| tp \| bf16 \| fp32 \| as the KV \| 27,648 \|", "\n".join(body))
+
+
+def test_session_lengths_past_the_context_are_refused_naming_the_option(capsys):
+    """K3's context is 1,048,576 tokens (max_position_embeddings); tiny-k3's 131,072, tiny's 8,192."""
+    assert main(["plan", "--model", "kimi-k3", "--session-tokens", "1048577"]) == 2
+    err = capsys.readouterr().err
+    assert "--session-tokens 1,048,577 is past the context of kimi-k3 (1,048,576 tokens" in err
+    assert "max_position_embeddings" in err
+    assert main(["plan", "--model", "tiny", "--session-tokens", "8193"]) == 2
+    assert "--session-tokens 8,193 is past the context of tiny (8,192 tokens" in capsys.readouterr().err
+    assert "sessions 1M" in plan_report("kimi-k3", session_tokens=1_048_576)
+    small = plan_report("tiny-k3")  # the defaults past its context are left out: 128K only
+    assert "sessions 128K" in small and "sessions 400K" not in small
+    assert "sessions of 8,192 tokens" in plan_report("tiny")
+
+
+def test_each_hybrid_model_labels_the_format_it_ships_in():
+    """K3 ships MXFP4 routed experts; Kimi-Linear-48B-A3B ships bf16 weights (listed first)."""
+    k3 = plan_report("kimi-k3")
+    assert "mxfp4: K3 as shipped (routed experts MXFP4" in k3 and "bf16: bf16, nothing quantized (not as K3" in k3
+    kl = plan_report("kimi-linear-48b")
+    assert "bf16: Kimi-Linear as shipped (bf16, nothing quantized)" in kl
+    assert "mxfp4: routed experts MXFP4: E2M1 + E8M0 per 32, rest bf16 (not as Kimi-Linear ships)" in kl
+    assert "K3" not in kl
+    rows = [line.split()[0] for line in kl.splitlines() if line.startswith(("bf16 ", "mxfp4 "))]
+    assert rows[0] == "bf16"  # the release's format first
+
+
+def test_state_device_bytes_is_for_hybrid_models(capsys):
+    assert main(["plan", "--model", "kimi-k2", "--state-device-bytes", "1e9"]) == 2
+    assert "--state-device-bytes is for hybrid models" in capsys.readouterr().err
+    assert main(["plan", "--model", "kimi-k3", "--parallel", "tp", "--format", "mxfp4",
+                 "--state-device-bytes", "20e9"]) == 0
+    out = capsys.readouterr().out
+    assert "device state checkpoints: 20.0 GB per device (--state-device-bytes 20,000,000,000), 356 " in out

@@ -16,7 +16,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     formats = tuple(args.format.split(",")) if args.format else None
     print(plan_report(args.model, formats, args.devices, args.hbm_gb, parallel=args.parallel,
                       kv_dtype_bytes=args.kv_dtype_bytes, hbm_fraction=args.hbm_fraction, reserve_gb=args.reserve_gb,
-                      session_tokens=args.session_tokens, state_dtype=args.state_dtype))
+                      session_tokens=args.session_tokens, state_dtype=args.state_dtype,
+                      state_device_bytes=args.state_device_bytes))
     return 0
 
 
@@ -38,5 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hbm-fraction", type=float, default=0.9, help="share of HBM the engine takes")
     p.add_argument("--reserve-gb", type=float, default=8, help="per-device allowance for activations and workspace, GB")
     p.add_argument("--session-tokens", type=int, default=None,
-                   help="tokens per session for the session count (default 100,000; hybrid: 128K, 400K and 1M)")
+                   help="tokens per session for the session count, at most the model's context (default 100,000; "
+                        "hybrid: 128K, 400K and 1M; lengths past the context are left out)")
+    p.add_argument("--state-device-bytes", type=float, default=None, metavar="BYTES",
+                   help="hybrid models: device checkpoint budget per device, as kvtier serve --state-device-bytes "
+                        "reserves it (default: serve's, as many bytes as the device KV; 0 = none)")
     p.set_defaults(func=cmd_plan)

@@ -15,8 +15,10 @@ from kvtier.model.weights import TensorSpec
 
 HYBRID_PARTS = ("embed_tokens", "kda_attention", "mla_attention", "dense_mlp", "shared_experts", "latent_proj",
                 "routed_experts", "router", "norms", "lm_head")
-HYBRID_FORMATS = {"mxfp4": "K3 as shipped (routed experts MXFP4: E2M1 + E8M0 per 32, rest bf16)",
-                  "bf16": "bf16 (nothing quantized)"}
+HYBRID_FORMATS = {"mxfp4": "routed experts MXFP4: E2M1 + E8M0 per 32, rest bf16", "bf16": "bf16, nothing quantized"}
+# The weights each hybrid model_type is released in, and the name the report gives it: K3 ships MXFP4
+# routed experts (../shared/docs/K3.md), Kimi-Linear-48B-A3B bf16 weights.
+SHIPPED_FORMATS = {"kimi_k3": ("K3", "mxfp4"), "kimi_linear": ("Kimi-Linear", "bf16")}
 HYBRID_REPLICATED = {"dp-ep": ("kda_attention", "mla_attention", "router", "norms"), "tp": ()}
 STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 SESSION_LENGTHS = (131_072, 409_600, 1_048_576)  # 128K, 400K, 1M tokens (K = 1024)
@@ -101,9 +103,15 @@ class HybridMemoryPlan:
         state_dtype: ``fp32`` | ``bf16`` (the KDA recurrent state; conv windows in the activation dtype).
         recurrent_bytes_per_sequence, conv_bytes_per_sequence: a sequence's KDA state over all KDA layers.
         session_lengths: tokens per session for :attr:`sessions`.
-        sessions: ``{length: sessions that fit}``: per device ``free // (length * kv_per_token +
-            state)`` with dp-ep (times ``devices``: each caches its own sequences); with tp every device
-            holds every sequence's KV (one latent head) and ``1 / devices`` of its state (KDA heads split).
+        sessions: ``{length: sessions that fit}``: per device ``room // (length * kv_per_token *
+            kv_share + state)`` with dp-ep (times ``devices``: each caches its own sequences); with tp every
+            device holds every sequence's KV (one latent head) and ``1 / devices`` of its state (KDA heads
+            split). ``room`` and ``kv_share`` follow :attr:`state_device_bytes`.
+        state_device_bytes: the device's recurrent-state checkpoint budget, as ``kvtier serve
+            --state-device-bytes`` reserves it: None = serve's default, as many bytes as the device KV
+            pages (``room = free``, ``kv_share = 2``: each session's KV counted once more for the
+            checkpoints beside it); a number of bytes per device (``room = free - state_device_bytes``,
+            ``kv_share = 1``; 0 = no device checkpoints).
     """
 
     format: str
@@ -123,6 +131,7 @@ class HybridMemoryPlan:
     conv_bytes_per_sequence: int
     session_lengths: tuple[int, ...]
     sessions: dict[int, int]
+    state_device_bytes: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -136,16 +145,42 @@ class HybridMemoryPlan:
     def total_parameters(self) -> int:
         return sum(p for p, _ in self.parts.values())
 
+    @property
+    def checkpoint_bytes_per_device(self) -> float:
+        """Bytes of one state checkpoint (one sequence's state) on a device: all of it with dp-ep,
+        ``1 / devices`` of it with tp."""
+        return self.state_bytes_per_sequence / (self.devices if self.parallel == "tp" else 1)
+
     def session_bytes_per_device(self, length: int) -> float:
-        """Bytes one session of ``length`` tokens takes on a device that holds it (KV + state)."""
-        state = self.state_bytes_per_sequence / (self.devices if self.parallel == "tp" else 1)
-        return length * self.kv_bytes_per_token + state
+        """Bytes one session of ``length`` tokens takes on a device that holds it: KV, its state slot
+        and, with serve's default checkpoint budget (:attr:`state_device_bytes` None), as many bytes
+        of device checkpoints as of KV."""
+        kv_share = 2 if self.state_device_bytes is None else 1
+        return length * self.kv_bytes_per_token * kv_share + self.checkpoint_bytes_per_device
+
+    def device_checkpoints(self, length: int | None = None) -> int:
+        """State checkpoints the device checkpoint budget holds per device; with serve's default
+        budget (as many bytes as the KV) that depends on the session ``length`` filling the device.
+
+        Raises:
+            ValueError: ``length`` None, or not one of :attr:`session_lengths`, with the default budget.
+        """
+        if self.state_device_bytes is None:
+            if length not in self.sessions:
+                raise ValueError(f"length must be one of {self.session_lengths} with the default checkpoint "
+                                 f"budget, got {length!r}")
+            per_device = self.sessions[length] // (self.devices if self.parallel == "dp-ep" else 1)
+            budget = per_device * length * self.kv_bytes_per_token
+        else:
+            budget = self.state_device_bytes
+        return int(budget // self.checkpoint_bytes_per_device)
 
 
 def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: float = 288, *,
                        parallel: str = "dp-ep", kv_dtype_bytes: int = 2, state_dtype: str = "fp32",
                        conv_dtype_bytes: int = 2, dense_dtype_bytes: float = 2, hbm_fraction: float = 0.9,
-                       reserve_gb: float = 8, session_lengths: tuple[int, ...] = SESSION_LENGTHS) -> HybridMemoryPlan:
+                       reserve_gb: float = 8, session_lengths: tuple[int, ...] = SESSION_LENGTHS,
+                       state_device_bytes: float | None = None) -> HybridMemoryPlan:
     """The memory plan of a hybrid (KDA + MLA) model such as Kimi K3 on ``devices`` x ``hbm_gb``: the
     numbers ``kvtier plan --model kimi-k3`` prints and the simulator's K3 scenario sizes its pools with.
 
@@ -153,7 +188,8 @@ def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: 
     ``tp``: all split); usable HBM ``hbm_gb * hbm_fraction - reserve_gb``; what the weights leave
     holds MLA KV (``config.kv_cache_bytes_per_token(kv_dtype_bytes)``) and one KDA state per sequence
     (``[heads, head_dim, head_dim]`` in ``state_dtype`` plus the ``[conv_dim, W - 1]`` conv window at
-    ``conv_dtype_bytes``, per KDA layer). :class:`HybridMemoryPlan` says how sessions are counted.
+    ``conv_dtype_bytes``, per KDA layer), and the device's state checkpoints as ``kvtier serve``
+    reserves them (``state_device_bytes``). :class:`HybridMemoryPlan` says how sessions are counted.
 
     Args:
         config: a :class:`kvtier.model.kimi_linear_config.KimiLinearConfig`.
@@ -163,6 +199,8 @@ def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: 
         state_dtype: ``fp32`` (the KDA kernels' default) or ``bf16``.
         conv_dtype_bytes: bytes per conv-window value (the activation dtype, 2 = bf16).
         session_lengths: session lengths in tokens (default 128K, 400K, 1M).
+        state_device_bytes: checkpoint budget per device (``kvtier serve --state-device-bytes``);
+            None = serve's default, as many bytes as the device KV pages; 0 = none.
 
     Raises:
         ValueError: an argument out of range or an unknown format / layout / state dtype, naming it.
@@ -183,6 +221,9 @@ def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: 
         raise ValueError(f"reserve_gb must be >= 0, got {reserve_gb!r}")
     if not session_lengths or not all(isinstance(n, int) and n > 0 for n in session_lengths):
         raise ValueError(f"session_lengths must be positive ints, got {session_lengths!r}")
+    if state_device_bytes is not None and not state_device_bytes >= 0:
+        raise ValueError(f"state_device_bytes (--state-device-bytes) must be >= 0 bytes per device (None = as many "
+                         f"as the device KV), got {state_device_bytes!r}")
     parts = hybrid_parameter_bytes(config, format, dense_dtype_bytes)
     total = sum(b for _, b in parts.values())
     per_device = sum(b if part in HYBRID_REPLICATED[parallel] else b / devices for part, (_, b) in parts.items())
@@ -192,10 +233,11 @@ def hybrid_memory_plan(config, format: str = "mxfp4", devices: int = 8, hbm_gb: 
     conv = config.conv_bytes_per_sequence(conv_dtype_bytes)
     plan = HybridMemoryPlan(format, devices, hbm_gb * GB, parallel, hbm_fraction, reserve_gb * GB, parts, total,
                             per_device, usable, free, config.kv_cache_bytes_per_token(kv_dtype_bytes), state_dtype,
-                            recurrent, conv, tuple(session_lengths), {})
+                            recurrent, conv, tuple(session_lengths), {}, state_device_bytes)
     scale = devices if parallel == "dp-ep" else 1
+    room = free - (state_device_bytes or 0)
     for length in session_lengths:
-        plan.sessions[length] = int(free // plan.session_bytes_per_device(length)) * scale if free > 0 else 0
+        plan.sessions[length] = int(room // plan.session_bytes_per_device(length)) * scale if room > 0 else 0
     return plan
 
 
@@ -203,8 +245,30 @@ def _tokens(n: int) -> str:
     return f"{n // 1_048_576}M" if n % 1_048_576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else f"{n:,}"
 
 
-def format_hybrid_plans(plans: list[HybridMemoryPlan], model_name: str = "") -> str:
-    """A plain-text report of hybrid ``plans`` (one model and device group; formats x layouts)."""
+def format_label(config, format: str) -> str:
+    """What ``format`` means for the hybrid model ``config``: ``"K3 as shipped (...)"`` for the
+    format its release has (:data:`SHIPPED_FORMATS`), else the format and ``not as shipped``."""
+    title, shipped = SHIPPED_FORMATS.get(config.model_type, (config.model_type, None))
+    if format == shipped:
+        return f"{title} as shipped ({HYBRID_FORMATS[format]})"
+    return f"{HYBRID_FORMATS[format]} (not as {title} ships)"
+
+
+def _checkpoint_line(p0: HybridMemoryPlan) -> str:
+    if p0.state_device_bytes is None:
+        return ("device state checkpoints: as many bytes as the device KV (kvtier serve's default "
+                "--state-device-bytes), so each session counts its KV twice")
+    if not p0.state_device_bytes:
+        return "device state checkpoints: none (--state-device-bytes 0)"
+    return (f"device state checkpoints: {p0.state_device_bytes / GB:,.1f} GB per device "
+            f"(--state-device-bytes {p0.state_device_bytes:,.0f}), {p0.device_checkpoints():,} checkpoints "
+            f"of {p0.checkpoint_bytes_per_device / 2**20:,.1f} MiB ({p0.parallel}), taken from the free memory "
+            "before sessions")
+
+
+def format_hybrid_plans(plans: list[HybridMemoryPlan], model_name: str = "", config=None) -> str:
+    """A plain-text report of hybrid ``plans`` (one model and device group; formats x layouts);
+    ``config`` (the model's) labels each format as shipped or not (:func:`format_label`)."""
     p0 = plans[0]
     mib = 2 ** 20
     lines = [
@@ -216,22 +280,24 @@ def format_hybrid_plans(plans: list[HybridMemoryPlan], model_name: str = "") -> 
         f"({p0.state_bytes_per_sequence / mib:,.1f} MiB = recurrent {p0.recurrent_bytes_per_sequence / mib:,.1f} MiB "
         f"+ conv {p0.conv_bytes_per_sequence / mib:,.1f} MiB), "
         f"as much as {p0.state_bytes_per_sequence / p0.kv_bytes_per_token:,.0f} tokens of MLA KV",
+        _checkpoint_line(p0),
         "",
         f"{'format':<8}{'layout':<7}{'weights total GB':>18}{'per device GB':>15}{'free per device GB':>20}"
-        + "".join(f"{'sessions ' + _tokens(n):>16}" for n in p0.session_lengths),
+        + "".join(f"{'sessions ' + _tokens(n):>{max(16, len(_tokens(n)) + 10)}}" for n in p0.session_lengths),
     ]
     for p in plans:
         free = f"{p.free_bytes_per_device / GB:,.1f}" if p.fits else "does not fit"
         lines.append(f"{p.format:<8}{p.parallel:<7}{p.total_weight_bytes / GB:>18,.1f}"
                      f"{p.weight_bytes_per_device / GB:>15,.1f}{free:>20}"
-                     + "".join(f"{p.sessions[n]:>16,}" for n in p.session_lengths))
+                     + "".join(f"{p.sessions[n]:>{max(16, len(_tokens(n)) + 10)},}" for n in p.session_lengths))
     lines += ["", "weights per device by part (GB):",
               f"{'part':<16}" + "".join(f"{p.format + ' ' + p.parallel:>14}" for p in plans)]
     for part in HYBRID_PARTS:
         row = [p.parts[part][1] / (1 if part in HYBRID_REPLICATED[p.parallel] else p.devices) / GB for p in plans]
         lines.append(f"{part:<16}" + "".join(f"{x:>14,.2f}" for x in row))
     lines.append("")
-    lines.extend(f"{f}: {HYBRID_FORMATS[f]}" for f in dict.fromkeys(p.format for p in plans))
+    lines.extend(f"{f}: {format_label(config, f) if config is not None else HYBRID_FORMATS[f]}"
+                 for f in dict.fromkeys(p.format for p in plans))
     lines.append("dp-ep: attention, router and norms on every device, each device caches its own sessions; "
                  "tp: all split, every device holds every session's KV and 1/devices of its KDA state")
     return "\n".join(lines)
@@ -247,4 +313,4 @@ def hybrid_plan_report(config, model_name: str, formats: tuple[str, ...] = ("mxf
     """
     plans = [hybrid_memory_plan(config, f, devices, hbm_gb, parallel=lay, **kwargs)
              for f in formats for lay in parallel]
-    return format_hybrid_plans(plans, model_name)
+    return format_hybrid_plans(plans, model_name, config)
