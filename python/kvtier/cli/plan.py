@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
                    help="dp-ep: attention replicated, KV per device summed; tp: all split, KV replicated "
                         "(default dp-ep; hybrid models: both)")
     p.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="hybrid models: dtype of the KDA recurrent state per sequence (conv windows in bf16)")
+                   help="hybrid models: dtype of the KDA recurrent state per sequence (conv windows in bf16) "
+                        "(default: %(default)s)")
     p.add_argument("--kv-dtype-bytes", type=float, default=2, help="bytes per cached KV value (2 = bf16, 1 = FP8)")
     p.add_argument("--hbm-fraction", type=float, default=0.9, help="share of HBM the engine takes")
     p.add_argument("--reserve-gb", type=float, default=8, help="per-device allowance for activations and workspace, GB")
