@@ -88,8 +88,10 @@ class LLM:
                 raise ValueError("no tokenizer: pass LLM(..., tokenizer=DIR) with tiktoken.model and "
                                  "tokenizer_config.json (a preset has none)")
             from kvtier.tokenize import load_tokenizer
+            from kvtier.tokenize.formats import model_chat_format
 
-            self._tokenizer = load_tokenizer(self._tokenizer_dir)
+            # the model's config.json says which chat format it speaks (K3: XTML over K2's BPE vocabulary)
+            self._tokenizer = load_tokenizer(self._tokenizer_dir, model_chat_format(self.config.model_type))
         return self._tokenizer
 
     def _attach_tokenizer(self) -> None:

@@ -68,3 +68,28 @@ def test_create_checkpoint_of_a_k3_model_writes_k3_files(tmp_path, tok_dir, caps
     assert "k3-xtml chat format" in capsys.readouterr().out
     assert (ck / "tiktoken.model").read_bytes() == (tok_dir / "tiktoken.model").read_bytes()
     assert load_tokenizer(ck).chat_format is ChatFormat.K3_XTML
+
+
+def test_a_k3_model_with_k2s_files_gets_k3s_control_tokens(tok_dir, k3_tok_dir):
+    """The model's config chooses: a K3 model served with K2's tokenizer directory (the same BPE
+    ranks) speaks XTML; K3's files for a K2 model are refused."""
+    k3 = load_tokenizer(tok_dir, ChatFormat.K3_XTML)
+    assert k3.chat_format is ChatFormat.K3_XTML
+    assert k3.special_tokens == load_tokenizer(k3_tok_dir).special_tokens
+    assert load_tokenizer(tok_dir, ChatFormat.K2_TEMPLATE).chat_format is ChatFormat.K2_TEMPLATE
+    with pytest.raises(ValueError, match="K3's control tokens, but the model speaks K2's chat template"):
+        load_tokenizer(k3_tok_dir, ChatFormat.K2_TEMPLATE)
+
+
+def test_llm_of_the_k3_preset_renders_xtml(tok_dir):
+    from kvtier import LLM, SamplingParams
+    from kvtier.tokenize.xtml import XtmlOptions, encode_xtml
+
+    llm = LLM("tiny-k3", tokenizer=tok_dir, num_device_pages=64)  # K2's files, a K3 config
+    assert llm.tokenizer.chat_format is ChatFormat.K3_XTML
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, sampling_params=SamplingParams(max_tokens=1, temperature=0), reasoning_effort="max")
+    assert list(out.prompt_token_ids) == encode_xtml(llm.tokenizer, messages, None, XtmlOptions(thinking_effort="max"))
+    k2 = LLM("tiny", tokenizer=tok_dir, num_device_pages=64)
+    with pytest.raises(ValueError, match="K3's prompt fields"):
+        k2.chat(messages, reasoning_effort="max")

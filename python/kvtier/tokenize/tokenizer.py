@@ -210,15 +210,29 @@ def _read_special_tokens(config_path: Path, num_base: int) -> dict[str, int]:
     return specials
 
 
-def load_tokenizer(model_dir: str | Path) -> KimiTokenizer:
+def load_tokenizer(model_dir: str | Path, chat_format=None) -> KimiTokenizer:
     """Load the Kimi tokenizer from ``model_dir`` (``tiktoken.model`` + ``tokenizer_config.json``).
+
+    Args:
+        model_dir: the directory of the two files.
+        chat_format: the chat format of the model the tokenizer serves
+            (:func:`kvtier.tokenize.formats.model_chat_format` of its ``config.json``), or None:
+            the files' own (:func:`kvtier.tokenize.formats.choose_chat_format`). ``K3_XTML`` with
+            K2's files gives K3's control tokens over the same BPE vocabulary (what
+            :func:`copy_tokenizer` writes for a K3 checkpoint).
 
     Raises:
         FileNotFoundError: a file is missing (the message names its path).
-        ValueError: a malformed vocabulary or config (named, with what was expected).
+        ValueError: a malformed vocabulary or config (named, with what was expected); a K3
+            config for a model that speaks K2's template, or a vocabulary K3's control ids do
+            not fit.
     """
     from tiktoken.load import load_tiktoken_bpe
 
+    from kvtier.tokenize.formats import K3_CONTROL_TOKENS, ChatFormat, choose_chat_format
+
+    if chat_format is not None and not isinstance(chat_format, ChatFormat):
+        raise ValueError(f"chat_format must be a ChatFormat or None, got {chat_format!r}")
     model_dir = Path(model_dir)
     vocab_path = model_dir / VOCAB_FILE
     if not vocab_path.is_file():
@@ -230,6 +244,15 @@ def load_tokenizer(model_dir: str | Path) -> KimiTokenizer:
     if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{vocab_path}: ranks must be 0..n-1 without gaps")
     specials = _read_special_tokens(model_dir / CONFIG_FILE, len(ranks))
+    own = choose_chat_format(specials)
+    if chat_format is ChatFormat.K2_TEMPLATE and own is ChatFormat.K3_XTML:
+        raise ValueError(f"{model_dir / CONFIG_FILE}: K3's control tokens, but the model speaks K2's chat template")
+    if chat_format is ChatFormat.K3_XTML and own is ChatFormat.K2_TEMPLATE:
+        if len(ranks) != K3_NUM_BPE_RANKS:
+            raise ValueError(f"{vocab_path}: K3's control ids need {K3_NUM_BPE_RANKS} BPE ranks, got {len(ranks)}")
+        names = {i: f"<|reserved_token_{i}|>" for i in range(len(ranks), len(ranks) + NUM_RESERVED_SPECIAL_TOKENS)}
+        names.update({i: t for t, i in K3_CONTROL_TOKENS.items()})
+        specials = {t: i for i, t in names.items()}
     return KimiTokenizer(ranks, specials, name=f"kimi:{vocab_path}")
 
 

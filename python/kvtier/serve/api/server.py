@@ -66,7 +66,10 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     if grammar_limits is not None and not isinstance(grammar_limits, GrammarLimits):
         raise ValueError(f"grammar_limits must be a GrammarLimits or a dict, got {type(grammar_limits).__name__}")
     built = build_engine(model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, **engine_args)
-    engine, tok = built.engine, load_tokenizer(built.tokenizer_dir)
+    from kvtier.tokenize.formats import model_chat_format
+
+    # the model's config.json says which chat format it speaks (K3: XTML over K2's BPE vocabulary)
+    engine, tok = built.engine, load_tokenizer(built.tokenizer_dir, model_chat_format(built.config.model_type))
     engine.attach_tokenizer(tok)
     engine.grammar.limits = grammar_limits
     engine.grammar.compiler()  # built now (about a second), not by the first request with tools
