@@ -105,11 +105,13 @@ def chat_prompt_options(chat_format, params: SamplingParams, *, tools: Seq[dict]
     on, effort = _thinking(thinking)
     if reasoning_effort is not None:
         if reasoning_effort not in THINKING_EFFORTS:
-            raise ValueError(f"reasoning_effort: expected one of {list(THINKING_EFFORTS)}, got {reasoning_effort!r:.60}")
+            raise ValueError(f"reasoning_effort: expected one of {list(THINKING_EFFORTS)}, got "
+                             f"{reasoning_effort!r:.60}")
         if not on:
             raise ValueError("reasoning_effort: needs thinking (thinking.type is 'disabled')")
         if effort is not None and effort != reasoning_effort:
-            raise ValueError(f"reasoning_effort: {reasoning_effort!r} differs from thinking.effort {effort!r}; give one")
+            raise ValueError(f"reasoning_effort: {reasoning_effort!r} differs from thinking.effort {effort!r}; "
+                             "give one")
         effort = reasoning_effort
     choice = tool_choice if tool_choice is not None else (params.tool_choice if params.tools else None)
     return XtmlOptions(thinking=on, thinking_effort=effort, tool_choice=choice, response_format=response_format)

@@ -217,8 +217,9 @@ def check_tools(tools: Any, where: str, seen: dict[str, str]) -> None:
         raise _bad(where, f"expected a non-empty list of tools, got {tools!r:.60}")
     for i, tool in enumerate(tools):
         at = f"{where}[{i}]"
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise _bad(f"{at}.type", f"expected 'function', got {tool.get('type') if isinstance(tool, dict) else tool!r:.60}")
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        if kind != "function":
+            raise _bad(f"{at}.type", f"expected 'function', got {kind!r:.60}")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise _bad(f"{at}.function", f"expected an object with a 'name', got {fn!r:.60}")
@@ -481,7 +482,8 @@ def render_xtml_parts(messages: Sequence[dict], tools: Sequence[dict] | None = N
                            "has no 'name' to render it with")
             parts.append(_message([("role", "tool"), ("tool", tool_name), ("index", tool_index)],
                                   _text(_content(msg, where))))
-    return XtmlParts(header, parts, _tails(options), generation_prompt(options.thinking) if add_generation_prompt else ())
+    generation = generation_prompt(options.thinking) if add_generation_prompt else ()
+    return XtmlParts(header, parts, _tails(options), generation)
 
 
 def _tails(options: XtmlOptions) -> list[Part]:

@@ -121,7 +121,8 @@ def test_control_token_spellings_typed_by_a_user_are_text(k3_server):
 def test_anthropic_thinking_chooses_the_channel(k3_server):
     _, an, _, prompts, tok = k3_server
     messages = [{"role": "user", "content": "hi"}]
-    an.messages.create(model=MODEL, max_tokens=1, messages=messages, thinking={"type": "enabled", "budget_tokens": 1024})
+    an.messages.create(model=MODEL, max_tokens=1, messages=messages,
+                       thinking={"type": "enabled", "budget_tokens": 1024})
     assert prompts[-1] == encode_xtml(tok, messages, None, XtmlOptions())
     an.messages.create(model=MODEL, max_tokens=1, messages=messages, thinking={"type": "disabled"})
     assert prompts[-1] == encode_xtml(tok, messages, None, XtmlOptions(thinking=False))
