@@ -12,9 +12,9 @@ turn's prompt starts with all of turn k-1 when the client sends back what it got
 ``kind`` is what turn k-1 produced: ``tool`` (it made tool calls, and turn k carries their
 results) or ``text``. A new session (turn 0 of every session but the run's first) can reach
 the prefix it shares with the sessions before it, the same system prompt and tools
-(``new-session``): the common prefix of two sessions' first prompts, rendered with the K2 chat
-template and encoded by the served tokenizer, in whole pages (:func:`shared_prefix_tokens`;
-None, and the row not counted, for another chat format or without a tokenizer). The run's
+(``new-session``): the common prefix of two first prompts, rendered in the served tokenizer's
+chat format (K2's template or K3's XTML) and encoded, in whole pages
+(:func:`shared_prefix_tokens`; None, and the row not counted, without a tokenizer). The run's
 first request reaches nothing (``first``, not counted).
 
 ``ratio = cached / reachable`` per row; a group's ratio is sum(cached) / sum(reachable), with
@@ -41,22 +41,30 @@ def reachable_tokens(prev_prompt: int, prev_output: int, page_size: int) -> int:
     return max(prev_prompt + prev_output - 1, 0) // page_size * page_size
 
 
-SPLIT = "\x00first message\x00"  # stands for a session's first message while the shared part is rendered
+def _first_prompt_ids(tokenizer, content: str) -> list[int]:
+    """The ids of a first prompt (system prompt, tools, one user message ``content``) in
+    ``tokenizer``'s chat format: K2's template or K3's XTML."""
+    from kvtier.bench.agent_sessions import SYSTEM, ChatDriver
+    from kvtier.tokenize import ChatFormat, render_chat
+
+    messages, tools = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}], \
+        ChatDriver(None, "").tools
+    if getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE) is ChatFormat.K3_XTML:
+        from kvtier.tokenize.xtml import encode_xtml
+
+        return encode_xtml(tokenizer, messages, tools)
+    return tokenizer.encode(render_chat(messages, tools))
 
 
 def shared_prefix_tokens(tokenizer, page_size: int) -> int | None:
     """Tokens every session's first prompt shares (tool declaration, system prompt and the user
-    turn's header), in whole pages: the K2 template's rendering of a first prompt up to where
-    its first message starts, encoded (it ends in a special token, so its ids are a prefix of
-    every session's). None when ``tokenizer`` is None or speaks another chat format."""
-    from kvtier.bench.agent_sessions import SYSTEM, ChatDriver
-    from kvtier.tokenize import ChatFormat, render_chat
-
-    if tokenizer is None or getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE) != ChatFormat.K2_TEMPLATE:
+    turn's opening), in whole pages: the common prefix of two first prompts whose messages differ
+    from their first character, in the tokenizer's chat format. None without a tokenizer."""
+    if tokenizer is None:
         return None
-    text = render_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": SPLIT}],
-                       ChatDriver(None, "").tools)
-    return len(tokenizer.encode(text[:text.index(SPLIT)])) // page_size * page_size
+    a, b = (_first_prompt_ids(tokenizer, f"{c} fix the failing test") for c in ("A", "Z"))
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n // page_size * page_size
 
 
 def annotate(rows: list[dict], page_size: int, shared_prefix: int | None) -> list[dict]:
@@ -115,11 +123,14 @@ def markdown_table(summary: list[dict]) -> str:
 
 def print_report(console, summary: list[dict], title: str) -> None:
     """``summary`` as a rich table on ``console``."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title)
+    t = Table(title=title, box=box.SIMPLE, pad_edge=False)
+    widths = {"API": len("responses"), "reused turn": len("new-session")}  # whole in 80 columns
     for col in ("API", "reused turn", "turns", "cached", "reachable", "ratio", "lowest", ">= 0.99"):
-        t.add_column(col, justify="left" if col in ("API", "reused turn") else "right")
+        t.add_column(col, justify="left" if col in widths else "right", no_wrap=True,
+                     min_width=max(len(col), widths.get(col, 0)))
     for s in summary:
         t.add_row(s["api"], s["kind"], str(s["turns"]), str(s["cached_tokens"]), str(s["reachable_tokens"]),
                   f"{s['ratio']:.3f}", f"{s['min_ratio']:.3f}", f"{s['full_turns']}/{s['turns']}")
