@@ -121,6 +121,7 @@ def shortest_turns(llm, cases: list[Case]) -> list[int | None]:
         params = SamplingParams(tools=c.tools, tool_choice="required")
         try:
             con = llm.engine.grammar.constraint(params)
+            con.prime(generation_tail(llm.tokenizer))
         except ValueError:
             out.append(None)
             continue
@@ -129,18 +130,41 @@ def shortest_turns(llm, cases: list[Case]) -> list[int | None]:
     return out
 
 
+def generation_tail(tokenizer) -> list[int]:
+    """The prompt tokens a K3 turn grammar is primed with (the generation prompt's think channel);
+    [] for K2's template."""
+    from kvtier.tokenize import ChatFormat
+
+    if tokenizer.chat_format is not ChatFormat.K3_XTML:
+        return []
+    from kvtier.tokenize.xtml import encode_part, generation_prompt
+
+    return encode_part(tokenizer, generation_prompt(True))[-3:]
+
+
+def prompt_ids(tokenizer, case: Case) -> list[int]:
+    """``case``'s prompt in the tokenizer's chat format (K3: thinking on, the tool-choice tail)."""
+    from kvtier.tokenize import ChatFormat, render_chat
+
+    if tokenizer.chat_format is not ChatFormat.K3_XTML:
+        return tokenizer.encode(render_chat(case.messages, case.tools))
+    from kvtier.tokenize.xtml import XtmlOptions, encode_xtml
+
+    return encode_xtml(tokenizer, case.messages, case.tools, XtmlOptions(tool_choice="required"))
+
+
 def run(
     llm, cases: list[Case], temperature: float, seed: int, slack: int = SLACK_TOKENS
 ) -> Tally:
-    """Generate one required-tool turn per case (all in one batch) and check every call."""
+    """Generate one required-tool turn per case (all in one batch, in the model's chat format) and
+    check every call."""
     from kvtier import SamplingParams
-    from kvtier.tokenize import render_chat
 
     tally = Tally()
     shortest = shortest_turns(llm, cases)
     prompts, params = [], []
     for c, n in zip(cases, shortest):
-        prompts.append(llm.tokenizer.encode(render_chat(c.messages, c.tools)))
+        prompts.append(prompt_ids(llm.tokenizer, c))
         params.append(
             SamplingParams(
                 max_tokens=(n or 1) + slack,

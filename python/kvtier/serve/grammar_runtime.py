@@ -40,6 +40,7 @@ class GrammarRuntime:
         self._token_table = None
         self._mask_thread: ThreadPoolExecutor | None = None
         self._mask_executor = None  # llguidance.LLExecutor
+        self._k3_grammars: dict[str, str] = {}  # K2 grammar -> the K3 grammar of the same request fields
 
     def compiler(self):
         """The :class:`kvtier.toolcall.GrammarCompiler` of :attr:`tokenizer` under :attr:`limits`
@@ -56,7 +57,8 @@ class GrammarRuntime:
 
                 if self.tokenizer is None:
                     raise ValueError("tools need a tokenizer: call Engine.attach_tokenizer(tokenizer) first")
-                eot = [self.tokenizer.token_id("<|im_end|>"), *self.model_config.eos_token_id]
+                end = "<|end_of_msg|>" if self._k3() else "<|im_end|>"
+                eot = [self.tokenizer.token_id(end), *self.model_config.eos_token_id]
                 self.limits = self.limits or GrammarLimits()
                 self.stats = GrammarStats()
                 compiler = GrammarCompiler(self.tokenizer, eot, limits=self.limits, stats=self.stats)
@@ -66,15 +68,39 @@ class GrammarRuntime:
                 self._compiler = compiler
             return self._compiler
 
+    def _k3(self) -> bool:
+        from kvtier.tokenize.formats import ChatFormat
+
+        return getattr(self.tokenizer, "chat_format", None) is ChatFormat.K3_XTML
+
+    def grammar(self, params: SamplingParams) -> str:
+        """The turn grammar of ``params`` in the tokenizer's chat format: ``params.tool_grammar``
+        (K2's) or the K3 grammar of the same tools, choice and response format
+        (:func:`kvtier.toolcall.xtml_grammar.xtml_turn_grammar`, kept per K2 grammar)."""
+        if not self._k3():
+            return params.tool_grammar
+        with self._lock:
+            lark = self._k3_grammars.get(params.tool_grammar)
+        if lark is None:
+            from kvtier.toolcall.xtml_grammar import xtml_turn_grammar
+
+            lark = xtml_turn_grammar(params.tool_specs, params.tool_choice_name, params.parallel_tool_calls,
+                                     params.response_schema)
+            with self._lock:
+                self._k3_grammars[params.tool_grammar] = lark
+                while len(self._k3_grammars) > 256:
+                    self._k3_grammars.pop(next(iter(self._k3_grammars)))
+        return lark
+
     def compile(self, params: SamplingParams):
-        """A fresh ``llguidance.LLMatcher`` of ``params.tool_grammar`` (thread-safe; cached by
-        grammar).
+        """A fresh ``llguidance.LLMatcher`` of ``params``' turn grammar (:meth:`grammar`;
+        thread-safe; cached by grammar).
 
         Raises:
             GrammarError: the grammar does not compile or exceeds a limit.
         """
         try:
-            return self.compiler().matcher(params.tool_grammar, params.tool_specs)
+            return self.compiler().matcher(self.grammar(params), params.tool_specs)
         except ValueError:
             self.stats.add(cut_compile=1)
             raise
@@ -86,12 +112,20 @@ class GrammarRuntime:
         Raises:
             ValueError: the grammar does not compile (the parser is attached already).
         """
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self._k3():
+            from kvtier.toolcall.xtml_parser import XtmlParser
+
+            seq.parser = XtmlParser.for_tokenizer(self.tokenizer, seq.prompt_token_ids or ())
+        elif self.tokenizer is not None:
             from kvtier.toolcall import ToolCallParser
 
             seq.parser = ToolCallParser.for_tokenizer(self.tokenizer)
         if seq.params.tool_grammar is not None:
             seq.constraint = self.constraint(seq.params, matcher)
+            if self._k3():  # the turn grammar starts at the channel the generation prompt opened
+                from kvtier.toolcall.xtml_parser import channel_opening
+
+                seq.constraint.prime(channel_opening(seq.prompt_token_ids or (), self.tokenizer))
 
     def constraint(self, params: SamplingParams, matcher=None):
         """A fresh constraint for ``params.tool_grammar`` over ``matcher`` (None: compiled here)."""
@@ -123,7 +157,7 @@ class GrammarRuntime:
         self.stats.add(masks=len(seqs), mask_s=time.perf_counter() - t0)
         for s, err in zip(seqs, errors):
             if err is not None and s.params.tool_grammar is not None:
-                self.compiler().forget(s.params.tool_grammar)  # its copies may share the failure
+                self.compiler().forget(self.grammar(s.params))  # its copies may share the failure
         return {s.seq_id: (err if err is not None else bitmask[i:i + 1]) for i, (s, err) in enumerate(zip(seqs, errors))}
 
     def count_cut(self, seq: Sequence, e: Exception) -> None:

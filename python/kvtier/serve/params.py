@@ -37,6 +37,11 @@ class SamplingParams:
         tool_choice: ``"auto"`` (text and/or calls), ``"none"`` (text only), ``"required"``
             (one or more calls, no text) or ``{"type": "function", "function": {"name": NAME}}``.
         parallel_tool_calls: allow several calls in one turn.
+        response_format: None, ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type":
+            "json_schema", "json_schema": {"name", "schema", "strict"?}}`` (OpenAI's shapes,
+            :func:`kvtier.tokenize.xtml.check_response_format`): the JSON kinds decode the
+            answer under a grammar whose text is a JSON object / an instance of ``schema`` (K2:
+            the content; K3: the response channel), beside any tool calls ``tool_choice`` allows.
         presence_penalty: subtracted from the logit of every token already generated in this
             request (OpenAI's definition), in [-2, 2]; 0 = off.
         frequency_penalty: subtracted from a token's logit once per time it was generated, in
@@ -70,9 +75,12 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     refuse_past_context: bool = False
+    response_format: Any = None
     # Derived from the tool fields: the turn grammar (None: unconstrained).
     tool_grammar: str | None = field(default=None, init=False, repr=False, compare=False)
     tool_specs: tuple = field(default=(), init=False, repr=False, compare=False)  # ToolSpecs it was built from
+    tool_choice_name: str = field(default="auto", init=False, repr=False, compare=False)  # normalised tool_choice
+    response_schema: dict | None = field(default=None, init=False, repr=False, compare=False)  # of response_format
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, min_value=1)
@@ -94,14 +102,24 @@ class SamplingParams:
         self._check_tools()
 
     def _check_tools(self) -> None:
-        if self.tools is None and self.tool_choice == "auto":
+        if self.response_format is not None:
+            from kvtier.tokenize.xtml import check_response_format
+
+            check_response_format(self.response_format)
+            kind = self.response_format["type"]
+            schema = {"type": "object"} if kind == "json_object" else \
+                self.response_format["json_schema"]["schema"] if kind == "json_schema" else None
+            object.__setattr__(self, "response_schema", schema)
+        if self.tools is None and self.tool_choice == "auto" and self.response_schema is None:
             return
         from kvtier.toolcall import normalize_tool_choice, normalize_tools, turn_grammar
 
         specs = normalize_tools(self.tools if self.tools is not None else [])
         choice = normalize_tool_choice(self.tool_choice, specs)
-        if specs:
-            object.__setattr__(self, "tool_grammar", turn_grammar(specs, choice, self.parallel_tool_calls))
+        object.__setattr__(self, "tool_choice_name", choice)
+        if specs or self.response_schema is not None:
+            object.__setattr__(self, "tool_grammar", turn_grammar(specs, choice, self.parallel_tool_calls,
+                                                                  self.response_schema))
             object.__setattr__(self, "tool_specs", specs)
 
     @property

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvtier.tokenize.formats import ChatFormat
 from kvtier.toolcall.grammar import GrammarError, GrammarLimitError, GrammarLimits
 from kvtier.toolcall.parser import ARGUMENT_BEGIN, CALL_END, SECTION_END
 
@@ -79,17 +80,26 @@ class JsonNesting:
         return self.depth + int(self.in_string)
 
 
+# The control tokens a short completion takes first when the grammar allows them, per chat format:
+# K2's markers that end a call, the section, an id; K3's tag tokens (<|close|> ends a value, a call,
+# a channel; <|sep|> ends a tag; <|open|> starts the argument or call that must come).
+CLOSING_MARKERS = {
+    ChatFormat.K2_TEMPLATE: (CALL_END, SECTION_END[0], ARGUMENT_BEGIN),
+    ChatFormat.K3_XTML: ("<|close|>", "<|sep|>", "<|open|>"),
+}
+
+
 class TokenTable:
-    """Byte strings of token ids and the ids of the special markers, for one tokenizer."""
+    """Byte strings of token ids and the ids of the special markers, for one tokenizer (its
+    ``chat_format`` chooses the markers; K2's when it has none)."""
 
     def __init__(self, tokenizer, end_of_turn_ids):
         self.tokenizer = tokenizer
         self.end_of_turn = tuple(end_of_turn_ids)
         self.vocab_size = tokenizer.n_vocab
         self.special = set(tokenizer.special_ids)
-        self.markers = [
-            tokenizer.token_id(m) for m in (CALL_END, SECTION_END[0], ARGUMENT_BEGIN)
-        ]
+        chat_format = getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE)
+        self.markers = [tokenizer.token_id(m) for m in CLOSING_MARKERS[chat_format]]
         ranks = tokenizer._enc._mergeable_ranks
         self.byte_token = {
             b: ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks
@@ -370,6 +380,21 @@ class ToolCallConstraint:
         self._forced = list(before)
         self.consume(before[0])
         return before[0]
+
+    def prime(self, tokens) -> None:
+        """Advance the grammar by prompt tokens the turn continues (K3's generation prompt opens
+        the ``think`` or ``response`` channel the turn grammar starts with); they count against
+        no budget.
+
+        Raises:
+            GrammarError: the grammar does not allow ``tokens``.
+        """
+        tokens = list(tokens)
+        if tokens and self.matcher.try_consume_tokens(tokens) != len(tokens):
+            raise GrammarError(f"the prompt's last tokens {tokens} do not start the turn grammar: "
+                               f"{self.matcher.get_error()}")
+        self.nesting = JsonNesting()
+        self._closing_at = -1
 
     def consume(self, token: int) -> None:
         """Advance the grammar by ``token``.

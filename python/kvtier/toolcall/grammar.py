@@ -157,7 +157,8 @@ class GrammarStats:
 
 
 def turn_grammar(
-    specs: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True
+    specs: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True,
+    response_schema: dict | None = None,
 ) -> str:
     """The Lark (llguidance dialect) grammar of an assistant turn.
 
@@ -166,16 +167,24 @@ def turn_grammar(
         choice: ``"auto"``, ``"none"``, ``"required"`` or a tool name
             (:func:`kvtier.toolcall.tools.normalize_tool_choice`).
         parallel_tool_calls: allow more than one call in the section.
+        response_schema: the JSON schema the content must be an instance of (``response_format``),
+            or None for any text; with ``"auto"`` the turn is an instance with optional calls, or
+            calls alone; with calls required there is no content to constrain.
 
     Returns:
         the grammar text for ``llguidance.grammar_from("lark", ...)``.
     """
     lines = ["%llguidance {}", "TEXT: /(?s:.+)/"]
+    if response_schema is not None:
+        lines.append(f"answer: %json {json.dumps(response_schema, ensure_ascii=False)}")
     if choice == "none" or not specs:
-        return "\n".join([*lines, "start: TEXT?"])
+        return "\n".join([*lines, "start: TEXT?" if response_schema is None else "start: answer"])
     names = [s for s in specs if choice in ("auto", "required") or s.name == choice]
     repeat = "+" if parallel_tool_calls else ""
-    start = "start: TEXT? section?" if choice == "auto" else "start: section"
+    if choice != "auto":
+        start = "start: section"
+    else:  # with a response format: the JSON answer (calls optional), or calls alone
+        start = "start: TEXT? section?" if response_schema is None else "start: answer section? | section"
     lines += [
         start,
         f"section: <|tool_calls_section_begin|> call{repeat} <|tool_calls_section_end|>",

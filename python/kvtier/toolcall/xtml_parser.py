@@ -356,10 +356,10 @@ def _not_an_object(name: str, raw: str) -> str | None:
     return None
 
 
-def opened_channel(prompt_ids, tokenizer) -> str:
-    """The channel a K3 prompt leaves open at its end: ``"think"`` or ``"response"`` when it ends
-    with ``<|open|>think<|sep|>`` / ``<|open|>response<|sep|>`` (the generation prompt), else
-    ``"top"``.
+def channel_opening(prompt_ids, tokenizer) -> list[int]:
+    """The ids of the tag a K3 prompt ends with when it opens the ``think`` or ``response``
+    channel (``<|open|>think<|sep|>``, ``<|open|>response<|sep|>``: the generation prompt's
+    last tag), else ``[]``. The turn grammar is primed with them.
 
     Args:
         prompt_ids: the prompt's token ids (only the last few are read).
@@ -367,16 +367,22 @@ def opened_channel(prompt_ids, tokenizer) -> str:
     """
     specials = tokenizer.special_tokens
     if OPEN not in specials or SEP not in specials:
-        return TOP
-    tail = list(prompt_ids[-8:])
-    if len(tail) < 3 or tail[-1] != specials[SEP]:
-        return TOP
-    try:
-        start = len(tail) - 1 - tail[::-1].index(specials[OPEN])
-    except ValueError:
-        return TOP
+        return []
+    tail = [int(i) for i in prompt_ids[-8:]]
+    if len(tail) < 3 or tail[-1] != specials[SEP] or specials[OPEN] not in tail:
+        return []
+    start = len(tail) - 1 - tail[::-1].index(specials[OPEN])
     name = tokenizer.decode(tail[start + 1:-1]).strip()
-    return name if name in (THINK, RESPONSE) else TOP
+    return tail[start:] if name in (THINK, RESPONSE) else []
 
 
-__all__ = ["XtmlParser", "attributes", "decode_value", "escape_attr", "opened_channel", "unescape_attr"]
+def opened_channel(prompt_ids, tokenizer) -> str:
+    """The channel a K3 prompt leaves open at its end: ``"think"`` or ``"response"`` when it ends
+    with ``<|open|>think<|sep|>`` / ``<|open|>response<|sep|>`` (the generation prompt), else
+    ``"top"`` (see :func:`channel_opening`)."""
+    tag = channel_opening(prompt_ids, tokenizer)
+    return tokenizer.decode(tag[1:-1]).strip() if tag else TOP
+
+
+__all__ = ["XtmlParser", "attributes", "channel_opening", "decode_value", "escape_attr", "opened_channel",
+           "unescape_attr"]
