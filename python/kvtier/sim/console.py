@@ -39,20 +39,28 @@ def simulate_sweep(opts, concurrencies: tuple[int, ...], target_s: float, consol
     scn = opts.resolve()  # bad options fail before anything runs
     if json_path:
         report.check_writable(json_path)
+    from dataclasses import asdict
+
     t0 = time.perf_counter()
-    points = run_sweep(opts, concurrencies,
-                       on_start=lambda text: console.print(f"simulating {text} ({time.perf_counter() - t0:.0f} s)"))
     compared = "tiered" if any(v.name == "tiered" for v in scn.variants) else scn.variants[-1].name
+    prov = provenance(kind="simulation-sweep", scenario=scn.name, model=scn.model, node=scn.node,
+                      sweep=list(concurrencies), options=asdict(opts))
+
+    def save(points: list[dict]) -> None:  # after each point: a long sweep keeps what it ran
+        if json_path:
+            report.write_json(json_path, {"provenance": prov, "sweep": sweep_json(points, target_s, scn.baseline,
+                                                                                   compared)})
+
+    points = run_sweep(opts, concurrencies,
+                       on_start=lambda text: console.print(f"simulating {text} ({time.perf_counter() - t0:.0f} s)"),
+                       on_point=save)
     doc = sweep_json(points, target_s, scn.baseline, compared)
     console.print(f"{scn.name}: {scn.description}")
     for line in sweep_lines(doc):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"simulated in {time.perf_counter() - t0:.1f} s")
     if json_path:
-        from dataclasses import asdict
-        prov = provenance(kind="simulation-sweep", scenario=scn.name, model=scn.model, node=scn.node,
-                          sweep=list(concurrencies), options=asdict(opts))
-        report.write_json(json_path, {"provenance": prov, "sweep": doc})
+        save(points)
         console.print(f"wrote {json_path}")
     return 0
 

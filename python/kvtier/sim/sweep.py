@@ -56,7 +56,7 @@ def at_concurrency(opts, scenario, concurrency: int):
     return dataclasses.replace(opts, concurrency=concurrency, sessions=sessions)
 
 
-def run_sweep(opts, concurrencies: tuple[int, ...], on_start=None) -> list[dict]:
+def run_sweep(opts, concurrencies: tuple[int, ...], on_start=None, on_point=None) -> list[dict]:
     """Run ``opts``' scenario at each concurrency of ``concurrencies``.
 
     Args:
@@ -64,6 +64,8 @@ def run_sweep(opts, concurrencies: tuple[int, ...], on_start=None) -> list[dict]
             replaced per point).
         concurrencies: sessions at once, ascending.
         on_start: ``on_start(text)`` before each configuration of each point.
+        on_point: ``on_point(points)`` after each point, with the points so far (a long sweep
+            saves what it has).
 
     Returns:
         One ``{"concurrency", "sessions", "configs": {name: summarize(run)}, "bound", "sizing"}``
@@ -84,6 +86,8 @@ def run_sweep(opts, concurrencies: tuple[int, ...], on_start=None) -> list[dict]
         points.append({"concurrency": c, "sessions": len(workload.sessions), "configs": configs, "bound": bound,
                        "sizing": {"device_pages": sizing.device_pages, "working_set_pages": sizing.working_set_pages,
                                   "whole_working_set_pages": sizing.whole_working_set_pages}})
+        if on_point is not None:
+            on_point(points)
     return points
 
 
