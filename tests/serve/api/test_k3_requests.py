@@ -128,6 +128,27 @@ def test_anthropic_thinking_chooses_the_channel(k3_server):
     assert prompts[-1] == encode_xtml(tok, messages, None, XtmlOptions(thinking=False))
 
 
+def test_anthropic_history_with_thinking_and_tool_use(k3_server):
+    """Thinking blocks come back as the think channel of their turn, tool_use as typed arguments,
+    tool_result as a tool message named after its call."""
+    _, an, _, prompts, tok = k3_server
+    tool = {"name": "bash", "description": "Run a command",
+            "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
+    an.messages.create(model=MODEL, max_tokens=1, tools=[tool], messages=[
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "need ls", "signature": ""},
+                                          {"type": "text", "text": "Listing."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "bash",
+                                           "input": {"cmd": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py"}]}])
+    chat = [{"role": "user", "content": "list files"},
+            {"role": "assistant", "content": "Listing.", "reasoning_content": "need ls",
+             "tool_calls": [{"id": "toolu_1", "type": "function",
+                             "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "a.py"}]
+    assert prompts[-1] == encode_xtml(tok, chat, [BASH])
+
+
 def test_responses_reasoning_effort(k3_server):
     oa, _, _, prompts, tok = k3_server
     oa.responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "low"})
