@@ -8,9 +8,15 @@ from tests.cluster.disagg.helpers import free_dead_url
 
 
 def test_unknown_role_is_a_startup_error(capsys):
-    assert main(["serve", "tiny", "--role", "router"]) == 2
+    with pytest.raises(SystemExit) as e:  # refused by the parser, which lists the choices
+        main(["serve", "tiny", "--role", "router"])
+    assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--role must be one of ['prefill', 'decode', 'both'], got 'router'" in err
+    assert "argument --role: invalid choice: 'router' (choose from 'prefill', 'decode', 'both')" in err
+    from kvtier.cluster.disagg import check_role
+
+    with pytest.raises(ValueError, match=r"--role must be one of \['prefill', 'decode', 'both'\], got 'router'"):
+        check_role("router")  # the library's own check, for callers that build no parser
 
 
 def test_prefill_worker_without_a_reachable_decode_worker_does_not_start(capsys):
