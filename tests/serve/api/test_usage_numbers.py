@@ -69,6 +69,7 @@ def test_prefill_tokens_exclude_the_start_up_probe(tok_dir):
     worker = app.state.kvtier.worker
     with TestClient(app) as http:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+        _published(worker, after_steps=0)  # the engine thread's first snapshot
         before = _samples(http.get("/metrics").text)
         assert before[("kvtier_prefill_tokens_total",)] == 0  # the probe ran, and is not counted
         computed = 0
