@@ -58,11 +58,14 @@ def test_options_name_the_field(options, field):
     ([{"role": "assistant", "content": "", "tool_calls": "bash"}], None, r"messages\[0\]\.tool_calls"),
     ([{"role": "assistant", "content": "", "reasoning_content": 7}], None, r"messages\[0\]\.reasoning_content"),
     ([{"role": "tool", "tool_call_id": "x", "content": "r"}], None, r"messages\[0\]\.tool_call_id"),
+    ([{"role": "tool", "tool_call_id": "x", "content": "r"},
+      {"role": "assistant", "content": "", "tool_calls": [{"id": "a", "function": {"name": "bash"}}]}], None,
+     r"messages\[0\]\.tool_call_id"),
 ], ids=["no-messages", "not-a-dict", "unknown-role", "content-type", "image-part", "name-type", "tools-on-user",
         "tools-on-assistant", "tools-beside-content", "empty-dynamic-tools", "dynamic-name-repeats-request",
         "empty-tools", "tool-type", "tool-without-function", "name-pattern", "name-too-long", "parameters-not-object",
         "description-type", "repeated-name", "arguments-not-object", "call-without-name", "tool-calls-type",
-        "reasoning-type", "result-of-no-call"])
+        "reasoning-type", "result-of-no-call", "result-before-any-call"])
 def test_messages_and_tools_name_the_field(messages, tools, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
         render_xtml_parts(messages, tools)

@@ -380,14 +380,15 @@ def result_order(messages: Sequence[dict]) -> list[tuple[int, str | None]]:
         j = i
         while j < len(messages) and messages[j].get("role") == "tool":
             j += 1
-        found = [positions.get(str(messages[k].get("tool_call_id"))) for k in range(i, j)]
+        call_ids = [messages[k].get("tool_call_id", messages[k].get("id")) for k in range(i, j)]
+        found = [None if c is None else positions.get(str(c)) for c in call_ids]
         if all(f is not None for f in found):
             ordered = sorted(range(i, j), key=lambda k: found[k - i][0])  # stable: ties keep their order
             out.extend((k, found[k - i][1]) for k in ordered)
         else:
             out.extend((k, None) for k in range(i, j))
         i = j
-    named, seen_calls = [], 0
+    named, names, seen_calls = [], [], 0
     for idx, name in out:  # unresolved: the message's own name, else the call's at its position
         msg = messages[idx]
         if msg.get("role") == "assistant":
