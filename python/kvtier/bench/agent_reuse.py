@@ -18,7 +18,9 @@ chat format (K2's template or K3's XTML) and encoded, in whole pages
 first request reaches nothing (``first``, not counted).
 
 ``ratio = cached / reachable`` per row; a group's ratio is sum(cached) / sum(reachable), with
-the lowest row ratio and the rows at >= 0.99 beside it.
+the lowest row ratio, the rows at >= 0.99 and the turns lost whole beside it: rows of ``text``
+and ``tool`` whose cached tokens stop at or before the previous prompt's last whole page, so
+nothing turn k-1 generated came back (``lost_turns``).
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ def shared_prefix_tokens(tokenizer, page_size: int) -> int | None:
 
 def annotate(rows: list[dict], page_size: int, shared_prefix: int | None) -> list[dict]:
     """``rows`` (one per request, from :func:`kvtier.bench.agent_sessions.run_agents`) with
-    ``kind``, ``reachable_tokens`` and ``ratio`` added (``ratio`` None where nothing is
-    reachable). The run's first request is the first row."""
+    ``kind``, ``reachable_tokens``, ``ratio`` (None where nothing is reachable) and ``lost``
+    (``text`` and ``tool`` rows: no token past the previous prompt's last whole page was cached;
+    else None) added. The run's first request is the first row."""
     out, prev = [], {}
     for i, row in enumerate(rows):
         key = (row["api"], row["session"])
+        lost = None
         if i == 0:
             kind, reach = "first", None
         elif row["turn"] == 0:
@@ -82,16 +86,18 @@ def annotate(rows: list[dict], page_size: int, shared_prefix: int | None) -> lis
             p = prev[key]
             kind = "tool" if p["tool_calls"] else "text"
             reach = reachable_tokens(p["prompt_tokens"], p["output_tokens"], page_size)
+            lost = row["cached_tokens"] <= p["prompt_tokens"] // page_size * page_size
         ratio = row["cached_tokens"] / reach if reach else None
-        out.append({**row, "kind": kind, "reachable_tokens": reach, "ratio": ratio})
+        out.append({**row, "kind": kind, "reachable_tokens": reach, "ratio": ratio, "lost": lost})
         prev[key] = row
     return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One entry per (api, kind) with counted rows: ``turns``, ``cached_tokens``,
-    ``reachable_tokens`` (sums), ``ratio`` (their quotient), ``min_ratio`` and ``full_turns``
-    (rows at >= :data:`FULL`); then one per kind over every API (``api`` ``"all"``)."""
+    ``reachable_tokens`` (sums), ``ratio`` (their quotient), ``min_ratio``, ``full_turns``
+    (rows at >= :data:`FULL`) and ``lost_turns`` (rows ``lost``); then one per kind over every API
+    (``api`` ``"all"``)."""
     groups = defaultdict(list)
     for r in rows:
         if r["ratio"] is not None:
@@ -107,33 +113,37 @@ def summarize(rows: list[dict]) -> list[dict]:
             cached, reach = sum(r["cached_tokens"] for r in g), sum(r["reachable_tokens"] for r in g)
             out.append({"api": api, "kind": kind, "turns": len(g), "cached_tokens": cached,
                         "reachable_tokens": reach, "ratio": cached / reach, "min_ratio": min(r["ratio"] for r in g),
-                        "full_turns": sum(r["ratio"] >= FULL for r in g)})
+                        "full_turns": sum(r["ratio"] >= FULL for r in g),
+                        "lost_turns": sum(bool(r["lost"]) for r in g)})
     return out
 
 
 def markdown_table(summary: list[dict]) -> str:
     """``summary`` as a Markdown table (the form docs/benchmarks.md keeps)."""
-    lines = ["| API | reused turn | turns | cached / reachable tokens | ratio | lowest turn | turns >= 0.99 |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| API | reused turn | turns | cached / reachable tokens | ratio | lowest turn | turns >= 0.99 | "
+             "turns lost whole |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         lines.append(f"| {s['api']} | {s['kind']} | {s['turns']} | {s['cached_tokens']} / {s['reachable_tokens']} | "
-                     f"{s['ratio']:.3f} | {s['min_ratio']:.3f} | {s['full_turns']} / {s['turns']} |")
+                     f"{s['ratio']:.3f} | {s['min_ratio']:.3f} | {s['full_turns']} / {s['turns']} | "
+                     f"{s['lost_turns']} / {s['turns']} |")
     return "\n".join(lines)
 
 
 def print_report(console, summary: list[dict], title: str) -> None:
-    """``summary`` as a rich table on ``console``."""
+    """``summary`` as a rich table on ``console`` (``reach``: reachable tokens; ``full``: turns at
+    >= 0.99; ``lost``: turns lost whole; both of the group's turns)."""
     from rich import box
     from rich.table import Table
 
     t = Table(title=title, box=box.SIMPLE, pad_edge=False)
     widths = {"API": len("responses"), "reused turn": len("new-session")}  # whole in 80 columns
-    for col in ("API", "reused turn", "turns", "cached", "reachable", "ratio", "lowest", ">= 0.99"):
+    for col in ("API", "reused turn", "cached", "reach", "ratio", "lowest", "full", "lost"):
         t.add_column(col, justify="left" if col in widths else "right", no_wrap=True,
                      min_width=max(len(col), widths.get(col, 0)))
     for s in summary:
-        t.add_row(s["api"], s["kind"], str(s["turns"]), str(s["cached_tokens"]), str(s["reachable_tokens"]),
-                  f"{s['ratio']:.3f}", f"{s['min_ratio']:.3f}", f"{s['full_turns']}/{s['turns']}")
+        t.add_row(s["api"], s["kind"], str(s["cached_tokens"]), str(s["reachable_tokens"]),
+                  f"{s['ratio']:.3f}", f"{s['min_ratio']:.3f}", f"{s['full_turns']}/{s['turns']}",
+                  f"{s['lost_turns']}/{s['turns']}")
     console.print(t)
 
 
