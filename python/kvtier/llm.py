@@ -124,7 +124,7 @@ class LLM:
 
         if session_id is not None:
             check_hashable("session_id", session_id)
-        params = chat_sampling_params(sampling_params, tools, tool_choice)
+        params = chat_sampling_params(sampling_params, tools, tool_choice, response_format)
         options = chat_prompt_options(self.tokenizer.chat_format, params, tools=tools, tool_choice=tool_choice,
                                       thinking=thinking, reasoning_effort=reasoning_effort,
                                       response_format=response_format)

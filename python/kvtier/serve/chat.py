@@ -16,8 +16,9 @@ from kvtier.serve.params import SamplingParams
 
 
 def chat_sampling_params(params: SamplingParams | None, tools: Seq[dict] | None = None,
-                         tool_choice=None) -> SamplingParams:
-    """``params`` with ``tools`` (when it names none) and ``tool_choice`` (when given) set.
+                         tool_choice=None, response_format=None) -> SamplingParams:
+    """``params`` with ``tools`` (when it names none), ``tool_choice`` and ``response_format``
+    (when given: the answer is decoded under its JSON schema) set.
 
     Raises:
         ValueError: ``params`` is not a SamplingParams, ``tools`` differs from ``params.tools``, or bad tools / ``tool_choice``
@@ -34,6 +35,8 @@ def chat_sampling_params(params: SamplingParams | None, tools: Seq[dict] | None 
                          "the grammar allows; give them once")
     if tool_choice is not None:
         changes["tool_choice"] = tool_choice
+    if response_format is not None:
+        changes["response_format"] = response_format
     return dataclasses.replace(params, **changes) if changes else params
 
 

@@ -253,7 +253,8 @@ class ChatRequest(_Common):
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise ApiError(400, f"tool_choice: {self.tool_choice!r:.60} needs tools", "tool_choice")
         try:
-            return chat_sampling_params(base, self.tools or None, self.tool_choice if self.tools else None)
+            return chat_sampling_params(base, self.tools or None, self.tool_choice if self.tools else None,
+                                        self.response_format)
         except ValueError as e:
             raise value_error(e) from None
 
