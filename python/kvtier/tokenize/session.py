@@ -12,7 +12,12 @@ the boundary are rolled back (``AppendResult.rolled_back``) and re-encoded, neve
 Token-in-token-out mode ("tito") additionally keeps the ids the model sampled
 (:meth:`SessionEncoder.append_generated`) for as long as the rendered conversation reproduces
 their text exactly; if it does not (edited answer, dropped reasoning, a truncated turn whose
-rendering differs inside it) the whole sampled turn is rolled back and re-encoded.
+rendering differs inside it) the whole sampled turn is rolled back and re-encoded. Given the
+assistant message the API returned for them, the sampled ids are kept by message instead: while
+the client sends that message back (:func:`kvtier.tokenize.sampled.message_key`: same text,
+reasoning, tool names and JSON-equal arguments, whatever its serialisation) after unchanged
+earlier messages, it is rendered as the text of those ids, so they stay; from the first message
+that differs, everything is rendered and encoded as in canonical mode.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Literal, Protocol
 
 from kvtier.tokenize.formats import ChatFormat
 from kvtier.tokenize.chat import GENERATION_PROMPT, header_parts, history_end, render_message, render_tools
+from kvtier.tokenize.sampled import SampledTurn, SampledTurns, message_key
 from kvtier.tokenize.tokenizer import KimiTokenizer
 
 
@@ -203,6 +209,8 @@ class SessionEncoder(EncodedSession):
         self._n_hist = 0  # messages rendered as history (thinking: up to the last final answer)
         self._tools_copy: list | None = None  # deep copy of the last tools and ...
         self._tools_part = ""  # ... their declaration part (re-serialised only when they change)
+        self.sampled = SampledTurns()  # turns kept by message (append_generated with a message)
+        self._end_ids = tuple(tokenizer.token_id(t) for t in ("<|im_end|>", "[EOS]"))
 
     @property
     def text(self) -> str:
@@ -254,15 +262,19 @@ class SessionEncoder(EncodedSession):
             j += 1
         return j
 
-    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None) -> tuple[list[str], int, tuple]:
+    def _render(self, messages: Sequence[dict], tools: Sequence[dict] | None,
+                redo: int | None = None) -> tuple[list[str], int, tuple]:
         """Parts of the conversation, reusing the parts of messages unchanged since the last call.
 
         Message ``i`` keeps its part when it and every earlier message equal the copies kept from
         the last call (so its tool-call index is unchanged) and its history flag is unchanged.
+        A message that is a kept sampled turn is the text of its sampled ids; ``redo``: render
+        again from this message on.
 
         Returns:
             (parts, index of the first part that may differ from the old parts, new per-message state)
         """
+        redo = len(messages) if redo is None else redo
         tools_part = self._tools_declaration(tools)
         header = header_parts(messages, None)
         if tools_part:
@@ -271,11 +283,17 @@ class SessionEncoder(EncodedSession):
         j = self._unchanged_messages(messages)
         if n_hist != self._n_hist:
             j = min(j, n_hist, self._n_hist)
+        self.sampled.drop_from(j + 1)  # kept turns after a changed message are text again
+        j = min(j, redo)
         msgs, msg_parts, msg_calls = self._msgs[:j], self._msg_parts[:j], self._msg_calls[:j]
         calls = msg_calls[-1] if j else 0
         for i in range(j, len(messages)):
             msg = messages[i]
-            part, n = render_message(msg, i, thinking=self.thinking, history=i < n_hist, call_index=calls)
+            turn = self.sampled.match(i, msg)
+            if turn is not None:
+                part, n = turn.text, len(msg.get("tool_calls") or [])
+            else:
+                part, n = render_message(msg, i, thinking=self.thinking, history=i < n_hist, call_index=calls)
             calls += n
             msgs.append(_snapshot(msg))
             msg_parts.append(part)
@@ -302,6 +320,20 @@ class SessionEncoder(EncodedSession):
         """
         parts, start, state = self._render(messages, tools)
         _, diff = self._first_difference(parts, start)
+        for r in sorted(self.sampled.turns):  # a kept turn stays only if its ids are before the difference
+            if r == len(self._msgs) and not self.sampled.turns[r].placed:
+                end = self._length  # the newest turn: its sampled ids end the ids
+            elif self._n_header + r < len(self._starts):
+                end = self._starts[self._n_header + r] + len(self._parts[self._n_header + r])
+            else:
+                end = self._length + 1
+            if diff < end:
+                self.sampled.drop_from(r)
+                parts, start, state = self._render(messages, tools, redo=r)
+                _, diff = self._first_difference(parts, start)
+                break
+        for turn in self.sampled.turns.values():
+            turn.placed = True
         base = self._starts[start] if start < len(self._starts) else self._length
         starts = self._starts[:start]
         starts.extend(itertools.accumulate(map(len, parts[start:]), initial=base))
@@ -322,11 +354,18 @@ class SessionEncoder(EncodedSession):
         self._parts, self._starts, self._length = parts, starts, new_length
         return AppendResult(new_ids, rolled_back)
 
-    def append_generated(self, ids: Sequence[int]) -> None:
+    def append_generated(self, ids: Sequence[int], message: dict | None = None) -> bool:
         """Record the ids the model sampled after the generation prompt (tito mode only).
 
-        They are kept by later :meth:`append` calls as long as the rendered assistant turn
-        starts with their decoded text.
+        Without ``message``, they are kept by later :meth:`append` calls as long as the rendered
+        assistant turn starts with their decoded text. With ``message`` (the assistant message
+        the API returned for them), they are kept while the next conversations hold a message
+        equal to it (:func:`kvtier.tokenize.sampled.message_key`) at the index after the last
+        :meth:`append`'s messages, after unchanged earlier messages; a trailing ``<|im_end|>`` or
+        ``[EOS]`` is left to the rendering, which closes the turn with ``<|im_end|>``.
+
+        Returns:
+            True (the ids are in the session).
 
         Raises:
             ValueError: canonical mode, or the ids do not follow a generation prompt.
@@ -337,12 +376,34 @@ class SessionEncoder(EncodedSession):
             raise ValueError("append_generated: the session must end with the generation prompt "
                              f"{GENERATION_PROMPT!r} (append the conversation first)")
         ids = [int(i) for i in ids]
-        if not ids:
-            return
-        text = self.tokenizer.decode(ids)
+        if message is not None and ids and ids[-1] in self._end_ids:
+            ids = ids[:-1]
+        key = message_key(message) if message is not None else None
+        if not ids and key is None:
+            return True
+        text = self.tokenizer.decode(ids) if ids else ""
+        if key is not None:
+            self.sampled.add(SampledTurn(len(self._msgs), key, tuple(ids), self._parts[-1] + text + "<|im_end|>"))
         self._store.append(ids)
         self._parts[-1] += text
         self._length += len(text)
         # the end of a sampled turn is a boundary: later text is encoded after it
         self._bound_chars.append(self._length)
         self._bound_toks.append(len(self._store))
+        return True
+
+    def boundaries(self) -> dict[str, int]:
+        """Where the ids of the last :meth:`append` end a part a later turn comes back to:
+        ``tools`` (the end of the tool declaration; absent without tools) and ``history`` (the
+        end of the last message, before the generation prompt), as a number of ids. Both are
+        safe boundaries (the end of a special token)."""
+        out = {}
+        n = len(self._parts) - (1 if self.add_generation_prompt else 0)
+        for name, k in (("tools", 1 if self._tools_part and self._n_header else 0), ("history", n)):
+            if k <= 0 or k > len(self._starts):
+                continue
+            char = self._starts[k] if k < len(self._starts) else self._length
+            b = bisect.bisect_right(self._bound_chars, char) - 1
+            if self._bound_chars[b] == char:
+                out[name] = self._bound_toks[b]
+        return out

@@ -10,6 +10,11 @@ exactly ``encode_xtml(tokenizer, messages, tools, options)``, the same guarantee
 ``response_format``) and the generation prompt are the last parts, so the next turn rolls back
 exactly to the end of the last history message (``../shared/docs/K3.md``, "What it means for a
 cache").
+
+A turn's sampled ids are kept (:meth:`XtmlSessionEncoder.append_generated`): while the client sends
+that assistant message back (:func:`kvtier.tokenize.sampled.message_key`) after the same earlier
+parts, its part is the generation prompt's ids and the sampled ones, not a re-encoding; from the
+first part that differs, the conversation is rendered and encoded as above.
 """
 
 from __future__ import annotations
@@ -17,8 +22,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.tokenize.formats import ChatFormat
+from kvtier.tokenize.sampled import SampledTurn, SampledTurns, message_key
 from kvtier.tokenize.session import AppendResult, EncodedSession, IdStore, SessionEncoder
-from kvtier.tokenize.xtml import Part, XtmlOptions, encode_part, render_xtml_parts
+from kvtier.tokenize.xtml import Part, XtmlOptions, close_tag, encode_part, render_xtml_parts, result_order
+
+
+class SampledPart(tuple):
+    """A message part whose ids are the ones a turn sampled (:meth:`XtmlSessionEncoder.append_generated`).
+    Its segments are the message's rendering, for reading; two sampled parts are equal when their
+    ids are, and a sampled part never equals a rendered one."""
+
+    ids: tuple[int, ...]
+
+    def __new__(cls, part: Part, ids: Sequence[int]):
+        obj = super().__new__(cls, part)
+        obj.ids = tuple(ids)
+        return obj
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SampledPart) and self.ids == other.ids
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
 
 
 class XtmlSessionEncoder(EncodedSession):
@@ -52,6 +79,12 @@ class XtmlSessionEncoder(EncodedSession):
         self.add_generation_prompt = add_generation_prompt
         self._parts: list[Part] = []  # the parts the ids encode, in order
         self._starts: list[int] = []  # the number of ids before each part
+        self._n_messages = 0  # messages of the last append
+        self._n_history_parts = 0  # parts of the last append before its tails and generation prompt
+        self._declares_tools = False  # the last append's first part is a tool declaration
+        self.sampled = SampledTurns()
+        self._end_ids = (tokenizer.token_id("<|end_of_msg|>"), tokenizer.token_id("[EOS]"))
+        self._close_message = tuple(encode_part(tokenizer, close_tag("message")))
 
     @property
     def text(self) -> str:
@@ -71,11 +104,34 @@ class XtmlSessionEncoder(EncodedSession):
         Raises:
             ValueError: as :func:`kvtier.tokenize.xtml.render_xtml_parts`; the session is unchanged.
         """
-        parts = render_xtml_parts(messages, tools, options, self.add_generation_prompt).all()
+        rendered = render_xtml_parts(messages, tools, options, self.add_generation_prompt)
+        position = {i: p for p, (i, _) in enumerate(result_order(messages))}
+        canonical = list(rendered.messages)
+        h = len(rendered.header)
+        for r in sorted(self.sampled.turns):
+            turn = self.sampled.match(r, messages[r]) if r in position else None
+            if turn is None:
+                self.sampled.drop_from(r)
+                break
+            rendered.messages[position[r]] = SampledPart(canonical[position[r]], turn.ids)
+        parts = rendered.all()
+        j = self._first_difference(parts)
+        # a kept turn at or after the first difference follows other parts than it was sampled
+        # after, unless it is the newest turn right after the parts of its own prompt
+        for r, turn in sorted(self.sampled.turns.items()):
+            k = h + position[r]
+            if k > j or (k == j and turn.placed):
+                for d in [d for d in self.sampled.turns if d >= r]:
+                    rendered.messages[position[d]] = canonical[position[d]]
+                self.sampled.drop_from(r)
+                parts = rendered.all()
+                j = self._first_difference(parts)
+                break
+        for turn in self.sampled.turns.values():
+            turn.placed = True
+        self._n_messages, self._declares_tools = len(messages), bool(tools)
+        self._n_history_parts = h + len(rendered.messages)
         old = self._parts
-        j, n = 0, min(len(old), len(parts))
-        while j < n and old[j] == parts[j]:
-            j += 1
         if j == len(old) == len(parts):
             return AppendResult([], 0)
         keep = self._starts[j] if j < len(old) else len(self._store)
@@ -85,10 +141,59 @@ class XtmlSessionEncoder(EncodedSession):
         new_ids: list[int] = []
         for part in parts[j:]:
             starts.append(keep + len(new_ids))
-            new_ids.extend(encode_part(self.tokenizer, part))
+            new_ids.extend(part.ids if isinstance(part, SampledPart) else encode_part(self.tokenizer, part))
         self._store.append(new_ids)
         self._parts, self._starts = parts, starts
         return AppendResult(new_ids, rolled_back)
+
+    def _first_difference(self, parts: list[Part]) -> int:
+        old = self._parts
+        j, n = 0, min(len(old), len(parts))
+        while j < n and old[j] == parts[j]:
+            j += 1
+        return j
+
+    def append_generated(self, ids: Sequence[int], message: dict) -> bool:
+        """Keep the ids a turn sampled after this session's last prompt, for the assistant
+        message the API returned for them (``message``, OpenAI-style): the next :meth:`append`
+        whose conversation holds that message right after the last prompt's messages encodes it
+        as the generation prompt's ids followed by ``ids``.
+
+        Args:
+            ids: the turn's output ids, ending ``<|close|>message<|sep|>`` and then
+                ``<|end_of_msg|>`` or ``[EOS]`` (a turn the grammar finished); the end token is
+                kept as ``<|end_of_msg|>``, the history form.
+            message: the assistant message returned for them.
+
+        Returns:
+            True when they are kept; False (nothing kept) for a turn that did not end its message
+            (a length stop), a session not ending in the generation prompt, or a message that is
+            not an assistant message.
+        """
+        ids = [int(i) for i in ids]
+        if ids and ids[-1] in self._end_ids:
+            ids = ids[:-1]
+        key = message_key(message)
+        if (key is None or not self.add_generation_prompt or not self._parts
+                or tuple(ids[-len(self._close_message):]) != self._close_message):
+            return False
+        prompt = self._store.ids()
+        generation = [int(i) for i in prompt[self._starts[-1]:]]
+        self.sampled.add(SampledTurn(self._n_messages, key, tuple(generation + ids + [self._end_ids[0]])))
+        return True
+
+    def boundaries(self) -> dict[str, int]:
+        """Where the ids of the last :meth:`append` end a part a later turn comes back to:
+        ``tools`` (the end of the tool declaration, the first part; absent without tools),
+        ``history`` (the end of the last message, before the tails and the generation prompt),
+        as a number of ids."""
+        out = {}
+        if self._declares_tools and len(self._starts) > 1:
+            out["tools"] = self._starts[1]
+        if self._n_history_parts:
+            out["history"] = (self._starts[self._n_history_parts] if self._n_history_parts < len(self._starts)
+                              else len(self._store))
+        return out
 
 
 def session_encoder(tokenizer, *, page_size: int = 64, salt: bytes = b"") -> SessionEncoder | XtmlSessionEncoder:
