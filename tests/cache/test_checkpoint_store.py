@@ -1,4 +1,4 @@
-"""The state checkpoint store on its own (kvtier/cache/tiers/checkpoints.py): each tier keeps its own
+"""The state checkpoint store on its own (kvtier/cache/checkpoints/store.py): each tier keeps its own
 budget, drops sparse-grid checkpoints before turn ends and least recently used first, never drops a
 protected one, checks what it reads back from disk, and says which copies it gained and lost."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvtier.cache.checkpoints.store import CheckpointKind, CheckpointStore
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.tiers.checkpoints import CheckpointKind, CheckpointStore
 
 N = 5000  # bytes per checkpoint (a host slot rounds it to 8192)
 GRID, TURN = CheckpointKind.GRID, CheckpointKind.TURN
@@ -126,7 +126,7 @@ def test_bad_saves_are_named():
 
 
 def test_a_session_waiting_on_a_tool_keeps_its_last_checkpoint_until_it_returns(tmp_path):
-    """Tool-aware retention (kvtier/cache/state_reuse.py): the pool protects the last checkpoint
+    """Tool-aware retention (kvtier/cache/checkpoints/reuse.py): the pool protects the last checkpoint
     under a waiting session's blocks in every tier, so new saves evict others; after the tool
     returns it is an ordinary checkpoint again."""
     from kvtier.cache.config import PoolConfig

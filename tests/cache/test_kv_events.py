@@ -72,10 +72,13 @@ def test_state_checkpoint_events_round_trip_and_build_their_own_view():
     assert old_reader.states == []  # a batch without checkpoints carries no "states" key
     view = GlobalKVView()
     view.apply(batch)
-    assert view.keeps_states("w") and view.state_tiers("w", k) == {"device", "host"}
+    assert view.state_tiers("w", k) == {"device", "host"}
+    assert view.resume_tiers("w", k) == set()  # a checkpoint without its block: nothing to resume from
     assert view.tiers("w", k) == set() and view.state_tiers("w", h) == set()  # blocks and states apart
     view.apply(EventBatch("w", 1, [], [(False, "device", k)]))
     assert view.state_tiers("w", k) == {"host"}
+    view.apply(EventBatch("w", 2, [(True, "device", k)]))
+    assert view.resume_tiers("w", k) == {"device"} and view.resume_tiers("w", h) == set()  # h has no checkpoint
 
 
 def test_a_hybrid_pool_publishes_its_checkpoints_beside_its_blocks():
@@ -97,7 +100,7 @@ def test_a_hybrid_pool_publishes_its_checkpoints_beside_its_blocks():
         store = pool.resume_rule.store
         keys = [k for s in range(3) for k in block_hashes(prompt(70, s)[:64], PS, None, pool.config.salt)]
         held = {k: {t.name.lower() for t in store.where(k)} for k in keys if store.where(k)}
-        assert held and sub.view.keeps_states("worker-k3")
+        assert held and all(sub.view.resume_tiers("worker-k3", k) <= sub.view.tiers("worker-k3", k) for k in keys)
         assert {k: sub.view.state_tiers("worker-k3", k) for k in held} == held
     finally:
         torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""No half restores (kvtier/cache/state_reuse.py): a hybrid pool places a cached prefix only with the
+"""No half restores (kvtier/cache/checkpoints/reuse.py): a hybrid pool places a cached prefix only with the
 recurrent-state checkpoint at exactly its end. Every single-object failure -- a checkpoint that is
 missing, corrupt, short or stored under another key in the disk or remote tier, an MLA block whose
 load fails -- falls back to the longest earlier point whose blocks and checkpoint both read back,
@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from kvtier.cache.checkpoints.store import CheckpointKind
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import BlockMeta
@@ -19,7 +20,6 @@ from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteTier
-from kvtier.cache.tiers.checkpoints import CheckpointKind
 from tests.helpers.memory_store import MemoryBackend
 
 PS = 4                   # tokens per page

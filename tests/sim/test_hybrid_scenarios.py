@@ -2,17 +2,17 @@
 a few 400K-token sessions), its byte-less checkpoint store and the grid-only policy."""
 
 import pytest
+from kvtier.cache.checkpoints.store import CheckpointKind
+from kvtier.cache.prefix_index import Tier
+from kvtier.model.config import preset
+from kvtier.model.hybrid_plan import hybrid_memory_plan
+from kvtier.serve.hybrid_state import CheckpointPlan
+from kvtier.serve.hybrid_state import default_checkpoint_tokens
 from kvtier.sim.copies import SimCopyEngine, TierLinks, VirtualClock
 from kvtier.sim.hardware import Link
 from kvtier.sim.run import SimOptions, run_scenario
 from kvtier.sim.scenarios import SCENARIOS, Replay
-from kvtier.serve.hybrid_state import CheckpointPlan
 from kvtier.sim.states import SimCheckpointStore
-from kvtier.cache.prefix_index import Tier
-from kvtier.cache.tiers.checkpoints import CheckpointKind
-from kvtier.model.config import preset
-from kvtier.model.hybrid_plan import hybrid_memory_plan
-from kvtier.serve.hybrid_state import default_checkpoint_tokens
 
 
 @pytest.fixture(scope="module")

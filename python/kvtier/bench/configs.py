@@ -15,7 +15,7 @@
   (:func:`kvtier.bench.report.bench_json`'s ``bound``) is what a cache could still gain.
 
 A hybrid KDA + MLA model (``--model tiny-k3``) runs every configuration: its pool keeps
-recurrent-state checkpoints beside the MLA blocks (:mod:`kvtier.cache.state_reuse`), and a prefix
+recurrent-state checkpoints beside the MLA blocks (:mod:`kvtier.cache.checkpoints.reuse`), and a prefix
 is reused only up to a boundary where both are reachable. ``device-only`` then keeps the MLA
 blocks in device pages and the checkpoints in device checkpoint slots (what an engine does by
 default); ``tiered`` adds the host and disk tiers for both. Each tier's checkpoint budget is

@@ -10,7 +10,7 @@ frames: the topic :data:`TOPIC` and a JSON object
      "states": [same, for a hybrid model's state checkpoints keyed by the block hash before them]}
 
 (``states`` only from a pool that keeps recurrent-state checkpoints,
-:mod:`kvtier.cache.tiers.checkpoints`; a reader that does not know it ignores it).
+:mod:`kvtier.cache.checkpoints.store`; a reader that does not know it ignores it).
 
 A :class:`KVEventSubscriber` applies the batches of any number of workers to a
 :class:`GlobalKVView`: which worker holds which block in which tier. Pub/sub is lossy (a
@@ -145,10 +145,14 @@ class GlobalKVView:
         """Tiers of ``worker`` holding the state checkpoint keyed ``key`` (empty if none)."""
         return set(self._states.get(worker, {}).get(key, ()))
 
-    def keeps_states(self, worker: str) -> bool:
-        """Whether ``worker`` published state checkpoints (a hybrid model's worker): its prefixes
-        are reusable only where it holds one."""
-        return bool(self._states.get(worker))
+    def resume_tiers(self, worker: str, block_hash: bytes) -> set[str]:
+        """Tiers of ``worker`` a prefix ending with ``block_hash`` resumes from: the block's tiers,
+        but for a worker that publishes state checkpoints (a hybrid model's), none unless it also
+        holds the checkpoint keyed ``block_hash`` in a tier of its own (not only the remote store)."""
+        tiers = self.tiers(worker, block_hash)
+        if not self._states.get(worker):
+            return tiers
+        return tiers if self.state_tiers(worker, block_hash) - {"remote"} else set()
 
     def blocks(self, worker: str, tier: str) -> set[bytes]:
         """Every block ``worker`` holds in ``tier``."""

@@ -79,7 +79,7 @@ class KVState:
             while only a hybrid pool's checkpoint read runs).
 
     A hybrid pool's checkpoint reads and restores are the pool's own
-    (:mod:`kvtier.cache.state_reuse`): a restore leaves it as data
+    (:mod:`kvtier.cache.checkpoints.reuse`): a restore leaves it as data
     (:meth:`kvtier.cache.pool.KVPool.take_restore`).
     """
 

@@ -42,6 +42,9 @@ import torch
 
 from kvtier.cache.block_hash import BLOCK_HASH_BYTES
 from kvtier.cache.block_io import BlockIO
+from kvtier.cache.checkpoints.index import Checkpoint, CheckpointKind
+from kvtier.cache.checkpoints.reuse import resume_rule
+from kvtier.cache.checkpoints.store import CheckpointStore
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel
 from kvtier.cache.device_pages import DevicePages
@@ -52,10 +55,7 @@ from kvtier.cache.prefetch import Prefetcher
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
-from kvtier.cache.state_reuse import CheckpointReuse, EveryBlock
 from kvtier.cache.tiers import PoolTiers
-from kvtier.cache.checkpoint_index import Checkpoint, CheckpointKind
-from kvtier.cache.tiers.checkpoints import CheckpointStore
 from kvtier.cache.writes import Writes
 
 __all__ = ["KVPool", "PrefixStart"]
@@ -88,7 +88,7 @@ class KVPool:
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
             misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
         checkpoints: a hybrid model's state checkpoint store (anything with
-            :class:`kvtier.cache.tiers.checkpoints.CheckpointStore`'s methods, e.g. the simulator's
+            :class:`kvtier.cache.checkpoints.store.CheckpointStore`'s methods, e.g. the simulator's
             byte-less one); None opens one when ``config.state_checkpoint_bytes`` is set (and
             prefix caching is on).
 
@@ -124,13 +124,12 @@ class KVPool:
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None = None, *,
                  copy_engine: CopyEngine | None = None, disk: DiskStore | None = None, clock: Clock | None = None,
                  remote: RemoteTier | None = None, checkpoints: CheckpointStore | None = None):
-        self.tiers = PoolTiers(config, kv_caches, cost_model, copy_engine, disk, clock, remote, checkpoints)
+        self.tiers = PoolTiers(config, kv_caches, cost_model, copy_engine, disk, clock, remote)
         self.pages = DevicePages(self.tiers, on_evict=lambda blocks: self.writes.evicting(blocks))
         self.writes = Writes(self.tiers, self.pages)
         self.loads = Loads(self.tiers, self.pages)
-        store = self.tiers.checkpoints
         # Where a prefix may resume: after any block, or (a hybrid model) only at a checkpoint.
-        self.resume_rule = EveryBlock() if store is None else CheckpointReuse(self.tiers, store)
+        self.resume_rule = resume_rule(self.tiers, checkpoints)
         self.reuse = PrefixReuse(self.tiers, self.pages, self.loads, self.writes, self.resume_rule)
         self.prefetcher = Prefetcher(self.tiers, self.pages, self.loads)
         self.block_io = BlockIO(self.tiers, self.pages)
@@ -147,7 +146,7 @@ class KVPool:
         cached = t.cached_blocks()
         return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
                                cached_blocks=cached, remote=None if t.remote is None else t.remote.stats,
-                               state=self.resume_rule.stats)
+                               state=self.resume_rule.snapshot())
 
     # ---- device pages -------------------------------------------------------------------------
     @property
@@ -288,7 +287,7 @@ class KVPool:
 
     def save_checkpoint(self, kv: KVState, num_tokens: int, payload: torch.Tensor, kind: CheckpointKind) -> bool:
         """Keep ``payload`` as the recurrent-state checkpoint of ``kv`` after its first ``num_tokens``
-        tokens, in every tier with room (:mod:`kvtier.cache.tiers.checkpoints`).
+        tokens, in every tier with room (:mod:`kvtier.cache.checkpoints.store`).
 
         Args:
             kv: the request the state belongs to (its tokens up to ``num_tokens`` are hashed if
@@ -313,7 +312,7 @@ class KVPool:
 
     @property
     def checkpoint_meta(self):
-        """The layout a state checkpoint travels in (:func:`kvtier.cache.tiers.checkpoints.checkpoint_meta`,
+        """The layout a state checkpoint travels in (:func:`kvtier.cache.checkpoints.store.checkpoint_meta`,
         as ``meta`` is a block's); None for a pool without state checkpoints."""
         return self.resume_rule.meta
 

@@ -39,7 +39,7 @@ class PoolStats:
 
 @dataclass
 class StateStats:
-    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.tiers.checkpoints`).
+    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.checkpoints.store`).
 
     Attributes:
         hits: checkpoints restored into a request, by the tier they came from (``device``,
@@ -130,9 +130,9 @@ class PoolSnapshot:
     def of(cls, stats: PoolStats, *, num_pages: int, num_free_pages: int, cached_blocks: dict[str, int],
            remote=None, state: StateStats | None = None) -> PoolSnapshot:
         """A snapshot of ``stats`` (copied) with the pool's page and block counts; ``remote``: the
-        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None; ``state``: the
-        checkpoint counters (copied), or None."""
+        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None; ``state``: a copy
+        of the checkpoint counters, or None."""
         rs = None if remote is None else RemoteSnapshot(dict(remote.gets), dict(remote.puts), remote.exists_failures)
         return cls(dict(stats.hit_tokens), dict(stats.bytes_loaded), dict(stats.bytes_written), dict(stats.evictions),
                    stats.copy_errors, stats.prefetched_blocks, dict(stats.stores_refused), stats.disk_capacity_blocks,
-                   num_pages, num_free_pages, dict(cached_blocks), rs, None if state is None else state.copy())
+                   num_pages, num_free_pages, dict(cached_blocks), rs, state)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import enum
 
 from kvtier.cache.block_hash import block_hashes
+from kvtier.cache.checkpoints.reuse import EveryBlock
 from kvtier.cache.device_pages import DevicePages
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import BlockLoad, Loads
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.state_reuse import EveryBlock
 from kvtier.cache.tiers import PoolTiers
 from kvtier.cache.writes import Writes
 
@@ -39,7 +39,7 @@ class PrefixReuse:
 
     def __init__(self, tiers: PoolTiers, pages: DevicePages, loads: Loads, writes: Writes, rule: EveryBlock):
         self.tiers, self.pages, self.loads, self.writes = tiers, pages, loads, writes
-        self.rule = rule  # where a prefix may resume (:mod:`kvtier.cache.state_reuse`)
+        self.rule = rule  # where a prefix may resume (:mod:`kvtier.cache.checkpoints.reuse`)
         self.page_size = tiers.config.page_size
         self.loading: dict[int, KVState] = {}  # requests whose loads run, by id(), in start order
 

@@ -81,7 +81,7 @@ def check_state_options(args: argparse.Namespace, page_size: int | None) -> None
     """Check the options :func:`add_state_options` adds, before any model loads.
 
     Budgets smaller than one checkpoint depend on the model; the pool refuses them at start,
-    naming the option (:class:`kvtier.cache.tiers.checkpoints.CheckpointStore`).
+    naming the option (:class:`kvtier.cache.checkpoints.store.CheckpointStore`).
 
     Raises:
         ValueError: ``--state-checkpoint-tokens`` not a positive multiple of ``page_size`` (None:

@@ -91,8 +91,22 @@ class StateSlots:
     def pack(self, slot: int) -> torch.Tensor:
         """``slot``'s state as one ``[checkpoint_bytes]`` uint8 tensor on the slots' device: per KDA
         layer its recurrent state then its conv window, each in its own dtype's bytes (what the
-        pool keeps as a checkpoint, :mod:`kvtier.cache.tiers.checkpoints`)."""
+        pool keeps as a checkpoint, :mod:`kvtier.cache.checkpoints.store`)."""
         return _pack([r[slot] for r in self.recurrent], [c[slot] for c in self.conv])
+
+    def pack_into(self, slot: int, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`pack` written into ``out`` (``[checkpoint_bytes]`` uint8, on any device: a
+        preallocated row, e.g. in host memory) instead of a new tensor; returns ``out``.
+        ValueError: ``out`` is not ``checkpoint_bytes`` uint8 bytes."""
+        if out.dtype != torch.uint8 or out.numel() != self.checkpoint_bytes:
+            raise ValueError(f"out must be {self.checkpoint_bytes} uint8 bytes, got {out.numel()} {out.dtype}")
+        at = 0
+        for r, c in zip(self.recurrent, self.conv, strict=True):
+            for part in (r[slot], c[slot]):
+                raw = part.contiguous().view(-1).view(torch.uint8)
+                out[at:at + raw.numel()].copy_(raw)
+                at += raw.numel()
+        return out
 
     def pack_checkpoint(self, checkpoints: StateCheckpoints, row: int) -> torch.Tensor:
         """Row ``row`` of ``checkpoints`` (a forward's states at a boundary) laid out as :meth:`pack`

@@ -5,7 +5,7 @@ cache identity, the engine over it, and where its tokenizer lives.
 Hybrid KDA + MLA models (``kimi_linear`` / ``kimi_k3`` checkpoints, presets of
 :data:`kvtier.model.kimi_linear_config.HYBRID_PRESETS` such as ``tiny-k3``) are built too; their
 engine's pool keeps recurrent-state checkpoints beside the MLA blocks, so prefixes are reused
-at exact checkpoints (:mod:`kvtier.serve.hybrid_state`, :mod:`kvtier.cache.state_reuse`)."""
+at exact checkpoints (:mod:`kvtier.serve.hybrid_state`, :mod:`kvtier.cache.checkpoints.reuse`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ beside the MLA layers' KV pages, a fixed-size recurrent state per sequence in a
 
 - a sequence gets a slot the first step it runs (admission). The slot starts from zeros when the
   sequence starts at token 0, or from the checkpoint the pool restored with its cached prefix,
-  which rides on the step's batch (``ScheduledBatch.restores``, :mod:`kvtier.cache.state_reuse`);
+  which rides on the step's batch (``ScheduledBatch.restores``, :mod:`kvtier.cache.checkpoints.reuse`);
 - a chunked prefill's next chunk starts from the state the previous chunk left in the slot;
 - the slot of a sequence that is no longer running (finished, aborted or preempted) is freed at
   the start of the next step the runner runs, before any slot is taken.
@@ -21,9 +21,10 @@ returns them in its step result for the engine to hand the pool (``StepResult.ch
   tokens so far (a prompt, or a preempted sequence's prompt and output), and the page boundary
   before it when the tokens end on one (where the same prompt sent again resumes) --
   :attr:`CheckpointKind.TURN`;
-- **turn end**: the last page boundary a decode step crossed, kept (one copy per sequence; every
-  step's result offers it, ``StepResult.turn_ends``, and the engine saves it for a sequence that
-  finished) or returned by the next step when the sequence was preempted -- ``TURN``;
+- **turn end**: the last page boundary a decode step crossed, packed into a host-memory row of
+  the sequence's slot (no device memory; every step's result offers it,
+  ``StepResult.turn_ends``, and the engine saves it for a sequence that finished) or returned by
+  the next step when the sequence was preempted -- ``TURN``;
 - **grid**: every ``state_checkpoint_tokens`` tokens of a prefill -- :attr:`CheckpointKind.GRID`.
 
 Without such a pool (prefix caching off), a preempted sequence recomputes from its first token and
@@ -37,7 +38,7 @@ import logging
 
 import torch
 
-from kvtier.cache.checkpoint_index import Checkpoint, CheckpointKind
+from kvtier.cache.checkpoints.index import Checkpoint, CheckpointKind
 from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_linear import KimiLinearForCausalLM
 from kvtier.model.state_slots import StateBatch, StateCheckpoints, StateSlots
@@ -205,6 +206,9 @@ class HybridState:
         self._absorbed: dict[int, int] = {}  # seq_id -> tokens the slot's state has taken in
         self._asked: list[tuple[int, Sequence, int, CheckpointKind]] = []  # this step's checkpoints
         self._stopped: list[Checkpoint] = []  # turn ends of preempted sequences, returned by this step
+        # Each slot's last decode page boundary, packed into a host row kept for the slot's life
+        # (pinned beside a GPU): a turn's end costs no device memory (docs/k3.md, the turn-end save).
+        self._turn_end_rows: dict[int, torch.Tensor] = {}
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -218,7 +222,8 @@ class HybridState:
 
     def release_stale(self) -> None:
         """Free the slots of sequences that are no longer running (finished, aborted, preempted)."""
-        self._stopped += self.plan.stopped()
+        # a preempted sequence's turn end leaves its slot's row, which the next holder overwrites
+        self._stopped += [dataclasses.replace(c, payload=c.payload.clone()) for c in self.plan.stopped()]
         for seq_id, (seq, slot) in list(self._held.items()):
             if seq.status is not SequenceStatus.RUNNING:
                 del self._held[seq_id], self._absorbed[seq_id]
@@ -271,8 +276,16 @@ class HybridState:
         out = [] if checkpoints is None else [Checkpoint(seq.kv, b, self.slots.pack_checkpoint(checkpoints, row), kind)
                                               for row, (_, seq, b, kind) in enumerate(self._asked)]
         out, self._stopped, self._asked = out + self._stopped, [], []
-        self.plan.decoded(batch, lambda seq: self.slots.pack(self._held[seq.seq_id][1]))
+        self.plan.decoded(batch, lambda seq: self._turn_end_row(self._held[seq.seq_id][1]))
         return out
+
+    def _turn_end_row(self, slot: int) -> torch.Tensor:
+        """``slot``'s state packed into its host row (allocated at the slot's first turn end)."""
+        row = self._turn_end_rows.get(slot)
+        if row is None:
+            row = self._turn_end_rows[slot] = torch.empty(self.checkpoint_bytes, dtype=torch.uint8,
+                                                          pin_memory=self.device.type == "cuda")
+        return self.slots.pack_into(slot, row)
 
 
 __all__ = ["CheckpointPlan", "HybridState", "cache_config", "default_checkpoint_tokens", "device_only",

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from kvtier.cache.checkpoint_index import Checkpoint
+from kvtier.cache.checkpoints.index import Checkpoint
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
@@ -117,7 +117,8 @@ class ModelRunner:
     def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
         self.model = model
         self.model_config = model.config
-        self.hybrid = None
+        self.hybrid = None  # a model with a recurrent state: its slots (HybridState)
+        self._forward_logits = self._attention_forward
         device = model.embed_tokens.device
         self.device = device
         spec = model.cache_spec()
@@ -128,6 +129,7 @@ class ModelRunner:
                                  "capture the K2 forward only); expected cuda_graph=False")
             grid = config.pool.state_checkpoint_tokens if config.pool.state_checkpoint_bytes else 0
             self.hybrid = HybridState(model, config.max_num_seqs, config.pool.page_size, grid)
+            self._forward_logits = self._hybrid_forward
         self.config = config
         self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
         if config.cuda_graph:
@@ -171,24 +173,31 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), attn, owners
 
-    def _forward_logits(self, batch: ScheduledBatch, input_ids, positions, attn,
-                        rows: list[int]) -> tuple[torch.Tensor, list[Checkpoint]]:
-        """[len(rows), vocab] fp32 logits of the step's token rows ``rows`` and the checkpoints the
-        step produced: from a captured graph for a decode-only step that fits one, else from an
-        eager forward (a hybrid model's reads and writes the step's state slots)."""
+    def _attention_forward(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]
+                           ) -> tuple[torch.Tensor, list[Checkpoint], dict[int, Checkpoint]]:
+        """``(logits, checkpoints, turn_ends)`` of an attention-only model's step: [len(rows), vocab]
+        fp32 logits of the step's token rows ``rows`` from a captured graph for a decode-only step
+        that fits one, else from an eager forward; no checkpoints."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        if self.hybrid is not None:
-            state_batch = self.hybrid.state_batch(batch)
-            attn = self.model.plan(attn, self.kv_caches)
-            hidden, checkpoints = self.model.forward_with_checkpoints(input_ids, positions, attn, self.kv_caches,
-                                                                      self.hybrid.slots, state_batch)
-            return self.model.compute_logits(hidden[index]), self.hybrid.ran(batch, checkpoints)
         attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
         if (self.graphs is not None and not batch.extends
                 and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
-            return self.graphs.run(input_ids, positions, attn)[index], []
+            return self.graphs.run(input_ids, positions, attn)[index], [], {}
         hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        return self.model.compute_logits(hidden[index]), []
+        return self.model.compute_logits(hidden[index]), [], {}
+
+    def _hybrid_forward(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]
+                        ) -> tuple[torch.Tensor, list[Checkpoint], dict[int, Checkpoint]]:
+        """As :meth:`_attention_forward` for a model with a recurrent state: the eager forward reads
+        and writes the step's state slots; the checkpoints the step produced and each decode's turn
+        end come back with the logits (:meth:`HybridState.ran`)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        state_batch = self.hybrid.state_batch(batch)
+        attn = self.model.plan(attn, self.kv_caches)
+        hidden, states = self.model.forward_with_checkpoints(input_ids, positions, attn, self.kv_caches,
+                                                             self.hybrid.slots, state_batch)
+        checkpoints = self.hybrid.ran(batch, states)
+        return self.model.compute_logits(hidden[index]), checkpoints, self.hybrid.plan.turn_ends(batch)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -203,7 +212,7 @@ class ModelRunner:
                 wanted[seq.seq_id] = (entry[0], row)
         for prompt_rows, last in wanted.values():
             rows += [r for r, _ in prompt_rows] + ([last] if last is not None else [])
-        logits, checkpoints = self._forward_logits(batch, input_ids, positions, attn, rows)
+        logits, checkpoints, turn_ends = self._forward_logits(batch, input_ids, positions, attn, rows)
         where = {r: i for i, r in enumerate(rows)}
         out = {}
         for seq_id, (prompt_rows, last) in wanted.items():
@@ -213,5 +222,4 @@ class ModelRunner:
                 prompt_positions=[p for _, p in prompt_rows],
                 prompt_logits=logits[idx] if idx else None,
             )
-        turn_ends = self.hybrid.plan.turn_ends(batch) if self.hybrid is not None else {}
         return StepResult(logits=out, checkpoints=checkpoints, turn_ends=turn_ends)

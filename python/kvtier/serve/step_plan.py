@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvtier.cache.checkpoint_index import Checkpoint
+from kvtier.cache.checkpoints.index import Checkpoint
 from kvtier.cache.pool import KVPool, PrefixStart
 from kvtier.serve.queues import mark
 from kvtier.serve.request import Sequence

@@ -13,10 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.sim.states import CheckpointSizes, SimCheckpointStore
-from kvtier.sim.timing import BatchShape, ending, prefill_tok_s
-from kvtier.cache.checkpoint_index import Checkpoint
+from kvtier.cache.checkpoints.index import Checkpoint
 from kvtier.cache.pool import KVPool
 from kvtier.model.config import KimiK2Config
 from kvtier.serve.config import EngineConfig
@@ -24,6 +21,9 @@ from kvtier.serve.engine import Engine
 from kvtier.serve.hybrid_state import CheckpointPlan
 from kvtier.serve.runner import StepResult
 from kvtier.serve.step_plan import ScheduledBatch
+from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
+from kvtier.sim.states import CheckpointSizes, SimCheckpointStore
+from kvtier.sim.timing import BatchShape, ending, prefill_tok_s
 
 PLACEHOLDER_TOKEN = 0
 

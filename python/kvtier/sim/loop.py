@@ -230,14 +230,11 @@ def state_counters(workers: list[SimWorker], since: dict | None = None) -> dict 
     """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields, bytes
     in modelled bytes) added up, less ``since`` (an earlier result of this function; None: from
     the start); None when no worker's pool keeps states."""
-    stats = []
-    for w in workers:
-        state = w.pool.stats().state
-        if state is not None:
-            s = dataclasses.asdict(state)
-            for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
-                s[k] = {n: round(v * w.bytes_scale) for n, v in s[k].items()}
-            stats.append(s)
+    stats = [(dataclasses.asdict(snap), w.bytes_scale) for w in workers if (snap := w.pool.stats().state)]
+    for s, scale in stats:
+        for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
+            s[k] = {n: round(v * scale) for n, v in s[k].items()}
+    stats = [s for s, _ in stats]
     if not stats:
         return None
     total = stats[0]

@@ -3,7 +3,7 @@
 Kimi K3's checkpoint (the KDA states and conv windows of its 69 linear layers at one token
 boundary) is 449 MB in fp32, so the simulator keeps only its bookkeeping:
 
-- :class:`SimCheckpointStore` has :class:`kvtier.cache.tiers.checkpoints.CheckpointStore`'s
+- :class:`SimCheckpointStore` has :class:`kvtier.cache.checkpoints.store.CheckpointStore`'s
   methods and policies (per-tier budgets, counted in checkpoints; sparse-grid checkpoints dropped
   before prompt and turn ends, least recently used first within a kind; tool-wait protection;
   write-through to every tier) without payloads. Its copies are jobs of the worker's
@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.sim.copies import SimCopyEngine, SimCopyHandle
+from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.pool_stats import StateStats
-from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.prefix_index import Tier
 from kvtier.options import check_int
 from kvtier.serve.hybrid_state import CheckpointPlan
+from kvtier.sim.copies import SimCopyEngine, SimCopyHandle
 
 CHECKPOINT_POLICIES = CheckpointPlan.POLICIES
 """``turn``: prompt ends, turn ends and the grid (the engine's); ``grid``: the sparse grid only."""

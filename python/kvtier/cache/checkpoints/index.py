@@ -1,5 +1,5 @@
 """Which tiers hold each recurrent-state checkpoint, and which one a full tier drops: the records and
-rules every checkpoint store shares (the pool's, :mod:`kvtier.cache.tiers.checkpoints`, and the
+rules every checkpoint store shares (the pool's, :mod:`kvtier.cache.checkpoints.store`, and the
 simulator's byte-less one, :mod:`kvtier.sim.states`).
 
 A checkpoint is keyed by the 16-byte block hash of the block before its boundary. Its entry holds

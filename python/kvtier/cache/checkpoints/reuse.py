@@ -19,7 +19,7 @@ state alone has no KV to attend to. For it:
   that holds it until the tool returns.
 
 The restored state leaves the pool as data: :meth:`take_restore` hands the placed prefix's
-:class:`~kvtier.cache.checkpoint_index.Checkpoint` to whoever places the request's first chunk
+:class:`~kvtier.cache.checkpoints.index.Checkpoint` to whoever places the request's first chunk
 (the scheduler puts it on the step's batch), which loads it into the sequence's state slot. The
 request's :class:`~kvtier.cache.kv_state.KVState` carries no state.
 """
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.cache.checkpoint_index import TIER_NAMES, Checkpoint, CheckpointKind
+from kvtier.cache.checkpoints.index import TIER_NAMES, Checkpoint, CheckpointKind
+from kvtier.cache.checkpoints.store import CheckpointStore, open_checkpoints
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.tiers import PoolTiers
-from kvtier.cache.tiers.checkpoints import CheckpointStore
 
 _REMOTE_LOOKUP_KEYS = 4096  # checkpoint keys below the matched prefix's end asked of a remote store at most
 _PRICED_POINTS = 16  # resume points the cost model compares at most (longest first)
@@ -99,6 +99,10 @@ class EveryBlock:
     def tool_return(self, session_id) -> None:
         """Nothing was protected."""
 
+    def snapshot(self):
+        """None: no checkpoint counters."""
+        return None
+
     def poll(self, wait: bool = False) -> None:
         """No writes run."""
 
@@ -115,7 +119,7 @@ class CheckpointReuse(EveryBlock):
 
     Args:
         tiers: the pool's tiers (index, cost model, block bytes).
-        store: the pool's :class:`~kvtier.cache.tiers.checkpoints.CheckpointStore` (or the
+        store: the pool's :class:`~kvtier.cache.checkpoints.store.CheckpointStore` (or the
             simulator's byte-less one).
     """
 
@@ -248,6 +252,10 @@ class CheckpointReuse(EveryBlock):
         hash_blocks(kv, num_tokens // ps)
         return self.store.save(kv.block_hashes[num_tokens // ps - 1], payload, kind)
 
+    def snapshot(self):
+        """A copy of the checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats`)."""
+        return self.stats.copy()
+
     def poll(self, wait: bool = False) -> None:
         """Index the store's writes that ended (all of them, waiting, with ``wait``)."""
         self.store.poll(wait)
@@ -298,4 +306,14 @@ class CheckpointReuse(EveryBlock):
         self.store.unprotect(self._sessions.pop(session_id, []))
 
 
-__all__ = ["CheckpointReuse", "EveryBlock"]
+def resume_rule(tiers: PoolTiers, store: CheckpointStore | None = None) -> EveryBlock:
+    """A pool's resume rule: :class:`CheckpointReuse` over ``store`` (None: the store its config
+    asks for, ``state_checkpoint_bytes`` with prefix caching, :func:`open_checkpoints`), or
+    :class:`EveryBlock` when it keeps no checkpoints."""
+    c = tiers.config
+    if store is None and c.state_checkpoint_bytes and c.enable_prefix_caching:
+        store = open_checkpoints(tiers)
+    return EveryBlock() if store is None else CheckpointReuse(tiers, store)
+
+
+__all__ = ["CheckpointReuse", "EveryBlock", "resume_rule"]

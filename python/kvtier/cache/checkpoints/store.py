@@ -34,12 +34,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvtier.cache.checkpoint_index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
+from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.remote import RemoteStatus, RemoteTier, open_remote
+from kvtier.cache.tiers.disk_budget import namespace_dir
 
 STATE_LAYOUT_CODE = 0x57A7E0
 """Layout code (bits 8-31 of :attr:`BlockMeta.dtype`) of a checkpoint file or value: it names their
@@ -378,4 +379,32 @@ class CheckpointStore(IndexedCheckpoints):
         self._writer.shutdown(wait=True)
 
 
-__all__ = ["STATE_LAYOUT_CODE", "CheckpointKind", "CheckpointRead", "CheckpointStore", "checkpoint_meta"]
+def open_checkpoints(tiers) -> CheckpointStore:
+    """The checkpoint store of a pool's ``tiers`` (a :class:`kvtier.cache.tiers.PoolTiers`):
+    each budget the config leaves None is the tier's KV budget (a derived budget below one
+    checkpoint holds none); the disk tier's files in their own namespace directory; the
+    remote tier's values under their own key prefix."""
+    c, n = tiers.config, tiers.config.state_checkpoint_bytes
+    kv_budget = {"state_device_bytes": c.num_device_pages * tiers.block_bytes,
+                 "state_host_bytes": c.host_cache_bytes if tiers.host is not None else 0,
+                 "state_disk_bytes": c.disk_cache_bytes if c.disk_cache_dir is not None else 0}
+    floor = {"state_device_bytes": n, "state_host_bytes": HostTier.row_bytes(n),
+             "state_disk_bytes": DiskTier.file_bytes(n)}
+    budget = {}
+    for name, derived in kv_budget.items():
+        given = getattr(c, name)
+        budget[name] = given if given is not None else (derived if derived >= floor[name] else 0)
+    disk_dir = None
+    if c.disk_cache_dir is not None:
+        disk_dir = namespace_dir(c.disk_cache_dir, c.salt, checkpoint_meta(n))
+    remote = None
+    if tiers.remote is not None:
+        remote = RemoteTier(tiers.remote.backend, checkpoint_meta(n), timeout_s=tiers.remote.timeout_s)
+    names = {k.split("_")[1]: f"{k} (--{k.replace('_', '-')})" for k in kv_budget}
+    return CheckpointStore(n, device_bytes=budget["state_device_bytes"], host_bytes=budget["state_host_bytes"],
+                           disk_bytes=budget["state_disk_bytes"], device=tiers.kv_caches[0].device,
+                           disk_dir=disk_dir, remote=remote, clock=lambda: tiers.clock(), names=names)
+
+
+__all__ = ["STATE_LAYOUT_CODE", "CheckpointKind", "CheckpointRead", "CheckpointStore", "checkpoint_meta",
+           "open_checkpoints"]

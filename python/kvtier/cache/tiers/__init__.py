@@ -34,7 +34,6 @@ from kvtier.cache.remote import RemoteTier, open_remote
 from kvtier.cache.seams import Clock, CopyEngine, CopyJob, DiskStore
 from kvtier.cache.tiers.disk import DiskFiles, DiskJob
 from kvtier.cache.tiers.disk_budget import DiskBudget, check_budgets, namespace_dir
-from kvtier.cache.tiers.checkpoints import CheckpointStore, checkpoint_meta
 from kvtier.cache.tiers.host import HostStore
 from kvtier.cache.tiers.protocol import Admit, DoneJob, ReadFailure, Stored, TierStore
 from kvtier.cache.tiers.remote import RemoteStore
@@ -60,15 +59,11 @@ class PoolTiers:
             :class:`Tier` (fastest first).
         staging: the host store (the staging layer every write down passes through), or None
             without a host tier.
-        checkpoints: a hybrid pool's recurrent-state checkpoints in its tiers
-            (:class:`~kvtier.cache.tiers.checkpoints.CheckpointStore`, budgets
-            ``config.state_*_bytes``); None when ``config.state_checkpoint_bytes`` is 0 or prefix
-            caching is off.
     """
 
     def __init__(self, config: PoolConfig, kv_caches: list[torch.Tensor], cost_model: CostModel | None,
                  copy_engine: CopyEngine | None, disk: DiskStore | None, clock: Clock | None,
-                 remote: RemoteTier | None, checkpoints: CheckpointStore | None = None):
+                 remote: RemoteTier | None):
         if not isinstance(config, PoolConfig):
             raise ValueError(f"config must be a PoolConfig, got {type(config).__name__}")
         self.config = config
@@ -108,9 +103,6 @@ class PoolTiers:
         if self.remote is not None:
             self.stores[Tier.REMOTE] = RemoteStore(self.remote, lambda: self.index, pinned)
         self.cost_model = cost_model if cost_model is not None else self._probe()
-        self.checkpoints = checkpoints
-        if checkpoints is None and config.state_checkpoint_bytes and config.enable_prefix_caching:
-            self.checkpoints = self._open_checkpoints()
 
     # ---- lookups every job uses ---------------------------------------------------------------
     def usable_tiers(self) -> list[Tier]:
@@ -168,31 +160,6 @@ class PoolTiers:
         return host_s, disk_s
 
     # ---- start-up -----------------------------------------------------------------------------
-    def _open_checkpoints(self) -> CheckpointStore:
-        """The checkpoint store: each budget the config leaves None is the tier's KV budget (a
-        derived budget below one checkpoint holds none); the disk tier's files in their own
-        namespace directory; the remote tier's values under their own key prefix."""
-        c, n = self.config, self.config.state_checkpoint_bytes
-        kv_budget = {"state_device_bytes": c.num_device_pages * self.block_bytes,
-                     "state_host_bytes": c.host_cache_bytes if self.host is not None else 0,
-                     "state_disk_bytes": c.disk_cache_bytes if c.disk_cache_dir is not None else 0}
-        floor = {"state_device_bytes": n, "state_host_bytes": HostTier.row_bytes(n),
-                 "state_disk_bytes": DiskTier.file_bytes(n)}
-        budget = {}
-        for name, derived in kv_budget.items():
-            given = getattr(c, name)
-            budget[name] = given if given is not None else (derived if derived >= floor[name] else 0)
-        disk_dir = None
-        if c.disk_cache_dir is not None:
-            disk_dir = namespace_dir(c.disk_cache_dir, c.salt, checkpoint_meta(n))
-        remote = None
-        if self.remote is not None:
-            remote = RemoteTier(self.remote.backend, checkpoint_meta(n), timeout_s=self.remote.timeout_s)
-        names = {k.split("_")[1]: f"{k} (--{k.replace('_', '-')})" for k in kv_budget}
-        return CheckpointStore(n, device_bytes=budget["state_device_bytes"], host_bytes=budget["state_host_bytes"],
-                               disk_bytes=budget["state_disk_bytes"], device=self.kv_caches[0].device,
-                               disk_dir=disk_dir, remote=remote, clock=lambda: self.clock(), names=names)
-
     def _probe(self) -> CostModel:
         model = CostModel()
         if self.host is not None and self.host.num_slots:

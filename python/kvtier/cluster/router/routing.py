@@ -117,11 +117,7 @@ class Router:
         ``remote`` (the shared store) or None (recompute)."""
         wid = self.worker_ids.get(url)
         if self.view is not None and place.last_block is not None and wid in self.view.workers:
-            if self.view.keeps_states(wid):  # a hybrid model: reusable only up to a checkpoint it holds
-                if self.view.state_tiers(wid, place.last_block) & _LOCAL_TIERS \
-                        and self.view.tiers(wid, place.last_block) & _LOCAL_TIERS:
-                    return "local"
-            elif self.view.tiers(wid, place.last_block) & _LOCAL_TIERS:
+            if self.view.resume_tiers(wid, place.last_block) & _LOCAL_TIERS:  # hybrid: with its checkpoint
                 return "local"
         elif place.worker == url:
             return "local"
