@@ -27,6 +27,14 @@ if [ "${KVTIER_WITH_AGENTX:-1}" = 1 ]; then
   bash scripts/setup_agentx.sh >build/agentx-install.log 2>&1 &
   agentx_pid=$!
 fi
+# SGLang for the HiCache storage backend's conformance tests, likewise (KVTIER_WITH_SGLANG=0 skips
+# it; tests/integrations/test_sglang_storage.py then skips, saying why).
+sglang_pid=""
+if [ "${KVTIER_WITH_SGLANG:-1}" = 1 ]; then
+  mkdir -p build
+  bash scripts/setup_sglang.sh >build/sglang-install.log 2>&1 &
+  sglang_pid=$!
+fi
 # C++ host tests, plain and under AddressSanitizer + UndefinedBehaviorSanitizer.
 for variant in "host -DCMAKE_BUILD_TYPE=Release" "host-asan -DCMAKE_BUILD_TYPE=Debug -DKVTIER_SANITIZE=ON"; do
   dir="build/${variant%% *}"
@@ -47,6 +55,10 @@ fi
 if [ -n "$agentx_pid" ]; then
   wait "$agentx_pid" || { echo "AgentX harness install failed (build/agentx-install.log):"; tail -20 build/agentx-install.log; exit 1; }
   tail -1 build/agentx-install.log
+fi
+if [ -n "$sglang_pid" ]; then
+  wait "$sglang_pid" || { echo "SGLang install failed (build/sglang-install.log):"; tail -20 build/sglang-install.log; exit 1; }
+  tail -1 build/sglang-install.log
 fi
 # One pytest worker per core, each test file on one worker (its module fixtures built once);
 # KVTIER_TEST_WORKERS=0 runs the tests in this process, one after the other.

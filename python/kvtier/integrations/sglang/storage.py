@@ -17,8 +17,10 @@ launch line is in docs/sglang.md). Its calls:
 Keys follow ``HiCacheStorageConfig``: SGLang's page key (a hash chain over the tokens) plus the
 model and the shard. An MLA model's KV is the same on every TP rank: its pages are shared by the
 ranks and written by one writer per shard (``is_storage_writer``); a non-writer's writes of them
-return True without writing. Non-MLA KV and every side pool are per TP rank. Each (pool, layout)
-has its own keys, so pages of two layouts are never read as each other.
+return True without writing. The ranks share them through the remote store: the host slots and
+the disk directory are each process's own (a disk directory has one owner, which indexes its files
+at start-up). Non-MLA KV and every side pool are per TP rank. Each (pool, layout) has its own
+keys, so pages of two layouts are never read as each other.
 
 A page is served only when it passed its tier's checks; anything else (a missing or corrupt disk
 file, a remote store that drops or times out, a full disk) is a miss, so SGLang loads a shorter
@@ -93,6 +95,10 @@ class KvtierStorage(HiCacheStorage):
         self._engine = CopyEngine(num_threads=2, max_queued=64)
         self._remote = open_backend(self.config.remote_cache_url, self.config.remote_timeout_s) \
             if self.config.remote_cache_url else None
+        if c.is_mla_model and c.tp_size > 1 and self._remote is None:
+            logger.warning("kvtier storage: an MLA model at tp_size=%d without remote_cache_url: the disk tier is "
+                           "each rank's own, so the ranks that do not write (is_storage_writer) find no page; "
+                           "set remote_cache_url to share them", c.tp_size)
         self._pools: dict[str, HostPages] = {}
         self._tiers: dict[str, PageTiers] = {}
         self._lock = threading.Lock()
@@ -124,7 +130,9 @@ class KvtierStorage(HiCacheStorage):
                                  "2-byte elements; kvtier's tiers store 2- or 4-byte elements")
             # the tiers see a page as one row of opaque elements; what the bytes mean is in the key
             layout = BlockLayout(1, (1, pages.page_bytes // dtype.itemsize), 0, dtype)
-            salt = f"sglang|{self._owner_key(name)}|{name}|{pages.layout}".encode()
+            # the disk tier is this process's own directory (per rank); page hashes (the remote
+            # store's keys) are shared by an MLA model's ranks
+            salt = f"sglang|{self._rank_key}|{name}|{pages.layout}".encode()
             self._pools[name] = pages
             self._tiers[name] = PageTiers(self.config, layout.meta(), salt, self._engine, self._remote)
 
