@@ -83,6 +83,8 @@ def test_sessions_through_the_sdks_report_cached_over_reachable(tmp_path):
     assert server.proc.poll() is not None  # stopped by its PID
     assert json.loads(out.read_text()) == result
     assert result["provenance"]["commit"] and result["provenance"]["page_size"] == PAGE
+    evicted = result["provenance"]["evicted_during_run"]  # kvtier serve counts them
+    assert evicted is not None and all(n >= 0 for tiers in evicted.values() for n in tiers.values())
 
     rows = result["turns"]
     assert [(r["api"], r["turn"]) for r in rows] == [(api, k) for api in APIS for k in range(3)]

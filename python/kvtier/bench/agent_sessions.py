@@ -324,6 +324,38 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
     return [row for rows in done for row in rows]
 
 
+EVICTION_COUNTERS = ("kvtier_evictions_total", "kvtier_state_checkpoint_evictions_total")
+
+
+def eviction_counts(url: str, timeout_s: float = 10.0) -> dict | None:
+    """``{"kvtier_evictions_total": {tier: n}, "kvtier_state_checkpoint_evictions_total": {tier: n}}``
+    from the server's Prometheus ``/metrics`` (blocks and hybrid-state checkpoints dropped to make
+    room, by tier); None when it does not answer or counts neither (another server)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(f"{url.rstrip('/').removesuffix('/v1')}/metrics", timeout=timeout_s)
+        r.raise_for_status()
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    out = {name: {} for name in EVICTION_COUNTERS}
+    for fam in families:
+        for sample in fam.samples:
+            if sample.name in out:
+                out[sample.name][sample.labels.get("tier", "")] = int(sample.value)
+    return out if any(out.values()) else None
+
+
+def _evicted_during(url: str, before: dict | None) -> dict | None:
+    """What the server's eviction counters (:func:`eviction_counts`) added since ``before``."""
+    after = eviction_counts(url)
+    if before is None or after is None:
+        return None
+    return {name: {t: n - before[name].get(t, 0) for t, n in tiers.items()} for name, tiers in after.items()}
+
+
 @contextmanager
 def local_server(model: str, tokenizer: str | None, server_args: list[str]):
     """``kvtier serve MODEL --tokenizer DIR SERVER_ARGS`` as a child process on a free loopback
@@ -357,7 +389,10 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
     sessions (None: those rows are not counted) and the local server.
 
     Returns:
-        ``{"provenance", "summary", "turns"}`` (:func:`kvtier.bench.agent_reuse.agent_json`).
+        ``{"provenance", "summary", "turns"}`` (:func:`kvtier.bench.agent_reuse.agent_json`); the
+        provenance's ``evicted_during_run`` holds what the server's eviction counters added
+        during the run (:func:`eviction_counts`; None for a server without them): a turn can
+        lose pages to capacity as well as to re-encoding.
 
     Raises:
         ValueError: a bad page size; what :func:`run_agents` and :func:`local_server` raise.
@@ -374,17 +409,21 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
         tok = load_tokenizer(tokenizer)
     shared = agent_reuse.shared_prefix_tokens(tok, page_size)
     if endpoint is not None:
+        before = eviction_counts(endpoint)
         rows = run_agents(endpoint, model, workload)
+        evicted = _evicted_during(endpoint, before)
     else:
         with local_server(model, tokenizer, ["--page-size", str(page_size), *server_args]) as server:
+            before = eviction_counts(server.url)
             rows = run_agents(server.url, model, workload)
+            evicted = _evicted_during(server.url, before)
     rows = agent_reuse.annotate(rows, page_size, shared)
     summary = agent_reuse.summarize(rows)
     where = endpoint or f"kvtier serve {model} (started for the run)"
     settings = {**asdict(workload), "apis": list(workload.apis)}
     result = agent_reuse.agent_json(rows, summary, endpoint=where, model=model, tokenizer=tokenizer,
                                     page_size=page_size, shared_prefix_tokens=shared, workload=settings,
-                                    server_args=list(server_args))
+                                    server_args=list(server_args), evicted_during_run=evicted)
     if console is not None:
         agent_reuse.print_report(console, summary, f"cached / reachable tokens per turn: {model} via {where}")
     if json_path:
