@@ -75,11 +75,16 @@ class HostPages:
                              f"tokens = {need} slots, got {got}")
         return host_indices[::self.page_size].tolist() if need else []
 
-    def load_page(self, start: int) -> torch.Tensor:
-        """The ``[page_bytes]`` uint8 object of the page starting at token slot ``start``."""
+    def load_page(self, start: int, out: torch.Tensor) -> None:
+        """Copy the object of the page starting at token slot ``start`` into ``out``
+        (``[page_bytes]`` uint8)."""
         if self._zero_copy:
-            return torch.cat(self._segments(start))
-        return self.pool.get_data_page(start, flat=True).contiguous().reshape(-1).view(torch.uint8)
+            at = 0
+            for seg in self._segments(start):
+                out[at:at + seg.numel()].copy_(seg)
+                at += seg.numel()
+            return
+        out.copy_(self.pool.get_data_page(start, flat=True).contiguous().reshape(-1).view(torch.uint8))
 
     def store_page(self, start: int, data: torch.Tensor) -> None:
         """Write object ``data`` (``[page_bytes]`` uint8) into the page starting at ``start``."""

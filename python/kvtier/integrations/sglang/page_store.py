@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
+from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import PrefixIndex, Tier
 from kvtier.cache.remote import RemoteBackend, RemoteStatus, RemoteTier
@@ -40,6 +40,10 @@ from kvtier.transfer import CopyEngine
 TIER_NAMES = ("host", "disk", "remote")
 
 _MISS = {"disk": int(DiskStatus.MISSING), "remote": int(RemoteStatus.MISSING)}
+
+DISK_JOBS = 4
+"""Disk copy jobs one read or write of many pages is split into (the copy engine's I/O workers
+take them in parallel)."""
 
 
 @dataclass
@@ -111,6 +115,11 @@ class PageTiers:
         if remote is not None:
             self.stores.append(RemoteStore(RemoteTier(remote, meta, timeout_s=config.remote_timeout_s)))
 
+    def staging(self, num_pages: int) -> torch.Tensor:
+        """A ``[num_pages, page_bytes]`` uint8 buffer on a 4096-byte boundary (rows of a page size
+        that is a multiple of 4096 stay aligned: the disk tier moves them with O_DIRECT)."""
+        return aligned_empty(num_pages * self.page_bytes).view(num_pages, self.page_bytes)
+
     # ---- lookups ---------------------------------------------------------------------------
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         """Whether some tier holds each page now (a store that does not answer: not held)."""
@@ -179,23 +188,35 @@ class PageTiers:
         return rows
 
     def _read_lower(self, store: TierStore, hashes: list[bytes]) -> list[torch.Tensor | None]:
-        buf, job = store.read(hashes, [-1] * len(hashes))
-        flat = buf.reshape(-1)
+        parts = [(lo, *store.read(hashes[lo:hi], [-1] * (hi - lo))) for lo, hi in self._chunks(store, len(hashes))]
         c, rows = self.counters[store.name], []
-        for i, status in enumerate(job.result()):
-            if status == 0:
-                rows.append(flat[i * self.page_bytes:(i + 1) * self.page_bytes])
-                continue
-            rows.append(None)
-            if status == _MISS[store.name]:
-                c.misses += 1
-            else:
-                c.failures += 1  # corrupt (the disk tier deleted it), short, error, timeout, store down
+        for lo, buf, job in parts:  # every chunk started before any is waited for
+            flat = buf.reshape(-1)
+            for i, status in enumerate(job.result()):
+                if status == 0:
+                    rows.append(flat[i * self.page_bytes:(i + 1) * self.page_bytes])
+                    continue
+                rows.append(None)
+                if status == _MISS[store.name]:
+                    c.misses += 1
+                else:
+                    c.failures += 1  # corrupt (the disk tier deleted it), short, error, timeout, store down
         return rows
+
+    @staticmethod
+    def _chunks(store: TierStore, n: int) -> list[tuple[int, int]]:
+        """``[lo, hi)`` runs of ``n`` pages, one copy job each: disk jobs split over
+        :data:`DISK_JOBS` so the copy engine's I/O workers run them side by side; one call for
+        the remote store (its batch is one round trip)."""
+        if store.name != "disk" or n <= 1:
+            return [(0, n)]
+        step = -(-n // DISK_JOBS)
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
     # ---- writes ----------------------------------------------------------------------------
     def write(self, hashes: Sequence[bytes], blocks: torch.Tensor) -> list[bool]:
-        """Store pages ``hashes`` (rows of ``blocks``, ``[len(hashes), page_bytes]`` uint8 CPU) in
+        """Store pages ``hashes`` (rows of ``blocks``, a contiguous ``[len(hashes), page_bytes]``
+        uint8 CPU tensor; from :meth:`staging`, the disk tier writes it without a bounce copy) in
         every tier; returns, per page, whether some tier holds it now."""
         hashes = list(hashes)
         stored = [False] * len(hashes)
@@ -217,7 +238,7 @@ class PageTiers:
                 c.write_failures += len(todo) - len(slots)
             todo = todo[:len(slots)]
             if todo:
-                self.host.fill(slots, blocks[todo])
+                self.host.fill(slots, blocks if len(todo) == len(hashes) else blocks[todo])
                 inserted = self.host.index_copies([hashes[i] for i in todo], slots)
                 self.host.release([s for s, new in zip(slots, inserted) if not new])
                 c.writes += sum(inserted)
@@ -229,8 +250,10 @@ class PageTiers:
         todo = [i for i, on in enumerate(held) if not on]
         if not todo:
             return held
-        rows = blocks[todo].contiguous()
-        statuses = store.write([hashes[i] for i in todo], rows).result()
+        rows = blocks if len(todo) == len(hashes) else blocks[todo]  # the caller's (aligned) rows when all go
+        hs = [hashes[i] for i in todo]
+        jobs = [store.write(hs[lo:hi], rows[lo:hi]) for lo, hi in self._chunks(store, len(hs))]
+        statuses = [st for job in jobs for st in job.result()]
         c = self.counters[store.name]
         for i, status in zip(todo, statuses):
             held[i] = status == 0

@@ -198,7 +198,9 @@ class KvtierStorage(HiCacheStorage):
             pages.check_flat(v, "values")
         if not keys or not self._writes(_KV):
             return True
-        blocks = torch.stack([v.contiguous().reshape(-1).view(torch.uint8) for v in values])
+        blocks = tiers.staging(len(keys))
+        for i, v in enumerate(values):
+            blocks[i].copy_(v.contiguous().reshape(-1).view(torch.uint8))
         t0 = time.perf_counter()
         stored = tiers.write(self._hashes(_KV, keys), blocks)
         self._record("backup", sum(stored), time.perf_counter() - t0, tiers.page_bytes)
@@ -241,7 +243,9 @@ class KvtierStorage(HiCacheStorage):
         starts = pages.page_starts(host_indices, len(keys))
         if not keys or not self._writes(pool):
             return [True] * len(keys)
-        blocks = torch.stack([pages.load_page(s) for s in starts])
+        blocks = tiers.staging(len(keys))
+        for i, start in enumerate(starts):
+            pages.load_page(start, blocks[i])
         t0 = time.perf_counter()
         stored = tiers.write(self._hashes(pool, keys), blocks)
         self._record("backup", sum(stored), time.perf_counter() - t0, tiers.page_bytes)
