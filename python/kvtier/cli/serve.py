@@ -13,6 +13,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # time ``import kvtier`` takes: torch, whose ops it registers).
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.session_store_tokens is not None and args.session_store_tokens < 1:
+        raise ValueError(f"--session-store-tokens must be >= 1, got {args.session_store_tokens}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 < args.session_ttl_s < float("inf"):
@@ -55,7 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
                           decode_workers=decode_workers, transfer_timeout_s=args.transfer_timeout_s,
                           health_stall_s=args.health_stall_s, grammar_limits=grammar_limits,
-                          resume_ttft_s=args.resume_ttft_s, max_request_bytes=args.max_request_bytes, **engine_args)
+                          resume_ttft_s=args.resume_ttft_s, max_request_bytes=args.max_request_bytes,
+                          session_store_tokens=args.session_store_tokens, **engine_args)
     serve(app, args.host, args.port, args.log_level)
     return 0
 
@@ -136,6 +139,10 @@ def add_parser(sub) -> None:
     s.add_argument("--max-request-bytes", type=int, default=32 << 20,
                    help="larger request bodies get 413 before they are decoded (default 32 MiB: a 1M-token prompt)")
     s.add_argument("--session-ttl-s", type=float, default=600.0, help="idle seconds before a session is dropped")
+    s.add_argument("--session-store-tokens", type=int, default=None,
+                   help="ids all sessions' encoders may hold (with the ids each turn sampled, kept for the next "
+                        "turn); past it the least recently used idle sessions are evicted (kvtier_sessions_evicted; "
+                        "default 2**25)")
     s.add_argument("--resume-ttft-s", type=float, default=None, metavar="S",
                    help="TTFT target of a session's turn after a tool wait; misses are counted by why in /metrics")
     s.add_argument("--dtype", default="auto", choices=COMPUTE_DTYPES,

@@ -66,11 +66,11 @@ def check_tool_results(messages: Seq[dict]) -> None:
 def new_encoder(engine: Engine, tokenizer, cache_salt: str = ""):
     """A session encoder for ``tokenizer``'s chat format (:func:`kvtier.tokenize.xtml_session.session_encoder`:
     K2's template or K3's XTML) whose token buffer hashes pages as ``engine`` does for requests
-    with ``cache_salt``."""
+    with ``cache_salt``; it keeps a turn's sampled ids when told them (``append_generated``)."""
     from kvtier.tokenize.xtml_session import session_encoder
 
     return session_encoder(tokenizer, page_size=engine.config.pool.page_size,
-                           salt=engine.block_hash_salt + request_salt(cache_salt))
+                           salt=engine.block_hash_salt + request_salt(cache_salt), keep_sampled=True)
 
 
 def chat_prompt_options(chat_format, params: SamplingParams, *, tools: Seq[dict] | None = None, tool_choice=None,

@@ -196,9 +196,12 @@ class XtmlSessionEncoder(EncodedSession):
         return out
 
 
-def session_encoder(tokenizer, *, page_size: int = 64, salt: bytes = b"") -> SessionEncoder | XtmlSessionEncoder:
+def session_encoder(tokenizer, *, page_size: int = 64, salt: bytes = b"",
+                    keep_sampled: bool = False) -> SessionEncoder | XtmlSessionEncoder:
     """The session encoder for ``tokenizer``'s chat format: :class:`XtmlSessionEncoder` for K3's
-    XTML, else :class:`kvtier.tokenize.SessionEncoder` (K2's template, canonical mode)."""
+    XTML, else :class:`kvtier.tokenize.SessionEncoder` (K2's template: canonical mode, or ``tito``
+    with ``keep_sampled``, so that ``append_generated`` keeps a turn's sampled ids). Both keep
+    sampled ids given ``append_generated``; without it their ids are canonical."""
     if getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE) is ChatFormat.K3_XTML:
         return XtmlSessionEncoder(tokenizer, page_size=page_size, salt=salt)
-    return SessionEncoder(tokenizer, page_size=page_size, salt=salt)
+    return SessionEncoder(tokenizer, "tito" if keep_sampled else "canonical", page_size=page_size, salt=salt)

@@ -115,6 +115,7 @@ class Job:
     tool_matcher: Any = None
     # engine-thread state
     request_id: int | None = None
+    encoder: Any = None  # chat: the session encoder its prompt came from (it keeps the sampled ids)
     prompt_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # its Sequence's: prompt, then output pages
     sent: int = 0

@@ -52,6 +52,8 @@ class _EngineCollector:
                     ("kvtier_prefill_tokens", "prompt tokens computed (not served from a cache; the start-up "
                      "probe's excluded)", e.prefill_tokens - self.probe_prefill_tokens),
                     ("kvtier_sessions_expired", "sessions dropped after their idle TTL", w.sessions_expired),
+                    ("kvtier_sessions_evicted", "sessions evicted by the session store's token limit "
+                     "(--session-store-tokens)", w.sessions_evicted),
                     ("kvtier_engine_errors", "engine steps that failed", w.engine_errors),
                     ("kvtier_engine_busy_seconds", "seconds the engine spent stepping (utilisation: its rate)",
                      w.busy_s)]

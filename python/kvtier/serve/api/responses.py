@@ -208,6 +208,9 @@ class _Turns:
         return turn
 
     def add(self, item, where: str) -> None:
+        if self.reasoning and (isinstance(item, FunctionCallOutputItem)
+                               or (isinstance(item, MessageItem) and item.role != "assistant")):
+            self.assistant("", False)  # a turn that only reasoned (its output had no message item)
         if isinstance(item, MessageItem):
             text = _text(item.content, f"{where}.content")
             if item.role == "assistant":

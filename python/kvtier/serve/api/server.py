@@ -16,7 +16,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
              session_ttl_s: float = 600.0, dtype: str = "auto", device: str = "cpu", seed: int = 0,
              kv_events_endpoint: str | None = None, health_stall_s: float = 30.0, grammar_limits=None,
              resume_ttft_s: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-             worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
+             session_store_tokens: int | None = None, worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
     """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
@@ -32,6 +32,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``health_stall_s``: ``/health`` answers 503 once the engine thread has not completed a step
     for this long while requests wait. ``grammar_limits``: a :class:`kvtier.toolcall.GrammarLimits`
     (or a dict of its fields) bounding each request's tool grammar (None: the defaults).
+
+    ``session_store_tokens``: the ids the session store's encoders may hold before the least
+    recently used idle sessions are evicted (None: ``DEFAULT_SESSION_STORE_TOKENS``).
 
     ``max_request_bytes``: a larger request body is a 413 before it is decoded (default 32 MiB,
     room for a 1M-token prompt).
@@ -86,6 +89,8 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     if on_engine is not None:
         on_engine(engine)
     worker = holder["worker"] = worker_factory(engine, tok, session_ttl_s, metrics)
+    if session_store_tokens is not None:
+        worker.sessions.set_max_tokens(session_store_tokens)
     worker.sessions.resumes.set_target(resume_ttft_s)  # counted in /metrics (kvtier_resume_slo_misses)
     engine.set_resume_target(resume_ttft_s)  # the pool keeps or prefetches for it, the steps stay short
     app = build_app(worker, options, metrics)

@@ -12,11 +12,23 @@ declares such a wait itself (tool name :data:`DECLARED_WAIT`). The wait ends whe
 next request is accepted by the engine (the wait is then observed for those tools; a refused
 request leaves it waiting, and one aborted after it was accepted, a client that disconnected,
 gives it back), when it is deleted, or when it expires.
+
+A chat turn's sampled ids stay in its session (:meth:`SessionStore.generated`): the session's
+encoder keeps them for the assistant message the API returned, so the next turn that sends that
+message back (however the client serialised it) holds the ids the cache holds. A chat request with
+no session id finds the session of an earlier one by content: the conversation it sends, up to an
+assistant message, equals one an earlier turn was prompted with followed by the message it
+generated (same ``cache_salt``). The store is bounded: past ``max_tokens`` ids in all its
+encoders, the least recently used sessions with no request in flight are evicted (counted in
+``num_evicted``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,8 +38,10 @@ from kvtier.serve.api.protocol import ApiError
 from kvtier.serve.api.resume import ResumeTracker
 from kvtier.serve.chat import new_encoder
 from kvtier.serve.engine import Engine, request_salt
+from kvtier.tokenize.sampled import message_key
 
 DEFAULT_TOOL_WAIT_S = 9.0  # docs/workload.md: think time after tool_use, p50
+DEFAULT_SESSION_STORE_TOKENS = 1 << 25  # ids kept by all sessions' encoders (32M: ~128 MB of ids)
 DECLARED_WAIT = "(declared)"  # the tool name of a wait a text completion's client declared
 
 
@@ -68,27 +82,51 @@ class SessionStore:
         tokenizer: for the sessions' encoders.
         ttl_s: a session unused this long (and with no request in flight) is dropped.
         clock: seconds, monotonic.
+        max_tokens: the ids all sessions' encoders may hold (``--session-store-tokens``); past it
+            the least recently used idle sessions are evicted.
+
+    Raises:
+        ValueError: ``ttl_s`` or ``max_tokens`` not positive.
     """
 
-    def __init__(self, engine: Engine, tokenizer, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: Engine, tokenizer, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 max_tokens: int = DEFAULT_SESSION_STORE_TOKENS):
         if not 0 < ttl_s:
             raise ValueError(f"session ttl_s must be > 0, got {ttl_s!r}")
         self.engine, self.tokenizer, self.ttl_s, self.clock = engine, tokenizer, ttl_s, clock
+        self.set_max_tokens(max_tokens)
+        self.num_evicted = 0
         self.sessions: dict[str, Session] = {}
+        # encoders of requests with no session id, by the conversation their next turn starts with
+        self.by_content: OrderedDict[bytes, tuple[object, float]] = OrderedDict()
         self.tool_waits: dict[str, ToolWaitEstimate] = {}
         self.num_expired = 0
         self.resumes = ResumeTracker(engine.config.pool.page_size, prefill_s=engine.prefill_time_s)  # --resume-ttft-s
 
-    def encoder(self, session_id: str | None, cache_salt: str = ""):
-        """The session's encoder (created on first use), or a one-off encoder for None. A session
-        waiting on a tool goes on waiting until a request of it is :meth:`accepted` (a refused
-        one, say over the context, leaves the wait, its blocks' plan and the resume to the retry).
+    def set_max_tokens(self, max_tokens: int) -> None:
+        """Bound the ids all sessions' encoders hold (evicting at the next turn's end).
+
+        Raises:
+            ValueError: naming ``session_store_tokens`` when not an int > 0.
+        """
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"session_store_tokens must be an int > 0, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+
+    def encoder(self, session_id: str | None, cache_salt: str = "", messages=None):
+        """The session's encoder (created on first use). For None: the encoder of an earlier
+        request with no session id whose conversation and generated message ``messages`` (a chat
+        request's, when given) continue, with the same ``cache_salt`` (taken out of the store
+        until :meth:`generated` files it again), else a new one. A session waiting on a tool goes
+        on waiting until a request of it is :meth:`accepted` (a refused one, say over the
+        context, leaves the wait, its blocks' plan and the resume to the retry).
 
         Raises:
             ApiError: 400 when ``cache_salt`` differs from the one the session started with.
         """
         if session_id is None:
-            return new_encoder(self.engine, self.tokenizer, cache_salt)
+            found = self._take_by_content(messages, cache_salt) if messages is not None else None
+            return found if found is not None else new_encoder(self.engine, self.tokenizer, cache_salt)
         now = self.clock()
         s = self.sessions.get(session_id)
         if s is None:
@@ -157,6 +195,68 @@ class SessionStore:
         s.waiting_since_s, s.waiting_tools = s.last_used_s, list(tool_names)
         s.waiting_ids, s.waiting_hashes, s.waiting_expected_s = list(token_ids), hashes, expected
 
+    def generated(self, session_id: str | None, final, encoder=None, messages=None, cache_salt: str = "") -> bool:
+        """A chat turn of ``session_id`` ended with ``final`` (a :class:`kvtier.serve.api.jobs.Final`):
+        its session's encoder keeps the ids it sampled for the assistant message returned
+        (``append_generated``). With no session id, ``encoder`` (the request's, from
+        :meth:`encoder`) keeps them and is filed under ``messages`` and that message for a later
+        request with no id to find. Call before :meth:`turn_ended`. Nothing is kept for a turn
+        that failed, that a stop string cut, or while another request of the session is in flight.
+
+        Returns:
+            whether the ids were kept.
+        """
+        if final.error is not None or final.stop_sequence is not None or not final.token_ids:
+            return False
+        if session_id is not None:
+            s = self.sessions.get(session_id)
+            if s is None or s.in_flight != 1:
+                return False
+            encoder = s.encoder
+        if encoder is None:
+            return False
+        message = {"role": "assistant", "content": final.content, "reasoning_content": final.reasoning,
+                   "tool_calls": [{"id": c.get("id"), "type": "function",
+                                   "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                  for c in final.tool_calls]}
+        try:
+            kept = encoder.append_generated(final.token_ids, message)
+        except ValueError:  # an encoder that does not end with a generation prompt
+            return False
+        if kept and session_id is None and messages is not None:
+            key = _content_keys(list(messages) + [message], cache_salt)[-1]
+            self.by_content[key] = (encoder, self.clock())
+            self.by_content.move_to_end(key)
+        self._evict()
+        return bool(kept)
+
+    def _take_by_content(self, messages, cache_salt: str):
+        if not self.by_content or not isinstance(messages, list):
+            return None
+        for key in reversed(_content_keys(messages, cache_salt)):
+            found = self.by_content.pop(key, None)
+            if found is not None:
+                return found[0]
+        return None
+
+    def _evict(self) -> None:
+        """Evict least recently used idle sessions (and encoders filed by content) while the
+        store holds more than ``max_tokens`` ids."""
+        held = sum(len(s.encoder) for s in self.sessions.values()) + sum(len(e) for e, _ in self.by_content.values())
+        if held <= self.max_tokens:
+            return
+        idle = [(s.last_used_s, 0, sid, len(s.encoder)) for sid, s in self.sessions.items() if not s.in_flight]
+        idle += [(t, 1, key, len(e)) for key, (e, t) in self.by_content.items()]
+        for _, kind, key, n in sorted(idle, key=lambda x: (x[0], x[1])):
+            if held <= self.max_tokens:
+                break
+            if kind == 0:
+                self.end(key)
+            else:
+                del self.by_content[key]
+            held -= n
+            self.num_evicted += 1
+
     def aborted(self, session_id: str | None) -> None:
         """A request of ``session_id`` the engine accepted was aborted before it finished (its
         client disconnected, or the engine failed). If it was a resume, the session waits on its
@@ -208,8 +308,11 @@ class SessionStore:
         old = [sid for sid, s in self.sessions.items() if not s.in_flight and now - s.last_used_s > self.ttl_s]
         for sid in old:
             self.end(sid)
-        self.num_expired += len(old)
-        return len(old)
+        stale = [key for key, (_, t) in self.by_content.items() if now - t > self.ttl_s]
+        for key in stale:
+            del self.by_content[key]
+        self.num_expired += len(old) + len(stale)
+        return len(old) + len(stale)
 
     def _estimate(self, tool: str) -> ToolWaitEstimate:
         est = self.tool_waits.get(tool)
@@ -221,3 +324,18 @@ class SessionStore:
         if s.waiting_since_s is not None:
             self.engine.pool.tool_return(session_id)
         s.waiting_since_s, s.waiting_tools = None, []
+
+
+def _content_keys(messages: list, cache_salt: str) -> list[bytes]:
+    """For each assistant message of ``messages``, the chained digest of the conversation up to
+    it (``cache_salt`` first; an assistant message by :func:`kvtier.tokenize.sampled.message_key`,
+    any other as sorted JSON)."""
+    h = hashlib.sha256(cache_salt.encode())
+    out = []
+    for m in messages:
+        key = message_key(m)
+        item = json.dumps(key if key is not None else m, sort_keys=True, ensure_ascii=False, default=repr)
+        h.update(len(item).to_bytes(8, "little") + item.encode())
+        if key is not None:
+            out.append(h.copy().digest())
+    return out

@@ -40,6 +40,8 @@ class WorkerStats:
         in_flight: requests handed to the engine and not finished.
         busy_s: seconds the engine thread spent in ``Engine.step``.
         resume: :meth:`kvtier.serve.api.resume.ResumeTracker.snapshot`.
+        sessions_evicted: sessions (and encoders kept by content) evicted by the session store's
+            token limit so far.
     """
 
     engine: EngineStats
@@ -50,6 +52,7 @@ class WorkerStats:
     in_flight: int
     busy_s: float
     resume: dict
+    sessions_evicted: int = 0
 
 
 class EngineWorker:
@@ -209,7 +212,7 @@ class EngineWorker:
     def _submit(self, job: Job) -> None:
         try:
             if job.kind == "chat":
-                enc = self.sessions.encoder(job.session_id, job.cache_salt)
+                enc = job.encoder = self.sessions.encoder(job.session_id, job.cache_salt, job.payload["messages"])
                 try:
                     rid = add_chat_request(self.engine, enc, job.payload["messages"], job.params, job.cache_salt,
                                            job.tool_matcher, job.payload.get("prompt_options"))
@@ -283,6 +286,8 @@ class EngineWorker:
         if job.kind == "completion" and job.expected_tool_wait_s is not None and final.error is None:
             tools = [DECLARED_WAIT]  # a text completion's client declared its tool wait
         ids = list(job.prompt_ids) + list(final.token_ids) if tools else None
+        if job.kind == "chat":  # the next turn keeps the ids this one sampled
+            self.sessions.generated(job.session_id, final, job.encoder, job.payload.get("messages"), job.cache_salt)
         self.sessions.turn_ended(job.session_id, ids, tools, job.expected_tool_wait_s, final, job.block_hashes)
         if self.metrics is not None:
             self.metrics.observe_final(final)
@@ -300,7 +305,8 @@ class EngineWorker:
         snapshot or the new one, never a half-built one)."""
         s = self.sessions
         self.snapshot = WorkerStats(self.engine.stats(), len(s.sessions), s.num_waiting, s.num_expired,
-                                    self.engine_errors, len(self._jobs), self.busy_s, s.resumes.snapshot())
+                                    self.engine_errors, len(self._jobs), self.busy_s, s.resumes.snapshot(),
+                                    s.num_evicted)
 
 
 def _prompt_error(e: ValueError, kind: str) -> ApiError:
