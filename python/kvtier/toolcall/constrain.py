@@ -27,6 +27,7 @@ bounded amount, and the request ends at its own ``max_tokens``.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -80,6 +81,7 @@ class JsonNesting:
         return self.depth + int(self.in_string)
 
 
+_HEADER = re.compile(r'(?P<tag>\w+)(?P<attrs>(?: [^\s="]+="[^"]*")*)')  # a K3 tag header: tag key="v" ...
 # The control tokens a short completion takes first when the grammar allows them, per chat format:
 # K2's markers that end a call, the section, an id; K3's tag tokens (<|close|> ends a value, a call,
 # a channel; <|sep|> ends a tag; <|open|> starts the argument or call that must come).
@@ -100,6 +102,7 @@ class TokenTable:
         self.special = set(tokenizer.special_ids)
         chat_format = getattr(tokenizer, "chat_format", ChatFormat.K2_TEMPLATE)
         self.markers = [tokenizer.token_id(m) for m in CLOSING_MARKERS[chat_format]]
+        self._k3_open = tokenizer.token_id("<|open|>") if chat_format is ChatFormat.K3_XTML else None
         ranks = tokenizer._enc._mergeable_ranks
         self.byte_token = {
             b: ranks[bytes([b])] for b in range(256) if bytes([b]) in ranks
@@ -113,6 +116,42 @@ class TokenTable:
         if data is None:
             data = self._bytes[token] = self.tokenizer.decode_bytes([token])
         return data
+
+    def canonical(self, ids: list[int]) -> list[int]:
+        """``ids`` with each run of text between special tokens re-encoded as the chat format
+        encodes that text: K2: the run as one segment (``encode_segment``); K3: a tag header
+        (the run after ``<|open|>``) as K3's renderer writes it, the tag and each attribute a
+        segment of its own (:func:`kvtier.tokenize.xtml.open_tag`), any other run as one segment.
+        A run that is not whole UTF-8 is kept as it is."""
+        out: list[int] = []
+        run: list[int] = []
+        after = None
+        for t in [*ids, None]:
+            if t is not None and t not in self.special:
+                run.append(t)
+                continue
+            if run:
+                out += self._encode_run(run, after)
+                run = []
+            if t is not None:
+                out.append(t)
+                after = t
+        return out
+
+    def _encode_run(self, run: list[int], after: int | None) -> list[int]:
+        try:
+            text = b"".join(self.bytes_of(t) for t in run).decode("utf-8")
+        except UnicodeDecodeError:
+            return run
+        if self._k3_open is not None and after == self._k3_open:
+            from kvtier.tokenize.xtml import encode_part, open_tag
+            from kvtier.toolcall.xtml_parser import attributes
+
+            m = _HEADER.fullmatch(text)
+            if m is not None:
+                attrs = list(attributes(m["attrs"]).items())
+                return encode_part(self.tokenizer, open_tag(m["tag"], attrs)[1:-1])
+        return self.tokenizer.encode_segment(text)
 
     def advance(self, nesting: JsonNesting, token: int) -> JsonNesting:
         """``nesting`` after ``token`` (special tokens start a fresh JSON context)."""
@@ -233,15 +272,27 @@ def closing_tokens(
     (then ``budget.exhausted``). ``matcher`` is unchanged.
 
     Greedy: forced tokens (llguidance's fast-forward) first, else :func:`_pick`. Not always the
-    shortest completion, but one that closes what is open before it opens anything new.
+    shortest completion, but one that closes what is open before it opens anything new. The
+    completion is then written with the tokens the tokenizer gives its text
+    (:meth:`TokenTable.canonical`: ``"}`` as the one token BPE makes of it, not ``"`` then ``}``)
+    when the grammar takes them and they fit in ``limit``, so a closed turn encodes back to the
+    ids it was sampled as.
 
     Raises:
         GrammarLimitError: ``budget``'s deadline passed.
     """
     try:
-        return _closing(matcher, table, nesting, limit, rollout, budget or SearchBudget(1 << 62))
+        path = _closing(matcher, table, nesting, limit, rollout, budget or SearchBudget(1 << 62))
     except _OutOfFuel:
         return None
+    if path is None:
+        return None
+    canon = table.canonical(path[:-1])
+    if canon != path[:-1] and len(canon) < limit:
+        m = matcher.deep_copy()
+        if m.try_consume_tokens(canon) == len(canon) and m.is_accepting():
+            return canon + path[-1:]
+    return path
 
 
 def _closing(matcher, table: TokenTable, nesting: JsonNesting, limit: int, rollout: int, budget: SearchBudget):
