@@ -33,7 +33,8 @@ def k3_server(tok_dir, tmp_path_factory):
     ck = tmp_path_factory.mktemp("k3") / "ck"
     assert main(["create-checkpoint", str(ck), "--preset", "tiny-k3", "--dtype", "float32",
                  "--tokenizer", str(tok_dir)]) == 0
-    app = make_app(str(ck), tokenizer=None, served_model_name=MODEL, num_device_pages=256, max_num_seqs=4)
+    app = make_app(str(ck), tokenizer=None, served_model_name=MODEL, num_device_pages=256, max_num_seqs=4,
+                   max_num_batched_tokens=128)  # a short warm-up prefill
     worker = app.state.kvtier.worker
     engine, prompts = worker.engine, []
     real_add = engine.add_request
