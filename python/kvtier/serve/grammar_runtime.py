@@ -106,16 +106,19 @@ class GrammarRuntime:
             raise
 
     def attach(self, seq: Sequence, matcher=None) -> None:
-        """Give new ``seq`` its tool-call parser (with a tokenizer) and, with a tool grammar, its
-        constraint over ``matcher`` (None: compiled here).
+        """Give new ``seq`` its output parser (with a tokenizer; K3's :class:`kvtier.toolcall.xtml_parser.XtmlParser`
+        starting in the channel its prompt opened, or K2's ``ToolCallParser``) and, with a tool
+        grammar, its constraint over ``matcher`` (None: compiled here; K3's is primed with the
+        prompt's channel tag).
 
         Raises:
             ValueError: the grammar does not compile (the parser is attached already).
         """
+        prompt = seq.prompt_token_ids if seq.prompt_token_ids is not None else ()
         if self.tokenizer is not None and self._k3():
             from kvtier.toolcall.xtml_parser import XtmlParser
 
-            seq.parser = XtmlParser.for_tokenizer(self.tokenizer, seq.prompt_token_ids or ())
+            seq.parser = XtmlParser.for_tokenizer(self.tokenizer, prompt)
         elif self.tokenizer is not None:
             from kvtier.toolcall import ToolCallParser
 
@@ -125,7 +128,7 @@ class GrammarRuntime:
             if self._k3():  # the turn grammar starts at the channel the generation prompt opened
                 from kvtier.toolcall.xtml_parser import channel_opening
 
-                seq.constraint.prime(channel_opening(seq.prompt_token_ids or (), self.tokenizer))
+                seq.constraint.prime(channel_opening(prompt, self.tokenizer))
 
     def constraint(self, params: SamplingParams, matcher=None):
         """A fresh constraint for ``params.tool_grammar`` over ``matcher`` (None: compiled here)."""

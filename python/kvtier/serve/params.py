@@ -30,7 +30,7 @@ class SamplingParams:
             [0, :data:`MAX_TOP_LOGPROBS`]; 0 = none.
         prompt_logprobs: return the log-probability of each prompt token after the first.
         tools: OpenAI-style function tools; when given (non-empty), the whole turn is decoded
-            under a grammar of K2's tool-call format whose arguments match each tool's schema
+            under a grammar of the model's tool-call format (K2's or K3's) whose arguments match each tool's schema
             (:mod:`kvtier.toolcall`), and the output carries ``content`` and ``tool_calls``.
             Parameters must be in the schema subset Kimi's API accepts. Needs an engine with a
             tokenizer (``LLM(..., tokenizer=DIR)``).

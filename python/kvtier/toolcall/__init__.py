@@ -1,5 +1,5 @@
-"""Kimi K2 tool calls: the accepted schema subset, a streaming parser, and schema-constrained
-decoding of whole assistant turns.
+"""Kimi tool calls: the accepted schema subset, streaming output parsers, and schema-constrained
+decoding of whole assistant turns, in K2's format and in K3's XTML.
 
 - :func:`validate_schema` / :class:`SchemaLimits`: the JSON-schema subset Kimi's API accepts.
 - :func:`normalize_tools`, :func:`normalize_tool_choice`: request tools checked for grammars.
@@ -8,6 +8,9 @@ decoding of whole assistant turns.
   compiled under :class:`GrammarLimits` (a schema over a limit is traced to its keyword;
   :func:`pattern_size` bounds each ``pattern`` before compiling).
 - :class:`ToolCallConstraint`, :func:`fill_bitmasks`: per-request masks, closing before max_tokens.
+- K3: :class:`kvtier.toolcall.xtml_parser.XtmlParser` (think / response / tools channels, typed
+  arguments) and :func:`kvtier.toolcall.xtml_grammar.xtml_turn_grammar`; the same events,
+  constraint and compiler serve both formats.
 """
 
 from kvtier.toolcall.constrain import (
