@@ -3,8 +3,8 @@
 SGLang's v2 storage interface asks, for a run of KV page keys, how long a prefix it can load
 (``batch_exists_v2``); side pools (a recurrent state, a sliding window, an indexer) say what each
 prefix needs of them by a hit policy. The rule is kvtier's pool's exact-hit rule
-(:mod:`kvtier.cache.state_reuse`): a prefix is reused only up to a boundary whose KV pages and
-side pages are all present, so no KV is loaded without its state. With
+(docs/architecture.md, "Hybrid models"): a prefix is reused only up to a boundary whose KV pages
+and side pages are all present, so no KV is loaded without its state. With
 ``TRAILING_PAGES`` a state exists only at some page boundaries (where a checkpoint was taken),
 so the restorable lengths are a sparse set: length 5 may be restorable while 4 and 3 are not.
 

@@ -122,13 +122,11 @@ class KvtierStorage(HiCacheStorage):
         with self._lock:
             if name in self._pools and self._pools[name].pool is host_pool:
                 return
-            dtype = pages.dtype if pages.dtype in DTYPE_CODES else torch.float32
-            if pages.page_bytes % dtype.itemsize:
-                dtype = torch.float16 if pages.page_bytes % 2 == 0 else None
-            if dtype is None:
-                raise ValueError(f"host pool {name!r}: a page of {pages.page_bytes} bytes is not a whole number of "
-                                 "2-byte elements; kvtier's tiers store 2- or 4-byte elements")
             # the tiers see a page as one row of opaque elements; what the bytes mean is in the key
+            dtype = pages.dtype if pages.dtype in DTYPE_CODES else torch.float16
+            if pages.page_bytes % dtype.itemsize:
+                raise ValueError(f"host pool {name!r}: a page of {pages.page_bytes} bytes is not a whole number of "
+                                 f"{dtype} elements")
             layout = BlockLayout(1, (1, pages.page_bytes // dtype.itemsize), 0, dtype)
             # the disk tier is this process's own directory (per rank); page hashes (the remote
             # store's keys) are shared by an MLA model's ranks
@@ -287,11 +285,11 @@ class KvtierStorage(HiCacheStorage):
     def _v2(self, transfers: list[PoolTransfer], op) -> dict[str, list[bool]]:
         results: dict[str, list[bool]] = {}
         for t in transfers:
-            name, keys = str(PoolName(t.name).value), list(t.keys or [])
+            keys = list(t.keys or [])
             try:
-                results[t.name] = op(name, keys, t.host_indices)
+                results[t.name] = op(str(PoolName(t.name).value), keys, t.host_indices)
             except ValueError as e:  # a malformed transfer fails its own pages, not the call
-                logger.error("kvtier storage: %s of pool %s: %s", op.__name__.strip("_"), name, e)
+                logger.error("kvtier storage: %s of pool %s: %s", op.__name__.strip("_"), t.name, e)
                 results[t.name] = [False] * len(keys)
         return results
 
