@@ -176,5 +176,7 @@ def add_chat_request(engine: Engine, encoder, messages: Seq[dict], params: Sampl
     # from it (no hashing again), and the pool hashes only the pages past them.
     buf = encoder.token_buffer
     hashes = buf if buf is not None else encoder.block_hashes()
+    # a hybrid model keeps its state where the next turns come back: the renderer says where
     return engine.add_request(np.asarray(encoder.ids), params, prompt_block_hashes=hashes,
-                              cache_salt=cache_salt, tool_matcher=tool_matcher)
+                              cache_salt=cache_salt, tool_matcher=tool_matcher,
+                              checkpoint_at=tuple(encoder.boundaries().values()))

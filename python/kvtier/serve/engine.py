@@ -95,7 +95,7 @@ class Engine:
 
     def add_request(self, prompt_token_ids, params: SamplingParams, index: int = 0, *,
                     prompt_block_hashes: Seq[bytes] | None = None, cache_salt: str = "",
-                    arrival_time: float | None = None, tool_matcher=None) -> int:
+                    arrival_time: float | None = None, tool_matcher=None, checkpoint_at: Seq[int] = ()) -> int:
         """Queue one prompt; returns its request id.
 
         Args:
@@ -112,12 +112,19 @@ class Engine:
                 order and TTFT count from it.
             tool_matcher: ``params.tool_grammar`` already compiled by ``grammar.compile``
                 (a server compiles off the engine thread); None = compiled here.
+            checkpoint_at: prompt positions (token counts) a later request comes back to, from
+                the renderer (``boundaries()`` of a session encoder): a hybrid model keeps the
+                recurrent state at the last page boundary at or before each, beside its prompt end.
 
         Raises:
             ValueError: a bad prompt (:meth:`~kvtier.serve.intake.Intake.check_request`), bad
-                ``prompt_block_hashes`` (:meth:`~kvtier.serve.intake.Intake.prompt_hashes`).
+                ``prompt_block_hashes`` (:meth:`~kvtier.serve.intake.Intake.prompt_hashes`),
+                ``checkpoint_at`` not ints in [0, the prompt's length].
         """
         prompt = self.check_request(prompt_token_ids, params, index)
+        at = tuple(checkpoint_at)
+        if not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b <= len(prompt) for b in at):
+            raise ValueError(f"checkpoint_at: expected token counts in [0, {len(prompt)}], got {list(at)[:8]}")
         if not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
         salt = request_salt(cache_salt)
@@ -125,7 +132,7 @@ class Engine:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        seq = Sequence(next(self._ids), prompt, params, self._metrics(arrival_time), gen,
+        seq = Sequence(next(self._ids), prompt, params, self._metrics(arrival_time), gen, checkpoint_at=at,
                        prompt_block_hashes=hashes, cache_salt=salt)
         self._sequences[seq.seq_id] = seq
         try:

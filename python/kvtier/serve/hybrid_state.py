@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -123,14 +124,18 @@ class CheckpointPlan:
         self.page_size, self.checkpoint_tokens, self.policy = page_size, checkpoint_tokens, policy
         self._last: dict[int, tuple[Sequence, Checkpoint]] = {}  # seq_id -> its last decode boundary
 
-    def boundaries(self, start: int, num_new: int, num_tokens: int) -> list[tuple[int, CheckpointKind]]:
+    def boundaries(self, start: int, num_new: int, num_tokens: int,
+                   returns: Seq[int] = ()) -> list[tuple[int, CheckpointKind]]:
         """The checkpoint boundaries of a prefill chunk of ``num_new`` tokens from ``start``, of a
         sequence of ``num_tokens`` tokens so far: grid points, and its last page boundary (and the
-        one before when the tokens end on a page boundary: the point the same prompt resumes from)."""
+        one before when the tokens end on a page boundary: the point the same prompt resumes from),
+        and the last page boundary at or before each of ``returns`` (the positions a later request
+        comes back to, ``Sequence.checkpoint_at``: the renderer's end of the tool declaration and of
+        the last history message), the last three :attr:`CheckpointKind.TURN`."""
         ps, grid = self.page_size, self.checkpoint_tokens
         # The last page boundary, and the last one a request of exactly these tokens can reuse
         # (its last token is always computed): they differ when the tokens fill their last page.
-        ends = {(num_tokens // ps) * ps, ((num_tokens - 1) // ps) * ps}
+        ends = {(num_tokens // ps) * ps, ((num_tokens - 1) // ps) * ps} | {b // ps * ps for b in returns}
         out = []
         for b in range((start // ps + 1) * ps, start + num_new + 1, ps):
             if b % grid == 0:
@@ -145,7 +150,7 @@ class CheckpointPlan:
         if not self.checkpoint_tokens:
             return []
         return [(i, seq, b, kind) for i, (seq, n) in enumerate(batch.extends)
-                for b, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens)]
+                for b, kind in self.boundaries(seq.num_computed_tokens, n, seq.num_tokens, seq.checkpoint_at)]
 
     def decoded(self, batch: ScheduledBatch, snapshot) -> None:
         """Keep, for each decode of ``batch`` that ends on a page boundary, ``snapshot(seq)`` (its

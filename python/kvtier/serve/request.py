@@ -60,6 +60,9 @@ class Sequence:
     parser: object | None = None  # kvtier.toolcall.ToolCallParser when the engine has a tokenizer
     num_parsed_tokens: int = 0  # output tokens fed to ``parser`` so far (Engine.take_events, Engine._output)
     num_prompt_tokens: int | None = None  # given only when prompt_token_ids is None
+    # prompt positions a later request comes back to (the renderer's boundaries: the end of the
+    # tool declaration, of the last history message); a hybrid model checkpoints their pages
+    checkpoint_at: tuple[int, ...] = ()
     kv: KVState = field(init=False, repr=False)
     prompt_block_hashes: InitVar[list[bytes] | None] = None
     cache_salt: InitVar[bytes] = b""
