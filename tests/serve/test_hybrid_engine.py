@@ -112,3 +112,32 @@ def test_hybrid_engine_without_prefix_caching_drops_its_tiers_and_says_so(llm, c
     assert device_only(on) is on  # prefix caching on: the pool keeps state checkpoints instead
     with pytest.raises(ValueError, match="cuda_graph=True is not supported for hybrid"):
         Engine(llm.engine.runner.model, EngineConfig.of(page_size=16, num_device_pages=8, cuda_graph=True))
+
+
+def test_turn_end_crosses_as_data_and_is_the_state_at_its_boundary(llm):
+    """A decode that crosses a page boundary leaves its turn end in the step result (a host row,
+    no device copy); the engine saves it when the request finishes, and it holds exactly the state
+    of a direct forward over the tokens before that boundary."""
+    engine = engine_over(llm, num_device_pages=64, max_num_seqs=2)
+    results = []
+    run_step = engine.runner.run
+    engine.runner.run = lambda batch: results.append(run_step(batch)) or results[-1]
+    p = prompt(10, 12)
+    out = run(engine, [p], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    ends = [c for r in results for c in r.turn_ends.values()]
+    assert ends and {c.num_tokens for c in ends} == {16} and all(c.payload.device.type == "cpu" for c in ends)
+    stats = engine.pool.stats().state
+    assert stats.saved["turn"] == 1  # the prompt (10 tokens) ends before the first boundary: only the turn end
+    model, tokens = engine.runner.model, (p + out.token_ids)[:16]
+    c, n = model.config, 16
+    caches = [torch.zeros(1, n, c.kv_cache_dim) for _ in c.full_attn_layers]
+    attn = AttentionBatch(slot_mapping=torch.arange(n, dtype=torch.int64), num_prefill_tokens=n,
+                          prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                          prefill_seq_lens=torch.tensor([n], dtype=torch.int32),
+                          prefill_block_table=torch.zeros(1, 1, dtype=torch.int32))
+    direct = StateSlots(c, 1)
+    with torch.inference_mode():
+        model(torch.tensor(tokens), torch.arange(n), attn, caches, direct,
+              StateBatch(prefill_slots=torch.tensor([0], dtype=torch.int32)))
+    torch.testing.assert_close(ends[-1].payload.view(torch.float32), direct.pack(0).view(torch.float32),
+                               atol=TOL, rtol=0)
