@@ -54,7 +54,7 @@ def device_only(config: EngineConfig) -> EngineConfig:
     """``config`` as a hybrid model runs it without prefix caching: no host, disk or remote tier
     (every prompt is computed from its first token). Logs a warning that says what it turned
     off (nothing when nothing was on). With prefix caching on, ``config`` is returned as it is:
-    the pool keeps state checkpoints beside the MLA blocks (:func:`with_checkpoints`)."""
+    the pool keeps state checkpoints beside the MLA blocks (:func:`cache_config`)."""
     pool = config.pool
     if pool.enable_prefix_caching:
         return config
