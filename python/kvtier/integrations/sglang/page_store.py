@@ -94,7 +94,7 @@ class PageTiers:
                  remote: RemoteBackend | None = None):
         self.meta, self.page_bytes = meta, meta.payload_bytes
         self.counters = {name: TierCounters() for name in TIER_NAMES}
-        self._host_lock = threading.Lock()
+        self._host_lock, self._count_lock = threading.Lock(), threading.Lock()
         self._index = PrefixIndex()
         self.host: HostStore | None = None
         self.stores: list[TierStore] = []
@@ -119,6 +119,14 @@ class PageTiers:
         """A ``[num_pages, page_bytes]`` uint8 buffer on a 4096-byte boundary (rows of a page size
         that is a multiple of 4096 stay aligned: the disk tier moves them with O_DIRECT)."""
         return aligned_empty(num_pages * self.page_bytes).view(num_pages, self.page_bytes)
+
+    def _count(self, tier: str, **deltas: int) -> None:
+        """Add ``deltas`` to tier ``tier``'s counters (SGLang's prefetch and backup threads both
+        count)."""
+        c = self.counters[tier]
+        with self._count_lock:
+            for k, v in deltas.items():
+                setattr(c, k, getattr(c, k) + v)
 
     # ---- lookups ---------------------------------------------------------------------------
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
@@ -157,15 +165,13 @@ class PageTiers:
                 break
             hs = [hashes[i] for i in todo]
             got = self._read_host(hs) if store is self.host else self._read_lower(store, hs)
-            c = self.counters[store.name]
             promote = []
             for i, row in zip(todo, got):
                 if row is None:
                     continue
                 out[i].copy_(row)
                 ok[i] = True
-                c.hits += 1
-                c.bytes_read += self.page_bytes
+                self._count(store.name, hits=1, bytes_read=self.page_bytes)
                 if store is not self.host:
                     promote.append(i)
             if promote and self.host is not None:
@@ -179,7 +185,7 @@ class PageTiers:
             for h in hashes:
                 match = self._index.match([h], [Tier.HOST])
                 if len(match) == 0:
-                    self.counters["host"].misses += 1
+                    self._count("host", misses=1)
                     rows.append(None)
                     continue
                 buf, _ = self.host.read([h], [int(match[0, int(Tier.HOST)])])
@@ -189,7 +195,7 @@ class PageTiers:
 
     def _read_lower(self, store: TierStore, hashes: list[bytes]) -> list[torch.Tensor | None]:
         parts = [(lo, *store.read(hashes[lo:hi], [-1] * (hi - lo))) for lo, hi in self._chunks(store, len(hashes))]
-        c, rows = self.counters[store.name], []
+        rows = []
         for lo, buf, job in parts:  # every chunk started before any is waited for
             flat = buf.reshape(-1)
             for i, status in enumerate(job.result()):
@@ -198,9 +204,9 @@ class PageTiers:
                     continue
                 rows.append(None)
                 if status == _MISS[store.name]:
-                    c.misses += 1
+                    self._count(store.name, misses=1)
                 else:
-                    c.failures += 1  # corrupt (the disk tier deleted it), short, error, timeout, store down
+                    self._count(store.name, failures=1)  # corrupt (the disk tier deleted it), short, error, timeout, store down
         return rows
 
     @staticmethod
@@ -229,20 +235,18 @@ class PageTiers:
         return stored
 
     def _host_put(self, hashes: list[bytes], blocks: torch.Tensor) -> list[bool]:
-        c = self.counters["host"]
         with self._host_lock:
             held = self.host.held(hashes)
             todo = [i for i, on in enumerate(held) if not on]
             slots = self.host.allocate(len(todo)) if todo else []
             if len(slots) < len(todo):
-                c.write_failures += len(todo) - len(slots)
+                self._count("host", write_failures=len(todo) - len(slots))
             todo = todo[:len(slots)]
             if todo:
                 self.host.fill(slots, blocks if len(todo) == len(hashes) else blocks[todo])
                 inserted = self.host.index_copies([hashes[i] for i in todo], slots)
                 self.host.release([s for s, new in zip(slots, inserted) if not new])
-                c.writes += sum(inserted)
-                c.bytes_written += sum(inserted) * self.page_bytes
+                self._count("host", writes=sum(inserted), bytes_written=sum(inserted) * self.page_bytes)
             return self.host.held(hashes)
 
     def _write_lower(self, store: TierStore, hashes: list[bytes], blocks: torch.Tensor) -> list[bool]:
@@ -254,14 +258,10 @@ class PageTiers:
         hs = [hashes[i] for i in todo]
         jobs = [store.write(hs[lo:hi], rows[lo:hi]) for lo, hi in self._chunks(store, len(hs))]
         statuses = [st for job in jobs for st in job.result()]
-        c = self.counters[store.name]
         for i, status in zip(todo, statuses):
             held[i] = status == 0
-            if status == 0:
-                c.writes += 1
-                c.bytes_written += self.page_bytes
-            else:
-                c.write_failures += 1
+        ok = sum(st == 0 for st in statuses)
+        self._count(store.name, writes=ok, bytes_written=ok * self.page_bytes, write_failures=len(statuses) - ok)
         return held
 
     def clear(self) -> None:
