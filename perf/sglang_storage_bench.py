@@ -160,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip(),
               "command": " ".join([Path(sys.executable).name, *sys.argv])}
-    print(f"{args.pages} pages of {page:,} B (MLA page_first, {args.layers} layers x {args.page_size} tokens x 576 bf16),"
-          f" median of {args.repeats}; sglang {sglang.__version__}")
+    print(f"{args.pages} pages of {page:,} B (MLA page_first, {args.layers} layers x {args.page_size} tokens "
+          f"x 576 bf16), median of {args.repeats}; sglang {sglang.__version__}")
     print("| backend | set pages/s | set MB/s | exists pages/s | get pages/s | get MB/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -315,13 +315,14 @@ def test_v2_round_trip_is_byte_exact_per_pool(disk, layout):
     keys = [uuid.uuid4().hex for _ in range(NUM_PAGES)]
     transfers = [PoolTransfer(name=PoolName.KV, host_indices=_indices(range(NUM_PAGES)), keys=keys),
                  PoolTransfer(name=PoolName.MAMBA, host_indices=_indices(range(NUM_PAGES)), keys=keys)]
-    expected = {p: [_page(pool, i) for i in range(NUM_PAGES)] for p, pool in ((PoolName.KV, kv), (PoolName.MAMBA, state))}
+    pools = ((PoolName.KV, kv), (PoolName.MAMBA, state))
+    expected = {p: [_page(pool, i) for i in range(NUM_PAGES)] for p, pool in pools}
     written = store.batch_set_v2(transfers)
     assert written[PoolName.KV] == [True] * NUM_PAGES and written[PoolName.MAMBA] == [True] * NUM_PAGES
     kv.kv_buffer.zero_()
     state.kv_buffer.zero_()
     loaded = store.batch_get_v2(transfers)
-    for p, pool in ((PoolName.KV, kv), (PoolName.MAMBA, state)):
+    for p, pool in pools:
         assert loaded[p] == [True] * NUM_PAGES
         assert all(torch.equal(_page(pool, i), expected[p][i]) for i in range(NUM_PAGES))
     assert store.batch_exists(keys) == NUM_PAGES  # v2 KV pages are the v1 pages

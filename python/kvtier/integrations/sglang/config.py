@@ -58,7 +58,8 @@ class StorageConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (bytes), got {value!r}")
         if self.disk_cache_dir is not None and (not isinstance(self.disk_cache_dir, str) or not self.disk_cache_dir):
-            raise ValueError(f"disk_cache_dir must be a non-empty str (a directory) or null, got {self.disk_cache_dir!r}")
+            raise ValueError(f"disk_cache_dir must be a non-empty str (a directory) or null, "
+                             f"got {self.disk_cache_dir!r}")
         if self.disk_cache_dir is not None and self.disk_cache_bytes == 0:
             raise ValueError("disk_cache_bytes must be > 0 when disk_cache_dir is set, got 0")
         check_remote_url("remote_cache_url", self.remote_cache_url)

@@ -206,7 +206,8 @@ class PageTiers:
                 if status == _MISS[store.name]:
                     self._count(store.name, misses=1)
                 else:
-                    self._count(store.name, failures=1)  # corrupt (the disk tier deleted it), short, error, timeout, store down
+                    # corrupt (the disk tier deleted it), short, error, timeout, store down
+                    self._count(store.name, failures=1)
         return rows
 
     @staticmethod
