@@ -14,11 +14,11 @@ here does the same, on one API:
   ``function_call_output`` per call or a user message.
 
 Every session has the same system prompt and tools (three coding tools with small schemas) and
-its own first user message, which starts with the run's nonce, the API and the session's index,
-so no session finds another's turns, nor a rerun against the same server this run's. On a share of the turns
-(``tool_share``, spread evenly and shifted per session) tool calls are forced (``tool_choice``
-``"required"`` / ``{"type": "any"}``); the other turns leave the choice to the model
-(``"auto"``). Tool results and follow-up messages are drawn from a generator seeded by the run's
+its own first user message, which starts with a tag hashed from the run's nonce, the API and
+the session's index, so no session finds another's turns, nor a rerun against the same server
+this run's. On a share of the turns (``tool_share``, spread evenly and shifted per session) tool
+calls are forced (``tool_choice`` ``"required"`` / ``{"type": "any"}``); the other turns leave
+the choice to the model (``"auto"``). Tool results and follow-up messages are drawn from a generator seeded by the run's
 seed, session and turn. Requests are greedy (temperature 0), not streamed, ask for
 ``max_tokens`` output tokens and carry the session's id where its API's agents send one: the
 ``X-Session-Id`` header (chat), ``metadata.user_id`` (Messages), ``prompt_cache_key``
@@ -294,8 +294,8 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
 
     The first turn of the first API's session 0 runs alone (every later session finds the
     shared system prompt and tools from it); then every (API, session) runs, ``concurrency`` at
-    once. ``nonce``: the prefix of every first message and session id (default: 8 random hex
-    digits). ``on_session(api, session)`` is called as each session ends.
+    once. ``nonce``: hashed into every first message's tag, and the prefix of every session id
+    (default: 8 random hex digits). ``on_session(api, session)`` is called as each session ends.
 
     Returns:
         one row per request (:func:`run_session`), ordered by API, session and turn.
@@ -408,14 +408,20 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
 
         tok = load_tokenizer(tokenizer)
     shared = agent_reuse.shared_prefix_tokens(tok, page_size)
+    ended = []
+
+    def progress(api: str, session: int) -> None:
+        ended.append((api, session))
+        if console is not None:
+            console.log(f"{api} session {session} done ({len(ended)} of {workload.sessions * len(workload.apis)})")
     if endpoint is not None:
         before = eviction_counts(endpoint)
-        rows = run_agents(endpoint, model, workload)
+        rows = run_agents(endpoint, model, workload, on_session=progress)
         evicted = _evicted_during(endpoint, before)
     else:
         with local_server(model, tokenizer, ["--page-size", str(page_size), *server_args]) as server:
             before = eviction_counts(server.url)
-            rows = run_agents(server.url, model, workload)
+            rows = run_agents(server.url, model, workload, on_session=progress)
             evicted = _evicted_during(server.url, before)
     rows = agent_reuse.annotate(rows, page_size, shared)
     summary = agent_reuse.summarize(rows)
