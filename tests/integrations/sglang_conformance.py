@@ -352,8 +352,14 @@ def test_v2_trailing_state_restores_only_at_checkpoint_boundaries(disk):
     result = store.batch_exists_v2(keys, [window])
     assert result.kv_hit_pages == 2 and result.restorable_prefix_pages == [2]
     assert store.get_stats().tiers["pools"]["mamba"]["disk"]["failures"] == 1
-    # and with no state at all, no KV prefix is restorable
-    assert store.batch_exists_v2(keys[:1], [window]).kv_hit_pages == 0
+    # the state at page 2 goes missing too (deleted behind the tier's back: the read finds out and
+    # drops it): no boundary is left, so no KV prefix is restorable
+    _disk_file(store, "mamba", keys[1]).unlink()
+    got = store.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=_indices([1]), keys=[keys[1]])])
+    assert got[PoolName.MAMBA] == [False] and not state_buf.any()
+    result = store.batch_exists_v2(keys, [window])
+    assert (result.kv_hit_pages, result.restorable_prefix_pages) == (0, [])
+    assert store.batch_exists(keys) == 6  # the KV pages themselves are all there
 
 
 def test_v2_all_pages_policy_and_malformed_transfers(disk):
