@@ -147,9 +147,7 @@ def print_report(console, summary: list[dict], title: str) -> None:
     console.print(t)
 
 
-def agent_json(rows: list[dict], summary: list[dict], **extra) -> dict:
-    """The run as JSON: provenance (``kvtier.provenance.provenance(**extra)``: commit, machine,
-    time and the run's settings), the summary and every row."""
-    from kvtier.provenance import provenance
-
-    return {"provenance": provenance(**extra), "summary": summary, "turns": rows}
+def agent_json(rows: list[dict], summary: list[dict], provenance: dict) -> dict:
+    """The run as JSON: ``provenance`` (:func:`kvtier.provenance.provenance`, taken when the run
+    started: commit, machine, time and the run's settings), the summary and every row."""
+    return {"provenance": provenance, "summary": summary, "turns": rows}

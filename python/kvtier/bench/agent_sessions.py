@@ -399,6 +399,7 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
     """
     from kvtier.bench import agent_reuse
     from kvtier.bench.report import write_json
+    from kvtier.provenance import provenance
 
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"--page-size must be an integer >= 1, got {page_size!r}")
@@ -408,6 +409,11 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
 
         tok = load_tokenizer(tokenizer)
     shared = agent_reuse.shared_prefix_tokens(tok, page_size)
+    where = endpoint or f"kvtier serve {model} (started for the run)"
+    settings = {**asdict(workload), "apis": list(workload.apis)}
+    # taken before the run: the commit is that of the code the run (and a server it starts) loads
+    prov = provenance(endpoint=where, model=model, tokenizer=tokenizer, page_size=page_size,
+                      shared_prefix_tokens=shared, workload=settings, server_args=list(server_args))
     ended = []
 
     def progress(api: str, session: int) -> None:
@@ -425,11 +431,7 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
             evicted = _evicted_during(server.url, before)
     rows = agent_reuse.annotate(rows, page_size, shared)
     summary = agent_reuse.summarize(rows)
-    where = endpoint or f"kvtier serve {model} (started for the run)"
-    settings = {**asdict(workload), "apis": list(workload.apis)}
-    result = agent_reuse.agent_json(rows, summary, endpoint=where, model=model, tokenizer=tokenizer,
-                                    page_size=page_size, shared_prefix_tokens=shared, workload=settings,
-                                    server_args=list(server_args), evicted_during_run=evicted)
+    result = agent_reuse.agent_json(rows, summary, {**prov, "evicted_during_run": evicted})
     if console is not None:
         agent_reuse.print_report(console, summary, f"cached / reachable tokens per turn: {model} via {where}")
     if json_path:
