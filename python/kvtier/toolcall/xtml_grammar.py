@@ -83,7 +83,8 @@ def _rewrite_refs(schema, has_root: list):
     if isinstance(schema, dict):
         out = {}
         for k, v in schema.items():
-            if k == "$ref" and isinstance(v, str) and (v == "#" or (v.startswith("#/") and not v.startswith("#/$defs/"))):
+            into_root = isinstance(v, str) and (v == "#" or (v.startswith("#/") and not v.startswith("#/$defs/")))
+            if k == "$ref" and into_root:
                 has_root[0] = True
                 out[k] = f"#/$defs/{_ROOT}" + v[1:]
             else:
@@ -227,7 +228,8 @@ def xtml_turn_grammar(specs: Sequence[ToolSpec], choice: str, parallel_tool_call
              f"think: {_tag('think')} TEXT? {_close('think')}",
              f"response: {_tag('response')} {content} {_close('response')}"]
     if response_schema is not None:
-        rules.lines.append(f"answer: %json {json.dumps({**response_schema, 'x-guidance': JSON_STYLE}, ensure_ascii=False)}")
+        answer = json.dumps({**response_schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+        rules.lines.append(f"answer: %json {answer}")
     if not calls:
         lines.insert(2, f"start: think? response {_close('message')}")
         return "\n".join(lines + rules.lines)

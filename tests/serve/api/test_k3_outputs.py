@@ -14,11 +14,10 @@ import pytest
 from tests.toolcall.sweep import check_arguments
 
 MODEL = "k3"
-LS = {"type": "function", "function": {"name": "ls", "description": "List a directory", "parameters": {
-    "type": "object", "properties": {"path": {"type": "string", "maxLength": 16}, "depth": {"type": "integer",
-                                                                                            "minimum": 0, "maximum": 3}},
-    "required": ["path", "depth"]}}}
-SCHEMA = LS["function"]["parameters"]
+SCHEMA = {"type": "object", "required": ["path", "depth"],
+          "properties": {"path": {"type": "string", "maxLength": 16},
+                         "depth": {"type": "integer", "minimum": 0, "maximum": 3}}}
+LS = {"type": "function", "function": {"name": "ls", "description": "List a directory", "parameters": SCHEMA}}
 ASK = [{"role": "user", "content": "list the repository"}]
 BUDGET = 120  # tokens: the shortest turn with one call is about 60 (thinking on)
 
