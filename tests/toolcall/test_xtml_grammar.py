@@ -218,3 +218,20 @@ def test_every_corpus_call_on_tiny_k3(k3_dir, corpus, seed, temperature):
     tally = run(llm, corpus[0], temperature, seed)
     assert tally.outcomes["error"] == 0 and tally.complete == tally.requests, tally.failures
     assert tally.valid_calls == tally.calls >= tally.requests, tally.failures
+
+
+def test_grammar_limits_and_errors_apply(k3_tok, k3_compiler):
+    from kvtier.toolcall import GrammarError, GrammarLimitError, GrammarLimits
+
+    from tests.toolcall.conftest import UNGENERABLE_TOOL
+
+    params = SamplingParams(tools=[UNGENERABLE_TOOL], tool_choice="required")
+    lark = xtml_turn_grammar(params.tool_specs, "required")
+    with pytest.raises(GrammarError, match=r"^tools\[0\]\.function\.parameters\.properties\.s\.minLength: "):
+        k3_compiler.compile(lark, params.tool_specs)
+    tight = GrammarCompiler(k3_tok, k3_compiler.end_of_turn_ids, limits=GrammarLimits(max_pattern_size=10))
+    patterned = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{40}$"}}, "required": ["id"]}}}
+    params = SamplingParams(tools=[patterned], tool_choice="required")
+    with pytest.raises(GrammarLimitError, match=r"tools\[0\]\.function\.parameters\.properties\.id\.pattern"):
+        tight.compile(xtml_turn_grammar(params.tool_specs, "required"), params.tool_specs)
