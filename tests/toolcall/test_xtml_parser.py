@@ -284,5 +284,15 @@ def test_bad_channel_is_refused():
         XtmlParser(channel="thinking")
 
 
+def test_between_channels_text_is_dropped_and_stray_tags_are_problems():
+    p = XtmlParser(channel="response")
+    p.feed_text('hi<|close|>response<|sep|>junk<|open|>message role="x"<|sep|><|close|>message<|sep|>')
+    p.finish()
+    assert p.content == "hi" and [q.kind for q in p.problems] == ["unexpected_marker"]
+    top = XtmlParser()  # a prompt that opened no channel: text before the first one is content
+    top.feed_text("plain<|open|>response<|sep|> answer<|close|>response<|sep|>")
+    assert top.content == "plain answer"
+
+
 if __name__ == "__main__":  # print the corpus, for a look
     json.dump(corpus(), sys.stdout, ensure_ascii=False, indent=1)

@@ -120,7 +120,7 @@ class XtmlParser:
             text, decoded with ``decode_bytes``.
         decode_bytes: ``ids -> bytes`` for the other ids (``KimiTokenizer.decode_bytes``).
         channel: where the output starts: ``"think"`` or ``"response"`` (the generation prompt
-            opened it) or ``"top"`` (between channels; text there is content).
+            opened it) or ``"top"`` (before any channel; text there is content until one opens).
 
     Attributes (accumulated):
         content, reasoning: the text so far.
@@ -142,6 +142,7 @@ class XtmlParser:
         if self.channel not in (TOP, THINK, RESPONSE):
             raise ValueError(f"channel must be 'top', 'think' or 'response', got {self.channel!r}")
         self._state = self.channel
+        self._seen_channel = self.channel != TOP  # text at the top level is content until a channel opens
         self._tag: tuple[str, str] | None = None  # (OPEN or CLOSE, header so far) of a tag being read
         self._pending = ""  # feed_text: text that may be the start of a marker
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -223,7 +224,7 @@ class XtmlParser:
 
     def _emit_text(self, text: str, events: list) -> None:
         s = self._state
-        if s in (TOP, RESPONSE):
+        if s == RESPONSE or (s == TOP and not self._seen_channel):
             self.content += text
             events.append(ContentDelta(text))
         elif s == THINK:
@@ -231,7 +232,7 @@ class XtmlParser:
             events.append(ReasoningDelta(text))
         elif s == ARGUMENT or s == JSON_BLOCK:
             self._call.value += text
-        # TOOLS, CALL: text between tags is dropped; ENDED: text after the turn is ignored
+        # TOOLS, CALL, TOP after a channel: text between tags is dropped; ENDED: after the turn
 
     def _control(self, control: str, events: list) -> None:
         if self._state == ENDED:
@@ -257,7 +258,7 @@ class XtmlParser:
             self._stray(kind + header, events)
 
     def _stray(self, spelling: str, events: list) -> None:
-        if self._state in _VALUE_STATES or self._state == TOP:
+        if self._state in _VALUE_STATES:
             self._emit_text(spelling, events)
         else:
             self._problem(events, ToolCallProblem(
@@ -273,7 +274,8 @@ class XtmlParser:
         elif s in _VALUE_STATES:
             self._in_value(kind, name, header, events)
         elif kind == OPEN and s == TOP and name in ("think", "response", "tools"):
-            self._state = name
+            self._state = {"think": THINK, "response": RESPONSE, "tools": TOOLS}[name]
+            self._seen_channel = True
         elif kind == CLOSE and s == TOP and name in ("message", "think", "response"):
             pass  # the message's end (before <|end_of_msg|>), or a channel the prompt opened
         elif kind == OPEN and s == TOOLS and (m := _WITH_ATTRS.fullmatch(header)) and m["name"] == "call":
