@@ -106,8 +106,10 @@ def add_parser(sub) -> None:
                    help="sdk-agents: share of turns with tool calls forced (tool_choice required / any)")
     b.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files for --conversations and sdk-agents "
                    "(default: the model dir)")
-    b.add_argument("--page-size", type=int, default=None, help="tokens per KV page for --conversations (default 16)")
-    b.add_argument("--max-output-tokens", type=int, default=None, help="cap on each response length for --conversations")
+    b.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page for --conversations and sdk-agents (default 16)")
+    b.add_argument("--max-output-tokens", type=int, default=None,
+                   help="cap on each response length for --conversations; sdk-agents: max_tokens per turn (default 64)")
     b.add_argument("--sessions", type=int, default=16, help="sessions replayed")
     b.add_argument("--concurrency", type=int, default=8, help="sessions active at once")
     b.add_argument("--configs", default="device-only,tiered,ideal",
