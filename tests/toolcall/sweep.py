@@ -3,7 +3,7 @@
 each call's arguments checked with ``jsonschema``.
 
 Run the whole sweep and print its numbers:
-    PYTHONPATH=python python tests/toolcall/sweep.py [--seeds 0 1] [--temperatures 0 1]
+    PYTHONPATH=python python tests/toolcall/sweep.py [--model tiny|tiny-k3] [--seeds 0 1] [--temperatures 0 1]
 """
 
 from __future__ import annotations
@@ -153,6 +153,19 @@ def prompt_ids(tokenizer, case: Case) -> list[int]:
     return encode_xtml(tokenizer, case.messages, case.tools, XtmlOptions(tool_choice="required"))
 
 
+def rendered(tokenizer, cases: list[Case]) -> list[Case]:
+    """The cases whose prompt the tokenizer's chat format renders (K3's renderer refuses tool
+    parameters whose root is not an object schema: a 400 before any grammar)."""
+    kept = []
+    for c in cases:
+        try:
+            prompt_ids(tokenizer, c)
+        except ValueError:
+            continue
+        kept.append(c)
+    return kept
+
+
 def run(
     llm, cases: list[Case], temperature: float, seed: int, slack: int = SLACK_TOKENS
 ) -> Tally:
@@ -214,16 +227,26 @@ def main() -> None:
         default=None,
         help="first N cases of each set (default all)",
     )
+    ap.add_argument("--model", choices=["tiny", "tiny-k3"], default="tiny",
+                    help="tiny-k3: K3's tokenizer files and XTML turns (cases K3's renderer refuses are left out)")
     args = ap.parse_args()
+    tokenizer_dir = TOKENIZER_DIR
+    if args.model == "tiny-k3":
+        import tempfile
+
+        from kvtier.tokenize import ChatFormat, copy_tokenizer
+
+        tokenizer_dir = copy_tokenizer(TOKENIZER_DIR, tempfile.mkdtemp(), chat_format=ChatFormat.K3_XTML)
     for seed in args.seeds:
-        llm = LLM("tiny", tokenizer=TOKENIZER_DIR, seed=seed, num_device_pages=4096)
+        pages = 4096 if args.model == "tiny" else 8192
+        llm = LLM(args.model, tokenizer=tokenizer_dir, seed=seed, num_device_pages=pages)
         for temperature in args.temperatures:
             for set_name, cases in (
                 ("K2-Vendor-Verifier", k2vv_cases()),
                 ("walle", walle_cases()),
             ):
                 t0 = time.perf_counter()
-                tally = run(llm, cases[: args.limit], temperature, seed)
+                tally = run(llm, rendered(llm.tokenizer, cases[: args.limit]), temperature, seed)
                 print(
                     f"seed {seed} temperature {temperature} {set_name}: {tally.line()} "
                     f"[{time.perf_counter() - t0:.0f} s]",

@@ -17,7 +17,7 @@ from kvtier.toolcall import GrammarCompiler, JsonNesting, TokenTable, ToolCallCo
 from kvtier.toolcall.xtml_grammar import xtml_turn_grammar
 from kvtier.toolcall.xtml_parser import XtmlParser
 from tests.helpers.tool_schemas import LS, SEARCH
-from tests.toolcall.sweep import check_arguments, k2vv_cases, prompt_ids, run, walle_cases
+from tests.toolcall.sweep import check_arguments, k2vv_cases, rendered, run, walle_cases
 
 UNGENERABLE = {"TestRangeConstraints:2"}  # a string of >= 999,999,999,999 characters (as the K2 sweep)
 SLACK = 24
@@ -51,17 +51,9 @@ def k3_table(k3_tok, k3_compiler):
 def corpus(k2vv_dir, walle_dir, k3_tok):
     """The corpus cases K3's renderer accepts (it refuses parameters that are not a JSON object
     schema at the root, a 400 before any grammar), and the names of those it refuses."""
-    kept, refused = [], []
-    for c in k2vv_cases() + walle_cases():
-        if c.name in UNGENERABLE:
-            continue
-        try:
-            prompt_ids(k3_tok, c)
-        except ValueError:
-            refused.append(c.name)
-            continue
-        kept.append(c)
-    return kept, refused
+    cases = [c for c in k2vv_cases() + walle_cases() if c.name not in UNGENERABLE]
+    kept = rendered(k3_tok, cases)
+    return kept, sorted({c.name for c in cases} - {c.name for c in kept})
 
 
 def _think_tag(tok) -> list[int]:
