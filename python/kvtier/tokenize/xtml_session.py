@@ -45,7 +45,8 @@ class SampledPart(tuple):
     def __ne__(self, other) -> bool:
         return not self == other
 
-    __hash__ = tuple.__hash__
+    def __hash__(self) -> int:
+        return hash(self.ids)
 
 
 class XtmlSessionEncoder(EncodedSession):
