@@ -151,7 +151,8 @@ def _text(text: str) -> list[Segment]:
     return [(text, False)] if text else []
 
 
-def _escape_attr(value: Any) -> str:
+def escape_attr(value: Any) -> str:
+    """An attribute value as K3's renderer writes it: ``&`` -> ``&amp;``, then ``"`` -> ``&quot;``."""
     return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
@@ -159,7 +160,7 @@ def open_tag(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
     """``<|open|>TAG key="value"...<|sep|>``: the tag and each attribute are segments of their own."""
     out = [(OPEN, True), *_text(tag)]
     for key, value in attrs:
-        out += _text(f' {key}="{_escape_attr(value)}"')
+        out += _text(f' {key}="{escape_attr(value)}"')
     out.append((SEP, True))
     return out
 

@@ -55,6 +55,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvtier.jsontypes import json_type_name
+from kvtier.tokenize.xtml import escape_attr
 from kvtier.toolcall.parser import ContentDelta, ReasoningDelta, ToolCall, ToolCallProblem
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
@@ -77,11 +78,6 @@ _CLOSES = {THINK: "think", RESPONSE: "response", ARGUMENT: "argument", JSON_BLOC
 def unescape_attr(value: str) -> str:
     """An attribute value as written (``&quot;`` -> ``"``, then ``&amp;`` -> ``&``)."""
     return value.replace("&quot;", '"').replace("&amp;", "&")
-
-
-def escape_attr(value: str) -> str:
-    """An attribute value as K3's renderer writes it: ``&`` -> ``&amp;``, then ``"`` -> ``&quot;``."""
-    return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
 def attributes(text: str) -> dict[str, str]:
