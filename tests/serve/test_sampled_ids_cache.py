@@ -120,3 +120,10 @@ def test_new_session_with_same_tools_reuses_the_declaration(llms):
     assert shared >= tools_end  # the declaration is the prefix the two sessions share
     out = _run(engine, b.ids, checkpoint_at=tuple(b.boundaries().values()))
     assert out.num_cached_tokens == tools_end // PS * PS
+    # a third session with the same system prompt reaches the opening of its first user message
+    c = new_encoder(engine, tok)
+    third = [first[0], {"role": "user", "content": "x" + "y" * 40}]
+    c.append(third, TOOLS, OPTS)
+    shared = next(i for i, (x, y) in enumerate(zip(a.ids, c.ids)) if x != y)
+    assert a.boundaries()["last_body"] == shared and shared // PS > tools_end // PS
+    assert _run(engine, c.ids).num_cached_tokens == shared // PS * PS

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from kvtier.tokenize.formats import ChatFormat
 from kvtier.tokenize.sampled import SampledTurn, SampledTurns, message_key
 from kvtier.tokenize.session import AppendResult, EncodedSession, IdStore, SessionEncoder
-from kvtier.tokenize.xtml import Part, XtmlOptions, close_tag, encode_part, render_xtml_parts, result_order
+from kvtier.tokenize.xtml import SEP, Part, XtmlOptions, close_tag, encode_part, render_xtml_parts, result_order
 
 
 class SampledPart(tuple):
@@ -187,10 +187,18 @@ class XtmlSessionEncoder(EncodedSession):
         """Where the ids of the last :meth:`append` end a part a later turn comes back to:
         ``tools`` (the end of the tool declaration, the first part; absent without tools),
         ``history`` (the end of the last message, before the tails and the generation prompt),
-        as a number of ids."""
+        ``last_body`` (the end of the last message's opening tag: what a conversation that differs
+        from this one only in its last message's text shares, e.g. a new session's first user
+        message after the same tools and system prompt), as a number of ids."""
         out = {}
         if self._declares_tools and len(self._starts) > 1:
             out["tools"] = self._starts[1]
+        last = self._n_history_parts - 1
+        if 0 <= last < len(self._parts) and last < len(self._starts) and not isinstance(self._parts[last], SampledPart):
+            part = self._parts[last]
+            sep = next((k for k, (text, special) in enumerate(part) if special and text == SEP), None)
+            if sep is not None:
+                out["last_body"] = self._starts[last] + len(encode_part(self.tokenizer, part[:sep + 1]))
         if self._n_history_parts:
             out["history"] = (self._starts[self._n_history_parts] if self._n_history_parts < len(self._starts)
                               else len(self._store))
