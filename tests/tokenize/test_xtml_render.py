@@ -1,5 +1,6 @@
 """K3's chat format (XTML), rule by rule: kvtier's rendering of each conversation equals the prompt
-written out by hand from ../shared/docs/K3.md ("K3's chat format"), as text and token for token.
+written out by hand in K3's format (docs/k3.md, "Chat format (XTML)"), as text and token for
+token.
 
 The expected ids are K3's tokenizer on the hand-written prompt (control tokens at their ids, the
 text between them BPE-encoded), built without the renderer; one prompt is checked against K3's

@@ -17,7 +17,7 @@ HYBRID_PARTS = ("embed_tokens", "kda_attention", "mla_attention", "dense_mlp", "
                 "routed_experts", "router", "norms", "lm_head")
 HYBRID_FORMATS = {"mxfp4": "routed experts MXFP4: E2M1 + E8M0 per 32, rest bf16", "bf16": "bf16, nothing quantized"}
 # The weights each hybrid model_type is released in, and the name the report gives it: K3 ships MXFP4
-# routed experts (../shared/docs/K3.md), Kimi-Linear-48B-A3B bf16 weights.
+# routed experts (docs/k3.md), Kimi-Linear-48B-A3B bf16 weights.
 SHIPPED_FORMATS = {"kimi_k3": ("K3", "mxfp4"), "kimi_linear": ("Kimi-Linear", "bf16")}
 HYBRID_REPLICATED = {"dp-ep": ("kda_attention", "mla_attention", "router", "norms"), "tp": ()}
 STATE_DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -4,7 +4,7 @@ The format is a property of the model's files (its tokenizer configuration and m
 never of a preset name. Renderers (``kvtier.tokenize``), output parsers and grammars
 (``kvtier.toolcall``) branch on :class:`ChatFormat` and nothing else.
 
-K3's control tokens (``../shared/docs/K3.md``, "K3's chat format"): K3's ``tokenizer_config.json``
+K3's control tokens (``docs/k3.md``, "Chat format (XTML)"): K3's ``tokenizer_config.json``
 puts them at ids 163584-163589 and 163838-163839, where K2 has ``[BOS]``, ``[EOS]``,
 ``<|im_end|>``, ``<|im_user|>``, ``<|im_assistant|>`` and ``<|start_header_id|>``.
 """

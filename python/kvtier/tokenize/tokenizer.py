@@ -257,7 +257,7 @@ def load_tokenizer(model_dir: str | Path, chat_format=None) -> KimiTokenizer:
 
 
 def k3_tokenizer_config() -> dict:
-    """The ``tokenizer_config.json`` of Kimi K3 (``../shared/docs/K3.md``, "K3's chat format").
+    """The ``tokenizer_config.json`` of Kimi K3 (``docs/k3.md``, "Chat format (XTML)").
 
     Its named special tokens are K3's control tokens at their ids
     (:data:`kvtier.tokenize.formats.K3_CONTROL_TOKENS`: ``[BOS]`` 163584 ... ``<|sep|>`` 163589,

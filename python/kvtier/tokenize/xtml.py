@@ -5,7 +5,7 @@ A prompt is a list of *segments* ``(text, special)``: ``special`` segments are o
 (``<|open|>``, ``<|close|>``, ``<|sep|>``, ``<|end_of_msg|>``) encoded as its id; every other
 segment (a tag name, one attribute, a message body, an argument value) is encoded on its own with
 special-token spellings disallowed, so a user who types ``<|open|>`` gets its bytes, never the
-control token. Empty text segments are dropped. Facts: ``../shared/docs/K3.md``, "K3's chat format".
+control token. Empty text segments are dropped. Facts: ``docs/k3.md``, "Chat format (XTML)".
 
 Segments are grouped into *parts* (:class:`XtmlParts`): the header (tool declaration, then the
 thinking-effort message), one part per message, the tails (``tool_choice``, ``response_format``)

@@ -8,8 +8,8 @@ segment is encoded on its own, so a part's ids depend on that part alone: the id
 exactly ``encode_xtml(tokenizer, messages, tools, options)``, the same guarantee
 :class:`kvtier.tokenize.SessionEncoder` gives for K2's template. The turn's tails (``tool_choice``,
 ``response_format``) and the generation prompt are the last parts, so the next turn rolls back
-exactly to the end of the last history message (``../shared/docs/K3.md``, "What it means for a
-cache").
+exactly to the end of the last history message (``docs/k3.md``, "Chat format
+(XTML)").
 
 A turn's sampled ids are kept (:meth:`XtmlSessionEncoder.append_generated`): while the client sends
 that assistant message back (:func:`kvtier.tokenize.sampled.message_key`) after the same earlier

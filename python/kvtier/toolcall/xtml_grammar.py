@@ -1,8 +1,8 @@
 """Grammars of a Kimi K3 assistant turn (XTML), compiled with llguidance like K2's
 (:mod:`kvtier.toolcall.grammar`).
 
-The turn, from the channel the generation prompt opened (``../shared/docs/K3.md``, "An
-assistant turn")::
+The turn, from the channel the generation prompt opened (``docs/k3.md``, "Chat
+format (XTML)")::
 
     start:    think? response tools? <|close|>message<|sep|>        (then <|end_of_msg|> or [EOS])
     think:    <|open|>think<|sep|> TEXT? <|close|>think<|sep|>

@@ -1,7 +1,7 @@
 """Streaming parser of Kimi K3 assistant output (XTML): reasoning, content and typed tool calls.
 
 K3 writes an assistant turn as channels between its control tokens ``<|open|>``, ``<|close|>``
-and ``<|sep|>`` (``../shared/docs/K3.md``, "K3's chat format")::
+and ``<|sep|>`` (``docs/k3.md``, "Chat format (XTML)")::
 
     <|open|>think<|sep|>REASONING<|close|>think<|sep|>
     <|open|>response<|sep|>CONTENT<|close|>response<|sep|>
