@@ -17,22 +17,12 @@ run is what to compare; the absolute times depend on the machine's memory bandwi
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from kvtier.model.kimi_linear_config import kimi_k3
 from kvtier.model.state_slots import StateSlots
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+from timing import median_s
 
 
 def main() -> None:

@@ -273,7 +273,8 @@ def _check_message(msg: Any, i: int, seen: dict[str, str]) -> str:
 
 
 # -- assistant turns ----------------------------------------------------------------------------------
-def _xtml_type(value: Any) -> str:
+def xtml_type(value: Any) -> str:
+    """The ``type`` attribute K3 writes for a JSON value: string, number, boolean, null, object or array."""
     if isinstance(value, bool):
         return "boolean"
     if value is None:
@@ -317,7 +318,7 @@ def _call(call: Any, index: int, where: str) -> list[Segment]:
             rendered = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as e:
             raise _bad(f"{where}.function.arguments.{key}", f"not JSON: {type(e).__name__}: {e}") from None
-        out += open_tag("argument", [("key", key), ("type", _xtml_type(value))]) + _text(rendered)
+        out += open_tag("argument", [("key", key), ("type", xtml_type(value))]) + _text(rendered)
         out += close_tag("argument")
     return out + close_tag("call")
 

@@ -39,9 +39,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from kvtier.tokenize.xtml import escape_attr, xtml_type
 from kvtier.toolcall.schema_refs import resolve_ref, types_of
 from kvtier.toolcall.tools import ToolSpec
-from kvtier.toolcall.xtml_parser import escape_attr
 
 EXACT_CALL_INDEXES = 16  # calls whose index attribute the grammar pins (1..16); later ones: any number
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # json.dumps' default
@@ -157,7 +157,7 @@ class _ToolArguments:
                 if not isinstance(enum, list) or any(isinstance(v, str) for v in enum):
                     out.append(("string", self.raw_string(schema)))
             elif isinstance(enum, list):
-                values = [v for v in enum if _k3_type(v) == t]
+                values = [v for v in enum if xtml_type(v) == t]
                 if values:
                     out.append((t, "(" + " | ".join(_lit(json.dumps(v, ensure_ascii=False)) for v in values) + ")"))
             else:
@@ -190,16 +190,6 @@ class _ToolArguments:
                for key, sub in props.items() if sub is not False]
         seq += [self.argument(key, {}) for key in required if key not in props]
         return self.rules.add(" ".join(seq) if seq else '""')
-
-
-def _k3_type(value) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", dict: "object"}.get(type(value), "array")
 
 
 def xtml_turn_grammar(specs: Sequence[ToolSpec], choice: str, parallel_tool_calls: bool = True,
