@@ -252,11 +252,11 @@ class EngineWorker:
     def _progress(self, finished: dict) -> None:
         for rid, job in list(self._jobs.items()):
             out = finished.get(rid)
-            state = out if out is not None else self.engine.sequence(rid)
-            if state is None:
+            progress = out if out is not None else self.engine.sequence(rid)
+            if progress is None:
                 continue
-            ids = state.token_ids if out is not None else state.output_token_ids
-            lps, tops = state.logprobs or [], state.top_logprobs or []
+            ids = progress.token_ids if out is not None else progress.output_token_ids
+            lps, tops = progress.logprobs or [], progress.top_logprobs or []
             if len(ids) > job.sent or out is not None:
                 new, new_lps, new_tops = list(ids[job.sent:]), list(lps[job.sent:len(ids)]), list(tops[job.sent:len(ids)])
                 job.sent = len(ids)
@@ -267,7 +267,7 @@ class EngineWorker:
             if out is not None:
                 self._finish(job, job.final(out, out.finish_reason, out.error))
             elif job.stop is not None and job.stop.hit:  # a stop string: end it here, with the usage
-                out = request_output(state, self.engine.num_steps, self.engine.config.pool.page_size)
+                out = request_output(progress, self.engine.num_steps, self.engine.config.pool.page_size)
                 self.engine.abort([rid])  # of any finished request (last prompt block, engine steps)
                 self._finish(job, job.final(out, "stop"))
 
