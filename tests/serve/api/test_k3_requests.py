@@ -220,4 +220,5 @@ def test_responses_bad_effort_is_a_400(k3_server):
 
     with pytest.raises(openai.BadRequestError) as e:
         k3_server[0].responses.create(model=MODEL, input="hi", max_output_tokens=1, reasoning={"effort": "medium"})
-    assert "reasoning_effort" in str(e.value)
+    assert e.value.body["param"] == "reasoning.effort"  # the Responses API's own field
+    assert "reasoning.effort" in str(e.value) and "reasoning_effort" not in str(e.value)

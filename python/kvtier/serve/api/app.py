@@ -143,8 +143,8 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     async def anthropic_messages(request: Request):
         req, params, sid, fmt = messages_stream.prepare(await body(request), request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
-        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params), sid, hint, tools=True,
-                            fmt=fmt)
+        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params, fmt), sid, hint,
+                            tools=True, fmt=fmt)
 
     kept = responses.ResponseStore(worker.sessions.ttl_s)  # for previous_response_id
 
@@ -153,8 +153,8 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
         req, params, sid, fmt = responses_stream.prepare(await body(request), kept,
                                                              request.headers.get(SESSION_HEADER))
         hint = tool_wait_hint(request.headers.get(TOOL_WAIT_HEADER))
-        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params), sid, hint, tools=True,
-                            fmt=fmt)
+        return await _serve(st, request, "chat", req, params, _chat_payload(st, req, params, fmt), sid, hint,
+                            tools=True, fmt=fmt)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -167,12 +167,16 @@ def build_app(worker: EngineWorker, options: ServerOptions, metrics: ServerMetri
     return app
 
 
-def _chat_payload(st: _State, req, params) -> dict:
+def _chat_payload(st: _State, req, params, fmt=None) -> dict:
     """A chat job's payload: the messages and the prompt options of the model's chat format
     (K3's ``thinking`` / ``reasoning_effort`` / ``tool_choice`` / ``response_format``, a 400 when
-    malformed; None for K2's template)."""
+    malformed, naming the field in the names of ``fmt``'s API; None for K2's template)."""
     chat_format = getattr(st.worker.tokenizer, "chat_format", None)
-    return {"messages": req.messages, "prompt_options": req.prompt_options(chat_format, params)}
+    try:
+        options = req.prompt_options(chat_format, params)
+    except ApiError as e:
+        raise fmt.rename(e) if fmt is not None else e from None
+    return {"messages": req.messages, "prompt_options": options}
 
 
 def _error_body(path: str, e: ApiError) -> dict:

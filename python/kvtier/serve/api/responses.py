@@ -340,14 +340,16 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[dict, list[dict
 
 def rename_fields(e: ApiError) -> ApiError:
     """An error of the chat request's validation in this API's names (``tools[0].function.parameters``
-    -> ``tools[0].parameters``, ``max_tokens`` -> ``max_output_tokens``, the whole ``messages``
-    -> ``input``)."""
+    -> ``tools[0].parameters``, ``max_tokens`` -> ``max_output_tokens``, ``reasoning_effort`` ->
+    ``reasoning.effort``, the whole ``messages`` -> ``input``)."""
     def fix(s):
         if not s:
             return s
         s = s.replace(".function.parameters", ".parameters").replace(".function.name", ".name")
         if s == "messages" or s.startswith("messages: "):
             return "input" + s[len("messages"):]
+        if s.startswith("reasoning_effort"):
+            return "reasoning.effort" + s[len("reasoning_effort"):]
         return s.replace("max_tokens", "max_output_tokens") if s.startswith("max_tokens") else s
     return ApiError(e.status, fix(e.message), fix(e.param), e.type)
 
