@@ -191,7 +191,8 @@ def test_cli_end_to_end_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     for key in ("commit", "machine", "model", "backend", "workload", "token_scale", "time_scale"):
         assert key in data["provenance"]
-    assert set(data["configs"]) == {"device-only", "tiered"}
+    assert set(data["configs"]) == {"device-only", "tiered", "ideal"}  # the bound runs by default
+    assert set(data["bound"]) == {"device-only", "tiered"}  # each read against it
     for cfg in data["configs"].values():
         assert cfg["requests"] == 4 and cfg["errors"] == 0
         assert set(cfg["ttft_s"]) == {"p50", "p90", "p99"} and cfg["ttft_s"]["p99"] > 0
