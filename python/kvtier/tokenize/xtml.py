@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Sequence
 from typing import Any
 
+from kvtier.tokenize.xtml_fields import field_error, check_response_format, check_tool_choice, check_tools
+
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 THINKING_EFFORTS = ("low", "high", "max")  # K3's renderer refuses "medium" (its prose still lists it)
-TOOL_CHOICES = ("auto", "none", "required")
-RESPONSE_FORMATS = ("text", "json_object", "json_schema")
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's function-name rule, which K3's API applies
 
 Segment = tuple[str, bool]  # (text, special): special = one control token
 Part = tuple[Segment, ...]
@@ -98,54 +96,6 @@ class XtmlOptions:
         return self.tool_choice if self.tool_choice in ("required", "none") else None
 
 
-def check_tool_choice(tool_choice: Any) -> None:
-    """``tool_choice`` is None, ``auto`` / ``none`` / ``required`` or a named function.
-
-    Raises:
-        ValueError: naming ``tool_choice`` (or ``tool_choice.function.name``).
-    """
-    if tool_choice is None or (isinstance(tool_choice, str) and tool_choice in TOOL_CHOICES):
-        return
-    if isinstance(tool_choice, dict):
-        fn = tool_choice.get("function")
-        if tool_choice.get("type") != "function" or not isinstance(fn, dict):
-            raise ValueError("tool_choice: expected {'type': 'function', 'function': {'name': str}}, got "
-                             f"{tool_choice!r:.80}")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tool_choice.function.name: expected a non-empty string, got {fn.get('name')!r:.60}")
-        return
-    raise ValueError(f"tool_choice: expected one of {list(TOOL_CHOICES)} or a named function, got {tool_choice!r:.60}")
-
-
-def check_response_format(response_format: Any) -> None:
-    """``response_format`` is None or one of K3's shapes (see :class:`XtmlOptions`).
-
-    Raises:
-        ValueError: naming ``response_format``, ``response_format.type``,
-            ``response_format.json_schema`` or its ``name`` / ``schema`` / ``strict``.
-    """
-    if response_format is None:
-        return
-    if not isinstance(response_format, dict):
-        raise ValueError(f"response_format: expected an object with a 'type', got {type(response_format).__name__}")
-    kind = response_format.get("type")
-    if kind not in RESPONSE_FORMATS:
-        raise ValueError(f"response_format.type: expected one of {list(RESPONSE_FORMATS)}, got {kind!r:.60}")
-    if kind != "json_schema":
-        return
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ValueError("response_format.json_schema: required for type 'json_schema' (an object with 'name' and "
-                         f"'schema'), got {spec!r:.60}")
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise ValueError(f"response_format.json_schema.name: expected a non-empty string, got {spec.get('name')!r:.60}")
-    if not isinstance(spec.get("schema"), dict):
-        raise ValueError("response_format.json_schema.schema: expected a JSON schema object, got "
-                         f"{type(spec.get('schema')).__name__}")
-    if "strict" in spec and not isinstance(spec["strict"], bool):
-        raise ValueError(f"response_format.json_schema.strict: expected a bool, got {spec['strict']!r:.60}")
-
-
 # -- segments -----------------------------------------------------------------------------------------
 def _text(text: str) -> list[Segment]:
     return [(text, False)] if text else []
@@ -198,46 +148,6 @@ def _tool_declaration(tools: Sequence[dict], dynamic: bool) -> Part:
 
 
 # -- message checks -------------------------------------------------------------------------------------
-def _bad(where: str, what: str) -> ValueError:
-    return ValueError(f"{where}: {what}")
-
-
-def check_tools(tools: Any, where: str, seen: dict[str, str]) -> None:
-    """Each tool is ``{"type": "function", "function": {"name", "description"?, "parameters"?}}``
-    with a name matching ``[A-Za-z0-9_-]{1,64}`` that no earlier declaration used.
-
-    Args:
-        tools: the declared tools.
-        where: the field they came from (``tools``, ``messages[3].tools``).
-        seen: names declared so far -> where; updated.
-
-    Raises:
-        ValueError: naming ``WHERE[i]...``: an empty list, a malformed tool, a bad or repeated name.
-    """
-    if not isinstance(tools, list) or not tools:
-        raise _bad(where, f"expected a non-empty list of tools, got {tools!r:.60}")
-    for i, tool in enumerate(tools):
-        at = f"{where}[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else tool
-        if kind != "function":
-            raise _bad(f"{at}.type", f"expected 'function', got {kind!r:.60}")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise _bad(f"{at}.function", f"expected an object with a 'name', got {fn!r:.60}")
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise _bad(f"{at}.function.name", f"expected 1-64 characters of [A-Za-z0-9_-], got {name!r:.80}")
-        if "description" in fn and not isinstance(fn["description"], str):
-            raise _bad(f"{at}.function.description", f"expected a string, got {type(fn['description']).__name__}")
-        params = fn.get("parameters")
-        if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
-            raise _bad(f"{at}.function.parameters", f"expected a JSON schema of type 'object', got {params!r:.80}")
-        if name in seen:
-            raise _bad(f"{at}.function.name", f"{name!r} is already declared at {seen[name]}; tool names must be "
-                       "unique across the request's tools and every dynamic declaration")
-        seen[name] = f"{at}.function.name"
-
-
 def _content(msg: dict, where: str) -> str:
     value = msg.get("content")
     if value is None or isinstance(value, str):
@@ -246,29 +156,29 @@ def _content(msg: dict, where: str) -> str:
         out = []
         for k, part in enumerate(value):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise _bad(f"{where}.content[{k}]", f"expected {{'type': 'text', 'text': str}}, got {part!r:.80}")
+                raise field_error(f"{where}.content[{k}]", f"expected {{'type': 'text', 'text': str}}, got {part!r:.80}")
             out.append(part["text"])
         return "".join(out)
-    raise _bad(f"{where}.content", f"expected a string or a list of text parts, got {type(value).__name__}")
+    raise field_error(f"{where}.content", f"expected a string or a list of text parts, got {type(value).__name__}")
 
 
 def _check_message(msg: Any, i: int, seen: dict[str, str]) -> str:
     """The role of ``messages[i]`` after checking its shape; dynamic tools join ``seen``."""
     where = f"messages[{i}]"
     if not isinstance(msg, dict):
-        raise _bad(where, f"expected a dict, got {type(msg).__name__}")
+        raise field_error(where, f"expected a dict, got {type(msg).__name__}")
     role = msg.get("role")
     if role not in ("system", "user", "assistant", "tool"):
-        raise _bad(f"{where}.role", f"expected one of ['assistant', 'system', 'tool', 'user'], got {role!r:.60}")
+        raise field_error(f"{where}.role", f"expected one of ['assistant', 'system', 'tool', 'user'], got {role!r:.60}")
     if msg.get("tools") is not None:
         if role != "system":
-            raise _bad(f"{where}.tools", f"tools may only be declared on a system message, not on a {role} message")
+            raise field_error(f"{where}.tools", f"tools may only be declared on a system message, not on a {role} message")
         if _content(msg, where):
-            raise _bad(f"{where}.tools", "a system message that declares tools must have empty content")
+            raise field_error(f"{where}.tools", "a system message that declares tools must have empty content")
         check_tools(msg["tools"], f"{where}.tools", seen)
     name = msg.get("name")
     if name is not None and not isinstance(name, str):
-        raise _bad(f"{where}.name", f"expected a string, got {type(name).__name__}")
+        raise field_error(f"{where}.name", f"expected a string, got {type(name).__name__}")
     return role
 
 
@@ -293,7 +203,7 @@ def _arguments(args: Any, where: str) -> tuple[dict, str | None]:
     if isinstance(args, dict):
         return args, None
     if not isinstance(args, str):
-        raise _bad(where, f"expected a JSON object (as a string or a dict), got {type(args).__name__}")
+        raise field_error(where, f"expected a JSON object (as a string or a dict), got {type(args).__name__}")
     if not args.strip():
         return {}, None
     try:
@@ -301,14 +211,14 @@ def _arguments(args: Any, where: str) -> tuple[dict, str | None]:
     except (ValueError, RecursionError):
         return {}, args  # K3 renders unparseable arguments as they are, in a json block
     if not isinstance(value, dict):
-        raise _bad(where, f"expected a JSON object, got {args[:60]!r}")
+        raise field_error(where, f"expected a JSON object, got {args[:60]!r}")
     return value, None
 
 
 def _call(call: Any, index: int, where: str) -> list[Segment]:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise _bad(f"{where}.function", "expected {'name': str, 'arguments': ...}")
+        raise field_error(f"{where}.function", "expected {'name': str, 'arguments': ...}")
     args, raw = _arguments(fn.get("arguments"), f"{where}.function.arguments")
     out = open_tag("call", [("tool", fn["name"]), ("index", index)])
     if raw is not None:
@@ -317,7 +227,7 @@ def _call(call: Any, index: int, where: str) -> list[Segment]:
         try:
             rendered = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as e:
-            raise _bad(f"{where}.function.arguments.{key}", f"not JSON: {type(e).__name__}: {e}") from None
+            raise field_error(f"{where}.function.arguments.{key}", f"not JSON: {type(e).__name__}: {e}") from None
         out += open_tag("argument", [("key", key), ("type", xtml_type(value))]) + _text(rendered)
         out += close_tag("argument")
     return out + close_tag("call")
@@ -328,12 +238,12 @@ def _assistant(msg: dict, where: str, thinking: bool) -> list[Segment]:
     if thinking:
         reasoning = msg.get("reasoning_content") or msg.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, str):
-            raise _bad(f"{where}.reasoning_content", f"expected a string, got {type(reasoning).__name__}")
+            raise field_error(f"{where}.reasoning_content", f"expected a string, got {type(reasoning).__name__}")
         out += open_tag("think") + (_text(reasoning) if reasoning and reasoning.strip() else []) + close_tag("think")
     out += open_tag("response") + _text(_content(msg, where)) + close_tag("response")
     calls = msg.get("tool_calls") or []
     if not isinstance(calls, list):
-        raise _bad(f"{where}.tool_calls", f"expected a list, got {type(calls).__name__}")
+        raise field_error(f"{where}.tool_calls", f"expected a list, got {type(calls).__name__}")
     if calls:
         out += open_tag("tools")
         for k, call in enumerate(calls):
@@ -481,7 +391,7 @@ def render_xtml_parts(messages: Sequence[dict], tools: Sequence[dict] | None = N
         else:
             tool_index += 1
             if tool_name is None:
-                raise _bad(f"{where}.tool_call_id", "names no call of the last assistant message, and the message "
+                raise field_error(f"{where}.tool_call_id", "names no call of the last assistant message, and the message "
                            "has no 'name' to render it with")
             parts.append(_message([("role", "tool"), ("tool", tool_name), ("index", tool_index)],
                                   _text(_content(msg, where))))
