@@ -128,6 +128,26 @@ class ToolCallProblem:
         }
 
 
+class ParsedOutput:
+    """What a streaming output parser has accumulated: ``content``, ``reasoning``,
+    ``tool_calls`` and ``problems`` (attributes the parser keeps), read as one dict."""
+
+    content: str
+    reasoning: str
+    tool_calls: list[ToolCall]
+    problems: list[ToolCallProblem]
+
+    def result(self) -> dict:
+        """``{"content", "reasoning_content", "tool_calls", "tool_call_problems"}`` so far
+        (calls and problems as dicts)."""
+        return {
+            "content": self.content,
+            "reasoning_content": self.reasoning,
+            "tool_calls": [c.to_dict() for c in self.tool_calls],
+            "tool_call_problems": [p.to_dict() for p in self.problems],
+        }
+
+
 class _State(enum.Enum):
     CONTENT = "content"
     REASONING = "reasoning"
@@ -184,7 +204,7 @@ def _arguments_error(name: str, args: str) -> str | None:
 
 
 @dataclass
-class ToolCallParser:
+class ToolCallParser(ParsedOutput):
     """Incremental parser of one assistant output (see the module docstring).
 
     Args:
@@ -290,16 +310,6 @@ class ToolCallParser:
         return events
 
     # -- results ---------------------------------------------------------------------------------
-    def result(self) -> dict:
-        """``{"content", "reasoning_content", "tool_calls", "tool_call_problems"}`` so far
-        (calls and problems as dicts)."""
-        return {
-            "content": self.content,
-            "reasoning_content": self.reasoning,
-            "tool_calls": [c.to_dict() for c in self.tool_calls],
-            "tool_call_problems": [p.to_dict() for p in self.problems],
-        }
-
     # -- machinery -------------------------------------------------------------------------------
     def _text(self, text: str, events: list) -> None:
         if not text:

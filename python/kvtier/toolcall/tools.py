@@ -14,9 +14,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.tokenize.xtml_fields import TOOL_CHOICES
 from kvtier.toolcall.schema import SchemaLimits, validate_schema
 
-TOOL_CHOICES = ("auto", "none", "required")
 # OpenAI's rule for function names; it also keeps Kimi call ids ``functions.NAME:IDX`` unambiguous.
 NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _ANNOTATIONS = (

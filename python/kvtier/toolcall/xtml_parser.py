@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 
 from kvtier.jsontypes import json_type_name
 from kvtier.tokenize.xtml import escape_attr
-from kvtier.toolcall.parser import ContentDelta, ReasoningDelta, ToolCall, ToolCallProblem
+from kvtier.toolcall.parser import ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallProblem
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 END_OF_MSG = "<|end_of_msg|>"
@@ -107,7 +107,7 @@ class _Call:
 
 
 @dataclass
-class XtmlParser:
+class XtmlParser(ParsedOutput):
     """Incremental parser of one K3 assistant output (see the module docstring).
 
     Args:
@@ -200,15 +200,6 @@ class XtmlParser:
         return events
 
     # -- results ---------------------------------------------------------------------------------
-    def result(self) -> dict:
-        """``{"content", "reasoning_content", "tool_calls", "tool_call_problems"}`` so far."""
-        return {
-            "content": self.content,
-            "reasoning_content": self.reasoning,
-            "tool_calls": [c.to_dict() for c in self.tool_calls],
-            "tool_call_problems": [p.to_dict() for p in self.problems],
-        }
-
     # -- machinery -------------------------------------------------------------------------------
     def _text(self, text: str, events: list) -> None:
         if not text:
