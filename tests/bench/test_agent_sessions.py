@@ -8,8 +8,9 @@ import json
 
 import pytest
 
-from kvtier.bench.agent_reuse import annotate, reachable_tokens, shared_prefix_tokens, summarize
-from kvtier.bench.agent_sessions import APIS, AgentWorkload
+from kvtier.bench.agent_reuse import (annotate, new_session_bounds, prompt_tail, reachable_tokens, restated_tokens,
+                                      summarize)
+from kvtier.bench.agent_sessions import APIS, AgentWorkload, first_requests
 from tests.conftest import TOKENIZER_DIR
 
 PAGE = 16
@@ -39,23 +40,100 @@ def test_workload_checks_name_their_options_and_spread_forced_turns():
     assert sum(AgentWorkload(tool_share=0.25).forced(0, k) for k in range(8)) == 2
 
 
-def test_annotate_and_summarize_on_given_rows():
-    def row(api, session, turn, prompt, output, cached, calls):
-        return {"api": api, "session": session, "turn": turn, "forced": bool(calls), "prompt_tokens": prompt,
-                "output_tokens": output, "cached_tokens": cached, "tool_calls": calls, "finish": "stop"}
+def row(api, session, turn, prompt, output, cached, calls, forced=None):
+    return {"api": api, "session": session, "turn": turn, "forced": bool(calls) if forced is None else forced,
+            "prompt_tokens": prompt, "output_tokens": output, "cached_tokens": cached, "tool_calls": calls,
+            "finish": "stop"}
 
+
+def test_annotate_and_summarize_on_given_rows():
+    bounds = {("chat", 1): (208, 208)}
     rows = annotate([row("chat", 0, 0, 230, 40, 0, 1), row("chat", 0, 1, 300, 10, 256, 0),
-                     row("chat", 0, 2, 330, 5, 304, 0), row("chat", 1, 0, 231, 7, 208, 0)], PAGE, 208)
+                     row("chat", 0, 2, 330, 5, 304, 0), row("chat", 1, 0, 231, 7, 208, 0)], PAGE, bounds)
     assert [r["kind"] for r in rows] == ["first", "tool", "text", "new-session"]
     assert [r["reachable_tokens"] for r in rows] == [None, 256, 304, 208]
+    assert [r["restated_tokens"] for r in rows] == [None, 256, 304, 208]  # no tail: the page bound
     assert [r["ratio"] for r in rows] == [None, 1.0, 1.0, 1.0]
     assert [r["lost"] for r in rows] == [None, False, False, None]
+    assert [r["reached_checkpoint"] for r in rows] == [None, True, True, True]
     rows[2]["cached_tokens"] = 288  # turn 1's prompt (300 tokens: 288 in whole pages), none of its output
-    assert annotate(rows, PAGE, 208)[2]["lost"]
-    [text] = [s for s in summarize(annotate(rows, PAGE, 208)) if s["api"] == "chat" and s["kind"] == "text"]
+    assert annotate(rows, PAGE, bounds)[2]["lost"]
+    [text] = [s for s in summarize(annotate(rows, PAGE, bounds)) if s["api"] == "chat" and s["kind"] == "text"]
     assert text == {"api": "chat", "kind": "text", "turns": 1, "cached_tokens": 288, "reachable_tokens": 304,
-                    "ratio": 288 / 304, "min_ratio": 288 / 304, "full_turns": 0, "lost_turns": 1}
+                    "ratio": 288 / 304, "min_ratio": 288 / 304, "full_turns": 0, "restated_tokens": 304,
+                    "restated_ratio": 288 / 304, "after_tail": 0, "reached_checkpoint": 0, "lost_turns": 1}
     assert annotate(rows[:1] + rows[3:], PAGE, None)[1]["ratio"] is None  # no bound: not counted
+
+
+def test_a_turn_sampled_after_a_tail_is_bounded_by_the_history_end():
+    assert restated_tokens(424, 46, PAGE) == 368  # 378 ids of history: 23 whole pages
+    assert restated_tokens(46, 46, PAGE) == 0
+    for bad in [(40, 46, PAGE), (424, -1, PAGE), (424, 46, 0)]:
+        with pytest.raises(ValueError, match="after_history|page_size"):
+            restated_tokens(*bad)
+    # a forced turn (424 prompt ids, 46 of them after its history: the tail and the generation
+    # prompt) then an unforced one; the K2 template has no tail, so the same rows keep the page bound
+    rows = [row("chat", 0, 0, 289, 64, 0, 0), row("chat", 0, 1, 424, 62, 352, 1, forced=True),
+            row("chat", 0, 2, 530, 64, 368, 0), row("chat", 0, 3, 664, 62, 592, 1)]
+    out = annotate(rows, PAGE, None, tail=(36, 46))
+    assert [r["after_tail"] for r in out] == [None, False, True, False]
+    assert [r["reachable_tokens"] for r in out] == [None, 352, 480, 592]
+    assert [r["restated_tokens"] for r in out] == [None, 352, 368, 592]
+    assert [r["restated_ratio"] for r in out] == [None, 1.0, 1.0, 1.0] and out[2]["ratio"] == 368 / 480
+    assert out[2]["reached_checkpoint"] and out[2]["lost"]  # nothing of the sampled call came back
+    rows[2]["cached_tokens"] = 352  # a page short of the history end: its checkpoint was not found
+    assert not annotate(rows, PAGE, None, tail=(36, 46))[2]["reached_checkpoint"]
+    [tool] = [s for s in summarize(annotate(rows, PAGE, None, tail=(36, 46))) if s["api"] == "all"
+              and s["kind"] == "tool"]
+    assert (tool["reachable_tokens"], tool["restated_tokens"], tool["after_tail"], tool["reached_checkpoint"]) == \
+        (480, 368, 1, 0)
+    assert [r["restated_tokens"] for r in annotate(rows, PAGE, None, tail=(0, 3))] == [None, 352, 480, 592]
+
+
+def _tokenizer(model):
+    if not (TOKENIZER_DIR / "tiktoken.model").is_file():
+        pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")
+    from kvtier.bench.agent_sessions import served_tokenizer
+
+    return served_tokenizer(model, str(TOKENIZER_DIR))
+
+
+def test_the_tail_and_new_session_bounds_come_from_the_renderer():
+    from kvtier.bench.agent_sessions import SYSTEM, ChatDriver
+    from kvtier.tokenize import ChatFormat
+    from kvtier.tokenize.xtml import XtmlOptions
+    from kvtier.tokenize.xtml_session import XtmlSessionEncoder
+
+    k3, hybrid = _tokenizer("tiny-k3")
+    assert k3.chat_format is ChatFormat.K3_XTML and hybrid  # the format tiny-k3 is served in
+    tail, after = prompt_tail(k3)
+    assert 0 < tail < after
+    # the same count after a longer history, read off the renderer's boundaries
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "list the files"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "run_command", "arguments": '{"command": "ls"}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "a.py\nb.py"}]
+    for choice, n in (("required", after), ("auto", after - tail)):
+        enc = XtmlSessionEncoder(k3)
+        enc.append(history, ChatDriver(None, "").tools, XtmlOptions(tool_choice=choice))
+        assert len(enc.ids) - enc.boundaries()["history"] == n
+    k2, k2_hybrid = _tokenizer("tiny")
+    assert prompt_tail(k2)[0] == 0 and not k2_hybrid  # K2's template renders no tail
+    assert prompt_tail(None) is None
+
+    firsts = first_requests(AgentWorkload(sessions=2, apis=("chat", "messages")), "cafe0123")
+    assert [(api, s) for api, s, _ in firsts] == [("chat", 0), ("chat", 1), ("messages", 0), ("messages", 1)]
+    # two first prompts made to share one more token past the user message's opening tag
+    pair = [("chat", 0, "tag1: fix it"), ("chat", 1, "tag2: fix it")]
+    page, restated = new_session_bounds(k3, PAGE, pair, checkpoints_only=True)[("chat", 1)]
+    enc = XtmlSessionEncoder(k3)
+    enc.append([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "tag1: fix it"}],
+               ChatDriver(None, "").tools, XtmlOptions(tool_choice="auto"))
+    assert restated == enc.boundaries()["last_body"] // PAGE * PAGE and page >= restated
+    assert new_session_bounds(k3, PAGE, pair)[("chat", 1)] == (page, page)  # attention only: the page bound
+    bounds = new_session_bounds(k3, PAGE, firsts, checkpoints_only=True)
+    assert set(bounds) == {("chat", 1), ("messages", 0), ("messages", 1)}
+    assert all(b[0] >= b[1] >= enc.boundaries()["tools"] // PAGE * PAGE for b in bounds.values())
 
 
 def test_the_command_refuses_what_it_does_not_take(capsys):
@@ -88,20 +166,24 @@ def test_sessions_through_the_sdks_report_cached_over_reachable(tmp_path):
 
     rows = result["turns"]
     assert [(r["api"], r["turn"]) for r in rows] == [(api, k) for api in APIS for k in range(3)]
-    shared = shared_prefix_tokens(load_tokenizer(TOKENIZER_DIR), PAGE)
-    assert shared > 0 and shared % PAGE == 0 and result["provenance"]["shared_prefix_tokens"] == shared
+    prov = result["provenance"]
+    assert (prov["chat_format"], prov["hybrid"], prov["prompt_tail"]["tail"]) == ("k2-template", False, 0)
+    bounds = new_session_bounds(load_tokenizer(TOKENIZER_DIR), PAGE, first_requests(workload, prov["nonce"]))
     for i, r in enumerate(rows):
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"] and r["output_tokens"] >= 1
         if r["forced"]:
             assert r["tool_calls"] >= 1, r
         if r["turn"] == 0:
-            assert (r["kind"], r["reachable_tokens"]) == (("first", None) if i == 0 else ("new-session", shared))
+            shared = bounds.get((r["api"], r["session"]), (None, None))
+            assert (r["kind"], r["reachable_tokens"], r["restated_tokens"]) == \
+                (("first", None, None) if i == 0 else ("new-session", *shared))
+            assert i == 0 or (shared[0] > 0 and shared[0] % PAGE == 0)
             continue
         prev = rows[i - 1]
         assert r["prompt_tokens"] > prev["prompt_tokens"]  # the history came back, and more
         assert r["kind"] == ("tool" if prev["tool_calls"] else "text")
         reach = (prev["prompt_tokens"] + prev["output_tokens"] - 1) // PAGE * PAGE
-        assert r["reachable_tokens"] == reach and r["ratio"] == r["cached_tokens"] / reach
+        assert r["reachable_tokens"] == r["restated_tokens"] == reach and r["ratio"] == r["cached_tokens"] / reach
         assert r["lost"] == (r["cached_tokens"] <= prev["prompt_tokens"] // PAGE * PAGE)
     assert any(r["forced"] for r in rows) and not all(r["forced"] for r in rows)
 

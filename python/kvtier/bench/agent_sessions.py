@@ -288,6 +288,14 @@ def run_session(driver, workload: AgentWorkload, nonce: str, session: int, turns
     return rows, history
 
 
+def first_requests(workload: AgentWorkload, nonce: str) -> list[tuple[str, int, str]]:
+    """``(api, session, first user message)`` of every session, in the order :func:`run_agents`
+    sends them: the first API's session 0 alone, then the others by API and session."""
+    head = (workload.apis[0], 0)
+    order = [head] + [(api, s) for api in workload.apis for s in range(workload.sessions) if (api, s) != head]
+    return [(api, s, first_message(nonce, api, s)) for api, s in order]
+
+
 def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None = None,
                on_session: Callable[[str, int], None] | None = None) -> list[dict]:
     """Run ``workload`` against the server at ``url`` serving ``model``.
@@ -377,6 +385,31 @@ def local_server(model: str, tokenizer: str | None, server_args: list[str]):
             worker.stop()
 
 
+def served_tokenizer(model: str, tokenizer: str | None):
+    """``(tokenizer, hybrid)``: the tokenizer files at ``tokenizer`` loaded in the chat format
+    ``model`` speaks, as ``kvtier serve`` loads them (K3's XTML for a ``kimi_k3`` config, over K2's
+    files), and whether ``model`` is a hybrid KDA + MLA model (it resumes only at state
+    checkpoints). A ``model`` that is neither a preset nor a checkpoint here (a name another server
+    serves) gives the files' own format and False. ``(None, hybrid)`` without ``tokenizer``.
+
+    Raises:
+        what :func:`kvtier.tokenize.load_tokenizer` raises.
+    """
+    from kvtier.model.kimi_linear_config import KimiLinearConfig
+    from kvtier.model.plan_report import model_config
+    from kvtier.tokenize import load_tokenizer
+    from kvtier.tokenize.formats import model_chat_format
+
+    try:
+        config, _ = model_config(model)
+    except ValueError:
+        config = None
+    hybrid = isinstance(config, KimiLinearConfig)
+    if tokenizer is None:
+        return None, hybrid
+    return load_tokenizer(tokenizer, model_chat_format(config.model_type) if config is not None else None), hybrid
+
+
 def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, page_size: int,
                  endpoint: str | None = None, server_args: tuple[str, ...] = (), console=None,
                  json_path: str | None = None) -> dict:
@@ -385,14 +418,18 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
     and report the reuse (:mod:`kvtier.bench.agent_reuse`): printed on ``console`` (a rich
     Console; None: silent) and written to ``json_path`` with provenance.
 
-    ``tokenizer``: the served model's tokenizer directory, for the shared-prefix bound of new
-    sessions (None: those rows are not counted) and the local server.
+    ``tokenizer``: the served model's tokenizer directory, loaded in the model's chat format
+    (:func:`served_tokenizer`), for the bounds the renderer gives (new sessions' shared prefix,
+    the tail of forced turns; None: new sessions are not counted and no turn is after a tail) and
+    the local server.
 
     Returns:
         ``{"provenance", "summary", "turns"}`` (:func:`kvtier.bench.agent_reuse.agent_json`); the
-        provenance's ``evicted_during_run`` holds what the server's eviction counters added
-        during the run (:func:`eviction_counts`; None for a server without them): a turn can
-        lose pages to capacity as well as to re-encoding.
+        provenance holds the run's ``nonce`` (its first messages, :func:`first_requests`), the
+        ``chat_format``, ``hybrid`` and ``prompt_tail`` (:func:`kvtier.bench.agent_reuse.prompt_tail`)
+        the bounds were computed with, and ``evicted_during_run``: what the server's eviction
+        counters added during the run (:func:`eviction_counts`; None for a server without them):
+        a turn can lose pages to capacity as well as to re-encoding.
 
     Raises:
         ValueError: a bad page size; what :func:`run_agents` and :func:`local_server` raise.
@@ -403,17 +440,18 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
 
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"--page-size must be an integer >= 1, got {page_size!r}")
-    tok = None
-    if tokenizer is not None:
-        from kvtier.tokenize import load_tokenizer
-
-        tok = load_tokenizer(tokenizer)
-    shared = agent_reuse.shared_prefix_tokens(tok, page_size)
+    tok, hybrid = served_tokenizer(model, tokenizer)
+    nonce = secrets.token_hex(4)
+    tail = agent_reuse.prompt_tail(tok)
+    bounds = (agent_reuse.new_session_bounds(tok, page_size, first_requests(workload, nonce), checkpoints_only=hybrid)
+              if tok is not None else None)
     where = endpoint or f"kvtier serve {model} (started for the run)"
     settings = {**asdict(workload), "apis": list(workload.apis)}
     # taken before the run: the commit is that of the code the run (and a server it starts) loads
-    prov = provenance(endpoint=where, model=model, tokenizer=tokenizer, page_size=page_size,
-                      shared_prefix_tokens=shared, workload=settings, server_args=list(server_args))
+    prov = provenance(endpoint=where, model=model, tokenizer=tokenizer, page_size=page_size, nonce=nonce,
+                      chat_format=getattr(getattr(tok, "chat_format", None), "value", None), hybrid=hybrid,
+                      prompt_tail={"tail": tail[0], "after_history": tail[1]} if tail else None,
+                      workload=settings, server_args=list(server_args))
     ended = []
 
     def progress(api: str, session: int) -> None:
@@ -422,14 +460,14 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
             console.log(f"{api} session {session} done ({len(ended)} of {workload.sessions * len(workload.apis)})")
     if endpoint is not None:
         before = eviction_counts(endpoint)
-        rows = run_agents(endpoint, model, workload, on_session=progress)
+        rows = run_agents(endpoint, model, workload, nonce, on_session=progress)
         evicted = _evicted_during(endpoint, before)
     else:
         with local_server(model, tokenizer, ["--page-size", str(page_size), *server_args]) as server:
             before = eviction_counts(server.url)
-            rows = run_agents(server.url, model, workload, on_session=progress)
+            rows = run_agents(server.url, model, workload, nonce, on_session=progress)
             evicted = _evicted_during(server.url, before)
-    rows = agent_reuse.annotate(rows, page_size, shared)
+    rows = agent_reuse.annotate(rows, page_size, bounds, tail)
     summary = agent_reuse.summarize(rows)
     result = agent_reuse.agent_json(rows, summary, {**prov, "evicted_during_run": evicted})
     if console is not None:
