@@ -140,3 +140,44 @@ def test_a_resume_aborted_after_it_was_accepted_gives_the_wait_back(llm):
     assert list(store.tool_waits["ls"].observed) == [3.0]
     store.turn_ended("r", list(range(60)), [], None, final=_final())
     assert store.num_waiting == 0 and store.resumes.snapshot()["resumes"] == 1
+
+
+def test_a_k3_length_stop_keeps_the_prompt_ids_for_the_next_turn(k3_tok):
+    """A K3 turn stopped by max_tokens leaves its message open, so its sampled ids are not kept;
+    the next turn still starts from the prompt's ids up to its history's end (the boundary its
+    checkpoint sits at), with a session id and, filed by the message returned, without one."""
+    from types import SimpleNamespace
+
+    from kvtier.serve.api.jobs import Final
+    from kvtier.serve.chat import add_chat_request
+    from kvtier.tokenize.xtml import XtmlOptions, encode_xtml
+
+    class Engine:  # what the store and add_chat_request read of an engine
+        config = SimpleNamespace(pool=SimpleNamespace(page_size=16))
+        block_hash_salt, prefill_time_s, pool = b"", None, None
+
+        def add_request(self, ids, params, **kw):
+            self.prompt, self.checkpoint_at = list(ids), kw["checkpoint_at"]
+            return 0
+
+    engine, opts = Engine(), XtmlOptions(thinking=False)
+    params = SimpleNamespace(tools=None)
+    first = [{"role": "user", "content": "say hello at length"}]
+    history_end = len(encode_xtml(k3_tok, first, None, opts, add_generation_prompt=False))
+    for session_id in ("long", None):
+        store = SessionStore(engine, k3_tok, ttl_s=60, clock=Clock())
+        enc = store.encoder(session_id, "", first)
+        add_chat_request(engine, enc, first, params, prompt_options=opts)
+        store.accepted(session_id)
+        assert history_end in engine.checkpoint_at and engine.prompt[:history_end] == list(enc.ids[:history_end])
+        prompt = engine.prompt
+        out = k3_tok.encode_segment("Hello there, and")  # the budget ran out inside the message
+        final = Final("length", len(prompt), len(out), 0, {}, "Hello there, and", "", [], [], None, out)
+        assert not store.generated(session_id, final, enc, first)
+        store.turn_ended(session_id, None, [], None, final)
+        nxt = first + [{"role": "assistant", "content": "Hello there, and"}, {"role": "user", "content": "go on"}]
+        again = store.encoder(session_id, "", nxt)
+        assert again is enc  # the session's encoder, found by id or by the conversation
+        r = enc.append(nxt, None, opts)
+        assert r.rolled_back == len(prompt) - history_end  # only what followed the history
+        assert list(enc.ids) == encode_xtml(k3_tok, nxt, None, opts)

@@ -18,7 +18,9 @@ encoder keeps them for the assistant message the API returned, so the next turn 
 message back (however the client serialised it) holds the ids the cache holds. A chat request with
 no session id finds the session of an earlier one by content: the conversation it sends, up to an
 assistant message, equals one an earlier turn was prompted with followed by the message it
-generated (same ``cache_salt``). The store is bounded: past ``max_tokens`` ids in all its
+generated (same ``cache_salt``); a turn whose ids are not kept (a length stop leaves K3's message
+open, a stop string cuts it) is filed all the same, under the message returned, for the prompt's
+ids (and the turns kept before it) that the next turn starts with. The store is bounded: past ``max_tokens`` ids in all its
 encoders, the least recently used sessions with no request in flight are evicted (counted in
 ``num_evicted``).
 """
@@ -200,13 +202,15 @@ class SessionStore:
         its session's encoder keeps the ids it sampled for the assistant message returned
         (``append_generated``). With no session id, ``encoder`` (the request's, from
         :meth:`encoder`) keeps them and is filed under ``messages`` and that message for a later
-        request with no id to find. Call before :meth:`turn_ended`. Nothing is kept for a turn
-        that failed, that a stop string cut, or while another request of the session is in flight.
+        request with no id to find; it is filed as well when the turn's ids are not kept (a
+        length stop, a stop string), for the prompt's ids it holds. Call before :meth:`turn_ended`.
+        Nothing is kept for a turn that failed, that a stop string cut, that did not end its
+        message (``append_generated``), or while another request of the session is in flight.
 
         Returns:
             whether the ids were kept.
         """
-        if final.error is not None or final.stop_sequence is not None or not final.token_ids:
+        if final.error is not None or not final.token_ids:
             return False
         if session_id is not None:
             s = self.sessions.get(session_id)
@@ -219,11 +223,13 @@ class SessionStore:
                    "tool_calls": [{"id": c.get("id"), "type": "function",
                                    "function": {"name": c["name"], "arguments": c["arguments"]}}
                                   for c in final.tool_calls]}
-        try:
-            kept = encoder.append_generated(final.token_ids, message)
-        except ValueError:  # an encoder that does not end with a generation prompt
-            return False
-        if kept and session_id is None and messages is not None:
+        kept = False
+        if final.stop_sequence is None:
+            try:
+                kept = encoder.append_generated(final.token_ids, message)
+            except ValueError:  # an encoder that does not end with a generation prompt
+                return False
+        if session_id is None and messages is not None:
             key = _content_keys(list(messages) + [message], cache_salt)[-1]
             self.by_content[key] = (encoder, self.clock())
             self.by_content.move_to_end(key)
