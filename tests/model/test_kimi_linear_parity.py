@@ -55,7 +55,7 @@ class Session:
         if checkpoints:
             sb.checkpoint_seq = torch.zeros(len(checkpoints), dtype=torch.int32)
             sb.checkpoint_len = torch.tensor(checkpoints, dtype=torch.int32)
-        hidden, ckpt = self.model.forward_with_checkpoints(torch.tensor(ids), pos, batch, self.caches, self.state, sb)
+        hidden, ckpt = self.model.step(torch.tensor(ids), pos, batch, self.caches, self.state, sb)
         return self.model.compute_logits(hidden), ckpt
 
     def decode(self, token, pos):

@@ -66,7 +66,7 @@ def test_chunked_and_batched_prompts_carry_their_state(llm, max_num_batched_toke
     outs = run(engine, prompts)
     for p, out in zip(prompts, outs, strict=True):
         check_against_direct(engine.runner.model, p, out)
-    hybrid = engine.runner.hybrid
+    hybrid = engine.runner.recurrent_state
     hybrid.release_stale()
     assert hybrid.slots.num_free == 4  # every slot back
 
@@ -79,13 +79,13 @@ def test_preempted_hybrid_sequences_recompute_and_give_the_same_tokens(llm):
     got = run(tight, prompts, params)
     assert tight.scheduler.num_preemptions > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in roomy]
-    tight.runner.hybrid.release_stale()
-    assert tight.runner.hybrid.slots.num_free == 4
+    tight.runner.recurrent_state.release_stale()
+    assert tight.runner.recurrent_state.slots.num_free == 4
 
 
 def test_slots_follow_admission_finish_and_abort(llm):
     engine = engine_over(llm, num_device_pages=64, max_num_seqs=3, max_num_batched_tokens=64)
-    hybrid = engine.runner.hybrid
+    hybrid = engine.runner.recurrent_state
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     a, b = engine.add_request(prompt(9, 8), params), engine.add_request(prompt(5, 9), params)
     engine.step()

@@ -312,6 +312,19 @@ class KimiK2ForCausalLM(nn.Module):
             x = layer(x, positions, batch, kv_cache, self.cos_sin_cache)
         return ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+             kv_caches: list[torch.Tensor], state: None = None, state_batch: None = None) -> tuple[torch.Tensor, None]:
+        """``(hidden [T, H], None)``: :meth:`forward` in the step signature of every model
+        (:class:`kvtier.model.step.StepModel`); K2 keeps no recurrent state, so it takes
+        ``state`` and ``state_batch`` as None and yields no checkpoints.
+
+        Raises:
+            ValueError: ``state`` or ``state_batch`` given.
+        """
+        if state is not None or state_batch is not None:
+            raise ValueError("state and state_batch must be None for an attention-only model (no recurrent state)")
+        return self(input_ids, positions, batch, kv_caches), None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] hidden states -> [n, vocab_size] fp32 logits (few fp32 rows on the CPU: see
         :func:`few_rows_linear`)."""

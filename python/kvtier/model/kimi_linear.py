@@ -278,9 +278,9 @@ class KimiLinearForCausalLM(nn.Module):
        :class:`StateSlots` pool beside it; allocate a slot when a sequence starts, free it when it ends.
     2. Per step build the :class:`AttentionBatch` (as for K2) and a :class:`StateBatch` with each
        sequence's slot (and, optionally, the token boundaries whose states to hand back).
-    3. ``hidden = model(input_ids, positions, batch, kv_caches, state, state_batch)``, or
-       :meth:`forward_with_checkpoints` to get the states at the named boundaries too; then
-       :meth:`compute_logits`.
+    3. ``hidden, checkpoints = model.step(input_ids, positions, batch, kv_caches, state, state_batch)``
+       (the step signature of every model, :class:`kvtier.model.step.StepModel`: the states at the
+       boundaries ``state_batch`` names come back beside the hidden states), then :meth:`compute_logits`.
 
     Positions are not used by the layers (no rope) but are checked like K2's.
     """
@@ -312,38 +312,47 @@ class KimiLinearForCausalLM(nn.Module):
         return CacheSpec(len(c.full_attn_layers), c.kv_cache_dim, self.dtype,
                          c.state_bytes_per_sequence(STATE_DTYPE.itemsize, self.dtype.itemsize))
 
-    def plan(self, batch: AttentionBatch, kv_caches: list[torch.Tensor]) -> AttentionBatch:
-        """Check the step's slot mapping and plan the MLA layers' paged attention once for all of them
-        (as :meth:`kvtier.model.KimiK2ForCausalLM.plan`). Raises ValueError as that does."""
+    def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
+             decode_max_seq_len: int | None = None) -> AttentionBatch:
+        """Check the step's positions and slot mapping and plan the MLA layers' paged attention once
+        for all of them (as :meth:`kvtier.model.KimiK2ForCausalLM.plan`, same arguments). Raises
+        ValueError as that does, or when ``kv_caches`` is not one cache per MLA layer."""
         c = self.config
         if len(kv_caches) != len(c.full_attn_layers):
             raise ValueError(f"kv_caches must hold one cache per MLA layer ({len(c.full_attn_layers)}), "
                              f"got {len(kv_caches)}")
         cache = kv_caches[0]
+        ops.check_positions(positions, c.max_position_embeddings)
         ops.check_slot_mapping(batch.slot_mapping, cache.shape[0] * cache.shape[1])
-        return batch.with_plans(cache, c.num_attention_heads, c.kv_lora_rank, self.backend)
+        return batch.with_plans(cache, c.num_attention_heads, c.kv_lora_rank, self.backend, decode_max_seq_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: list[torch.Tensor], state: StateSlots, state_batch: StateBatch) -> torch.Tensor:
-        """Run every layer; returns the final-normed hidden states [T, H].
+        """:meth:`step`'s hidden states [T, H] alone."""
+        return self.step(input_ids, positions, batch, kv_caches, state, state_batch)[0]
+
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+             kv_caches: list[torch.Tensor], state: StateSlots, state_batch: StateBatch
+             ) -> tuple[torch.Tensor, StateCheckpoints | None]:
+        """Run every layer; returns ``(hidden, checkpoints)``: the final-normed hidden states [T, H]
+        and the KDA states at ``state_batch``'s checkpoint boundaries (:class:`StateCheckpoints`,
+        None when it names none). The step signature of every model (:class:`kvtier.model.step.StepModel`).
 
         Args:
             input_ids: [T] int64 token ids. positions: [T] int64 (unused by the layers).
             batch: the step's paged-attention metadata (planned here if not yet).
             kv_caches: one [num_pages, page_size, R + P] cache per MLA layer, in layer order.
             state: the slot pool; the step's slots are read and updated in place.
-            state_batch: each sequence's slot (and checkpoint requests, ignored here: see
-                :meth:`forward_with_checkpoints`).
-        """
-        return self.forward_with_checkpoints(input_ids, positions, batch, kv_caches, state, state_batch)[0]
+            state_batch: each sequence's slot and the boundaries whose states to hand back.
 
-    def forward_with_checkpoints(self, input_ids, positions, batch, kv_caches, state, state_batch
-                                 ) -> tuple[torch.Tensor, StateCheckpoints | None]:
-        """As :meth:`forward`, and the KDA states at ``state_batch``'s checkpoint boundaries
-        (:class:`StateCheckpoints`, None when it names none)."""
+        Raises:
+            ValueError: ``state`` or ``state_batch`` is None (a hybrid model needs its slots).
+        """
+        if state is None or state_batch is None:
+            raise ValueError("state and state_batch are required for a hybrid model (its KDA state slots), got None")
         c = self.config
         if not batch.planned:
-            batch = self.plan(batch, kv_caches)
+            batch = self.plan(positions, batch, kv_caches)
         x = F.embedding(input_ids, self.embed_tokens)
         kv = iter(kv_caches)
         kda_i = 0

@@ -43,6 +43,7 @@ from kvtier.cache.checkpoints.index import Checkpoint, CheckpointKind
 from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_linear import KimiLinearForCausalLM
 from kvtier.model.state_slots import StateBatch, StateCheckpoints, StateSlots
+from kvtier.model.step import StepModel
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.step_plan import ScheduledBatch
@@ -284,6 +285,11 @@ class HybridState:
         self.plan.decoded(batch, lambda seq: self._turn_end_row(self._held[seq.seq_id][1]))
         return out
 
+    def turn_ends(self, batch: ScheduledBatch) -> dict[int, Checkpoint]:
+        """By ``seq_id``, the turn end each decode of ``batch`` leaves if it stops now
+        (:meth:`CheckpointPlan.turn_ends`)."""
+        return self.plan.turn_ends(batch)
+
     def _turn_end_row(self, slot: int) -> torch.Tensor:
         """``slot``'s state packed into its host row (allocated at the slot's first turn end)."""
         row = self._turn_end_rows.get(slot)
@@ -293,5 +299,40 @@ class HybridState:
         return self.slots.pack_into(slot, row)
 
 
-__all__ = ["CheckpointPlan", "HybridState", "cache_config", "default_checkpoint_tokens", "device_only",
-           "turn_end_checkpoints"]
+class NoRecurrentState:
+    """An attention-only model's recurrent state: none. Each step has no state batch and yields no
+    checkpoints and no turn ends (:class:`HybridState`'s interface, so a runner has one path)."""
+
+    slots = None
+
+    def state_batch(self, batch: ScheduledBatch) -> None:
+        return None
+
+    def ran(self, batch: ScheduledBatch, checkpoints: StateCheckpoints | None = None) -> list[Checkpoint]:
+        return []
+
+    def turn_ends(self, batch: ScheduledBatch) -> dict[int, Checkpoint]:
+        return {}
+
+
+def recurrent_state(model: StepModel, config: EngineConfig) -> HybridState | NoRecurrentState:
+    """The state slots a runner keeps for ``model`` as its cache spec declares them: ``max_num_seqs``
+    slots taking checkpoints every ``config.pool.state_checkpoint_tokens`` when the pool keeps them
+    (``state_checkpoint_bytes``, set by :func:`cache_config`), or none (``state_bytes`` 0).
+
+    Raises:
+        ValueError: ``config.cuda_graph`` with a model that has a recurrent state (decode graphs
+            capture no state slots).
+    """
+    if not model.cache_spec().state_bytes:
+        return NoRecurrentState()
+    if config.cuda_graph:
+        raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs capture no "
+                         "state slots); expected cuda_graph=False")
+    pool = config.pool
+    grid = pool.state_checkpoint_tokens if pool.state_checkpoint_bytes else 0
+    return HybridState(model, config.max_num_seqs, pool.page_size, grid)
+
+
+__all__ = ["CheckpointPlan", "HybridState", "NoRecurrentState", "cache_config", "default_checkpoint_tokens",
+           "device_only", "recurrent_state", "turn_end_checkpoints"]

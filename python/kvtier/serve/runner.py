@@ -15,9 +15,9 @@ import torch
 from kvtier.cache.checkpoints.index import Checkpoint
 from kvtier.model.batch import AttentionBatch
 from kvtier.model.cache_spec import CacheSpec
-from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.step import StepModel
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.hybrid_state import HybridState
+from kvtier.serve.hybrid_state import recurrent_state
 from kvtier.serve.request import Sequence
 from kvtier.serve.step_plan import ScheduledBatch
 
@@ -102,34 +102,25 @@ def _allocate_kv_caches(spec: CacheSpec, config: EngineConfig, device) -> list[t
 
 
 class ModelRunner:
-    """Owns the model and the page pools its cache spec declares (``model.cache_spec()``: one
-    ``[num_device_pages, page_size, kv_width]`` pool per KV layer); for a model with a recurrent
-    state (a hybrid model, :mod:`kvtier.model.kimi_linear`) also its state slots
-    (:class:`~kvtier.serve.hybrid_state.HybridState`, ``max_num_seqs`` of them), which take
-    checkpoints every ``config.pool.state_checkpoint_tokens`` when the pool keeps them
-    (``state_checkpoint_bytes``; the engine derives that config from the spec,
-    :func:`~kvtier.serve.hybrid_state.cache_config`).
+    """Owns the model and what its cache spec declares (``model.cache_spec()``): one
+    ``[num_device_pages, page_size, kv_width]`` page pool per KV layer and, for a model with a
+    recurrent state (a hybrid model, :mod:`kvtier.model.kimi_linear`), ``max_num_seqs`` state slots
+    (:func:`~kvtier.serve.hybrid_state.recurrent_state`), which take checkpoints every
+    ``config.pool.state_checkpoint_tokens`` when the pool keeps them (the engine derives that
+    config from the spec, :func:`~kvtier.serve.hybrid_state.cache_config`). Every model runs
+    through the same step (:class:`kvtier.model.step.StepModel`).
 
     Raises:
         ValueError: the page pools do not fit, or ``cuda_graph`` with a hybrid model.
     """
 
-    def __init__(self, model: KimiK2ForCausalLM, config: EngineConfig):
+    def __init__(self, model: StepModel, config: EngineConfig):
         self.model = model
         self.model_config = model.config
-        self.hybrid = None  # a model with a recurrent state: its slots (HybridState)
-        self._forward_logits = self._attention_forward
         device = model.embed_tokens.device
         self.device = device
-        spec = model.cache_spec()
-        self.kv_caches = _allocate_kv_caches(spec, config, device)
-        if spec.state_bytes:
-            if config.cuda_graph:
-                raise ValueError("cuda_graph=True is not supported for hybrid KDA + MLA models (decode graphs "
-                                 "capture the K2 forward only); expected cuda_graph=False")
-            grid = config.pool.state_checkpoint_tokens if config.pool.state_checkpoint_bytes else 0
-            self.hybrid = HybridState(model, config.max_num_seqs, config.pool.page_size, grid)
-            self._forward_logits = self._hybrid_forward
+        self.kv_caches = _allocate_kv_caches(model.cache_spec(), config, device)
+        self.recurrent_state = recurrent_state(model, config)  # the sequences' state slots (none for K2)
         self.config = config
         self.graphs = None  # decode steps replayed from CUDA/HIP graphs (config.cuda_graph)
         if config.cuda_graph:
@@ -173,31 +164,23 @@ class ModelRunner:
         as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), attn, owners
 
-    def _attention_forward(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]
-                           ) -> tuple[torch.Tensor, list[Checkpoint], dict[int, Checkpoint]]:
-        """``(logits, checkpoints, turn_ends)`` of an attention-only model's step: [len(rows), vocab]
-        fp32 logits of the step's token rows ``rows`` from a captured graph for a decode-only step
-        that fits one, else from an eager forward; no checkpoints."""
+    def _forward(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]
+                 ) -> tuple[torch.Tensor, list[Checkpoint], dict[int, Checkpoint]]:
+        """``(logits, checkpoints, turn_ends)`` of one step: [len(rows), vocab] fp32 logits of the
+        step's token rows ``rows`` (from a captured graph for a decode-only step that fits one,
+        else from the model's step), the checkpoints the step produced and each decode's turn end
+        (:meth:`~kvtier.serve.hybrid_state.HybridState.ran`; none for an attention-only model)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        states = self.recurrent_state
+        state_batch = states.state_batch(batch)
         attn = self.model.plan(positions, attn, self.kv_caches)  # the step's one host read of its metadata
         if (self.graphs is not None and not batch.extends
                 and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
-            return self.graphs.run(input_ids, positions, attn)[index], [], {}
-        hidden = self.model(input_ids, positions, attn, self.kv_caches)
-        return self.model.compute_logits(hidden[index]), [], {}
-
-    def _hybrid_forward(self, batch: ScheduledBatch, input_ids, positions, attn, rows: list[int]
-                        ) -> tuple[torch.Tensor, list[Checkpoint], dict[int, Checkpoint]]:
-        """As :meth:`_attention_forward` for a model with a recurrent state: the eager forward reads
-        and writes the step's state slots; the checkpoints the step produced and each decode's turn
-        end come back with the logits (:meth:`HybridState.ran`)."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        state_batch = self.hybrid.state_batch(batch)
-        attn = self.model.plan(attn, self.kv_caches)
-        hidden, states = self.model.forward_with_checkpoints(input_ids, positions, attn, self.kv_caches,
-                                                             self.hybrid.slots, state_batch)
-        checkpoints = self.hybrid.ran(batch, states)
-        return self.model.compute_logits(hidden[index]), checkpoints, self.hybrid.plan.turn_ends(batch)
+            logits, produced = self.graphs.run(input_ids, positions, attn)[index], None
+        else:
+            hidden, produced = self.model.step(input_ids, positions, attn, self.kv_caches, states.slots, state_batch)
+            logits = self.model.compute_logits(hidden[index])
+        return logits, states.ran(batch, produced), states.turn_ends(batch)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -212,7 +195,7 @@ class ModelRunner:
                 wanted[seq.seq_id] = (entry[0], row)
         for prompt_rows, last in wanted.values():
             rows += [r for r, _ in prompt_rows] + ([last] if last is not None else [])
-        logits, checkpoints, turn_ends = self._forward_logits(batch, input_ids, positions, attn, rows)
+        logits, checkpoints, turn_ends = self._forward(batch, input_ids, positions, attn, rows)
         where = {r: i for i, r in enumerate(rows)}
         out = {}
         for seq_id, (prompt_rows, last) in wanted.items():
