@@ -15,7 +15,7 @@ import torch
 
 from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.pool import KVPool
-from kvtier.model.kimi_k2 import KimiK2ForCausalLM
+from kvtier.model.step import StepModel
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.grammar_runtime import GrammarRuntime
 from kvtier.serve.hybrid_state import cache_config, turn_end_checkpoints
@@ -34,7 +34,7 @@ from kvtier.serve.step_time import batch_features, step_features
 class Engine:
     """Continuous batching over one model and its paged cache."""
 
-    def __init__(self, model: KimiK2ForCausalLM | None, config: EngineConfig, model_id: bytes = b"", *,
+    def __init__(self, model: StepModel | None, config: EngineConfig, model_id: bytes = b"", *,
                  runner: StepRunner | None = None, pool: KVPool | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         """Args:
