@@ -383,10 +383,14 @@ def sum_state_stats(states: list[StateStats | None], bytes_scale: list[float]) -
 
 
 def _minus(end, start):
-    """``end - start`` of a counter: an int, or a dict of ints by name (names only in ``end`` kept)."""
+    """``end - start`` of a counter: an int, a dict of ints by name (names only in ``end`` kept), a
+    dataclass of counters (each field's), or None (a section the pool does not keep)."""
     if isinstance(end, dict):
         return {k: v - start.get(k, 0) for k, v in end.items()}
-    return end - start
+    if dataclasses.is_dataclass(end):
+        return type(end)(**{f.name: _minus(getattr(end, f.name), getattr(start, f.name))
+                            for f in dataclasses.fields(end)})
+    return end if end is None else end - start
 
 
 def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
@@ -396,12 +400,8 @@ def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
     (queues, free pages, cached blocks) and the remote tier's and grammar counters are ``end``'s."""
     p, q = end.pool, start.pool
     counters = ("hit_tokens", "bytes_loaded", "bytes_written", "evictions", "copy_errors", "prefetched_blocks",
-                "stores_refused")
-    state = p.state
-    if state is not None and q.state is not None:
-        state = StateStats(**{f.name: _minus(getattr(p.state, f.name), getattr(q.state, f.name))
-                              for f in dataclasses.fields(StateStats)})
-    pool = dataclasses.replace(p, state=state, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters})
+                "stores_refused", "state")
+    pool = dataclasses.replace(p, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters})
     sched = dataclasses.replace(end.scheduler, preemptions=end.scheduler.preemptions - start.scheduler.preemptions)
     return dataclasses.replace(end, scheduler=sched, pool=pool, prefill_tokens=end.prefill_tokens - start.prefill_tokens,
                                steps=end.steps - start.steps)

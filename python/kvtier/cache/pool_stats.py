@@ -126,6 +126,11 @@ class PoolSnapshot:
     remote: RemoteSnapshot | None = None
     state: StateStats | None = None
 
+    def sections(self) -> dict[str, RemoteSnapshot | StateStats]:
+        """The counters this pool keeps beyond its blocks', by name: ``remote`` (a remote tier's
+        reads and writes) and ``state`` (recurrent-state checkpoints), each only where the pool has it."""
+        return {name: v for name, v in (("remote", self.remote), ("state", self.state)) if v is not None}
+
     @classmethod
     def of(cls, stats: PoolStats, *, num_pages: int, num_free_pages: int, cached_blocks: dict[str, int],
            remote=None, state: StateStats | None = None) -> PoolSnapshot:

@@ -75,10 +75,8 @@ class _EngineCollector:
                 fam.add_metric([tier], v)
             yield fam
         yield from _resume_families(w.resume)
-        if kv.remote is not None:  # a pool with a remote tier: its reads and writes by outcome
-            yield from _remote_families(kv.remote)
-        if kv.state is not None:  # a hybrid model's pool: its recurrent-state checkpoints
-            yield from _state_families(kv.state)
+        for name, section in kv.sections().items():  # what this pool keeps beyond blocks (remote, state)
+            yield from SECTION_FAMILIES[name](section)
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
         if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
             yield from _grammar_families(e.grammar)
@@ -165,6 +163,10 @@ def _remote_families(r):
         yield fam
     yield CounterMetricFamily("kvtier_remote_lookup_failures", "remote lookups that failed or timed out (taken "
                               "as absent)", value=r.exists_failures)
+
+
+SECTION_FAMILIES = {"remote": _remote_families, "state": _state_families}
+"""The families of each of a pool's sections (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`)."""
 
 
 class ServerMetrics:
