@@ -57,9 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +66,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import stop_process_group  # noqa: E402
+from server_process import ServerProcess, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("vllm", "vllm+offloading", "vllm+kvtier-host", "vllm+kvtier-disk", "vllm-ideal")
@@ -78,12 +76,6 @@ WORKLOADS = ("builtin", "trace")
 MODEL_NAME = "bench-llama"
 VOCAB = 32000  # kvtier bench's token-id prompts use ids below 32000 (kvtier.bench.endpoint.SAFE_VOCAB)
 TRACES = Path("/work/shared/traces/kv-cache-tester")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload_args(args, workload: str) -> dict:
@@ -154,60 +146,19 @@ def bench_args(args, url: str, json_path: Path, w: dict, seed: int) -> list[str]
             str(args.ramp_s), "--seed", str(seed), "--json", str(json_path), "--json-records", "--plot", ""]
 
 
-def failure_reason(log: Path) -> str:
-    """The root cause vLLM logged (a worker's or the engine's error), else its last lines."""
-    text = log.read_text(errors="replace")
-    found = re.findall(r"Worker failed with error '([^']+)'", text)
-    if found:
-        return found[-1]
-    errors = [m for m in re.findall(r"\b(\w+(?:Error|Exception): .+)", text)
-              if "Engine core initialization failed" not in m]
-    return errors[-1].strip() if errors else text[-500:]
-
-
-def wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout_s: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}: {failure_reason(log)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"vLLM not ready after {timeout_s} s:\n{log.read_text()[-2000:]}")
-
-
-class Server:
+class Server(ServerProcess):
     """One vLLM server of ``config`` for the ``with`` block."""
 
     def __init__(self, args, config: str, model: Path, work: Path, w: dict, tag: str):
-        self.port = _free_port()
-        self.log, self.stats = work / f"{tag}.log", work / f"{tag}.stats.json"
+        port = free_port()
+        self.stats = work / f"{tag}.stats.json"
         disk = work / f"{tag}.disk"
-        self.cmd = server_args(args, config, model, self.port, self.stats, w, disk)
-        self.args, self.url = args, f"http://127.0.0.1:{self.port}"
+        self.args = args
         self.kv_gib = kv_cache_gib(model, w["device_blocks"], args.block_size)
-
-    def __enter__(self):
         env = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "VLLM_CPU_KVCACHE_SPACE": str(self.kv_gib),
-               "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.args.reserved_cpus)}
-        t0 = time.monotonic()
-        with open(self.log, "w") as f:
-            self.proc = subprocess.Popen(self.cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            wait_ready(self.proc, self.port, self.log, self.args.start_timeout_s)
-        except BaseException:
-            stop_process_group(self.proc)
-            raise
-        self.start_s = time.monotonic() - t0
-        return self
-
-    def __exit__(self, *exc):
-        stop_process_group(self.proc)
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
+        super().__init__(server_args(args, config, model, port, self.stats, w, disk), port, work / f"{tag}.log", env,
+                         args.start_timeout_s)
 
     def counters(self) -> dict | None:
         return json.loads(self.stats.read_text()) if self.stats.exists() else None
