@@ -8,18 +8,14 @@ decoding of whole assistant turns, in K2's format and in K3's XTML.
   compiled under :class:`GrammarLimits` (a schema over a limit is traced to its keyword;
   :func:`pattern_size` bounds each ``pattern`` before compiling).
 - :class:`ToolCallConstraint`, :func:`fill_bitmasks`: per-request masks, closing before max_tokens.
+- :func:`closing_tokens` (:mod:`kvtier.toolcall.closing`): the short completion a turn is closed with.
 - K3: :class:`kvtier.toolcall.xtml_parser.XtmlParser` (think / response / tools channels, typed
   arguments) and :func:`kvtier.toolcall.xtml_grammar.xtml_turn_grammar`; the same events,
   constraint and compiler serve both formats.
 """
 
-from kvtier.toolcall.constrain import (
-    JsonNesting,
-    TokenTable,
-    ToolCallConstraint,
-    closing_tokens,
-    fill_bitmasks,
-)
+from kvtier.toolcall.closing import JsonNesting, TokenTable, closing_tokens
+from kvtier.toolcall.constrain import ToolCallConstraint, fill_bitmasks
 from kvtier.toolcall.grammar import (
     GrammarCompiler,
     GrammarError,

@@ -2,7 +2,7 @@
 
 llguidance compiles a turn grammar lazily: building the matcher takes milliseconds whatever the
 patterns, and the lexer states of a pattern are built by the first calls that walk it (forced
-tokens, masks, the closing search of :mod:`kvtier.toolcall.constrain`). One such call runs in
+tokens, masks, the closing search of :mod:`kvtier.toolcall.closing`). One such call runs in
 llguidance without releasing the GIL, and its cost grows with the number of positions the
 pattern has once counted repetitions are written out: ``^x{20000}$`` costs about 0.5 s per
 token, ``^(a{1000}){1000}$`` (a million positions, every one forced) held the GIL for about
