@@ -45,7 +45,12 @@ class CacheSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of one token's KV over all ``kv_layers`` layers."""
-        return self.kv_layers * self.kv_row_bytes
+        return self.kv_bytes_per_token_at(self.kv_dtype.itemsize)
+
+    def kv_bytes_per_token_at(self, value_bytes: float) -> float:
+        """Bytes of one token's KV over all ``kv_layers`` layers at ``value_bytes`` per value (a
+        memory plan's KV dtype: 2 = bf16, 1 = FP8)."""
+        return self.kv_layers * self.kv_width * value_bytes
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int]:
         """``[num_pages, page_size, kv_width]``: one layer's page pool."""

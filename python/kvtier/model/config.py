@@ -1,7 +1,7 @@
 """Kimi K2 (DeepSeek-V3 architecture) configuration with Hugging Face field names.
 
 Field meanings and the K2 values come from the public K2 ``config.json`` (see docs/kimi.md).
-``KimiK2Config.from_hf_dict`` reads a checkpoint's ``config.json`` (``model_type`` ``kimi_k2``
+``KimiK2Config.from_hf_dict`` reads the ``config.json`` of a weights directory (``model_type`` ``kimi_k2``
 or ``deepseek_v3``, optionally wrapped in ``text_config``; rope as ``rope_scaling`` +
 ``rope_theta`` or as transformers-5 ``rope_parameters``).
 """
@@ -12,9 +12,12 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
+
+if TYPE_CHECKING:
+    from kvtier.model.cache_spec import CacheSpec
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
@@ -165,7 +168,7 @@ class KimiK2Config:
         _check(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         _check(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         _check(self.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
-        _check(self.rope_interleave, "rope_interleave must be True (DeepSeek-V3 checkpoints interleave rope dims)")
+        _check(self.rope_interleave, "rope_interleave must be True (DeepSeek-V3 weights interleave rope dims)")
         _check(self.rope_scaling is None or isinstance(self.rope_scaling, YarnScaling),
                f"rope_scaling must be a YarnScaling or None, got {type(self.rope_scaling).__name__}")
 
@@ -197,9 +200,19 @@ class KimiK2Config:
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace
 
-    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes of MLA KV cache per token over all layers (70,272 for K2 in bf16)."""
-        return self.kv_cache_dim * dtype_bytes * self.num_hidden_layers
+    def cache_spec(self, kv_dtype=None) -> CacheSpec:
+        """What a model of this config caches per sequence: KV pages in every layer, ``[..,
+        kv_cache_dim]`` rows in ``kv_dtype`` (a torch dtype; None = bf16), no recurrent state."""
+        import torch
+
+        from kvtier.model.cache_spec import CacheSpec
+
+        return CacheSpec(self.num_hidden_layers, self.kv_cache_dim, kv_dtype or torch.bfloat16)
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: float = 2) -> int:
+        """Bytes of MLA KV cache per token over all layers at ``dtype_bytes`` per value
+        (:meth:`cache_spec`'s; 70,272 for K2 in bf16)."""
+        return self.cache_spec().kv_bytes_per_token_at(dtype_bytes)
 
     # ---- (de)serialisation ----------------------------------------------------------------
     @staticmethod

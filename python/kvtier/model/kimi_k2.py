@@ -33,7 +33,7 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 DEFAULT_FORMATS = WeightFormats()  # every weight dense in the model dtype
-INT4_SCALE_DTYPE = torch.bfloat16  # the dtype Kimi's compressed-tensors checkpoints store group scales in
+INT4_SCALE_DTYPE = torch.bfloat16  # the dtype Kimi's compressed-tensors weights store group scales in
 
 
 def _weight(owner: nn.Module, name: str, shape: tuple[int, ...], fmt: str, formats: WeightFormats,
@@ -261,7 +261,7 @@ class KimiK2ForCausalLM(nn.Module):
     def cache_spec(self) -> CacheSpec:
         """What this model caches per sequence: KV pages in every layer (``[.., kv_cache_dim]`` rows
         in the compute dtype), no recurrent state."""
-        return CacheSpec(self.config.num_hidden_layers, self.config.kv_cache_dim, self.dtype)
+        return self.config.cache_spec(self.dtype)
 
     def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
              decode_max_seq_len: int | None = None) -> AttentionBatch:

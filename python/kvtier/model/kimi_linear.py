@@ -308,9 +308,7 @@ class KimiLinearForCausalLM(nn.Module):
         """What this model caches per sequence: KV pages in its MLA layers (``[.., kv_cache_dim]``
         rows in the compute dtype) and one KDA state (fp32 recurrent states, conv windows in the
         compute dtype: :class:`StateSlots`' layout), checkpointed at page boundaries."""
-        c = self.config
-        return CacheSpec(len(c.full_attn_layers), c.kv_cache_dim, self.dtype,
-                         c.state_bytes_per_sequence(STATE_DTYPE.itemsize, self.dtype.itemsize))
+        return self.config.cache_spec(self.dtype, STATE_DTYPE.itemsize)
 
     def plan(self, positions: torch.Tensor, batch: AttentionBatch, kv_caches: list[torch.Tensor], *,
              decode_max_seq_len: int | None = None) -> AttentionBatch:
@@ -410,7 +408,7 @@ class KimiLinearForCausalLM(nn.Module):
 
 
 def random_hybrid_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """fp32 values for a random checkpoint: norms near 1, routing bias near 0, ``A_log`` = log of
+    """fp32 values for random weights: norms near 1, routing bias near 0, ``A_log`` = log of
     U(1, 16), ``dt_bias`` the inverse softplus of U(1e-3, 1e-1) (the FLA initialisation), linear and
     conv weights ~ N(0, 1/fan_in)."""
     if name.endswith("A_log"):

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.model.cache_spec import CacheSpec
 
 HYBRID_MODEL_TYPES = ("kimi_linear", "kimi_k3")
 HIDDEN_ACTS = ("silu", "situ")
@@ -23,7 +26,7 @@ KDA_GATE_LOWER_BOUND_MIN = -5.0
 """Smallest ``gate_lower_bound`` accepted (the bound the released kernels support)."""
 
 # config.json spellings of each field (the first is the one written); transformers' KimiLinearConfig
-# saves the "num_experts" family, the released checkpoints use the same.
+# saves the "num_experts" family, the released weights use the same.
 _ALIASES: dict[str, tuple[str, ...]] = {
     "n_routed_experts": ("num_experts", "n_routed_experts", "num_local_experts"),
     "num_experts_per_tok": ("num_experts_per_token", "num_experts_per_tok"),
@@ -234,9 +237,23 @@ class KimiLinearConfig:
         """Width the routed experts work at: ``routed_expert_hidden_size`` or ``hidden_size``."""
         return self.routed_expert_hidden_size or self.hidden_size
 
-    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes of MLA KV per token over the MLA layers (27,648 for K3 in bf16)."""
-        return self.kv_cache_dim * dtype_bytes * len(self.full_attn_layers)
+    def cache_spec(self, kv_dtype=None, state_dtype_bytes: int = 4) -> CacheSpec:
+        """What a model of this config caches per sequence: KV pages in its MLA layers (``[..,
+        kv_cache_dim]`` rows in ``kv_dtype``, a torch dtype; None = bf16) and one KDA state of
+        :meth:`state_bytes_per_sequence` (recurrent states at ``state_dtype_bytes``, conv windows in
+        ``kv_dtype``, the compute dtype), checkpointed at page boundaries."""
+        import torch
+
+        from kvtier.model.cache_spec import CacheSpec
+
+        kv_dtype = kv_dtype or torch.bfloat16
+        return CacheSpec(len(self.full_attn_layers), self.kv_cache_dim, kv_dtype,
+                         self.state_bytes_per_sequence(state_dtype_bytes, kv_dtype.itemsize))
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: float = 2) -> int:
+        """Bytes of MLA KV per token over the MLA layers at ``dtype_bytes`` per value
+        (:meth:`cache_spec`'s; 27,648 for K3 in bf16)."""
+        return self.cache_spec().kv_bytes_per_token_at(dtype_bytes)
 
     def recurrent_bytes_per_sequence(self, state_dtype_bytes: int = 4) -> int:
         """Bytes of one sequence's KDA recurrent states: ``[heads, head_dim, head_dim]`` per KDA layer."""
