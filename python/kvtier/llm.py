@@ -27,11 +27,11 @@ class LLM:
     """A model with its engine, for offline generation.
 
     Args:
-        model: a Hugging Face-layout checkpoint directory (config.json + safetensors) or a preset
+        model: a Hugging Face-layout weights directory (config.json + safetensors) or a preset
             name (``tiny``: deterministic random weights from ``seed``).
         dtype: ``auto`` (fp32 on CPU, bf16 on GPU), ``float32``, ``bfloat16`` or ``float16``: the
             compute dtype and that of the dense weights.
-        dequantize: hold FP8 / INT4 checkpoint weights dequantized in ``dtype`` (default: as
+        dequantize: hold FP8 / INT4 weights dequantized in ``dtype`` (default: as
             stored, run by the quantized kernels; :mod:`kvtier.model.loader`).
         device: torch device for weights and KV cache: ``cpu`` or ``cuda`` (also on ROCm). On a
             GPU, host and disk tiers use the device copy path (pinned host tier, copy stream;
@@ -43,7 +43,7 @@ class LLM:
             remote_timeout_s) and of :class:`kvtier.serve.EngineConfig` (max_num_batched_tokens,
             max_num_batched_pairs, max_num_seqs, cuda_graph, schedule_policy, schedule_max_passes), flat
             (:meth:`kvtier.serve.EngineConfig.of`).
-            Cached blocks are keyed by token ids salted with the checkpoint's fingerprint, the
+            Cached blocks are keyed by token ids salted with the weights' fingerprint, the
             compute dtype and ``salt`` (bytes, the tenant's); on disk each salt and block layout has its own
             subdirectory of ``disk_cache_dir`` with its own ``disk_cache_bytes`` budget, so
             engines of other models, dtypes, page sizes or salts can share the directory and
@@ -57,7 +57,7 @@ class LLM:
     Raises:
         ValueError: an argument of the wrong type or out of range, an unknown preset or engine
         argument, naming it; FileNotFoundError for a directory without config.json; the
-        loader's errors for a bad checkpoint.
+        loader's errors for bad weights.
 
     Example:
         >>> llm = LLM("tiny", num_device_pages=64)

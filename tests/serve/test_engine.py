@@ -107,7 +107,7 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def test_bad_model_and_text_prompts(llm):
-    with pytest.raises(ValueError, match="checkpoint directory or a preset"):
+    with pytest.raises(ValueError, match="weights directory or a preset"):
         LLM("no-such-model")
     with pytest.raises(ValueError, match="kimi-k2.*sizing"):
         LLM("kimi-k2")

@@ -9,7 +9,7 @@ Subcommands:
                       running Kimi K2 by default); prints the bench table, writes a plot and JSON
   generate            offline generation over synthetic prompts that share a prefix; prints
                       TTFT / end-to-end latency / throughput and prefix-cache hits
-  create-checkpoint   write a deterministic random HF-layout checkpoint (bf16, fp32, fp8 or int4)
+  create-checkpoint   write a deterministic random HF-layout weights directory (bf16, fp32, fp8 or int4)
   plan                weights per device, KV bytes per token and KV capacity of a model in
                       INT4 / FP8 / bf16 weights on N devices (kvtier.model.plan)
   serve               OpenAI-compatible HTTP server: chat (tools streamed as each call completes),

@@ -47,7 +47,7 @@ def add_parser(sub) -> None:
     """Register ``kvtier cluster`` on the CLI's subparsers."""
     s = sub.add_parser("cluster", help="a store, N kvtier serve workers and a router: processes on this machine, "
                                        "or placed by Ray (--launcher ray)")
-    s.add_argument("model", help="checkpoint directory or preset")
+    s.add_argument("model", help="weights directory or preset")
     s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
     s.add_argument("--workers", type=int, default=2, help="kvtier serve workers to start")
     s.add_argument("--prefill-workers", type=int, default=0,

@@ -1,4 +1,4 @@
-"""``kvtier create-checkpoint PATH``: a deterministic random HF-layout checkpoint (see
+"""``kvtier create-checkpoint PATH``: a deterministic random HF-layout weights directory (see
 :func:`kvtier.model.create_random_checkpoint`)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kvtier.model import PRESETS, create_random_checkpoint
-from kvtier.model.checkpoint import CHECKPOINT_DTYPES
+from kvtier.model.checkpoint import WEIGHT_DTYPES
 from kvtier.model.config import did_you_mean
 
 
@@ -42,18 +42,18 @@ def cmd_create_checkpoint(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     """Register ``kvtier create-checkpoint`` on the CLI's subparsers."""
-    c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout checkpoint")
+    c = sub.add_parser("create-checkpoint", help="write a deterministic random HF-layout weights directory")
     c.add_argument("path", help="output directory (config.json, safetensors shards, index)")
     c.add_argument("--preset", default="tiny", type=preset_name, choices=sorted(PRESETS),
                    help="model shape (default: %(default)s)")
     c.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes")
-    c.add_argument("--dtype", default="bfloat16", choices=list(CHECKPOINT_DTYPES),
+    c.add_argument("--dtype", default="bfloat16", choices=list(WEIGHT_DTYPES),
                    help="fp8 = e4m3 linear weights with 128x128 weight_scale_inv block scales (DeepSeek-V3, K2); "
                         "int4 = routed experts compressed-tensors INT4 group-32 (K2 Thinking, K2.6); "
                         "mxfp4 = routed experts compressed-tensors mxfp4-pack-quantized (K3; hybrid presets) "
                         "(default: %(default)s)")
     c.add_argument("--tokenizer", metavar="DIR",
-                   help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the checkpoint, "
+                   help="copy the Kimi tokenizer of DIR (tiktoken.model, tokenizer_config.json) into the weights directory, "
                         "so that kvtier serve PATH needs no --tokenizer (e.g. ../shared/kimi_tokenizer); a K3 "
                         "model (model_type kimi_k3) gets K3's tokenizer_config.json (its control tokens) instead")
     c.set_defaults(func=cmd_create_checkpoint)

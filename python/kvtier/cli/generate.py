@@ -19,7 +19,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     """Register ``kvtier generate`` on the CLI's subparsers."""
     g = sub.add_parser("generate", help="offline generation over synthetic shared-prefix prompts")
-    g.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    g.add_argument("--model", default="tiny", help=f"weights directory or preset {sorted(PRESETS)}")
     g.add_argument("--num-prompts", type=int, default=8)
     g.add_argument("--prompt-len", type=int, default=512, help="tokens per prompt")
     g.add_argument("--shared-prefix-len", type=int, default=448, help="tokens all prompts share")

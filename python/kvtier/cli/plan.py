@@ -24,7 +24,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     """Register ``kvtier plan`` on the CLI's subparsers."""
     p = sub.add_parser("plan", help="memory plan: weights per device, KV per token, KV tokens and sessions that fit")
-    p.add_argument("--model", default="kimi-k2", help=f"preset {sorted(PRESETS)}, checkpoint directory or config.json")
+    p.add_argument("--model", default="kimi-k2", help=f"preset {sorted(PRESETS)}, weights directory or config.json")
     p.add_argument("--devices", type=int, default=8, help="accelerators")
     p.add_argument("--hbm-gb", type=float, default=288, help="HBM per device, GB (MI355X 288, H200 141)")
     p.add_argument("--format", default=None,

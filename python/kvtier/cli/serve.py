@@ -130,7 +130,7 @@ def add_parser(sub) -> None:
     from kvtier.serve.builder import COMPUTE_DTYPES
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, tools, sessions, metrics)")
-    s.add_argument("model", help=f"checkpoint directory or preset {sorted(PRESETS)}")
+    s.add_argument("model", help=f"weights directory or preset {sorted(PRESETS)}")
     s.add_argument("--tokenizer", metavar="DIR", help="Kimi tokenizer files (default: the model directory)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument("--port", type=int, default=8000, help="port (0 = a free port, printed at start)")

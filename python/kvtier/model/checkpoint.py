@@ -36,11 +36,11 @@ from kvtier.model.formats import (
     weight_class,
 )
 from kvtier.model.plan import parameter_bytes
-from kvtier.model.weights import TensorSpec, checkpoint_specs, write_shards
+from kvtier.model.weights import TensorSpec, weight_specs, write_shards
 from kvtier.reference import quant as ref_quant
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-CHECKPOINT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
                      "int4": torch.int32, "mxfp4": torch.uint8}
 INT4_GROUP_SIZE = 32  # Kimi K2 Thinking / K2.5 / K2.6
 
@@ -76,11 +76,11 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
     """(name, tensor) pairs of a random checkpoint: fp8 adds ``<name>_scale_inv`` after each
     linear weight; int4 writes each routed expert's ``<module>.weight_packed``, ``.weight_scale``
     and ``.weight_shape`` in place of its ``.weight`` (module docstring)."""
-    if dtype not in CHECKPOINT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
     gen = torch.Generator().manual_seed(seed)
-    dense = torch.bfloat16 if dtype in ("fp8", "int4") else CHECKPOINT_DTYPES[dtype]
-    for name, spec in checkpoint_specs(config).items():
+    dense = torch.bfloat16 if dtype in ("fp8", "int4") else WEIGHT_DTYPES[dtype]
+    for name, spec in weight_specs(config).items():
         value = _random_tensor(name, spec, gen)
         if dtype == "fp8" and spec.quantizable:
             q, scale_inv = quantize_fp8_block(value)
@@ -98,11 +98,11 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
             yield name, value.to(dense)
 
 
-def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: str, max_shard_bytes: int,
+def _create_hybrid_weights(path, config: KimiLinearConfig, seed: int, dtype: str, max_shard_bytes: int,
                               max_total_bytes: int) -> Path:
     """A random hybrid (``kimi_linear`` / ``kimi_k3``) checkpoint: dense ``float32`` or ``bfloat16``, or
     ``mxfp4`` (routed experts compressed-tensors ``mxfp4-pack-quantized``, the rest bf16, as K3 ships)."""
-    from kvtier.model.kimi_linear_loader import hybrid_checkpoint_specs, write_random_hybrid_checkpoint
+    from kvtier.model.kimi_linear_loader import hybrid_weight_specs, write_random_hybrid_weights
 
     if dtype not in ("float32", "bfloat16", "mxfp4"):
         raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'mxfp4' for a {config.model_type} checkpoint, "
@@ -114,14 +114,14 @@ def _create_hybrid_checkpoint(path, config: KimiLinearConfig, seed: int, dtype: 
             raise ValueError(f"dtype='mxfp4' needs the experts' sizes to be multiples of 32 (one E8M0 scale per 32), "
                              f"got {bad[0][0]} = {bad[0][1]}")
     width = 4 if dtype == "float32" else 2
-    size = sum(math.prod(s.shape) for s in hybrid_checkpoint_specs(config).values()) * width
+    size = sum(math.prod(s.shape) for s in hybrid_weight_specs(config).values()) * width
     if size > max_total_bytes:
         raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
                          f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    dense = torch.bfloat16 if dtype == "mxfp4" else CHECKPOINT_DTYPES[dtype]
-    return write_random_hybrid_checkpoint(out, config, seed, dense, max_shard_bytes, mxfp4=dtype == "mxfp4")
+    dense = torch.bfloat16 if dtype == "mxfp4" else WEIGHT_DTYPES[dtype]
+    return write_random_hybrid_weights(out, config, seed, dense, max_shard_bytes, mxfp4=dtype == "mxfp4")
 
 
 def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Config | KimiLinearConfig = "tiny",
@@ -151,10 +151,10 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
         ValueError: an unknown dtype, a config the dtype's layout cannot hold, or one too large.
     """
     config = preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
-    if dtype not in CHECKPOINT_DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(WEIGHT_DTYPES)}, got {dtype!r}")
     if isinstance(config, KimiLinearConfig):
-        return _create_hybrid_checkpoint(path, config, seed, dtype, max_shard_bytes, max_total_bytes)
+        return _create_hybrid_weights(path, config, seed, dtype, max_shard_bytes, max_total_bytes)
     if dtype == "mxfp4":
         raise ValueError("dtype='mxfp4' is for hybrid (kimi_linear / kimi_k3) presets such as tiny-k3, got a "
                          f"{config.model_type} config")

@@ -1,5 +1,5 @@
 """Weight formats: which linear weights are held dense, FP8 block-scaled or INT4 group-scaled,
-and the checkpoint ``quantization_config`` that says so.
+and the weights' ``quantization_config`` that says so.
 
 Formats (per weight ``[N, K]`` = ``[out_features, in_features]``; layouts in docs/quantization.md):
 
@@ -195,7 +195,7 @@ def _matches(module: str, patterns, linear: bool) -> bool:
 
 
 class QuantizationConfig:
-    """A checkpoint's ``quantization_config``, checked: FP8 block (``quant_method: fp8``) or
+    """The weights' ``quantization_config``, checked: FP8 block (``quant_method: fp8``) or
     compressed-tensors INT4 ``pack-quantized`` groups.
 
     Config-wide fields are checked at construction; a config group's ``weights`` are checked when
@@ -270,7 +270,7 @@ class QuantizationConfig:
         return next(iter(sizes)) if sizes else None
 
     def format_of(self, module: str, in_features: int) -> str:
-        """``int4`` when a compressed-tensors group targets ``module`` (its checkpoint name without
+        """``int4`` when a compressed-tensors group targets ``module`` (its stored name without
         ``.weight``) and ``ignore`` does not, else ``dense``; ``fp8`` configs answer ``fp8`` (whether a
         tensor is FP8 is read from its dtype). Checks the targeting group's ``weights``.
 

@@ -106,7 +106,7 @@ def _layer_specs(c: KimiLinearConfig, i: int) -> dict[str, TensorSpec]:
     return specs
 
 
-def hybrid_checkpoint_specs(config: KimiLinearConfig) -> dict[str, TensorSpec]:
+def hybrid_weight_specs(config: KimiLinearConfig) -> dict[str, TensorSpec]:
     """Every tensor of a hybrid checkpoint of ``config`` (MTP layers excluded), canonical names."""
     c = config
     specs = {"model.embed_tokens.weight": TensorSpec((c.vocab_size, c.hidden_size), "embed_tokens", quantizable=False)}
@@ -252,7 +252,7 @@ def _check_mxfp4_group(name: str, g: dict, top_format, tensor: str) -> None:
 
 
 def read_hybrid_config(model_dir: str | Path) -> tuple[KimiLinearConfig, dict]:
-    """(config, raw config.json dict) of a ``kimi_linear`` / ``kimi_k3`` checkpoint directory.
+    """(config, raw config.json dict) of a ``kimi_linear`` / ``kimi_k3`` weights directory.
 
     Raises:
         FileNotFoundError: no config.json. ValueError: the config is refused (names the field and the path).
@@ -325,7 +325,7 @@ def load_hybrid_weights(model: KimiLinearForCausalLM, source, quant: Mxfp4Config
     """
     c = model.config
     quant = quant or Mxfp4Config(None)
-    specs = hybrid_checkpoint_specs(c)
+    specs = hybrid_weight_specs(c)
     by_name = {_canonical(k): k for k in source.keys()}
     if "lm_head.weight" not in by_name and c.tie_word_embeddings:
         by_name["lm_head.weight"] = by_name.get("model.embed_tokens.weight")
@@ -402,7 +402,7 @@ def load_hybrid_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
 
 def _random_tensors(config: KimiLinearConfig, seed: int, dtype: torch.dtype, mxfp4: bool):
     gen = torch.Generator().manual_seed(seed)
-    for name, spec in hybrid_checkpoint_specs(config).items():
+    for name, spec in hybrid_weight_specs(config).items():
         t = random_hybrid_tensor(name, spec.shape, gen)
         if mxfp4 and _is_routed_expert(spec):
             packed, scale = ref_mxfp4.quantize_mxfp4(t)
@@ -413,7 +413,7 @@ def _random_tensors(config: KimiLinearConfig, seed: int, dtype: torch.dtype, mxf
         yield name, t if fp32 else t.to(dtype)
 
 
-def write_random_hybrid_checkpoint(out: Path, config: KimiLinearConfig, seed: int, dtype: torch.dtype,
+def write_random_hybrid_weights(out: Path, config: KimiLinearConfig, seed: int, dtype: torch.dtype,
                                    max_shard_bytes: int, mxfp4: bool = False) -> Path:
     """A deterministic random checkpoint of ``config`` (values of :func:`random_hybrid_tensor` from
     ``torch.Generator(seed)`` in spec order; router and gate parameters fp32, the rest ``dtype``);

@@ -44,7 +44,7 @@ from kvtier.model.formats import (
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.kimi_linear_config import HYBRID_MODEL_TYPES
 from kvtier.model.safetensors_source import SafetensorsSource, TensorSource
-from kvtier.model.weights import TensorSpec, checkpoint_specs
+from kvtier.model.weights import TensorSpec, weight_specs
 from kvtier.ops.quant import fp8_e4m3_dtype, fp8_e4m3fn_to_fnuz
 from kvtier.reference import quant as ref_quant
 
@@ -53,11 +53,11 @@ _OTHER_TOWERS = ("vision_tower.", "mm_projector.")  # multimodal checkpoints' vi
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def checkpoint_fingerprint(model_dir: str | Path, sample_bytes: int = 1 << 20) -> bytes:
-    """32-byte identity of a checkpoint directory, cheap enough to compute at every start.
+def weights_fingerprint(model_dir: str | Path, sample_bytes: int = 1 << 20) -> bytes:
+    """32-byte identity of a weights directory, cheap enough to compute at every start.
 
     SHA-256 over config.json and, per ``*.safetensors`` shard (sorted by name), its name, size
-    and first and last ``sample_bytes`` bytes: two checkpoints with different weights (a
+    and first and last ``sample_bytes`` bytes: two directories with different weights (a
     fine-tune, another random seed) differ there, while reading whole shards would take minutes.
     """
     model_dir = Path(model_dir)
@@ -134,7 +134,7 @@ def _is_linear(name: str, spec: TensorSpec) -> bool:
     return len(spec.shape) == 2 and (spec.quantizable or name == "lm_head.weight")
 
 
-def checkpoint_formats(config: KimiK2Config, source: TensorSource, quant: QuantizationConfig,
+def stored_formats(config: KimiK2Config, source: TensorSource, quant: QuantizationConfig,
                        tensor_names: Mapping[str, str] | None = None) -> dict[str, str]:
     """The format (``dense`` | ``fp8`` | ``int4``) each checkpoint weight is stored in, by spec name.
 
@@ -151,7 +151,7 @@ def checkpoint_formats(config: KimiK2Config, source: TensorSource, quant: Quanti
     """
     available = set(source.keys())
     out = {}
-    for name, spec in checkpoint_specs(config).items():
+    for name, spec in weight_specs(config).items():
         src = (tensor_names or {}).get(name, name)
         packed, scale, shape = _int4_names(src)
         if packed in available:
@@ -208,7 +208,7 @@ def formats_of_checkpoint(config: KimiK2Config, formats: Mapping[str, str], quan
             tensor that differs.
     """
     chosen: dict[str, tuple[str, str]] = {}
-    for name, spec in checkpoint_specs(config).items():
+    for name, spec in weight_specs(config).items():
         cls = weight_class(spec.target)
         if cls is None:
             continue
@@ -325,12 +325,12 @@ def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[in
     """
     config = model.config
     quant = quant or QuantizationConfig({"quant_method": "fp8", "weight_block_size": list(block)})
-    specs = checkpoint_specs(config)
+    specs = weight_specs(config)
     available = set(source.keys())
     names = {}
     if "lm_head.weight" not in available and config.tie_word_embeddings:
         names["lm_head.weight"] = "model.embed_tokens.weight"
-    stored = checkpoint_formats(config, source, quant, names)
+    stored = stored_formats(config, source, quant, names)
     group_size = quant.group_size() or model.formats.group_size
     if model.formats.quantized and INT4 in stored.values() and group_size != model.formats.group_size:
         raise ValueError(f"quantization_config.config_groups group_size {group_size} differs from the model's "
@@ -401,7 +401,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     names = ({"lm_head.weight": "model.embed_tokens.weight"}
              if "lm_head.weight" not in set(source.keys()) and config.tie_word_embeddings else {})
     formats = (WeightFormats() if dequantize
-               else formats_of_checkpoint(config, checkpoint_formats(config, source, quant, names), quant))
+               else formats_of_checkpoint(config, stored_formats(config, source, quant, names), quant))
     model = KimiK2ForCausalLM(config, dtype, formats=formats)
     load_weights(model, source, quant.block_size, int(text.get("num_nextn_predict_layers") or 0), quant)
     model = model.to(device)

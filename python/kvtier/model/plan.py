@@ -3,8 +3,8 @@ weight format, KV bytes per token, and how many tokens (and 100K-token sessions)
 a hybrid KDA + MLA model (Kimi K3, :func:`kvtier.model.hybrid_plan.hybrid_memory_plan`): MLA KV per token plus one KDA
 state per sequence, sessions of 128K / 400K / 1M tokens.
 
-Every number is derived from the config's shapes through the checkpoint tensor table
-(:func:`kvtier.model.weights.checkpoint_specs`) and the formats' byte counts
+Every number is derived from the config's shapes through the weight tensor table
+(:func:`kvtier.model.weights.weight_specs`) and the formats' byte counts
 (:func:`kvtier.model.formats.weight_bytes`), as :class:`kvtier.model.KimiK2ForCausalLM` holds the
 weights:
 

@@ -1,4 +1,4 @@
-"""``kvtier plan``'s report for any model: the preset, checkpoint or config.json it names is read
+"""``kvtier plan``'s report for any model: the preset, weights directory or config.json it names is read
 (:func:`model_config`), then planned as a K2-class model (:mod:`kvtier.model.plan`) or as a hybrid
 (:mod:`kvtier.model.hybrid_plan`)."""
 
@@ -15,7 +15,7 @@ from kvtier.model.plan import PARALLEL, format_plans, memory_plan
 
 
 def model_config(model: str) -> tuple[KimiK2Config, str]:
-    """``(config, name)`` of a preset name, a checkpoint directory or a ``config.json`` path; a hybrid
+    """``(config, name)`` of a preset name, a weights directory or a ``config.json`` path; a hybrid
     preset or ``kimi_linear`` / ``kimi_k3`` config gives a
     :class:`kvtier.model.kimi_linear_config.KimiLinearConfig`.
 
@@ -27,7 +27,7 @@ def model_config(model: str) -> tuple[KimiK2Config, str]:
     path = Path(model)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise ValueError(f"model must be a preset in {sorted(PRESETS)}, a checkpoint directory or a config.json "
+        raise ValueError(f"model must be a preset in {sorted(PRESETS)}, a weights directory or a config.json "
                          f"file, got {model!r}{did_you_mean(model)}")
     try:
         raw = json.loads(file.read_text())

@@ -1,4 +1,4 @@
-"""Tensors of a Hugging Face-layout checkpoint directory by name, read from its safetensors shards
+"""Tensors of a Hugging Face-layout weights directory by name, read from its safetensors shards
 (``model.safetensors.index.json``, or every ``*.safetensors`` file), for both loaders
 (:mod:`kvtier.model.loader`, :mod:`kvtier.model.kimi_linear_loader`)."""
 
@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-_PREFIXES = ("language_model.",)  # multimodal K2.5/K2.6 checkpoints wrap the text model
+_PREFIXES = ("language_model.",)  # multimodal K2.5/K2.6 weights wrap the text model
 
 
 class TensorSource(Protocol):
@@ -20,14 +20,14 @@ class TensorSource(Protocol):
     def get(self, name: str) -> torch.Tensor: ...
 
 
-# safetensors dtype names (the header's "dtype") of the dtypes a checkpoint may hold
+# safetensors dtype names (the header's "dtype") of the dtypes stored weights may hold
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
               "F64": torch.float64, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
               "U8": torch.uint8, "BOOL": torch.bool, "F8_E5M2": torch.float8_e5m2}
 
 
 class SafetensorsSource:
-    """Tensors of every shard in a checkpoint directory, by canonical (unprefixed) name."""
+    """Tensors of every shard in a weights directory, by canonical (unprefixed) name."""
 
     def __init__(self, model_dir: Path):
         index = model_dir / "model.safetensors.index.json"

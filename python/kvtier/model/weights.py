@@ -1,6 +1,6 @@
-"""The DeepSeek-V3 checkpoint tensor names and shapes, and where each lands in our model.
+"""The DeepSeek-V3 weight tensor names and shapes, and where each lands in our model.
 
-One table serves the loader (to check and place tensors) and the random-checkpoint writer.
+One table serves the loader (to check and place tensors) and the random-weights writer.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from kvtier.model.config import KimiK2Config
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One checkpoint tensor.
+    """One weight tensor.
 
     Attributes:
         shape: expected shape in elements.
         target: dotted path of our parameter that receives it.
         index: leading index into the target (e.g. ``(expert,)``), or () for the whole tensor.
         row_offset: first row of the target slice (gate rows at 0, up rows at I in fused weights).
-        quantizable: stored as FP8 in block-quantized checkpoints (2-D linear weights only).
+        quantizable: stored as FP8 in block-quantized weights (2-D linear weights only).
     """
 
     shape: tuple[int, ...]
@@ -81,13 +81,13 @@ def _layer_specs(c: KimiK2Config, i: int) -> dict[str, TensorSpec]:
     return specs
 
 
-def checkpoint_bytes(config: KimiK2Config, bytes_per_element: float) -> int:
-    """Bytes of all checkpoint tensors at ``bytes_per_element`` (for size guards)."""
-    return int(sum(math.prod(s.shape) for s in checkpoint_specs(config).values()) * bytes_per_element)
+def weights_bytes(config: KimiK2Config, bytes_per_element: float) -> int:
+    """Bytes of all weight tensors at ``bytes_per_element`` (for size guards)."""
+    return int(sum(math.prod(s.shape) for s in weight_specs(config).values()) * bytes_per_element)
 
 
-def checkpoint_specs(config: KimiK2Config) -> dict[str, TensorSpec]:
-    """All tensors a DeepSeek-V3-layout checkpoint of ``config`` holds (MTP layers excluded)."""
+def weight_specs(config: KimiK2Config) -> dict[str, TensorSpec]:
+    """All tensors DeepSeek-V3-layout weights of ``config`` hold (MTP layers excluded)."""
     c = config
     specs = {"model.embed_tokens.weight": TensorSpec((c.vocab_size, c.hidden_size), "embed_tokens", quantizable=False)}
     for i in range(c.num_hidden_layers):

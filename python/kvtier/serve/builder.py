@@ -1,8 +1,8 @@
 """One engine builder for the offline API (:class:`kvtier.LLM`) and the server
-(:func:`kvtier.serve.api.server.make_app`): the model (a checkpoint or a random preset) and its
+(:func:`kvtier.serve.api.server.make_app`): the model (weights or a random preset) and its
 cache identity, the engine over it, and where its tokenizer lives.
 
-Hybrid KDA + MLA models (``kimi_linear`` / ``kimi_k3`` checkpoints, presets of
+Hybrid KDA + MLA models (``kimi_linear`` / ``kimi_k3`` weights, presets of
 :data:`kvtier.model.kimi_linear_config.HYBRID_PRESETS` such as ``tiny-k3``) are built too; their
 engine's pool keeps recurrent-state checkpoints beside the MLA blocks, so prefixes are reused
 at exact checkpoints (:mod:`kvtier.serve.hybrid_state`, :mod:`kvtier.cache.checkpoints.reuse`)."""
@@ -20,9 +20,9 @@ from kvtier.model.config import PRESETS, KimiK2Config, did_you_mean, preset
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
-from kvtier.model.kimi_linear_loader import hybrid_checkpoint_specs, load_hybrid_weights
-from kvtier.model.loader import checkpoint_fingerprint, load_model, load_weights
-from kvtier.model.weights import checkpoint_bytes
+from kvtier.model.kimi_linear_loader import hybrid_weight_specs, load_hybrid_weights
+from kvtier.model.loader import weights_fingerprint, load_model, load_weights
+from kvtier.model.weights import weights_bytes
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
 
@@ -73,13 +73,13 @@ def _check_size(name: str, size: int, dtype: torch.dtype) -> None:
     if size > MAX_RANDOM_PRESET_BYTES:
         dtype_name = str(dtype).removeprefix("torch.")
         raise ValueError(f"preset {name!r} has {size / 2**30:,.0f} GiB of weights in {dtype_name} (the dtype it would "
-                         f"run in): it is for sizing and simulation (kvtier plan --model {name}). Pass a checkpoint "
+                         f"run in): it is for sizing and simulation (kvtier plan --model {name}). Pass a weights directory "
                          "directory to run it.")
 
 
 def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiK2ForCausalLM:
     config = preset(name)
-    _check_size(name, checkpoint_bytes(config, torch.finfo(dtype).bits // 8), dtype)
+    _check_size(name, weights_bytes(config, torch.finfo(dtype).bits // 8), dtype)
     model = KimiK2ForCausalLM(config, dtype)
     load_weights(model, _DictSource(random_tensors(config, seed, "float32")))
     return model.to(device)
@@ -87,9 +87,9 @@ def _random_model(name: str, seed: int, dtype: torch.dtype, device: str) -> Kimi
 
 def _random_hybrid_model(name: str, seed: int, dtype: torch.dtype, device: str) -> KimiLinearForCausalLM:
     """A hybrid preset with the values ``kvtier create-checkpoint --preset NAME --seed SEED`` writes
-    (:func:`random_hybrid_tensor` in spec order, before its cast to the checkpoint dtype), in ``dtype``."""
+    (:func:`random_hybrid_tensor` in spec order, before its cast to the weights' dtype), in ``dtype``."""
     config = preset(name)
-    specs = hybrid_checkpoint_specs(config)
+    specs = hybrid_weight_specs(config)
     _check_size(name, sum(math.prod(s.shape) for s in specs.values()) * torch.finfo(dtype).bits // 8, dtype)
     gen = torch.Generator().manual_seed(seed)
     model = KimiLinearForCausalLM(config, dtype)
@@ -98,10 +98,10 @@ def _random_hybrid_model(name: str, seed: int, dtype: torch.dtype, device: str) 
 
 
 def check_model(model: str | Path) -> None:
-    """Raise ValueError unless ``model`` is a checkpoint directory or a preset name
+    """Raise ValueError unless ``model`` is a weights directory or a preset name
     (:data:`kvtier.model.PRESETS`), naming both."""
     if not Path(model).is_dir() and str(model) not in PRESETS:
-        raise ValueError(f"model must be a checkpoint directory or a preset in {sorted(PRESETS)}, got {model!r}"
+        raise ValueError(f"model must be a weights directory or a preset in {sorted(PRESETS)}, got {model!r}"
                          f"{did_you_mean(model)}")
 
 
@@ -110,7 +110,7 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
                      ) -> tuple[KimiK2ForCausalLM | KimiLinearForCausalLM, bytes]:
     """The model and its identity for cache salting: ``(model, model_id)``.
 
-    ``model`` is a checkpoint directory (``model_id`` = its fingerprint; FP8 and INT4 weights are
+    ``model`` is a weights directory (``model_id`` = its fingerprint; FP8 and INT4 weights are
     held as stored unless ``dequantize``, which is part of the id: the two compute differently)
     or a preset name (random weights from ``seed``; ``model_id`` names the preset and seed): a K2
     or hybrid preset (:data:`kvtier.model.PRESETS`: ``tiny``, ``tiny-k3``, ...). Several engines may
@@ -124,7 +124,7 @@ def load_for_serving(model: str | Path, *, dtype: str = "auto", device: str = "c
     check_device("device", device)
     torch_dtype = _resolve_dtype(dtype, device)
     if Path(model).is_dir():
-        model_id = checkpoint_fingerprint(model) + (b":dequantized" if dequantize else b"")
+        model_id = weights_fingerprint(model) + (b":dequantized" if dequantize else b"")
         return load_model(model, torch_dtype, device, dequantize=dequantize), model_id
     build = _random_hybrid_model if str(model) in HYBRID_PRESETS else _random_model
     return build(str(model), seed, torch_dtype, device), f"preset:{model}:seed:{seed}".encode()

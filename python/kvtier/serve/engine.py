@@ -55,7 +55,7 @@ class Engine:
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
         if (model is None) == (runner is None):
             raise ValueError("Engine needs exactly one of model= and runner=")
-        if runner is None:  # the pool's checkpoints (or none) as the model's cache spec says
+        if runner is None:  # the pool's config as the model's cache spec says
             config = cache_config(config, model.cache_spec())
         self.runner = runner if runner is not None else ModelRunner(model, config)
         self.config = config

@@ -10,7 +10,7 @@ from kvtier.serve.api.server import make_app
 
 @pytest.mark.parametrize("model", ["tinyy", "/nonexistent/model"])
 def test_an_unknown_model_is_named_before_the_tokenizer(model):
-    with pytest.raises(ValueError, match=r"model must be a checkpoint directory or a preset in \[.*'tiny'.*\], got") as e:
+    with pytest.raises(ValueError, match=r"model must be a weights directory or a preset in \[.*'tiny'.*\], got") as e:
         make_app(model, tokenizer=None)
     assert repr(model) in str(e.value)
 

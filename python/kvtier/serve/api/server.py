@@ -17,7 +17,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
              kv_events_endpoint: str | None = None, health_stall_s: float = 30.0, grammar_limits=None,
              resume_ttft_s: float | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
              session_store_tokens: int | None = None, worker_factory=EngineWorker, on_engine=None, extend_app=None, **engine_args):
-    """The application over a fresh engine for ``model`` (a checkpoint directory or a preset).
+    """The application over a fresh engine for ``model`` (a weights directory or a preset).
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:0``): publish the pool's KV events there
     (:mod:`kvtier.cache.kv_events`; the bound endpoint is the events' worker id and is reported
@@ -45,7 +45,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     ``/metrics`` (:mod:`kvtier.serve.api.resume`).
 
     Raises:
-        ValueError: a model that is neither a checkpoint directory nor a preset, no tokenizer (a
+        ValueError: a model that is neither a weights directory nor a preset, no tokenizer (a
             preset needs ``tokenizer``), a bad engine argument or limit,
             a KV events endpoint that cannot be bound, or what ``on_engine`` raises.
     """
@@ -58,7 +58,7 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     from kvtier.tokenize import has_tokenizer
 
     if tokenizer is None and not has_tokenizer(model):
-        raise ValueError(f"{model}: the checkpoint directory has no Kimi tokenizer (tiktoken.model); pass "
+        raise ValueError(f"{model}: the weights directory has no Kimi tokenizer (tiktoken.model); pass "
                          "--tokenizer DIR, or write one into it with kvtier create-checkpoint --tokenizer DIR")
     from kvtier.toolcall import GrammarLimits
 
