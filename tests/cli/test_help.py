@@ -13,12 +13,12 @@ from kvtier.cache.config import CACHE_POLICIES, WRITE_POLICIES
 from kvtier.cli import SUBCOMMANDS, build_parser, main
 from kvtier.cluster.disagg.routes import ROLES
 from kvtier.model import preset
-from kvtier.model.checkpoint import CHECKPOINT_DTYPES
+from kvtier.model.checkpoint import WEIGHT_DTYPES
 from kvtier.serve.builder import COMPUTE_DTYPES, check_model
 
 CHOICES = {("serve", "--cache-policy"): CACHE_POLICIES, ("serve", "--cache-write-policy"): WRITE_POLICIES,
            ("serve", "--role"): ROLES, ("serve", "--dtype"): COMPUTE_DTYPES,
-           ("create-checkpoint", "--dtype"): tuple(CHECKPOINT_DTYPES)}
+           ("create-checkpoint", "--dtype"): tuple(WEIGHT_DTYPES)}
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
