@@ -11,7 +11,7 @@ from kvtier.bench.run import BenchOptions
 from kvtier.cli import main
 from kvtier.llm import MAX_RANDOM_PRESET_BYTES
 from kvtier.model.config import preset
-from kvtier.model.weights import checkpoint_bytes
+from kvtier.model.weights import weights_bytes
 
 NO_GPU = not torch.cuda.is_available()
 ALL_CONFIGS = "device-only,tiered,tiered-write-through,tiered-tool-aware"
@@ -41,7 +41,7 @@ def test_gpu_preset_keeps_k2_layers_and_fits_the_random_weight_limit():
                  "n_shared_experts", "first_k_dense_replace", "rope_scaling", "max_position_embeddings"):
         assert getattr(gpu, name) == getattr(k2, name), name
     assert gpu.kv_cache_bytes_per_token(2) * k2.num_hidden_layers == k2.kv_cache_bytes_per_token(2) * 4
-    assert checkpoint_bytes(gpu, 2) <= MAX_RANDOM_PRESET_BYTES
+    assert weights_bytes(gpu, 2) <= MAX_RANDOM_PRESET_BYTES
     assert gpu.max_position_embeddings >= 32768
 
 
