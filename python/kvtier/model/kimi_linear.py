@@ -330,7 +330,7 @@ class KimiLinearForCausalLM(nn.Module):
         return self.step(input_ids, positions, batch, kv_caches, state, state_batch)[0]
 
     def step(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-             kv_caches: list[torch.Tensor], state: StateSlots, state_batch: StateBatch
+             kv_caches: list[torch.Tensor], state: StateSlots | None = None, state_batch: StateBatch | None = None
              ) -> tuple[torch.Tensor, StateCheckpoints | None]:
         """Run every layer; returns ``(hidden, checkpoints)``: the final-normed hidden states [T, H]
         and the KDA states at ``state_batch``'s checkpoint boundaries (:class:`StateCheckpoints`,
