@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.cache.checkpoints.store import CheckpointKind, CheckpointStore
+from kvtier.cache.checkpoints.store import CheckpointKind, CheckpointStore, open_store
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.prefix_index import Tier
@@ -34,7 +34,7 @@ class Clock:
 
 
 def store(**budgets) -> CheckpointStore:
-    return CheckpointStore(N, clock=Clock(), **budgets)
+    return open_store(N, clock=Clock(), **budgets)
 
 
 def test_a_full_tier_drops_grid_points_first_then_the_least_recently_used():
@@ -85,7 +85,7 @@ def test_disk_copies_are_checked_on_read_and_a_failed_one_is_dropped(tmp_path):
     read = s.read(key(1), Tier.DISK)
     read.wait()
     assert s.ended(read) and torch.equal(read.payload, payload(1))
-    path = s.disk.path(key(1))
+    path = s.stores[Tier.DISK].disk.path(key(1))
     raw = bytearray(path.read_bytes())
     raw[4096 + 10] ^= 0xFF  # a flipped payload byte (after the 4096-byte header)
     path.write_bytes(bytes(raw))

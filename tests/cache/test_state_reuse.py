@@ -125,11 +125,11 @@ def test_checkpoint_and_blocks_restored_together_from_each_tier(tmp_path, tier):
 
 # ---- one bad checkpoint: the longest earlier valid point, counted -----------------------------------
 def _disk_path(pool: KVPool, key: bytes):
-    return pool.resume_rule.store.disk.path(key)
+    return pool.resume_rule.store.stores[Tier.DISK].disk.path(key)
 
 
 def _remote_key(pool: KVPool, key: bytes) -> str:
-    return pool.resume_rule.store.remote.key(key)
+    return pool.resume_rule.store.stores[Tier.REMOTE].remote.key(key)
 
 
 def lose(pool, backend, tier, key, other):
@@ -241,7 +241,8 @@ def test_checkpoint_dropped_from_every_tier_resumes_at_the_one_before(tmp_path):
     store = pool.resume_rule.store
     for t in (Tier.DEVICE, Tier.HOST, Tier.DISK):
         store.drop(ks[8], t)
-    del store.remote.backend.values[store.remote.key(ks[8])]
+    remote = store.stores[Tier.REMOTE].remote
+    del remote.backend.values[remote.key(ks[8])]
     store.drop(ks[8], Tier.REMOTE)
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 6)

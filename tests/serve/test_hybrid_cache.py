@@ -117,7 +117,7 @@ def forget(engine: Engine, backend: MemoryBackend, key: bytes, keep: Tier | None
         if t != keep:
             store.drop(key, t)
     if keep != Tier.REMOTE:
-        backend.values.pop(store.remote.key(key), None)
+        backend.values.pop(store.stores[Tier.REMOTE].remote.key(key), None)
 
 
 def flip_payload_byte(path) -> None:
@@ -168,7 +168,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     k, key = resume_key(e1, p2)
     fallbacks, corrupt = st.fallbacks, st.failures["corrupt"]
     forget(e1, backend, key, keep=Tier.DISK)
-    flip_payload_byte(store.disk.path(key))
+    flip_payload_byte(store.stores[Tier.DISK].disk.path(key))
     (third2,) = serve(e1, ref, [p2])
     st = e1.pool.stats().state
     assert third2.num_cached_tokens < k * PS

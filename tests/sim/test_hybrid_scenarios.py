@@ -1,7 +1,8 @@
 """The simulator on a hybrid model: ``kimi-k3-mi355x-128`` at a small scale (K3's real sizes,
-a few 400K-token sessions), its byte-less checkpoint store and the grid-only policy."""
+a few 400K-token sessions), the pool's checkpoint store on its virtual-time tiers and the grid-only policy."""
 
 import pytest
+import torch
 from kvtier.cache.checkpoints.store import CheckpointKind
 from kvtier.cache.prefix_index import Tier
 from kvtier.model.config import preset
@@ -12,7 +13,7 @@ from kvtier.sim.copies import SimCopyEngine, TierLinks, VirtualClock
 from kvtier.sim.hardware import Link
 from kvtier.sim.run import SimOptions, run_scenario
 from kvtier.sim.scenarios import SCENARIOS, Replay
-from kvtier.sim.states import SimCheckpointStore
+from kvtier.sim.states import CheckpointSizes, sim_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +91,30 @@ def test_warmup_turns_run_before_the_window_and_are_not_reported():
         Replay(sessions=1, concurrency=1, warmup_turns=-1)
 
 
-def _store(**slots):
+def _store(device_slots=0, host_slots=0, disk_slots=0):
     clock = VirtualClock()
     engine = SimCopyEngine(clock, TierLinks(1e6, Link(1e9, 1e-5), Link(1e8, 1e-4)))
-    return clock, SimCheckpointStore(100, 8_000_000, 1_000_000, engine, **slots)
+    sizes = CheckpointSizes(8_000_000, 1_000_000, 256, device_slots, host_slots, disk_slots, 1)
+    return clock, sim_checkpoints(sizes, engine, 1e-4, host=True, disk=True)  # 100-byte placeholders
+
+
+P = torch.zeros(100, dtype=torch.uint8)
 
 
 def test_store_reads_end_in_virtual_time():
     clock, store = _store(device_slots=1, host_slots=2, disk_slots=2)
     key = bytes(range(16))
-    assert store.save(key, None, CheckpointKind.TURN) and not store.save(key, None, CheckpointKind.GRID)
+    assert store.save(key, P, CheckpointKind.TURN) and not store.save(key, P, CheckpointKind.GRID)
     assert store.where(key) == [Tier.DEVICE, Tier.HOST]  # the disk copy is indexed once its write ended
     store.poll(wait=True)
     assert store.where(key) == [Tier.DEVICE, Tier.HOST, Tier.DISK]
     assert store.read(key, Tier.DEVICE).done()
     read = store.read(key, Tier.DISK)
-    assert not read.done() and read.payload is None
+    assert not read.done() and read.payload.numel() == 100
     start = clock.now
     assert store.ended(read) and clock.now > start  # waiting stalls the clock to the read's end
-    assert store.stats.bytes_loaded["disk"] == 8_000_000
+    assert clock.now >= 8_000_000 / 1e8  # the whole state over the 100 MB/s storage link
+    assert store.stats.bytes_loaded["disk"] == 100  # placeholder bytes (reports scale them to state_bytes)
     missing = store.read(bytes(16), Tier.HOST)
     assert missing.done() and not store.ended(missing) and store.stats.failures["missing"] == 1
 
@@ -116,18 +122,18 @@ def test_store_reads_end_in_virtual_time():
 def test_store_drops_grid_before_turn_ends():
     _, store = _store(device_slots=2)
     turn, grid, new = b"t" * 16, b"g" * 16, b"n" * 16
-    store.save(turn, None, CheckpointKind.TURN)
-    store.save(grid, None, CheckpointKind.GRID)
-    store.save(new, None, CheckpointKind.GRID)
+    store.save(turn, P, CheckpointKind.TURN)
+    store.save(grid, P, CheckpointKind.GRID)
+    store.save(new, P, CheckpointKind.GRID)
     assert store.locate(grid) is None and store.locate(turn) == Tier.DEVICE and store.locate(new) == Tier.DEVICE
     store.protect([turn, new])
-    store.save(b"x" * 16, None, CheckpointKind.TURN)
+    store.save(b"x" * 16, P, CheckpointKind.TURN)
     assert store.stats.refused["device"] == 1 and store.stats.evictions["device"] == 1
 
 
 def test_bad_options():
     with pytest.raises(ValueError, match="key"):
-        _store(device_slots=1)[1].save(b"short", None, CheckpointKind.TURN)
+        _store(device_slots=1)[1].save(b"short", P, CheckpointKind.TURN)
     with pytest.raises(ValueError, match="policy"):
         CheckpointPlan(256, 16_384, "never")
     with pytest.raises(ValueError, match="checkpoint_tokens"):

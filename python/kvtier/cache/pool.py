@@ -87,10 +87,10 @@ class KVPool:
             the background; a prefix that runs past the local tiers is looked up there
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
             misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
-        checkpoints: a hybrid model's state checkpoint store (anything with
-            :class:`kvtier.cache.checkpoints.store.CheckpointStore`'s methods, e.g. the simulator's
-            byte-less one); None opens one when ``config.state_checkpoint_bytes`` is set (and
-            prefix caching is on).
+        checkpoints: a hybrid model's state checkpoint store
+            (:class:`kvtier.cache.checkpoints.store.CheckpointStore`, e.g. on the simulator's
+            virtual-time tiers); None opens one on this pool's tiers when
+            ``config.state_checkpoint_bytes`` is set (and prefix caching is on).
 
     Raises:
         ValueError: bad config: not a :class:`PoolConfig`, a host or disk budget that holds no

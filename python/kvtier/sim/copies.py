@@ -21,10 +21,14 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvtier.sim.hardware import Link
 from kvtier.cache.cost_model import CostModel, TierCost
 from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier
 from kvtier.cache.prefix_index import Tier
+from kvtier.cache.seams import CopyJob
+from kvtier.cache.tiers import HostStore
 from kvtier.options import check_int
 
 
@@ -193,6 +197,14 @@ class SimCopyEngine:
         self._order = itertools.count()
         self.bytes_moved = dict.fromkeys(self._links, 0.0)
         self.collecting = False
+        self._layouts: dict[BlockMeta, tuple[float, float]] = {}
+
+    def add_layout(self, meta: BlockMeta, link_bytes: float, disk_bytes: float) -> None:
+        """Time I/O jobs of objects of layout ``meta`` (another kind than the pool's blocks, e.g. a
+        state checkpoint) by their own modelled bytes: ``disk_bytes`` each on the storage link; a
+        read then goes on to the device, ``link_bytes`` each on the host -> device link (such an
+        object is not scattered into device pages by a job of its own)."""
+        self._layouts[meta] = (float(link_bytes), float(disk_bytes))
 
     def _submit(self, link_name: str, num_blocks: int, effect=None) -> SimCopyHandle:
         return self.submit_bytes(link_name, num_blocks * self.block_bytes, effect, num_blocks=num_blocks)
@@ -224,9 +236,18 @@ class SimCopyEngine:
         return self._submit("host->device", len(pages))
 
     def run_io(self, job) -> SimCopyHandle:
-        """An I/O job (:class:`kvtier.cache.seams.IOJob`) on the storage link; it runs (``job.run()``:
-        for a :class:`SimDisk`, blocks recorded or looked up) when the pool collects it."""
-        return self._submit("disk", job.num_blocks, job.run)
+        """An I/O job (:class:`kvtier.cache.seams.IOJob`, a disk tier's ``DiskJob``) on the storage
+        link, a block's modelled bytes each (a layout of :meth:`add_layout`: its own bytes, and a
+        read goes on over the host -> device link); it runs (``job.run()``: for a
+        :class:`SimDisk`, blocks recorded or looked up) when the pool collects it."""
+        sizes = self._layouts.get(job.meta)
+        if sizes is None:
+            return self._submit("disk", job.num_blocks, job.run)
+        n = job.num_blocks
+        if job.write:
+            return self.submit_bytes("disk", n * sizes[1], job.run, num_blocks=n)
+        after = self.submit_bytes("disk", n * sizes[1], num_blocks=n).end_s
+        return self.submit_bytes("host->device", n * sizes[0], job.run, not_before=after, num_blocks=n)
 
     def _apply(self, effect: Callable[[], list[int]]) -> list[int]:
         """Run a collected job's ``effect`` with :attr:`collecting` set."""
@@ -245,3 +266,29 @@ class SimCopyEngine:
         if not ends or ends[0][0] > after:
             return ends[0][0] if ends else None
         return min((end for end, _, h in ends if end > after and h._result is None), default=None)
+
+
+class SimHostStore(HostStore):
+    """Host slots whose copies take virtual time: a :class:`~kvtier.cache.tiers.host.HostStore`
+    for objects that move between the device and host memory without a page copy job of their own
+    (a state checkpoint): :meth:`fill` queues ``link_bytes`` per slot on the device -> host link,
+    :meth:`read` returns a job over the host -> device link ending when they arrived.
+
+    Args:
+        host: the slots (placeholder bytes).
+        copy_engine: the worker's copy engine (its links).
+        link_bytes: modelled bytes one slot moves over one device's host link.
+    """
+
+    def __init__(self, host, copy_engine: SimCopyEngine, link_bytes: float):
+        super().__init__(host, None)
+        self.copy_engine, self.link_bytes = copy_engine, float(link_bytes)
+
+    def fill(self, slots: Sequence[int], blocks: torch.Tensor) -> CopyJob:
+        super().fill(slots, blocks)
+        return self.copy_engine.submit_bytes("device->host", len(slots) * self.link_bytes, num_blocks=len(slots))
+
+    def read(self, hashes: Sequence[bytes], slots: Sequence[int]) -> tuple[torch.Tensor, CopyJob]:
+        buf, _ = super().read(hashes, slots)
+        return buf, self.copy_engine.submit_bytes("host->device", len(slots) * self.link_bytes,
+                                                  num_blocks=len(slots))

@@ -22,7 +22,7 @@ from kvtier.serve.hybrid_state import CheckpointPlan
 from kvtier.serve.runner import StepResult
 from kvtier.serve.step_plan import ScheduledBatch
 from kvtier.sim.copies import SimCopyEngine, SimDisk, TierLinks, VirtualClock
-from kvtier.sim.states import CheckpointSizes, SimCheckpointStore
+from kvtier.sim.states import CheckpointSizes, sim_checkpoints
 from kvtier.sim.timing import BatchShape, ending, prefill_tok_s
 
 PLACEHOLDER_TOKEN = 0
@@ -44,7 +44,9 @@ class TimedRunner:
             placeholder storage (``page_size`` bytes per block).
         busy_s: virtual seconds of the steps run.
         checkpoints: a hybrid model's :class:`~kvtier.serve.hybrid_state.CheckpointPlan` (the
-            checkpoints each step yields, without bytes, returned in its result), or None.
+            checkpoints each step yields, returned in its result).
+        placeholder: the bytes every checkpoint it yields carries (``[checkpoint_bytes]`` uint8,
+            zeros; the pool's placeholder unit, as its KV pages are).
     """
 
     def __init__(self, timer, model_config: KimiK2Config, config: EngineConfig):
@@ -54,13 +56,14 @@ class TimedRunner:
                                       dtype=torch.uint8).view(torch.float8_e4m3fn)]
         self.busy_s = 0.0
         self.checkpoints = CheckpointPlan(config.pool.page_size)  # none taken until a grid is set
+        self.placeholder = None
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         """The step's modelled seconds, a placeholder token for each sequence it ends, and the
-        checkpoints it yields (no bytes)."""
-        plan = self.checkpoints
-        saved = [Checkpoint(seq.kv, b, None, kind) for _, seq, b, kind in plan.asked(batch)] + plan.stopped()
-        plan.decoded(batch, lambda seq: None)
+        checkpoints it yields (placeholder bytes)."""
+        plan, payload = self.checkpoints, self.placeholder
+        saved = [Checkpoint(seq.kv, b, payload, kind) for _, seq, b, kind in plan.asked(batch)] + plan.stopped()
+        plan.decoded(batch, lambda seq: payload)
         seconds = self.timer.step_s(BatchShape.of(batch))
         self.busy_s += seconds
         return StepResult(tokens=dict.fromkeys((s.seq_id for s in ending(batch)), PLACEHOLDER_TOKEN), seconds=seconds,
@@ -80,15 +83,17 @@ class SimWorker:
         clock: this worker's clock (a pool that waits on a copy moves it); None = a new one at 0.
         disk: the disk tier (None = none); may be shared with other workers.
         states: a hybrid model's checkpoint sizes and budgets (None: a K2-class model). With
-            prefix caching, the pool keeps checkpoints in a
-            :class:`~kvtier.sim.states.SimCheckpointStore` (device slots; host and disk slots
-            when the configuration has those tiers) and the runner saves them.
+            prefix caching, the pool keeps checkpoints in its store on virtual-time tiers
+            (:func:`~kvtier.sim.states.sim_checkpoints`: device slots; host and disk slots when the
+            configuration has those tiers) and the runner saves them.
         checkpoints: the checkpoint policy (:attr:`kvtier.serve.hybrid_state.CheckpointPlan.POLICIES`).
 
     Attributes:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
             scheduler.
         runner: its :class:`TimedRunner`; copy_engine: its :class:`SimCopyEngine`.
+        state_bytes_scale: modelled bytes (one checkpoint's ``state_bytes``, all devices) per byte
+            of the pool's placeholder checkpoints (0 without checkpoints).
         busy, step: a step (or a wait for a copy to end) is in flight; that step (None: a wait).
         running: the closed loop's session of each request id it runs (:mod:`kvtier.sim.loop`).
     """
@@ -103,18 +108,17 @@ class SimWorker:
         self.copy_engine = SimCopyEngine(clock, links)
         # the placeholder pages' blocks: 1 layer x page_size x 1 byte
         cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
-        store = None
+        store, self.state_bytes_scale = None, 0.0
         pool_config = config.pool_config()
         if states is not None and pool_config.enable_prefix_caching:
             scale = config.pool.page_size / links.block_bytes  # placeholder bytes per modelled byte
-            store = SimCheckpointStore(max(1, round(states.link_bytes * scale)), states.state_bytes, states.link_bytes,
-                                       self.copy_engine, device_slots=states.device_checkpoints,
-                                       host_slots=states.host_checkpoints if pool_config.host_cache_bytes else 0,
-                                       disk_slots=states.disk_checkpoints if disk is not None else 0,
-                                       counted_bytes=states.state_bytes * scale)
+            store = sim_checkpoints(states, self.copy_engine, scale, host=bool(pool_config.host_cache_bytes),
+                                    disk=disk is not None)
             pool_config = dataclasses.replace(pool_config, state_checkpoint_bytes=store.checkpoint_bytes,
                                               state_checkpoint_tokens=states.checkpoint_tokens)
             self.runner.checkpoints = CheckpointPlan(config.pool.page_size, states.checkpoint_tokens, checkpoints)
+            self.runner.placeholder = torch.zeros(store.checkpoint_bytes, dtype=torch.uint8)
+            self.state_bytes_scale = states.state_bytes / store.checkpoint_bytes
         pool = KVPool(pool_config, self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock, checkpoints=store)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)

@@ -22,8 +22,9 @@ slot per running sequence (``max_num_seqs`` = the replay's concurrency) and
 ``state_device_checkpoints`` device checkpoints, each ``state_bytes / num_devices`` bytes per
 device. Host and disk hold ``state_host_bytes // state_bytes`` and ``state_disk_bytes //
 state_bytes`` checkpoints besides their KV blocks; the grid spacing is the scenario's or
-:func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`. Each worker's pool keeps them in a
-:class:`kvtier.sim.states.SimCheckpointStore` (configurations without prefix caching keep none).
+:func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`. Each worker's pool keeps them in its
+checkpoint store on virtual-time tiers (:func:`kvtier.sim.states.sim_checkpoints`; configurations
+without prefix caching keep none).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """Which tiers hold each recurrent-state checkpoint, and which one a full tier drops: the records and
-rules every checkpoint store shares (the pool's, :mod:`kvtier.cache.checkpoints.store`, and the
-simulator's byte-less one, :mod:`kvtier.sim.states`).
+rules of the checkpoint store (:mod:`kvtier.cache.checkpoints.store`).
 
 A checkpoint is keyed by the 16-byte block hash of the block before its boundary. Its entry holds
 its kind, when it was last used, its slot in each tier that holds it, how many tool waits protect
@@ -170,70 +169,4 @@ TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.
 """Tier names as :class:`kvtier.cache.pool_stats.StateStats` counts them."""
 
 
-class IndexedCheckpoints:
-    """What every checkpoint store does with its :class:`CheckpointIndex`: lookups, protection,
-    counted copies per tier within a capacity, and eviction to make room. A store sets ``index``,
-    ``stats`` (a :class:`kvtier.cache.pool_stats.StateStats`), ``_capacity`` (copies each tier
-    holds, by tier) and ``_counts`` (copies held or reserved now), and gives back a dropped copy's
-    storage in :meth:`_release`."""
-
-    index: CheckpointIndex
-    _capacity: dict[Tier, int]
-    _counts: dict[Tier, int]
-
-    def locate(self, key: bytes) -> Tier | None:
-        """The fastest tier whose copy of checkpoint ``key`` is indexed, or None."""
-        return self.index.locate(key)
-
-    def where(self, key: bytes) -> list[Tier]:
-        """Every tier whose copy of ``key`` is indexed, fastest first."""
-        return self.index.where(key)
-
-    def count(self, tier: Tier) -> int:
-        """Checkpoints indexed in ``tier``."""
-        return self.index.count(tier)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def protect(self, keys: Iterable[bytes]) -> None:
-        """Keep checkpoints ``keys`` (those stored) from eviction until :meth:`unprotect`."""
-        self.index.protect(keys)
-
-    def unprotect(self, keys: Iterable[bytes]) -> None:
-        """Undo one :meth:`protect` of each of ``keys``."""
-        self.index.unprotect(keys)
-
-    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
-        """``(stored, tier, key)`` for each copy gained or lost since the last call."""
-        return self.index.drain_events()
-
-    def drop(self, key: bytes, tier: Tier) -> None:
-        """Drop ``key``'s copy in ``tier`` (nothing when there is none)."""
-        slot = self.index.lose(key, tier)
-        if slot is None:
-            return
-        self._release(key, tier, slot)
-        if tier in self._counts:
-            self._counts[tier] -= 1
-
-    def _release(self, key: bytes, tier: Tier, slot: int) -> None:
-        """Give back the storage of ``key``'s dropped copy in ``tier`` (``slot``: its slot id)."""
-
-    def _make_room(self, tier: Tier, skip: Callable[[CheckpointEntry], bool] | None = None) -> bool:
-        """Whether ``tier`` has room for one more checkpoint, evicting its least valuable
-        unprotected copy (:meth:`CheckpointIndex.victim`, minus ``skip``) when full."""
-        cap = self._capacity.get(tier, 0)
-        if cap == 0:
-            return False
-        if self._counts[tier] < cap:
-            return True
-        key = self.index.victim(tier, skip)
-        if key is None:
-            return False
-        self.drop(key, tier)
-        self.stats.evictions[TIER_NAMES[tier]] += 1
-        return True
-
-
-__all__ = ["TIER_NAMES", "Checkpoint", "CheckpointEntry", "CheckpointIndex", "CheckpointKind", "IndexedCheckpoints"]
+__all__ = ["TIER_NAMES", "Checkpoint", "CheckpointEntry", "CheckpointIndex", "CheckpointKind"]

@@ -119,13 +119,13 @@ class CheckpointReuse(EveryBlock):
 
     Args:
         tiers: the pool's tiers (index, cost model, block bytes).
-        store: the pool's :class:`~kvtier.cache.checkpoints.store.CheckpointStore` (or the
-            simulator's byte-less one).
+        store: the pool's :class:`~kvtier.cache.checkpoints.store.CheckpointStore` (on the
+            simulator's virtual-time tiers in a simulated worker).
     """
 
     def __init__(self, tiers: PoolTiers, store: CheckpointStore):
         self.tiers, self.store = tiers, store
-        self.stats, self.meta = store.stats, getattr(store, "meta", None)
+        self.stats, self.meta = store.stats, store.meta
         self.page_size = tiers.config.page_size
         self._sessions: dict[object, list[bytes]] = {}  # tool-waiting session -> protected keys
         self._reads: dict[int, tuple[int, object]] = {}  # id(kv) -> (blocks, read in flight)

@@ -7,45 +7,50 @@ hash of the last block before the boundary (:mod:`kvtier.cache.block_hash`), whi
 the salt (model, dtypes, tenant) and every token before it: a checkpoint is valid exactly where
 that block's MLA KV is.
 
-:class:`CheckpointStore` keeps them in the tiers the pool has, each with its own byte budget,
-separate from the KV budget (:class:`kvtier.cache.config.PoolConfig` ``state_*_bytes``):
+:class:`CheckpointStore` keeps them in device slots of ``checkpoint_bytes`` (restored by a device
+copy) and in the tiers below the device that blocks use, opened by the same factory
+(:func:`kvtier.cache.tiers.open_stores`) for the checkpoint layout (:func:`checkpoint_meta`): host
+slots (:class:`~kvtier.cache.tiers.host.HostStore`), files of a disk tier in their own namespace
+directory (:class:`~kvtier.cache.tiers.disk.DiskFiles`, read and written on the copy engine's I/O
+workers, header, CRC-32C and key checked on every read) and the remote store under their own key
+prefix (:class:`~kvtier.cache.tiers.remote.RemoteStore`). Each tier has its own budget, counted in
+checkpoints apart from the KV budget (:class:`kvtier.cache.config.PoolConfig` ``state_*_bytes``).
+The simulator passes its virtual-time tiers (:mod:`kvtier.sim.copies`) to this same store.
 
-- **device**: slots of ``checkpoint_bytes`` on the model's device (restored by a device copy);
-- **host**: :class:`kvtier.cache.host_tier.HostTier` slots;
-- **disk**: checkpoint files in their own namespace directory (a :class:`DiskTier` with a
-  checkpoint layout: header, CRC-32C and key checked on every read);
-- **remote**: the shared store under their own key prefix (:class:`RemoteTier`, checked likewise).
-
-Saves are written through to every tier at once (device and host copies on the calling thread;
-disk and remote writes on a writer thread, indexed when they ended, by :meth:`CheckpointStore.poll`).
-Under pressure a tier drops its least valuable unprotected checkpoint: sparse-grid checkpoints
+Saves are written through to every tier at once: device and host copies on the calling thread, the
+lower tiers' writes as their jobs, indexed when they ended (:meth:`CheckpointStore.poll`). Under
+pressure a tier drops its least valuable unprotected checkpoint: sparse-grid checkpoints
 (:attr:`CheckpointKind.GRID`) before prompt and turn ends (:attr:`CheckpointKind.TURN`), least
 recently used first within a kind. Checkpoints a session waiting on a tool resumes from are
 protected (:meth:`CheckpointStore.protect`) in the tiers that hold them until the wait ends.
 
-Reads never return wrong bytes: a disk or remote checkpoint that is missing, short, corrupt or
-under another key is a failed :class:`CheckpointRead` with its reason, and the copy is dropped
-from the index.
+Reads never return wrong bytes: a copy that is missing, short, corrupt or under another key is a
+failed :class:`CheckpointRead` with its reason, and the copy is dropped from the index.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind, IndexedCheckpoints
-from kvtier.cache.disk_tier import BlockMeta, DiskStatus, DiskTier, aligned_empty
+from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind
+from kvtier.cache.disk_tier import BlockMeta, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
 from kvtier.cache.prefix_index import Tier
-from kvtier.cache.remote import RemoteStatus, RemoteTier, open_remote
+from kvtier.cache.seams import CopyEngine, CopyJob
+from kvtier.cache.tiers import HostStore, TierStore, open_stores
 from kvtier.cache.tiers.disk_budget import namespace_dir
+from kvtier.cache.tiers.protocol import Admit
+from kvtier.cache.remote import RemoteTier
 
 STATE_LAYOUT_CODE = 0x57A7E0
 """Layout code (bits 8-31 of :attr:`BlockMeta.dtype`) of a checkpoint file or value: it names their
 own namespace directory and key prefix, apart from every KV block layout."""
 
+_REASONS = {1: "missing", 2: "corrupt"}  # DiskStatus and RemoteStatus: 1 MISSING, 2 CORRUPT; else "error"
 
 
 def checkpoint_meta(checkpoint_bytes: int) -> BlockMeta:
@@ -65,32 +70,26 @@ class CheckpointRead:
             ``error``), once done with a non-zero result; ``""`` while running or after success.
     """
 
-    def __init__(self, key: bytes, tier: Tier, payload: torch.Tensor | None, future: Future | None = None,
-                 status: int = 0, reason: str = ""):
-        self.key, self.tier, self.payload = key, tier, payload
-        self._future, self._status, self.reason = future, status, reason
+    def __init__(self, key: bytes, tier: Tier, payload: torch.Tensor | None, job: CopyJob | None = None,
+                 reason: str = ""):
+        self.key, self.tier, self.payload, self._job, self.reason = key, tier, payload, job, reason
+        self._status = 1 if reason else 0
 
     def done(self) -> bool:
-        return self._future is None or self._future.done()
+        return self._job is None or self._job.done()
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        if self._future is not None:
-            try:
-                self._future.result(timeout_s)
-            except TimeoutError:
-                return False
-            except Exception:  # noqa: BLE001 - reported by result()
-                pass
-        return True
+        return self._job is None or self._job.wait(timeout_s)
 
     def result(self) -> int:
         """0 when ``payload`` holds the checkpoint; else non-zero (``reason`` says why). Waits."""
-        if self._future is not None:
+        if self._job is not None:
             try:
-                self._status, self.reason = self._future.result()
+                self._status = int(self._job.result()[0])
             except Exception:  # noqa: BLE001 - a read that raised is a failed read, never an error upward
-                self._status, self.reason = 1, "error"
-            self._future = None
+                self._status = -1
+            self.reason = _REASONS.get(self._status, "error") if self._status else ""
+            self._job = None
         return self._status
 
 
@@ -102,119 +101,109 @@ class _DeviceSlots:
         self.storage = torch.empty((num_slots, nbytes), dtype=torch.uint8, device=device) if num_slots else None
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
+    def allocate(self) -> int:
+        return self._free.pop()
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
-    def slot(self, slot: int) -> torch.Tensor:
-        return self.storage[slot]
 
+def budget_slots(name: str, value: int, per_copy: int, checkpoint_bytes: int) -> int:
+    """Checkpoints a budget of ``value`` bytes holds at ``per_copy`` bytes each (a host slot, a disk
+    file); 0 for 0.
 
-def _budget(name: str, value: int, nbytes: int, per_copy: int) -> int:
-    """Copies ``value`` bytes hold; 0 for 0; ValueError naming ``name`` when it holds none."""
+    Raises:
+        ValueError: a budget that is not 0 but holds none (the message names ``name``).
+    """
     if value and value < per_copy:
         raise ValueError(f"{name}={value} is smaller than one state checkpoint ({per_copy} bytes for a "
-                         f"{nbytes}-byte checkpoint): give it at least {per_copy} bytes, or 0 for no checkpoints "
-                         "in that tier")
+                         f"{checkpoint_bytes}-byte checkpoint): give it at least {per_copy} bytes, or 0 for no "
+                         "checkpoints in that tier")
     return value // per_copy if value else 0
 
 
-class CheckpointStore(IndexedCheckpoints):
-    """Checkpoints of ``checkpoint_bytes`` bytes in the device, host, disk and remote tiers.
+class CheckpointStore:
+    """Checkpoints of ``checkpoint_bytes`` bytes in device slots and the tiers below.
 
     Args:
         checkpoint_bytes: bytes of one checkpoint (> 0).
-        device_bytes, host_bytes, disk_bytes: budgets of the device, host and disk tiers (0 = no
-            checkpoints there); each budget that is not 0 must hold one checkpoint (a host slot
-            rounds it up to 4096 bytes, a disk file adds a 4096-byte header).
+        device_slots: checkpoints the device tier holds (0: none).
         device: where device-tier checkpoints live (the model's device).
-        disk_dir: the directory of the disk tier's checkpoint files (None = no disk tier); a pool
-            gives its own namespace directory for :func:`checkpoint_meta`.
-        remote: a remote tier opened for :func:`checkpoint_meta` (or None); ``remote_url`` opens one.
+        stores: the tiers below the device, by :class:`Tier`, as :func:`kvtier.cache.tiers.open_stores`
+            opens them for :func:`checkpoint_meta` (without an index: this store indexes its
+            copies); the host store's slots hold host copies, the others are written from them.
         clock: seconds, monotonic (recency of use).
         stats: the counters to update.
-        names: the options to name in budget errors (``{"device": "state_device_bytes", ...}``).
 
     Raises:
-        ValueError: ``checkpoint_bytes`` <= 0, or a budget that is not 0 but holds no checkpoint
-            (the message names the budget's option).
+        ValueError: ``checkpoint_bytes`` <= 0.
     """
 
-    def __init__(self, checkpoint_bytes: int, *, device_bytes: int = 0, host_bytes: int = 0, disk_bytes: int = 0,
-                 device="cpu", disk_dir=None, remote: RemoteTier | None = None, remote_url: str | None = None,
-                 remote_timeout_s: float = 1.0, clock=None, stats: StateStats | None = None,
-                 names: dict[str, str] | None = None):
+    def __init__(self, checkpoint_bytes: int, *, device_slots: int = 0, device="cpu",
+                 stores: Mapping[Tier, TierStore] | None = None, clock=None,
+                 stats: StateStats | None = None):
         if not isinstance(checkpoint_bytes, int) or checkpoint_bytes <= 0:
             raise ValueError(f"checkpoint_bytes must be a positive int, got {checkpoint_bytes!r}")
-        import time
-
-        names = {"device": "state_device_bytes", "host": "state_host_bytes", "disk": "state_disk_bytes",
-                 **(names or {})}
-        self.checkpoint_bytes = n = checkpoint_bytes
-        self.meta = checkpoint_meta(n)
+        self.checkpoint_bytes = checkpoint_bytes
+        self.meta = checkpoint_meta(checkpoint_bytes)
         self.clock = clock if clock is not None else time.monotonic
         self.stats = stats if stats is not None else StateStats()
-        self.device = _DeviceSlots(_budget(names["device"], device_bytes, n, n), n, device)
-        host_slots = _budget(names["host"], host_bytes, n, HostTier.row_bytes(n))
-        self.host = HostTier(host_slots * HostTier.row_bytes(n), n) if host_slots else None
-        self.disk: DiskTier | None = None
-        self.disk_slots = 0
-        if disk_dir is not None and disk_bytes:
-            self.disk_slots = _budget(names["disk"], disk_bytes, n, DiskTier.file_bytes(n))
-            self.disk = DiskTier(disk_dir, self.disk_slots * DiskTier.file_bytes(n))
-        if remote is None and remote_url is not None:
-            remote = open_remote(remote_url, self.meta, remote_timeout_s)
-        self.remote = remote
+        self.device = _DeviceSlots(device_slots, checkpoint_bytes, device)
+        self.stores = dict(stores or {})
+        self.host: HostStore | None = self.stores.get(Tier.HOST)
+        self.lower = [s for t, s in self.stores.items() if t != Tier.HOST]
         self.index = CheckpointIndex(lambda: self.clock())
-        self._counts = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
-        self._capacity = {Tier.DEVICE: self.device.num_slots, Tier.HOST: 0 if self.host is None else self.host.num_slots,
-                          Tier.DISK: self.disk_slots}
-        # Reads on their own thread, so a restore never queues behind a save's writes. A host slot a
-        # write reads from is not evicted until the write ended (``CheckpointEntry.pending``).
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-state-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvtier-state-write")
-        self._writes: list[tuple[bytes, list[Tier], Future]] = []
-        if self.disk is not None:
-            for key, meta in self.disk.blocks():  # checkpoints a earlier run left: kept, dropped first
+        # checkpoints each local tier holds (a shared remote store evicts on its own)
+        self._capacity = {Tier.DEVICE: device_slots} | {t: s.capacity_blocks() for t, s in self.stores.items() if s.local}
+        self._counts = dict.fromkeys(self._capacity, 0)
+        self._writes: list[tuple[bytes, TierStore, CopyJob]] = []  # lower tiers' writes in flight
+        self._copies: list[CopyJob] = []  # host copies still running (a timed host tier's)
+        if Tier.DISK in self.stores:
+            for key, meta in self.stores[Tier.DISK].disk.blocks():  # what an earlier run left: kept, dropped first
                 if meta == self.meta:
                     self.index.add(key, CheckpointKind.GRID)
                     self.index.gain(key, Tier.DISK)
                     self._counts[Tier.DISK] += 1
 
     # ---- lookups ------------------------------------------------------------------------------
-    def tiers(self) -> list[Tier]:
-        """The tiers holding checkpoints in this store, fastest first."""
-        have = {Tier.DEVICE: self.device.num_slots > 0, Tier.HOST: self.host is not None,
-                Tier.DISK: self.disk is not None, Tier.REMOTE: self.remote is not None}
-        return [t for t in Tier if have[t]]
+    def locate(self, key: bytes) -> Tier | None:
+        """The fastest tier whose copy of checkpoint ``key`` is indexed, or None."""
+        return self.index.locate(key)
 
+    def where(self, key: bytes) -> list[Tier]:
+        """Every tier whose copy of ``key`` is indexed, fastest first."""
+        return self.index.where(key)
+
+    def count(self, tier: Tier) -> int:
+        """Copies held or reserved (a write in flight) in ``tier``; checkpoints indexed there for
+        the remote store."""
+        return self._counts[tier] if tier in self._counts else self.index.count(tier)
+
+    def __len__(self) -> int:
+        return len(self.index)
 
     def lookup_remote(self, keys: list[bytes]) -> int:
         """Ask the remote store which of ``keys`` (not indexed anywhere yet) it holds and index
         those as remote copies; returns how many were found (0 without a remote tier)."""
-        if self.remote is None:
+        remote = self.stores.get(Tier.REMOTE)
+        if remote is None:
             return 0
         ask = [k for k in keys if self.locate(k) is None]
-        found = 0
-        for k, present in zip(ask, self.remote.exists(ask)):
-            if present:
-                self.index.add(k, CheckpointKind.GRID)
-                self.index.gain(k, Tier.REMOTE)
-                found += 1
-        return found
+        found = [k for k, present in zip(ask, remote.contains(ask)) if present]
+        for k in found:
+            self.index.add(k, CheckpointKind.GRID)
+            self.index.gain(k, Tier.REMOTE)
+        return len(found)
 
     def pending(self, key: bytes) -> bool:
-        """Whether a disk or remote write of ``key`` is in flight (indexed by :meth:`poll` when it ends)."""
+        """Whether a lower tier's write of ``key`` is in flight (indexed by :meth:`poll` when it ends)."""
         e = self.index.get(key)
         return e is not None and e.pending > 0
-
 
     # ---- saves --------------------------------------------------------------------------------
     def save(self, key: bytes, payload: torch.Tensor, kind: CheckpointKind) -> bool:
         """Store ``payload`` (``[checkpoint_bytes]`` uint8, on any device) as checkpoint ``key`` in
-        every tier with room (disk and remote in the background). A key already stored is only
+        every tier with room (the lower tiers by their write jobs). A key already stored is only
         raised to ``kind`` (if higher) and touched. Returns whether it was new.
 
         Raises:
@@ -222,189 +211,226 @@ class CheckpointStore(IndexedCheckpoints):
         """
         if not isinstance(key, bytes) or len(key) != 16:
             raise ValueError(f"key must be a 16-byte block hash, got {key!r}")
-        if payload.dtype != torch.uint8 or payload.numel() != self.checkpoint_bytes:
-            raise ValueError(f"payload must be {self.checkpoint_bytes} uint8 bytes, got {payload.numel()} "
-                             f"{payload.dtype}")
+        n = self.checkpoint_bytes
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.numel() != n:
+            got = f"{payload.numel()} {payload.dtype}" if isinstance(payload, torch.Tensor) else repr(payload)
+            raise ValueError(f"payload must be {n} uint8 bytes, got {got}")
         e = self.index.add(key, kind)
         if e.slots:
             return False
         self.stats.saved[kind.name.lower()] += 1
-        n = self.checkpoint_bytes
-        if self._make_room(Tier.DEVICE):
+        if self._room(Tier.DEVICE):
             slot = self.device.allocate()
-            self.device.slot(slot).copy_(payload)
-            self.index.gain(key, Tier.DEVICE, slot)
-            self._counts[Tier.DEVICE] += 1
-            self.stats.bytes_written["device"] += n
-        elif self.device.num_slots:
-            self.stats.refused["device"] += 1
-        host_copy = None
-        if self.host is not None:
-            if self._make_room(Tier.HOST):
-                slot = self.host.allocate()
-                host_copy = self.host.slot(slot)
-                host_copy.copy_(payload)
-                self.index.gain(key, Tier.HOST, slot)
-                self._counts[Tier.HOST] += 1
-                self.stats.bytes_written["host"] += n
-            else:
-                self.stats.refused["host"] += 1
-        if self.disk is not None or self.remote is not None:
-            if host_copy is None:
-                host_copy = aligned_empty(n)
-                host_copy.copy_(payload)
-            self._write_below(key, e, host_copy)
+            self.device.storage[slot].copy_(payload)
+            self._gain(key, Tier.DEVICE, slot)
+        source = None
+        if self._room(Tier.HOST):
+            slot = self.host.allocate(1)[0]
+            job = self.host.fill([slot], payload.view(1, n))
+            if not job.done():
+                self._copies.append(job)
+            source = self.host.slot(slot)
+            self._gain(key, Tier.HOST, slot)
+        for store in self.lower:
+            if store.tier in self._counts:
+                if not self._room(store.tier):
+                    continue
+                self._counts[store.tier] += 1  # reserved now; given back if the write fails
+            elif store.admit(()) != Admit.YES:
+                self.stats.refused[store.name] += 1
+                continue
+            if source is None:
+                source = aligned_empty(n).copy_(payload)
+            e.pending += 1
+            self._writes.append((key, store, store.write([key], source)))
         self.index.forget_if_idle(key)  # no tier took it
         return True
 
-    def _write_below(self, key: bytes, e, buf: torch.Tensor) -> None:
-        """Start the disk and remote writes of ``key`` from ``buf`` (its host slot, or a copy)."""
-        jobs = []
-        if self.disk is not None:
-            if self._make_room(Tier.DISK):
-                self._counts[Tier.DISK] += 1  # reserved now; given back if the write fails
-                jobs.append(Tier.DISK)
-            else:
-                self.stats.refused["disk"] += 1
-        if self.remote is not None:
-            jobs.append(Tier.REMOTE)
-        if not jobs:
-            return
-        e.pending += 1
-        meta, disk, remote = self.meta, self.disk, self.remote
-
-        def run() -> dict[Tier, bool]:
-            out = {}
-            if Tier.DISK in jobs:
-                src = buf if buf.data_ptr() % 4096 == 0 else aligned_empty(meta.payload_bytes).copy_(buf)
-                out[Tier.DISK] = disk.write(key, meta, src) == DiskStatus.OK
-            if Tier.REMOTE in jobs:
-                out[Tier.REMOTE] = remote.put([key], buf).result()[0] == RemoteStatus.OK
-            return out
-
-        self._writes.append((key, jobs, self._writer.submit(run)))
+    def _gain(self, key: bytes, tier: Tier, slot: int = 0, reserved: bool = False) -> None:
+        self.index.gain(key, tier, slot)
+        if tier in self._counts and not reserved:
+            self._counts[tier] += 1
+        self.stats.bytes_written[TIER_NAMES[tier]] += self.checkpoint_bytes
 
     def poll(self, wait: bool = False) -> None:
-        """Index the disk and remote writes that ended (all of them, waiting, with ``wait``)."""
+        """Index the lower tiers' writes that ended (all of them, waiting, with ``wait``) and
+        collect the host copies that ended."""
+        copies, self._copies = self._copies, []
+        for job in copies:
+            if wait or job.done():
+                job.result()
+            else:
+                self._copies.append(job)
         pending = []
-        for key, jobs, fut in self._writes:
-            if not (wait or fut.done()):
-                pending.append((key, jobs, fut))
+        for key, store, job in self._writes:
+            if not (wait or job.done()):
+                pending.append((key, store, job))
                 continue
             try:
-                ok = fut.result()
+                ok = job.result() == [0]
             except Exception:  # noqa: BLE001 - a failed write is a missing copy, never an error upward
-                ok = dict.fromkeys(jobs, False)
+                ok = False
             e = self.index.get(key)  # kept while its write ran (pending)
             e.pending -= 1
-            n = self.checkpoint_bytes
-            for tier in (Tier.DISK, Tier.REMOTE):
-                if tier not in ok:
-                    continue
-                if tier == Tier.DISK and not ok[tier]:
-                    self._counts[Tier.DISK] -= 1
-                if ok[tier]:
-                    self.index.gain(key, tier)
-                    self.stats.bytes_written[TIER_NAMES[tier]] += n
-                else:
-                    self.stats.refused[TIER_NAMES[tier]] += 1
+            if ok:
+                self._gain(key, store.tier, reserved=True)
+            else:
+                self.stats.refused[store.name] += 1
+                if store.tier in self._counts:
+                    self._counts[store.tier] -= 1
             self.index.forget_if_idle(key)  # no tier kept it
         self._writes = pending
 
     # ---- reads --------------------------------------------------------------------------------
     def read(self, key: bytes, tier: Tier) -> CheckpointRead:
-        """Start reading checkpoint ``key`` from ``tier`` (device and host reads end at once).
-        A failed read drops that copy from the index (see the module docstring)."""
+        """Start reading checkpoint ``key`` from ``tier`` (a device read ends at once). A failed
+        read drops that copy from the index (see the module docstring)."""
         e = self.index.get(key)
         if e is None or tier not in e.slots:
-            return self._failed(key, tier, "missing")
+            return CheckpointRead(key, tier, None, reason="missing")
         self.index.touch(key)
-        n = self.checkpoint_bytes
         if tier == Tier.DEVICE:
-            return CheckpointRead(key, tier, self.device.slot(e.slots[tier]).clone())
-        if tier == Tier.HOST:
-            self.stats.bytes_loaded["host"] += n
-            return CheckpointRead(key, tier, self.host.slot(e.slots[tier]).clone())
-        out = aligned_empty(n)
-        if tier == Tier.DISK:
-            disk, meta = self.disk, self.meta
-
-            def run():
-                status = disk.read(key, meta, out)
-                if status == DiskStatus.OK:
-                    return 0, ""
-                return 1, {DiskStatus.MISSING: "missing", DiskStatus.CORRUPT: "corrupt"}.get(status, "error")
-        else:
-            remote = self.remote
-
-            def run():
-                status = remote.get([key], out).result()[0]
-                if status == RemoteStatus.OK:
-                    return 0, ""
-                return 1, {RemoteStatus.MISSING: "missing", RemoteStatus.CORRUPT: "corrupt"}.get(status, "error")
-        return CheckpointRead(key, tier, out, self._reader.submit(run))
+            return CheckpointRead(key, tier, self.device.storage[e.slots[tier]].clone())
+        buf, job = self.stores[tier].read([key], [e.slots[tier]])
+        payload = buf.reshape(-1)[:self.checkpoint_bytes]
+        return CheckpointRead(key, tier, payload.clone() if tier == Tier.HOST else payload, job)
 
     def ended(self, read: CheckpointRead) -> bool:
         """Account for ended ``read`` (its result waited for): count its bytes or its failure and
         drop a failed copy from the index. Returns whether it succeeded."""
-        status = read.result()
-        if status == 0:
-            if read.tier in (Tier.DISK, Tier.REMOTE):
+        if read.result() == 0:
+            if read.tier != Tier.DEVICE:
                 self.stats.bytes_loaded[TIER_NAMES[read.tier]] += self.checkpoint_bytes
             return True
-        self.stats.failures[read.reason if read.reason in self.stats.failures else "error"] += 1
+        self.stats.failures[read.reason] += 1
         self.drop(read.key, read.tier)
         return False
 
-    def _failed(self, key: bytes, tier: Tier, reason: str) -> CheckpointRead:
-        return CheckpointRead(key, tier, None, status=1, reason=reason)
-
     # ---- eviction and protection --------------------------------------------------------------
-    def _release(self, key: bytes, tier: Tier, slot: int) -> None:
+    def protect(self, keys: Iterable[bytes]) -> None:
+        """Keep checkpoints ``keys`` (those stored) from eviction until :meth:`unprotect`."""
+        self.index.protect(keys)
+
+    def unprotect(self, keys: Iterable[bytes]) -> None:
+        """Undo one :meth:`protect` of each of ``keys``."""
+        self.index.unprotect(keys)
+
+    def drain_events(self) -> list[tuple[bool, Tier, bytes]]:
+        """``(stored, tier, key)`` for each copy gained or lost since the last call."""
+        return self.index.drain_events()
+
+    def drop(self, key: bytes, tier: Tier) -> None:
+        """Drop ``key``'s copy in ``tier`` (nothing when there is none)."""
+        slot = self.index.lose(key, tier)
+        if slot is None:
+            return
         if tier == Tier.DEVICE:
             self.device.release(slot)
         elif tier == Tier.HOST:
-            self.host.release(slot)
-        elif tier == Tier.DISK:
-            self.disk.remove(key)
+            self.host.release([slot])
+        else:
+            self.stores[tier].evict([key])
+        if tier in self._counts:
+            self._counts[tier] -= 1
 
-    def _make_room(self, tier: Tier, skip=None) -> bool:
-        """As :meth:`IndexedCheckpoints._make_room`; a host copy a write still reads is not dropped."""
-        return super()._make_room(tier, (lambda e: e.pending > 0) if tier == Tier.HOST else skip)
+    def _room(self, tier: Tier) -> bool:
+        """Whether ``tier`` has room for one more checkpoint, evicting its least valuable
+        unprotected copy (:meth:`CheckpointIndex.victim`) when full; a host copy a lower tier's
+        write still reads is not dropped. Counts a refusal in a tier that has a budget."""
+        cap = self._capacity.get(tier, 0)
+        if cap == 0:
+            return False
+        if self._counts[tier] < cap:
+            return True
+        skip = (lambda e: e.pending > 0) if tier == Tier.HOST else None
+        key = self.index.victim(tier, skip)
+        if key is None:
+            self.stats.refused[TIER_NAMES[tier]] += 1
+            return False
+        self.drop(key, tier)
+        self.stats.evictions[TIER_NAMES[tier]] += 1
+        return True
 
     def close(self) -> None:
-        """Wait for the writes in flight and stop the I/O thread (the remote tier is the pool's)."""
+        """Wait for the writes in flight (the tiers' I/O workers and the remote store are the pool's)."""
         self.poll(wait=True)
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+
+
+def open_store(checkpoint_bytes: int, *, device_bytes: int = 0, host_bytes: int = 0, disk_bytes: int = 0,
+               device="cpu", disk_dir=None, remote: RemoteTier | None = None,
+               copy_engine: Callable[[], CopyEngine] | None = None, clock=None,
+               names: Mapping[str, str] | None = None) -> CheckpointStore:
+    """A :class:`CheckpointStore` with byte budgets, its tiers opened by
+    :func:`kvtier.cache.tiers.open_stores` for :func:`checkpoint_meta`.
+
+    Args:
+        checkpoint_bytes: bytes of one checkpoint (> 0).
+        device_bytes, host_bytes, disk_bytes: budgets of the device, host and disk tiers (0 = no
+            checkpoints there); each budget that is not 0 must hold one checkpoint (a host slot
+            rounds it up to 4096 bytes, a disk file adds a 4096-byte header).
+        device: where device-tier checkpoints live (the model's device).
+        disk_dir: the disk tier's directory (None = no disk tier); a pool gives its own namespace
+            directory for :func:`checkpoint_meta`.
+        remote: a remote tier opened for :func:`checkpoint_meta` (or None).
+        copy_engine: returns the copy engine whose I/O workers run the disk tier's reads and
+            writes (a pool's :class:`kvtier.cache.seams.CopyEngine`, looked up at each call; None: a
+            :class:`kvtier.transfer.CopyEngine` of its own when there is a disk tier).
+        clock: seconds, monotonic (recency of use).
+        names: the options to name in budget errors (``{"device": "state_device_bytes", ...}``).
+
+    Raises:
+        ValueError: ``checkpoint_bytes`` <= 0, or a budget that is not 0 but holds no checkpoint
+            (the message names the budget's option).
+    """
+    n = checkpoint_bytes
+    if not isinstance(n, int) or n <= 0:
+        raise ValueError(f"checkpoint_bytes must be a positive int, got {n!r}")
+    names = {t: f"state_{t}_bytes" for t in ("device", "host", "disk")} | dict(names or {})
+    per_copy = {"device": n, "host": HostTier.row_bytes(n), "disk": DiskTier.file_bytes(n)}
+    budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes if disk_dir is not None else 0}
+    slots = {t: budget_slots(names[t], value, per_copy[t], n) for t, value in budgets.items()}
+    meta = checkpoint_meta(n)
+    host = HostTier(slots["host"] * per_copy["host"], n) if slots["host"] else None
+    disk = DiskTier(disk_dir, slots["disk"] * per_copy["disk"]) if slots["disk"] else None
+    if copy_engine is None and disk is not None:
+        from kvtier.transfer import CopyEngine
+
+        own = CopyEngine(1)
+        copy_engine = lambda: own  # noqa: E731
+    stores = open_stores(meta, host, disk, remote, copy_engine)
+    return CheckpointStore(n, device_slots=slots["device"], device=device, stores=stores, clock=clock)
 
 
 def open_checkpoints(tiers) -> CheckpointStore:
-    """The checkpoint store of a pool's ``tiers`` (a :class:`kvtier.cache.tiers.PoolTiers`):
-    each budget the config leaves None is the tier's KV budget (a derived budget below one
-    checkpoint holds none); the disk tier's files in their own namespace directory; the
-    remote tier's values under their own key prefix."""
+    """The checkpoint store of a pool's ``tiers`` (a :class:`kvtier.cache.tiers.PoolTiers`), on the
+    tiers it has (:func:`open_store`): each budget the config leaves None is the tier's KV budget
+    (a derived budget below one checkpoint holds none); the disk tier's files in their own
+    namespace directory; the remote tier's values under their own key prefix; disk reads and
+    writes on the pool's copy engine.
+
+    Raises:
+        ValueError: a budget that is not 0 but holds no checkpoint (names its option).
+    """
     c, n = tiers.config, tiers.config.state_checkpoint_bytes
-    kv_budget = {"state_device_bytes": c.num_device_pages * tiers.block_bytes,
-                 "state_host_bytes": c.host_cache_bytes if tiers.host is not None else 0,
-                 "state_disk_bytes": c.disk_cache_bytes if c.disk_cache_dir is not None else 0}
-    floor = {"state_device_bytes": n, "state_host_bytes": HostTier.row_bytes(n),
-             "state_disk_bytes": DiskTier.file_bytes(n)}
+    per_copy = {"device": n, "host": HostTier.row_bytes(n), "disk": DiskTier.file_bytes(n)}
+    kv_budget = {"device": c.num_device_pages * tiers.block_bytes,
+                 "host": c.host_cache_bytes if tiers.host is not None else 0,
+                 "disk": c.disk_cache_bytes if c.disk_cache_dir is not None else 0}
     budget = {}
-    for name, derived in kv_budget.items():
-        given = getattr(c, name)
-        budget[name] = given if given is not None else (derived if derived >= floor[name] else 0)
+    for t, derived in kv_budget.items():
+        given = getattr(c, f"state_{t}_bytes")
+        budget[t] = given if given is not None else (derived if derived >= per_copy[t] else 0)
     disk_dir = None
     if c.disk_cache_dir is not None:
         disk_dir = namespace_dir(c.disk_cache_dir, c.salt, checkpoint_meta(n))
     remote = None
     if tiers.remote is not None:
         remote = RemoteTier(tiers.remote.backend, checkpoint_meta(n), timeout_s=tiers.remote.timeout_s)
-    names = {k.split("_")[1]: f"{k} (--{k.replace('_', '-')})" for k in kv_budget}
-    return CheckpointStore(n, device_bytes=budget["state_device_bytes"], host_bytes=budget["state_host_bytes"],
-                           disk_bytes=budget["state_disk_bytes"], device=tiers.kv_caches[0].device,
-                           disk_dir=disk_dir, remote=remote, clock=lambda: tiers.clock(), names=names)
+    names = {t: f"state_{t}_bytes (--state-{t}-bytes)" for t in kv_budget}
+    return open_store(n, device_bytes=budget["device"], host_bytes=budget["host"], disk_bytes=budget["disk"],
+                      device=tiers.kv_caches[0].device, disk_dir=disk_dir, remote=remote,
+                      copy_engine=lambda: tiers.copy_engine, clock=lambda: tiers.clock(), names=names)
 
 
-__all__ = ["STATE_LAYOUT_CODE", "CheckpointKind", "CheckpointRead", "CheckpointStore", "checkpoint_meta",
-           "open_checkpoints"]
+__all__ = ["STATE_LAYOUT_CODE", "CheckpointKind", "CheckpointRead", "CheckpointStore",
+           "budget_slots", "checkpoint_meta", "open_checkpoints", "open_store"]

@@ -18,6 +18,7 @@ the ones passed in), checks their budgets and probes their speed; the pool's job
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from kvtier.cache.tiers.protocol import Admit, DoneJob, ReadFailure, Stored, Tie
 from kvtier.cache.tiers.remote import RemoteStore
 
 __all__ = ["Admit", "DiskFiles", "DiskJob", "DoneJob", "HostStore", "PoolTiers", "ReadFailure", "RemoteStore", "Stored",
-           "Tier", "TierStore"]
+           "Tier", "TierStore", "open_stores"]
 
 _PROBE_HASH = b"\xff" * 16  # never produced by a real chain in practice (2^-128)
 
@@ -92,16 +93,9 @@ class PoolTiers:
         self.remote = remote
         if remote is not None:
             self.stats.add_tier("remote")
-        self.stores: dict[Tier, TierStore] = {}
-        self.staging: HostStore | None = None
-        pinned = lambda: self.staging is not None and self.staging.pinned()
-        if self.host is not None:
-            self.staging = self.stores[Tier.HOST] = HostStore(self.host, lambda: self.index, self._evicted_host)
-        if self.disk is not None:
-            self.stores[Tier.DISK] = DiskFiles(self.disk, self.meta, lambda: self.copy_engine, pinned,
-                                                 self.disk_budget)
-        if self.remote is not None:
-            self.stores[Tier.REMOTE] = RemoteStore(self.remote, lambda: self.index, pinned)
+        self.stores = open_stores(self.meta, self.host, self.disk, self.remote, lambda: self.copy_engine,
+                                  lambda: self.index, self.disk_budget, self._evicted_host)
+        self.staging: HostStore | None = self.stores.get(Tier.HOST)
         self.cost_model = cost_model if cost_model is not None else self._probe()
 
     # ---- lookups every job uses ---------------------------------------------------------------
@@ -177,6 +171,34 @@ class PoolTiers:
         """Wait for a probe copy of ``num_blocks`` blocks; returns the bytes it moved."""
         handle.result()
         return num_blocks * self.block_bytes
+
+
+def open_stores(meta: BlockMeta, host: HostTier | None, disk: DiskStore | None, remote: RemoteTier | None,
+                copy_engine: Callable[[], CopyEngine], index: Callable[[], PrefixIndex] | None = None,
+                disk_budget: DiskBudget | None = None,
+                evictions: Callable[[int], None] = lambda n: None) -> dict[Tier, TierStore]:
+    """The :class:`TierStore` s of one kind of cached object of layout ``meta`` (a pool's blocks,
+    or a hybrid model's recurrent-state checkpoints), by :class:`Tier`, fastest first: one for
+    each of ``host``, ``disk`` and ``remote`` that is not None. The disk's reads and writes run on
+    ``copy_engine()``'s I/O workers (looked up at each call); the lower tiers' buffers are pinned
+    when the host slots are.
+
+    Args:
+        meta: the layout of one object (``meta.payload_bytes`` bytes).
+        index: returns the prefix index that records the host slots' and the remote's copies
+            (None: the caller records them itself and uses the host store's staging verbs only).
+        disk_budget: the disk's room and eviction (None: the caller budgets it).
+        evictions: called with the number of host copies the host store evicted.
+    """
+    stores: dict[Tier, TierStore] = {}
+    pinned = lambda: host is not None and stores[Tier.HOST].pinned()
+    if host is not None:
+        stores[Tier.HOST] = HostStore(host, index, evictions)
+    if disk is not None:
+        stores[Tier.DISK] = DiskFiles(disk, meta, copy_engine, pinned, disk_budget)
+    if remote is not None:
+        stores[Tier.REMOTE] = RemoteStore(remote, index, pinned)
+    return stores
 
 
 def _seconds_per_job(submit, jobs: int) -> float:

@@ -37,13 +37,14 @@ class HostStore:
 
     Args:
         host: the slots.
-        index: returns the pool's prefix index (looked up at each call: it may be replaced).
+        index: returns the pool's prefix index (looked up at each call: it may be replaced); None
+            for an owner that indexes its copies itself and uses the slot verbs only.
         evictions: called with the number of copies :meth:`allocate` evicted (a counter).
     """
 
     tier, name, batch_reads, spills, copies_input, local = Tier.HOST, "host", True, False, True, True
 
-    def __init__(self, host: HostTier, index: Callable[[], PrefixIndex],
+    def __init__(self, host: HostTier, index: Callable[[], PrefixIndex] | None,
                  evictions: Callable[[int], None] = lambda n: None):
         self.host, self._index, self._evictions = host, index, evictions
         self.block_bytes = host.block_bytes
@@ -172,9 +173,11 @@ class HostStore:
         at once)."""
         return self.host.read([int(s) for s in slots])
 
-    def fill(self, slots: Sequence[int], blocks: torch.Tensor) -> None:
-        """Copy ``blocks`` (``[len(slots), block_bytes]`` uint8) into ``slots``."""
+    def fill(self, slots: Sequence[int], blocks: torch.Tensor) -> CopyJob:
+        """Copy ``blocks`` (``[len(slots), block_bytes]`` uint8) into ``slots``; returns the copy's
+        job (done: the copy is synchronous)."""
         self.host.write([int(s) for s in slots], blocks)
+        return DoneJob([0] * len(slots))
 
     def pinned(self) -> bool:
         """Whether the slots are pinned memory (buffers of the lower tiers are pinned to match)."""
