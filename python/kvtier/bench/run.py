@@ -33,7 +33,7 @@ from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
 from kvtier.serve import Engine, EngineConfig, SamplingParams
-from kvtier.serve.config import SCHEDULE_POLICIES
+from kvtier.serve.config import ADMISSION_WATERMARK, SCHEDULE_POLICIES
 from kvtier.tokenize import KimiTokenizer, load_tokenizer
 
 
@@ -78,6 +78,9 @@ class BenchOptions:
             contention vs 0.55 s with 1).
         schedule_policy: admission order of every configuration's engine (``cache-aware`` or
             ``fcfs``; see :mod:`kvtier.serve.admission`).
+        preemption_mode, admission_watermark: every configuration's engine's
+            (:class:`kvtier.serve.config.EngineConfig`): ``swap`` or ``recompute``, and the share
+            of device pages admission keeps free for the running sequences.
         device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
             every configuration runs there (host and disk tiers through the device copy path).
         state_checkpoint_tokens: a hybrid model's grid spacing of recurrent-state checkpoints, in
@@ -113,6 +116,8 @@ class BenchOptions:
     workload_seed: int | None = None
     threads: int = 1
     schedule_policy: str = "cache-aware"
+    preemption_mode: str = "swap"
+    admission_watermark: float = ADMISSION_WATERMARK
     device: str = "cpu"
     state_checkpoint_tokens: int | None = None
     state_device_bytes: int | None = None
@@ -328,7 +333,8 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
                       state_device_bytes=opts.state_device_bytes)
     base = EngineConfig(pool=pool,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
-                        seed=opts.seed, schedule_policy=opts.schedule_policy)
+                        seed=opts.seed, schedule_policy=opts.schedule_policy, preemption_mode=opts.preemption_mode,
+                        admission_watermark=opts.admission_watermark)
     return workload, sizing, base
 
 

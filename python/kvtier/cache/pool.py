@@ -27,7 +27,7 @@ hashes, hits and loads). It reports what it placed; the caller owns the request'
   referenced (locked) while a copy reads it, and a block is served only after its copy finished
   successfully.
 * ``poll()``: once per step: finish ended writes and prefetches, start due tool-aware prefetches.
-* ``recompute_s``, ``observe_prefill``, ``costs()``, ``stats()``, ``shares_disk_with``: what the
+* ``recompute_s``, ``resume_s``, ``observe_prefill``, ``costs()``, ``stats()``, ``shares_disk_with``: what the
   pool's cost model expects and learns, and what it reports. The facade is these verbs only: its
   parts (index, tiers, copy engine, cost model, clock) are ``KVPool.tiers``, the jobs' shared
   state, which no caller outside :mod:`kvtier.cache` reaches into.
@@ -52,6 +52,7 @@ from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import Loads
 from kvtier.cache.pool_stats import PoolSnapshot
 from kvtier.cache.prefetch import Prefetcher
+from kvtier.cache.prefix_index import Tier
 from kvtier.cache.prefix_reuse import PrefixReuse, PrefixStart
 from kvtier.cache.remote import RemoteTier
 from kvtier.cache.seams import Clock, CopyEngine, DiskStore
@@ -341,6 +342,22 @@ class KVPool:
         """Fold a prefill step of ``num_tokens`` tokens that took ``seconds`` into the cost
         model's prefill rate (a step with no tokens or no time is ignored)."""
         self.tiers.cost_model.observe_prefill(num_tokens, seconds)
+
+    def resume_s(self, kv: KVState) -> float:
+        """Seconds the cost model expects bringing ``kv``'s computed tokens back to take if it
+        were freed now (a preemption) and placed again: each indexed full block
+        (``kv.num_registered_blocks``) loaded from the host tier when the pool keeps evicted
+        blocks there (:attr:`keeps_evicted_blocks`; a block still in its device page when the
+        request comes back costs less), or recomputed when that is cheaper or there is no such
+        tier; the tokens past them (the partial last page) recomputed. ``load_s(host, bytes) +
+        recompute_s(tokens)`` of :class:`~kvtier.cache.cost_model.CostModel`."""
+        cm = self.tiers.cost_model
+        blocks = min(kv.num_registered_blocks, kv.num_computed_tokens // self.page_size)
+        tail_s = cm.recompute_s(kv.num_computed_tokens - blocks * self.page_size)
+        blocks_s = cm.recompute_s(blocks * self.page_size)
+        if blocks and self.keeps_evicted_blocks:
+            blocks_s = min(blocks_s, cm.load_s(Tier.HOST, blocks * self.block_bytes))
+        return blocks_s + tail_s
 
     def costs(self) -> CostModel:
         """A copy of the cost model now (tier load costs, prefill rate in tokens/s), which the

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvtier.cli.serve import add_state_options, check_state_options
 from kvtier.model import PRESETS
-from kvtier.serve.config import SCHEDULE_POLICIES
+from kvtier.serve.config import ADMISSION_WATERMARK, PREEMPTION_MODES, SCHEDULE_POLICIES
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -39,7 +39,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         num_device_pages=args.num_device_pages, host_fraction=args.host_fraction,
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads,
-        schedule_policy=args.schedule_policy, device=args.device,
+        schedule_policy=args.schedule_policy, preemption_mode=args.preemption_mode,
+        admission_watermark=args.admission_watermark, device=args.device,
         state_checkpoint_tokens=args.state_checkpoint_tokens, state_device_bytes=args.state_device_bytes,
         state_host_bytes=args.state_host_bytes, state_disk_bytes=args.state_disk_bytes)
     for path in (args.json, args.plot):  # fail now, not after a long run
@@ -151,6 +152,13 @@ def add_parser(sub) -> None:
                    help="include every request's record (times, TTFT parts, tier mix) in --json")
     b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
+    b.add_argument("--preemption-mode", default="swap", choices=PREEMPTION_MODES,
+                   help="swap (default): a preempted sequence's blocks go down a tier and load back, it resumes "
+                        "ahead of new requests, and victims are the cheapest to resume; recompute: it is ranked "
+                        "again like any request (the engine's earlier behaviour)")
+    b.add_argument("--admission-watermark", type=float, default=ADMISSION_WATERMARK, metavar="SHARE",
+                   help=f"share of device pages a new request leaves free for the running sequences' next pages "
+                        f"(default {ADMISSION_WATERMARK}; 0 = none)")
     b.add_argument("--load-sweep", metavar="LOADS", default=None,
                    help="replay the sessions at each of these offered loads (comma-separated think-time divisors, "
                         "e.g. 0.5,1,2) and plot p99 TTFT against throughput per configuration")

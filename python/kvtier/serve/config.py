@@ -8,9 +8,13 @@ from dataclasses import dataclass, field
 
 from kvtier.cache.block_hash import compose_salt
 from kvtier.cache.config import PoolConfig
-from kvtier.options import check_choice, check_int
+from kvtier.options import check_choice, check_int, check_real
 
 SCHEDULE_POLICIES = ("cache-aware", "fcfs")  # kvtier.serve.admission.POLICIES by name (checked there)
+PREEMPTION_MODES = ("swap", "recompute")  # EngineConfig.preemption_mode (vLLM's names for the two)
+ADMISSION_WATERMARK = 0.02
+"""Default ``EngineConfig.admission_watermark``: the share of device pages admission keeps free
+for the running sequences' next pages (chosen by measurement, docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,20 @@ class EngineConfig:
             ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
         schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
             this many steps is served ahead of every request that was not, in arrival order.
+        preemption_mode: what a preempted sequence costs when it comes back
+            (:mod:`kvtier.serve.preemption`). ``swap`` (default): where the pool keeps evicted
+            blocks below the device (``KVPool.keeps_evicted_blocks``), its full blocks go down a
+            tier when their pages are reused and load back by copy; it resumes ahead of new
+            requests, and victims are chosen by their resume cost (``KVPool.resume_s``): a
+            decode is preempted for a waiting request only when bringing it back costs less
+            than waiting for it to end. ``recompute``: a preempted sequence is ranked again
+            like any request and victims are chosen by rank alone (what this engine did
+            before; its blocks are reused only while cached). Without a lower tier both act as
+            ``recompute``.
+        admission_watermark: share of the device pages, in [0, 0.5], that admitting a new request
+            must leave free while other sequences run or load, so the running sequences get
+            their next pages without a preemption (vLLM's block manager keeps 1%); 0: none. A
+            request that was preempted, and a request admitted onto an idle pool, ignore it.
 
     Every field is checked for its type and range (the pool's by :class:`PoolConfig`); sizes
     that give a host or disk tier of zero blocks are errors when the engine builds its pool (the
@@ -67,6 +85,8 @@ class EngineConfig:
     cuda_graph: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
+    preemption_mode: str = "swap"
+    admission_watermark: float = ADMISSION_WATERMARK
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -78,6 +98,8 @@ class EngineConfig:
         if self.max_num_batched_pairs is not None:
             check_int("max_num_batched_pairs", self.max_num_batched_pairs, min_value=1)
         check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        check_real("admission_watermark", self.admission_watermark, min_value=0.0, max_value=0.5)
         check_int("seed", self.seed, min_value=0, max_value=2**63 - 1)
 
     @staticmethod

@@ -5,16 +5,25 @@ sequence is short of pages, the last admitted. :class:`PreemptBehind` (``cache-a
 the best-ranked request blocked on pages take them from what ranks behind it (or, when its
 blocks load back, from decodes). The scheduler preempts the victims
 (:meth:`kvtier.serve.queues.Queues.preempt`).
+
+Where a preempted sequence comes back by copy (``EngineConfig.preemption_mode`` ``swap`` over a
+pool with a tier below the device, :func:`kvtier.serve.queues.resumes_by_copy`),
+:class:`PreemptBehind` weighs each victim's resume cost (:meth:`KVPool.resume_s`: its full
+blocks loaded back, its partial last page recomputed): a decode is preempted for a waiting
+request only when that costs less than waiting for it to end (its tokens left times the
+step-time model's estimate of a step), cheapest first, and a running sequence short of pages
+preempts the one of those after it whose resume costs least.
 """
 
 from __future__ import annotations
 
 from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.queues import Queues
+from kvtier.serve.queues import Queues, resumes_by_copy
 from kvtier.serve.ranking import ArrivalOrder, CostRanking
 from kvtier.serve.request import Sequence, SequenceStatus
-from kvtier.serve.step_plan import StepBudget, pages_freed, remaining
+from kvtier.serve.step_plan import StepBudget, admission_pages, pages_freed, remaining
+from kvtier.serve.step_time import StepTimeModel, step_features
 
 
 class PreemptLast:
@@ -26,10 +35,16 @@ class PreemptLast:
         config: the engine's limits.
         pool: the page pool (what a preemption frees).
         queues: the scheduler's queues, read only.
+        step_time: the scheduler's step-time model (what waiting for a decode to end costs);
+            None: no estimate (a decode's resume cost is then not weighed).
+        reserve: device pages admission keeps free for the running sequences
+            (``EngineConfig.admission_watermark``); making room for a new request frees them too.
     """
 
-    def __init__(self, ranking: ArrivalOrder, config: EngineConfig, pool: KVPool, queues: Queues):
+    def __init__(self, ranking: ArrivalOrder, config: EngineConfig, pool: KVPool, queues: Queues,
+                 step_time: StepTimeModel | None = None, reserve: int = 0):
         self.ranking, self.config, self.pool, self.queues = ranking, config, pool, queues
+        self.step_time, self.reserve = step_time, reserve
         self.displaced: dict[int, Sequence] = {}  # preempted seq_id -> the request it made room for
 
     def begin_step(self) -> None:
@@ -81,8 +96,10 @@ class PreemptBehind(PreemptLast):
         head = r.ranked(blocked)[0]
         if head.page_ids:
             return None
-        tokens = r.estimate(head)[0]  # its reused prefix and first chunk need pages
-        need = pool.num_pages_needed(head.kv, head.num_tokens - tokens + min(tokens, self.config.max_num_batched_tokens))
+        # its reused prefix and first chunk need pages; a new request leaves the reserve free
+        need = admission_pages(pool, head, r.estimate(head)[0], self.config.max_num_batched_tokens)
+        if not r.resuming(head):
+            need += self.reserve
         if pool.num_free_pages >= need:
             return None
         chosen = self.victims(head, need - pool.num_free_pages)
@@ -98,7 +115,8 @@ class PreemptBehind(PreemptLast):
         all candidates together do not): prefills ranked behind it, costliest first; then, when
         ``head`` waits for its first token or is aged and the pool keeps evicted blocks below
         the device (the preempted load theirs back), sequences past their first token, most
-        tokens left to decode first, then the other prefills, last-ranked first."""
+        tokens left to decode first (where they come back by copy: only those
+        :meth:`cheap_decodes` names, in its order), then the other prefills, last-ranked first."""
         r, running = self.ranking, self.queues.running
         key = r.key(head)
         spared = lambda q: q.num_passed_over + 1 >= r.age_limit(q) or self.ends_soon(q)  # noqa: E731
@@ -106,9 +124,11 @@ class PreemptBehind(PreemptLast):
         candidates = sorted((q for q in prefills if r.key(q) > key), key=r.key, reverse=True)
         if (not head.output_token_ids or r.urgent(head)) and self.pool.keeps_evicted_blocks:
             taken = {q.seq_id for q in candidates}
-            candidates += sorted((q for q in running if q.output_token_ids and not spared(q)
-                                  and q.seq_id not in taken),
-                                 key=lambda q: q.params.max_tokens - len(q.output_token_ids), reverse=True)
+            decodes = [q for q in running if q.output_token_ids and not spared(q) and q.seq_id not in taken]
+            if resumes_by_copy(self.config, self.pool):
+                candidates += self.cheap_decodes(decodes)
+            else:
+                candidates += sorted(decodes, key=tokens_left, reverse=True)
             taken |= {q.seq_id for q in candidates}
             candidates += sorted((q for q in prefills if q.seq_id not in taken), key=r.key, reverse=True)
         chosen, freed = [], 0
@@ -119,11 +139,37 @@ class PreemptBehind(PreemptLast):
             freed += pages_freed(self.pool, v)
         return chosen if freed >= short else None
 
+    def cheap_decodes(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Those of ``decodes`` whose resume costs less than waiting for them to end
+        (:meth:`KVPool.resume_s` < tokens left x :meth:`step_s`), cheapest resume first; all of
+        them, most tokens left first, before the step-time model has an estimate."""
+        step_s = self.step_s()
+        if step_s is None:
+            return sorted(decodes, key=tokens_left, reverse=True)
+        cost = {q.seq_id: self.pool.resume_s(q.kv) for q in decodes}
+        return sorted((q for q in decodes if cost[q.seq_id] < tokens_left(q) * step_s), key=lambda q: cost[q.seq_id])
+
+    def step_s(self) -> float | None:
+        """The step-time model's estimate of a step of the running sequences: their decodes and
+        up to a step's budget of their prefill tokens (None before its first fit)."""
+        if self.step_time is None:
+            return None
+        running = self.queues.running
+        decodes = [q for q in running if remaining(q) <= 1]
+        prefill = min(sum(remaining(q) for q in running if remaining(q) > 1), self.config.max_num_batched_tokens)
+        return self.step_time.estimate_s(step_features([(prefill, 0)] if prefill else [], len(decodes),
+                                                       sum(q.num_computed_tokens + 1 for q in decodes)))
+
     def running_victim(self, seq: Sequence) -> Sequence:
         """Of ``seq`` (short of pages) and the running sequences after it, the worst-ranked,
-        prefills that end within a step last."""
+        prefills that end within a step last; where preempted sequences come back by copy, the
+        one whose resume costs least (:meth:`KVPool.resume_s`), prefills before decodes (a
+        decode's wait lengthens its time per output token) and those that end within a step
+        last."""
         running = self.queues.running
         later = running[running.index(seq):]
+        if resumes_by_copy(self.config, self.pool):
+            return min(later, key=lambda q: (self.ends_soon(q), bool(q.output_token_ids), self.pool.resume_s(q.kv)))
         return max(later, key=lambda q: (not self.ends_soon(q), self.ranking.key(q)))
 
     def deferred(self, seq: Sequence, step: StepBudget) -> bool:
@@ -133,4 +179,9 @@ class PreemptBehind(PreemptLast):
         return head is not None and not self.ranking.urgent(seq) and not self.ranking.waits_for_chunk(head, step)
 
 
-__all__ = ["PreemptBehind", "PreemptLast"]
+def tokens_left(seq: Sequence) -> int:
+    """Output tokens ``seq`` may still produce (``max_tokens`` less those out)."""
+    return seq.params.max_tokens - len(seq.output_token_ids)
+
+
+__all__ = ["PreemptBehind", "PreemptLast", "tokens_left"]

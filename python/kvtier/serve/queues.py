@@ -12,8 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.cache.pool import KVPool
-
+from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
+
+
+def resumes_by_copy(config: EngineConfig, pool: KVPool) -> bool:
+    """Whether a preempted sequence comes back by copy: ``preemption_mode`` is ``swap`` and the
+    pool keeps evicted blocks below the device (:attr:`KVPool.keeps_evicted_blocks`: under
+    write-back a reused page's block is copied to the host tier first, and a returning request
+    loads it back). Then the ranking resumes it ahead of new requests and the preemption rule
+    picks victims by :meth:`KVPool.resume_s`."""
+    return config.preemption_mode == "swap" and pool.keeps_evicted_blocks
 
 
 @dataclass
@@ -22,13 +31,15 @@ class Queues:
     prefix loads run in the background), ``running`` (admission order), and ``blocked``: the
     requests that failed admission, by seq_id, with the free pages then and the token budget they
     had (not retried until pages were freed or the budget shrank). ``num_preemptions`` counts
-    :meth:`preempt` calls."""
+    :meth:`preempt` calls; ``preempted``: the seq_ids of the preempted requests not admitted
+    again yet."""
 
     waiting: deque[Sequence] = field(default_factory=deque)
     loading: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)
     blocked: dict[int, tuple[int, int]] = field(default_factory=dict)
     num_preemptions: int = 0
+    preempted: set[int] = field(default_factory=set)
 
     def start_loading(self, seq: Sequence, clock: Callable[[], float]) -> None:
         """Waiting ``seq`` is admitted and its prefix loads run: it holds pages now, so it is
@@ -37,12 +48,14 @@ class Queues:
         self.waiting.remove(seq)
         self.loading.append(seq)
         self.unblock(seq)
+        self.preempted.discard(seq.seq_id)
 
     def start_running(self, seq: Sequence, clock: Callable[[], float]) -> None:
         """Waiting ``seq``'s first chunk was placed: it runs. Its first admission that runs
         defines what it reports as cached (``num_cached_tokens``, ``cached_tokens_by_tier``)."""
         self.waiting.remove(seq)
         self.unblock(seq)
+        self.preempted.discard(seq.seq_id)
         mark(seq, "admitted_time", clock)
         mark(seq, "loaded_time", clock)
         if not seq.admitted:
@@ -53,9 +66,11 @@ class Queues:
         self.running.append(seq)
 
     def preempt(self, seq: Sequence, pool: KVPool) -> None:
-        """Recompute preemption: running ``seq``'s pages go back to the prefix cache (its full
-        blocks stay cached, or are copied down a tier when evicted), and it waits at the queue's
-        head; when re-admitted it matches and loads them like any returning prompt."""
+        """Running ``seq``'s pages go back to the prefix cache (its full blocks stay cached, and
+        are copied down a tier when their pages are reused, where the pool keeps evicted blocks),
+        and it waits at the queue's head; when re-admitted it matches and loads them like any
+        returning prompt, and recomputes the tokens past its last full block (the partial last
+        page: fewer than ``page_size`` tokens, and at least its last token)."""
         self.running.remove(seq)
         pool.free(seq.kv)
         if seq.output_token_ids:
@@ -67,6 +82,7 @@ class Queues:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted.add(seq.seq_id)
 
     def block(self, seq: Sequence, free_pages: int, budget: int) -> None:
         self.blocked[seq.seq_id] = (free_pages, budget)
@@ -87,6 +103,7 @@ class Queues:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.unblock(seq)
+        self.preempted.discard(seq.seq_id)
 
     def collect_loaded(self, pool: KVPool, clock: Callable[[], float]) -> None:
         """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
@@ -118,4 +135,4 @@ def mark(seq: Sequence, name: str, clock: Callable[[], float]) -> None:
         setattr(seq.metrics, name, clock())
 
 
-__all__ = ["Queues", "mark"]
+__all__ = ["Queues", "mark", "resumes_by_copy"]

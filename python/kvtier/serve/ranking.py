@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from kvtier.cache.pool import KVPool
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.queues import Queues
+from kvtier.serve.queues import Queues, resumes_by_copy
 from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.step_plan import ScheduledBatch, StepBudget, remaining
 
@@ -72,6 +72,13 @@ class ArrivalOrder:
         """Whether ``seq`` is aged (ranks first and holds admission)."""
         return False
 
+    def resuming(self, seq: Sequence) -> bool:
+        """Whether waiting ``seq`` was preempted and comes back by copy
+        (:func:`kvtier.serve.queues.resumes_by_copy`): it is tried before new requests and holds
+        admission when it cannot be placed, so a preemption costs it a reload, not a wait behind
+        new prompts."""
+        return False
+
     def fast_lane(self, skip: Iterable[int] = ()) -> dict[int, int]:
         """``{seq_id: tokens to prefill}`` of the requests admitted ahead of the ranked order."""
         return {}
@@ -110,6 +117,9 @@ class CostRanking(ArrivalOrder):
 
     def urgent(self, seq: Sequence) -> bool:
         return seq.num_passed_over >= self.age_limit(seq)
+
+    def resuming(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.queues.preempted and resumes_by_copy(self.config, self.pool)
 
     def key(self, seq: Sequence) -> tuple:
         arrival = seq.metrics.arrival_time
@@ -162,9 +172,11 @@ class CostRanking(ArrivalOrder):
 
     def order(self, first: Sequence | None, fast: dict[int, int]) -> list[Sequence]:
         """Aged requests, those whose prefix is placed (they hold its pages), ``first`` (the one
-        preemptions just made room for), the fast lane, then the rest, each in rank order."""
+        preemptions just made room for), preempted requests that come back by copy
+        (:meth:`resuming`), the fast lane, then the rest, each in rank order."""
         return sorted(self.ranked(self.queues.waiting),
-                      key=lambda q: (not (self.urgent(q) or q.prefix_done), q is not first, q.seq_id not in fast))
+                      key=lambda q: (not (self.urgent(q) or q.prefix_done), q is not first, not self.resuming(q),
+                                     q.seq_id not in fast))
 
     def overtakes(self, seq: Sequence, chunked: list[Sequence]) -> bool:
         """It ranks ahead of the one prefill being chunked."""

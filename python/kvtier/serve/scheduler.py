@@ -1,8 +1,11 @@
-"""Continuous-batching scheduler with chunked prefill, asynchronous prefix loads and recompute
-preemption; the admission order is a policy chosen by name (:mod:`kvtier.serve.admission`)."""
+"""Continuous-batching scheduler with chunked prefill, asynchronous prefix loads, preemption
+(a preempted sequence's blocks load back, or are recomputed: ``EngineConfig.preemption_mode``)
+and an admission watermark; the admission order is a policy chosen by name
+(:mod:`kvtier.serve.admission`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -12,7 +15,7 @@ from kvtier.serve.config import EngineConfig
 from kvtier.serve.queues import Queues
 from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.stats import SchedulerStats
-from kvtier.serve.step_plan import ScheduledBatch, StepPlan, Verdict, remaining
+from kvtier.serve.step_plan import ScheduledBatch, StepPlan, Verdict, admission_pages, remaining
 from kvtier.serve.step_time import ResumeBound, StepTimeModel
 
 
@@ -29,6 +32,10 @@ class Scheduler:
     that runs while a session is due back from a tool wait, is kept under
     ``RESUME_STEP_SHARE`` of the target by its estimated time
     (:func:`kvtier.serve.step_time.bound_step`).
+
+    Watermark: while other sequences run or load, a new request is admitted only when its pages
+    leave ``admission_watermark`` of the device pages free (:attr:`reserve`), the headroom the
+    running sequences' next pages come from; a preempted request coming back is not held to it.
     """
 
     def __init__(self, config: EngineConfig, pool: KVPool, clock: Callable[[], float] = time.perf_counter):
@@ -38,11 +45,13 @@ class Scheduler:
         self.queues = Queues()
         self.waiting, self.loading, self.running = self.queues.waiting, self.queues.loading, self.queues.running
         self.policy = POLICIES[config.schedule_policy]
+        self.step_time = StepTimeModel()  # fed by the engine with every step's measured seconds
+        # device pages a new request leaves free while others run (the admission watermark)
+        self.reserve = math.ceil(config.admission_watermark * pool.config.num_device_pages)
         self.ranking = self.policy.ranking(config, pool, self.queues)
-        self.preemption = self.policy.preemption(self.ranking, config, pool, self.queues)
+        self.preemption = self.policy.preemption(self.ranking, config, pool, self.queues, self.step_time, self.reserve)
         # The step being scheduled.
         self.plan = StepPlan(pool, config.max_num_batched_tokens, self.policy.step_budget(config))
-        self.step_time = StepTimeModel()  # fed by the engine with every step's measured seconds
         self.resume = ResumeBound()  # the resume target, and the steps it shortened
 
     def add(self, seq: Sequence) -> None:
@@ -115,6 +124,9 @@ class Scheduler:
             others = bool(self.queues.running or self.queues.loading)  # they will free pages
             if others and self.queues.still_blocked(seq, self.pool.num_free_pages, plan.tokens_left):
                 verdict = Verdict.NO_PAGES
+            elif others and self.under_watermark(seq, plan.tokens_left):
+                self.queues.block(seq, self.pool.num_free_pages, plan.tokens_left)
+                verdict = Verdict.NO_PAGES
             else:
                 # Its loads take device pages only when all fit, unless nothing else holds pages
                 # (then it loads what fits and recomputes the rest).
@@ -139,7 +151,7 @@ class Scheduler:
                 self.queues.start_running(seq, self.clock)
                 if not hold:
                     chunked += plan.chunked([seq])
-            elif hold or self.ranking.urgent(seq):
+            elif hold or self.ranking.urgent(seq) or self.ranking.resuming(seq):
                 break
 
         for seq in self.ranking.leftover(plan.batch):  # left-over budget to running prefills
@@ -149,6 +161,14 @@ class Scheduler:
         self.ranking.count_passed_over(plan.batch, self.queues.loading[num_loading:])
         self.resume.apply(plan.batch, self.step_time, config.pool.page_size, self.clock, self.pool.returns_within)
         return plan.batch
+
+    def under_watermark(self, seq: Sequence, tokens_left: int) -> bool:
+        """Whether admitting waiting ``seq`` (a new request: holding no pages, not preempted)
+        would leave fewer than :attr:`reserve` device pages free."""
+        if not self.reserve or seq.page_ids or seq.prefix_done or self.ranking.resuming(seq):
+            return False
+        need = admission_pages(self.pool, seq, self.ranking.estimate(seq)[0], tokens_left)
+        return self.pool.num_free_pages - need < self.reserve
 
     def abort(self, seq: Sequence) -> None:
         """Remove ``seq`` wherever it is and free its pages."""

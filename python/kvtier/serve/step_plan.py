@@ -282,10 +282,17 @@ def fit_tokens(pool: KVPool, seq: Sequence) -> int:
     return (len(seq.page_ids) + pool.num_free_pages) * pool.config.page_size - seq.num_computed_tokens
 
 
+def admission_pages(pool: KVPool, seq: Sequence, prefill_tokens: int, budget: int) -> int:
+    """Free device pages waiting ``seq`` takes to be admitted: its reused prefix (the prompt
+    less its ``prefill_tokens`` to prefill; resident pages counted as taken) and a first chunk
+    of at most ``budget`` tokens, less the pages it holds."""
+    return pool.num_pages_needed(seq.kv, seq.num_tokens - prefill_tokens + min(prefill_tokens, budget))
+
+
 def pages_freed(pool: KVPool, seq: Sequence) -> int:
     """Device pages that preempting ``seq`` frees: those no other sequence shares."""
     return pool.num_private_pages(seq.kv)
 
 
-__all__ = ["INLINE_LOAD_SHARE", "ScheduledBatch", "StepBudget", "StepPlan", "Verdict", "cap_reuse", "fit_tokens",
-           "pages_freed", "pairs", "remaining"]
+__all__ = ["INLINE_LOAD_SHARE", "ScheduledBatch", "StepBudget", "StepPlan", "Verdict", "admission_pages", "cap_reuse",
+           "fit_tokens", "pages_freed", "pairs", "remaining"]

@@ -1,0 +1,183 @@
+"""Preemption that costs a reload, not the decode tail (``EngineConfig.preemption_mode``,
+``admission_watermark``): a preempted sequence's full blocks go down to the host tier when
+their pages are reused and load back, only its partial last page is recomputed; it resumes
+ahead of new requests; a decode is preempted for a waiting request only when its resume costs
+less than waiting for it to end; and a new request leaves the watermark's pages free.
+
+Engines here run the real scheduler, engine step and pool over the model-free runner of
+:mod:`tests.helpers.engines`; outputs are compared with each request run alone."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier import SamplingParams
+from kvtier.cache.cost_model import CostModel, TierCost
+from kvtier.cache.config import PoolConfig
+from kvtier.cache.kv_state import KVState, TokenList
+from kvtier.cache.pool import KVPool
+from kvtier.cache.prefix_index import Tier
+from kvtier.serve.config import EngineConfig
+from kvtier.serve.step_time import FEATURES
+from tests.helpers.engines import StandInLLM
+from tests.helpers.scheduling import reconfigure
+from tests.helpers.serving import BLOCK, N, PS, always_load, host_cached, occupy, prompt
+
+LONG = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TWO = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+
+def alone(p, params):
+    """What ``p`` produces on its own."""
+    plain = StandInLLM("tiny", page_size=PS, num_device_pages=64, enable_prefix_caching=False)
+    return plain.generate(prompt_token_ids=[p], sampling_params=params)[0].token_ids
+
+
+def run(engine, step_s=None, max_steps=500):
+    """Step until idle, the step-time model's estimate held at ``step_s`` seconds a step when
+    given; ``{request_id: output}``."""
+    outs, steps = {}, 0
+    while engine.has_unfinished():
+        if step_s is not None:
+            fix_step_s(engine, step_s)
+        outs.update({o.request_id: o for o in engine.step()})
+        steps += 1
+        assert steps < max_steps, "did not finish"
+    return outs
+
+
+def fix_step_s(engine, step_s):
+    """Make the scheduler's step-time model estimate every step at ``step_s`` seconds."""
+    engine.scheduler.step_time.weights = np.array([step_s] + [0.0] * (len(FEATURES) - 1))
+
+
+@pytest.mark.parametrize("field, value", [("preemption_mode", "drop"), ("preemption_mode", None),
+                                          ("admission_watermark", -0.1), ("admission_watermark", 0.9),
+                                          ("admission_watermark", float("nan")), ("admission_watermark", True)])
+def test_bad_preemption_options_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_resume_cost_loads_full_blocks_and_recomputes_the_partial_page(host):
+    """``KVPool.resume_s``: the indexed full blocks at the host tier's load cost (or recomputed,
+    without one), the partial last page recomputed."""
+    cost = CostModel(tiers={Tier.HOST: TierCost(1e-3, 1e9)}, prefill_tok_s=1000.0)
+    config = PoolConfig(page_size=4, num_device_pages=16, host_cache_bytes=(1 << 20) if host else 0)
+    pool = KVPool(config, [torch.zeros(16, 4, 8)], cost)
+    kv = KVState(TokenList(range(22)))
+    assert pool.allocate(kv, 22)
+    kv.num_computed_tokens = 22
+    pool.register_computed(kv)
+    assert kv.num_registered_blocks == 5
+    full = cost.load_s(Tier.HOST, 5 * pool.block_bytes) if host else cost.recompute_s(20)
+    assert pool.resume_s(kv) == pytest.approx(full + cost.recompute_s(2))
+    fresh = KVState(TokenList(range(3)))
+    assert pool.resume_s(fresh) == 0.0
+
+
+def test_a_swapped_decode_loads_its_blocks_back_and_recomputes_only_its_partial_page(monkeypatch):
+    """A decode is preempted; another request takes every page (its blocks are written back to
+    the host tier); when it resumes, its full blocks load from there and only the tokens past
+    them (fewer than a page, its last token included) run again. Its output is its own."""
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=12, host_cache_bytes=64 * BLOCK,
+                                 write_policy="write-back", admission_watermark=0.0))
+    engine, scheduler, pool = llm.engine, llm.engine.scheduler, llm.engine.pool
+    p = prompt(5 * PS + 3, 7)
+    rid = engine.add_request(p, LONG)
+    for _ in range(3):
+        engine.step()
+    seq = engine.sequence(rid)
+    assert len(seq.output_token_ids) == 3 and seq in scheduler.running
+    scheduler.queues.preempt(seq, pool)  # as making room for another request would
+    assert scheduler.ranking.resuming(seq)
+    other = occupy(pool, 12)  # every page reused: its blocks are written back to host
+    pool.free(other)
+    loaded_before = pool.stats().bytes_loaded.get("host", 0)
+    batches = []
+    schedule = scheduler.schedule
+    monkeypatch.setattr(scheduler, "schedule", lambda: batches.append(schedule()) or batches[-1])
+    outs = run(engine)
+    full = (seq.num_tokens - 1) // PS  # the blocks it had computed: all but the partial page
+    assert pool.stats().bytes_loaded.get("host", 0) - loaded_before == full * pool.block_bytes
+    chunk = next(n for b in batches for s, n in b.extends if s is seq)
+    assert chunk == 5 * PS + 3 + 3 - full * PS <= PS
+    assert outs[rid].token_ids == alone(p, LONG)
+    assert outs[rid].metrics.preemptions_after_first_token == 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_preempted_request_resumes_ahead_of_a_new_one(mode):
+    """Under ``swap`` a preempted request is tried first and holds admission while it does not
+    fit: the new request waits for it to end (steps are short: preempting it again would cost
+    more than waiting). Under ``recompute`` it is ranked again like any request and the new,
+    cheaper one gets in first. Outputs are each request's alone."""
+    llm = host_cached(llm=StandInLLM)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    reconfigure(scheduler, preemption_mode=mode)
+    preempted_prompt, new_prompt = prompt(N, 81), prompt(5 * PS, 82)
+    pre = engine.add_request(preempted_prompt, LONG)
+    engine.step()
+    seq = engine.sequence(pre)
+    scheduler.queues.preempt(seq, engine.pool)
+    engine.pool.poll(wait=True)
+    new = engine.add_request(new_prompt, LONG)
+    fix_step_s(engine, 1e-9)
+    engine.step()  # 10 pages: the preempted request's 9 and the new one's 6 do not both fit
+    if mode == "swap":
+        assert seq in scheduler.running and not engine.sequence(new).output_token_ids
+    else:
+        assert engine.sequence(new).output_token_ids and seq.status.name == "WAITING"
+    outs = run(engine, step_s=1e-9)
+    for rid, p in ((pre, preempted_prompt), (new, new_prompt)):
+        assert outs[rid].token_ids == alone(p, LONG)
+    if mode == "swap":
+        assert outs[pre].metrics.finish_time < outs[new].metrics.first_token_time
+        assert scheduler.num_preemptions == 1
+
+
+@pytest.mark.parametrize("step_s, preempted", [(10.0, True), (1e-9, False)])
+def test_a_decode_is_preempted_for_a_new_turn_only_when_its_resume_costs_less_than_its_end(step_s, preempted):
+    """A new turn needs the pages of a decode with 10 tokens left whose resume loads 5 blocks
+    and recomputes 3 tokens. With 10 s steps, waiting for the decode costs more than its resume:
+    it is preempted. With steps far shorter than its resume it is not: the turn waits for it to
+    end. Outputs are unchanged either way."""
+    llm = host_cached(llm=StandInLLM)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    decode_prompt, cold_prompt = prompt(5 * PS + 3, 3), prompt(N, 77)
+    dec = engine.add_request(decode_prompt, LONG)
+    engine.step()  # it holds 6 pages, then decodes
+    rid = engine.add_request(cold_prompt, TWO)
+    for _ in range(2):  # the turn fails admission, then the preemption rule is asked
+        fix_step_s(engine, step_s)
+        seq = engine.sequence(dec)
+        assert (engine.pool.resume_s(seq.kv) < 10 * step_s) == preempted
+        engine.step()
+    assert scheduler.num_preemptions == int(preempted)
+    outs = run(engine)
+    assert outs[rid].token_ids == alone(cold_prompt, TWO)
+    assert outs[dec].token_ids == alone(decode_prompt, LONG)
+    if not preempted:
+        assert outs[rid].metrics.first_token_time > outs[dec].metrics.finish_time
+
+
+@pytest.mark.parametrize("watermark", [0.0, 0.25])
+def test_a_new_request_leaves_the_watermark_free_while_another_runs(watermark):
+    """20 pages, a decode holding 9 to 10 of them: a new 9-page prompt fits only by taking all
+    but one of the rest. With a 25% watermark (5 pages) it waits for the decode to end; with
+    none it runs beside it."""
+    llm = StandInLLM("tiny", page_size=PS, num_device_pages=20, admission_watermark=watermark)
+    engine = llm.engine
+    assert engine.scheduler.reserve == (5 if watermark else 0)
+    first_prompt, second_prompt = prompt(N, 5), prompt(8 * PS, 6)
+    a = engine.add_request(first_prompt, LONG)
+    engine.step()
+    b = engine.add_request(second_prompt, TWO)
+    outs = run(engine)
+    assert engine.scheduler.num_preemptions == 0
+    assert outs[a].token_ids == alone(first_prompt, LONG) and outs[b].token_ids == alone(second_prompt, TWO)
+    if watermark:
+        assert outs[b].metrics.first_token_time > outs[a].metrics.finish_time
+    else:
+        assert outs[b].metrics.first_token_time < outs[a].metrics.finish_time
