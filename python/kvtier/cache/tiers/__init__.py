@@ -9,6 +9,8 @@ through that interface only. The host store is also the staging layer (``PoolTie
 the slots every block passes through on its way down, with their allocation, LRU eviction and
 write-back spills.
 
+:func:`open_stores` opens the stores of one layout: :class:`PoolTiers` the blocks', the checkpoint
+store (:mod:`kvtier.cache.checkpoints.store`) a hybrid model's recurrent-state checkpoints'.
 :class:`PoolTiers` opens the tiers a :class:`kvtier.cache.config.PoolConfig` asks for (or takes
 the ones passed in), checks their budgets and probes their speed; the pool's jobs
 (:mod:`~kvtier.cache.device_pages`, :mod:`~kvtier.cache.loads`, :mod:`~kvtier.cache.writes`,
