@@ -104,3 +104,32 @@ def test_the_ops_use_it_on_the_cpu(monkeypatch):
     seqs, q, kv_cache, block_table, cu, seq_lens = _case(torch.float32, 16, 5)
     out, _ = ops.mla_extend(q, kv_cache, block_table, cu, seq_lens, 0.13, 64)
     assert calls and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize("dtype, out_atol, out_rtol, out_cos, lse_atol", DTYPES)
+def test_a_decode_batch_runs_as_one_padded_kernel_call_and_matches(monkeypatch, dtype, out_atol, out_rtol, out_cos,
+                                                                    lse_atol):
+    """Lengths within ``PAD_FACTOR`` of each other (an empty sequence among them) run as one
+    padded, masked kernel call; the padding reads only slots the sequence owns, so the NaN in
+    every slot no sequence owns (and in the unused tail of each last page) never reaches out."""
+    calls = []
+    real = _cpu_mla._decode_batched
+    monkeypatch.setattr(_cpu_mla, "_decode_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(11)
+    rank, rope, heads = 64, 16, 4
+    lens = [300, 0, 257, 333, 1 if dtype == torch.float32 else 290]
+    seqs = [_rounded((n, rank + rope), dtype, gen) for n in lens]
+    kv_cache, block_table = _paged_pool(seqs, 16, dtype, gen, strided=True)
+    q = _make_q((len(lens), heads, rank + rope), dtype, gen, strided=True)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    out, lse = _cpu_mla.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, rank)
+    ref_out, ref_lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, rank)
+
+    assert calls == [1], "the batch did not take the padded kernel call"
+    assert out.dtype == dtype and out.shape == ref_out.shape and lse.dtype == torch.float32
+    assert bool(torch.isfinite(out).all()), "NaN from a slot no sequence owns leaked into out"
+    assert bool((out[1] == 0).all()) and bool(torch.isposinf(lse[1]).all())
+    live = seq_lens > 0
+    assert_close(out[live], ref_out[live], atol=out_atol, rtol=out_rtol, max_cos_diff=out_cos, name="out")
+    assert_close(lse[live], ref_lse[live], atol=lse_atol, rtol=1e-5, name="lse")

@@ -101,9 +101,50 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
     return out, lse
 
 
+PAD_FACTOR = 2
+"""A decode step runs as one batched kernel call (:func:`_decode_batched`) when padding every
+sequence to the longest costs at most this many times the keys the batch holds; past it (one
+long context among short ones) each sequence runs on its own."""
+
+
+def _decode_batched(q, kv_cache, block_table, seq_lens, lens: list[int], sm_scale, kv_lora_rank):
+    """All sequences of a decode step in one call of the blocked CPU kernel, in the cache's dtype:
+    each sequence's ``H`` query heads are the query rows of one attention head over its keys (the
+    shared latent row), padded to the longest sequence (``max(lens)`` keys) and masked. A padded
+    key reads the sequence's own first slot (every slot it reads is one it owns: a slot no
+    sequence owns may hold anything, NaN included, and a zero weight would not cancel it).
+    Returns (out [batch, H, kv_lora_rank] in q.dtype, lse [batch, H] fp32), out 0 and lse
+    ``+inf`` for an empty sequence."""
+    batch, longest, page_size = len(lens), max(lens), kv_cache.shape[1]
+    dev = q.device
+    lens_t = seq_lens.to(device=dev, dtype=torch.long)
+    pos = torch.arange(longest, device=dev)
+    valid = pos[None, :] < lens_t[:, None]  # [batch, L]
+    at = torch.where(valid, pos[None, :], 0)
+    pages = torch.where(lens_t[:, None] > 0, block_table.long().gather(1, at // page_size), 0)
+    kv = kv_cache[pages, at % page_size].unsqueeze(1)  # [batch, 1, L, D]; an empty sequence's row is replaced
+    mask = torch.zeros(batch, 1, 1, longest, dtype=q.dtype, device=dev).masked_fill_(~valid[:, None, None, :], -math.inf)
+    out, lse = _FLASH(q.unsqueeze(1), kv, kv, 0.0, False, attn_mask=mask, scale=sm_scale)[:2]
+    out, lse = out[:, 0, :, :kv_lora_rank], lse[:, 0].float()  # [batch, H, R], [batch, H]
+    empty = lens_t == 0
+    if bool(empty.any()):
+        out, lse = out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], math.inf)
+    return out, lse
+
+
 def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, out=None, kv_scale=None):
     """One query per sequence over its ``seq_lens[b]`` cached tokens (see :func:`kvtier.ops.mla_decode`):
     q [batch, H, D], seq_lens [batch] int32; returns ``(out [batch, H, kv_lora_rank] in q.dtype,
-    lse [batch, H] fp32)``, out 0 and lse ``+inf`` for an empty sequence."""
+    lse [batch, H] fp32)``, out 0 and lse ``+inf`` for an empty sequence.
+
+    When q and the cache share a dtype (no ``kv_scale``) and padding to the longest sequence
+    stays within ``PAD_FACTOR``, the whole batch is one call of the blocked CPU kernel in that
+    dtype (:func:`_decode_batched`: fp32 accumulation, bf16 inputs read as they are, no fp32 copy
+    of the context); else sequence by sequence as :func:`mla_extend` (fp32)."""
+    lens = seq_lens.tolist()
+    if (_FLASH is not None and lens and max(lens) > 0 and kv_scale is None and kv_cache.dtype == q.dtype
+            and len(lens) * max(lens) <= PAD_FACTOR * sum(lens)):
+        res, lse = _decode_batched(q, kv_cache, block_table, seq_lens, lens, sm_scale, kv_lora_rank)
+        return (res.contiguous() if out is None else out.copy_(res)), lse
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out, kv_scale=kv_scale)
