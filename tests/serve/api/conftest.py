@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,3 +134,26 @@ def server(tmp_path_factory):
     yield s
     stop_server(s)
     assert "Traceback" not in s.log.read_text(errors="replace"), s.log.read_text(errors="replace")[-3000:]
+
+
+@contextmanager
+def in_process_k3(tok_dir: Path, tmp_path_factory, name: str, **engine: int):
+    """``(app, openai client, anthropic client, HTTP client)`` of a ``tiny-k3`` checkpoint made with
+    K3's tokenizer files (``create-checkpoint --preset tiny-k3 --tokenizer tok_dir``, float32) and
+    served in-process as model ``k3``; ``engine``: ``make_app``'s engine sizes."""
+    import anthropic
+    import openai
+    from fastapi.testclient import TestClient
+
+    from kvtier.cli import main
+    from kvtier.serve.api.server import make_app
+
+    ck = tmp_path_factory.mktemp(name) / "ck"
+    assert main(["create-checkpoint", str(ck), "--preset", "tiny-k3", "--dtype", "float32",
+                 "--tokenizer", str(tok_dir)]) == 0
+    app = make_app(str(ck), tokenizer=None, served_model_name="k3", **engine)
+    with TestClient(app) as http:
+        yield (app,
+               openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0),
+               anthropic.Anthropic(base_url="http://testserver", api_key="none", http_client=http, max_retries=0),
+               http)

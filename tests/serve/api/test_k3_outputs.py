@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.serve.api.conftest import in_process_k3
 from tests.toolcall.sweep import check_arguments
 
 MODEL = "k3"
@@ -25,20 +26,8 @@ BUDGET = 120  # tokens: the shortest turn with one call is about 60 (thinking on
 @pytest.fixture(scope="module")
 def k3(tok_dir, tmp_path_factory):
     """(openai client, anthropic client)."""
-    import anthropic
-    import openai
-    from fastapi.testclient import TestClient
-
-    from kvtier.cli import main
-    from kvtier.serve.api.server import make_app
-
-    ck = tmp_path_factory.mktemp("k3out") / "ck"
-    assert main(["create-checkpoint", str(ck), "--preset", "tiny-k3", "--dtype", "float32",
-                 "--tokenizer", str(tok_dir)]) == 0
-    app = make_app(str(ck), tokenizer=None, served_model_name=MODEL, num_device_pages=512, max_num_seqs=4)
-    with TestClient(app) as http:
-        yield (openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0),
-               anthropic.Anthropic(base_url="http://testserver", api_key="none", http_client=http, max_retries=0))
+    with in_process_k3(tok_dir, tmp_path_factory, "k3out", num_device_pages=512, max_num_seqs=4) as (_, oa, an, _):
+        yield oa, an
 
 
 def _chat(oa, messages, stream=False, **kw):

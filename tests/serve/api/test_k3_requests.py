@@ -11,6 +11,7 @@ import pytest
 
 from kvtier.tokenize import ChatFormat
 from kvtier.tokenize.xtml import XtmlOptions, encode_xtml
+from tests.serve.api.conftest import in_process_k3
 
 MODEL = "k3"
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a command",
@@ -23,30 +24,17 @@ HI = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def k3_server(tok_dir, tmp_path_factory):
     """(openai client, anthropic client, HTTP client, prompts the engine was given, K3 tokenizer)."""
-    import anthropic
-    import openai
-    from fastapi.testclient import TestClient
+    with in_process_k3(tok_dir, tmp_path_factory, "k3", num_device_pages=256, max_num_seqs=4,
+                       max_num_batched_tokens=128) as (app, oa, an, http):  # a short warm-up prefill
+        worker = app.state.kvtier.worker
+        engine, prompts = worker.engine, []
+        real_add = engine.add_request
 
-    from kvtier.cli import main
-    from kvtier.serve.api.server import make_app
+        def add_request(prompt_token_ids, *args, **kwargs):
+            prompts.append([int(i) for i in prompt_token_ids])
+            return real_add(prompt_token_ids, *args, **kwargs)
 
-    ck = tmp_path_factory.mktemp("k3") / "ck"
-    assert main(["create-checkpoint", str(ck), "--preset", "tiny-k3", "--dtype", "float32",
-                 "--tokenizer", str(tok_dir)]) == 0
-    app = make_app(str(ck), tokenizer=None, served_model_name=MODEL, num_device_pages=256, max_num_seqs=4,
-                   max_num_batched_tokens=128)  # a short warm-up prefill
-    worker = app.state.kvtier.worker
-    engine, prompts = worker.engine, []
-    real_add = engine.add_request
-
-    def add_request(prompt_token_ids, *args, **kwargs):
-        prompts.append([int(i) for i in prompt_token_ids])
-        return real_add(prompt_token_ids, *args, **kwargs)
-
-    engine.add_request = add_request
-    with TestClient(app) as http:
-        oa = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
-        an = anthropic.Anthropic(base_url="http://testserver", api_key="none", http_client=http, max_retries=0)
+        engine.add_request = add_request
         yield oa, an, http, prompts, worker.tokenizer
 
 
