@@ -133,3 +133,24 @@ def test_a_decode_batch_runs_as_one_padded_kernel_call_and_matches(monkeypatch, 
     live = seq_lens > 0
     assert_close(out[live], ref_out[live], atol=out_atol, rtol=out_rtol, max_cos_diff=out_cos, name="out")
     assert_close(lse[live], ref_lse[live], atol=lse_atol, rtol=1e-5, name="lse")
+
+
+def test_the_decode_op_takes_the_batched_call_on_the_cpu(monkeypatch):
+    """``kvtier.ops.mla_decode`` (the model's path; it passes ``kv_scale=1.0``) reaches the
+    batched call for a bf16 cache and bf16 queries."""
+    from kvtier import ops
+
+    calls = []
+    real = _cpu_mla._decode_batched
+    monkeypatch.setattr(_cpu_mla, "_decode_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(12)
+    lens = [40, 33, 47]
+    seqs = [_rounded((n, 80), torch.bfloat16, gen) for n in lens]
+    kv_cache, block_table = _paged_pool(seqs, 16, torch.bfloat16, gen, strided=False)
+    q = _rounded((len(lens), 4, 80), torch.bfloat16, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    out, lse = ops.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+    ref_out, ref_lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+    assert calls == [1]
+    assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2, name="out")
+    assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, name="lse")

@@ -137,12 +137,12 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, ou
     q [batch, H, D], seq_lens [batch] int32; returns ``(out [batch, H, kv_lora_rank] in q.dtype,
     lse [batch, H] fp32)``, out 0 and lse ``+inf`` for an empty sequence.
 
-    When q and the cache share a dtype (no ``kv_scale``) and padding to the longest sequence
+    When q and the cache share a dtype (``kv_scale`` None or 1) and padding to the longest sequence
     stays within ``PAD_FACTOR``, the whole batch is one call of the blocked CPU kernel in that
     dtype (:func:`_decode_batched`: fp32 accumulation, bf16 inputs read as they are, no fp32 copy
     of the context); else sequence by sequence as :func:`mla_extend` (fp32)."""
     lens = seq_lens.tolist()
-    if (_FLASH is not None and lens and max(lens) > 0 and kv_scale is None and kv_cache.dtype == q.dtype
+    if (_FLASH is not None and lens and max(lens) > 0 and kv_scale in (None, 1.0) and kv_cache.dtype == q.dtype
             and len(lens) * max(lens) <= PAD_FACTOR * sum(lens)):
         res, lse = _decode_batched(q, kv_cache, block_table, seq_lens, lens, sm_scale, kv_lora_rank)
         return (res.contiguous() if out is None else out.copy_(res)), lse
