@@ -12,11 +12,12 @@ PAGE_SIZE = 16
 
 
 def turn(url: str, messages: list[dict], session: str, max_tokens: int = 6,
-         model: str = "tiny") -> tuple[dict, dict | None]:
-    """``(response body, transfer report from the x-kvtier-transfer header or None)``."""
+         model: str = "tiny", **fields) -> tuple[dict, dict | None]:
+    """``(response body, transfer report from the x-kvtier-transfer header or None)``; ``fields``:
+    more request fields."""
     r = httpx.post(f"{url}/v1/chat/completions", timeout=300, headers={"x-session-id": session},
                    json={"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-                         "logprobs": True, "ignore_eos": True})
+                         "logprobs": True, "ignore_eos": True, **fields})
     assert r.status_code == 200, r.text
     header = r.headers.get("x-kvtier-transfer")
     return r.json(), (json.loads(header) if header else None)

@@ -58,6 +58,20 @@ def test_hybrid_turns_through_pd_reuse_the_sent_blocks_and_state_exactly(hybrid_
                      {"role": "user", "content": f"Now step {k}: explain what you changed."}]
 
 
+def test_k3_prompt_fields_reach_the_prefill_worker(hybrid_pd):
+    """A response_format tail and thinking off shape K3's prompt: the prefill worker renders the same
+    prompt the decode worker does, so the decode worker reuses every block it was sent."""
+    fields = {"response_format": {"type": "json_object"}, "thinking": {"type": "disabled"}}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Answer in JSON."}]
+    want, _ = turn(hybrid_pd["colocated"].url, messages, "colocated-fields", model="tiny-k3", **fields)
+    got, report = turn(hybrid_pd["router"], messages, "pd-fields", model="tiny-k3", **fields)
+    assert_same_output(got, want)
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert report is not None and not report["failed"] and report["states_stored"] == 1, report
+    needed = (got["usage"]["prompt_tokens"] - 1) // PAGE_SIZE
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == needed * PAGE_SIZE
+
+
 def test_a_prefill_worker_of_another_model_is_refused_naming_both_layouts(hybrid_pd, capsys):
     """The checkpoint layout is part of what prefill and decode workers must share."""
     from kvtier.cli import main

@@ -133,8 +133,10 @@ def _add_prefill_routes(app, worker, metrics: DisaggMetrics, decode_urls: set[st
         body = await json_body(request)
         if kind == "chat":
             req = parse(ChatRequest, body)
-            payload, sid, hint = {"messages": req.messages}, req.session(request.headers.get(SESSION_HEADER)), \
-                req.expected_tool_wait_s
+            # the prompt the decode worker will render: K3's prompt fields too (thinking, tool_choice, ...)
+            options = req.prompt_options(getattr(worker.tokenizer, "chat_format", None), req.params())
+            payload, sid, hint = {"messages": req.messages, "prompt_options": options}, \
+                req.session(request.headers.get(SESSION_HEADER)), req.expected_tool_wait_s
         else:
             req = parse(CompletionRequest, body)
             payload, sid, hint = {"prompt": req.single_prompt()}, None, None
