@@ -15,8 +15,12 @@ online softmax, Dao 2023, §3.1; FlashInfer's ``merge_state``). The latent row i
 value (the value is its first ``kv_lora_rank`` columns: the kernel needs equal key and value
 widths, so it computes the rope columns of the output too and they are dropped).
 
-All arithmetic is fp32 (inputs are upcast, and dequantised by ``kv_scale``, as the reference does);
-the results differ from the reference by fp32 rounding only (a different summation order).
+Accumulation is fp32. A bf16 cache read by bf16 queries (no ``kv_scale``) goes into the kernel as
+it is (it accumulates in fp32; no fp32 copy of the context is made), and a decode step runs all
+its sequences in one kernel call (:func:`mla_decode`); other inputs are upcast to fp32 and
+dequantised by ``kv_scale`` as the reference does. The results differ from the reference by fp32
+rounding (a different summation order) and, for bf16, by the kernel's bf16 probabilities and
+output (within the bf16 tolerances of ``tests/ops/test_cpu_mla.py``).
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ def _flash(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, causal: bool) -> 
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [n_q, H, D] fp32, the last ``n_q`` of ``kv`` [L, D] fp32; causal. Returns (out [n_q, H,
-    kv_lora_rank], lse [n_q, H])."""
+    """q [n_q, H, D], the last ``n_q`` of ``kv`` [L, D] (both fp32, or both bf16: the kernel
+    accumulates in fp32); causal. Returns (out [n_q, H, kv_lora_rank] fp32 when merged with a
+    prefix, else in q's dtype, lse [n_q, H] fp32)."""
     n_q = q.shape[0]
     prefix = kv.shape[0] - n_q
     qh = q.transpose(0, 1).unsqueeze(0)
@@ -59,9 +64,22 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: in
     if prefix:
         out_p, lse_p = _flash(qh, kv[:prefix], sm_scale, causal=False)
         merged = torch.logaddexp(lse_p, lse)
-        out = out_p * torch.exp(lse_p - merged).unsqueeze(-1) + out * torch.exp(lse - merged).unsqueeze(-1)
+        out = (out_p.float() * torch.exp(lse_p - merged).unsqueeze(-1)
+               + out.float() * torch.exp(lse - merged).unsqueeze(-1))
         lse = merged
     return out[0, :, :, :kv_lora_rank].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _reads_native(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale) -> bool:
+    """Whether the kernel can read q and the cache as they are: one dtype (fp32 or bf16), no scale."""
+    return kv_scale in (None, 1.0) and q.dtype == kv_cache.dtype and q.dtype in (torch.float32, torch.bfloat16)
+
+
+def _gather_rows(kv_cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, D] rows of one sequence in the cache's dtype (its pages only)."""
+    page_size = kv_cache.shape[1]
+    pages = block_table_row[:(seq_len + page_size - 1) // page_size].long()
+    return kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len]
 
 
 def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, *, out=None,
@@ -83,6 +101,7 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
     res = torch.empty(total_q, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.empty(total_q, num_heads, dtype=torch.float32, device=q.device)
     cu = cu_seqlens_q.tolist()
+    native = _reads_native(q, kv_cache, kv_scale)
     for b, seq_len in enumerate(seq_lens.tolist()):
         start, end = cu[b], cu[b + 1]
         n_q = end - start
@@ -91,12 +110,15 @@ def mla_extend(q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lo
         if seq_len == 0:
             res[start:end], lse[start:end] = 0.0, math.inf
             continue
-        kv = _gather_kv(kv_cache, block_table[b], seq_len, kv_scale)
-        qb = q[start:end].float()
         if n_q * seq_len < MIN_PAIRS:
-            res[start:end], lse[start:end] = _dense_attend(qb, kv, sm_scale, kv_lora_rank, seq_len - n_q)
+            res[start:end], lse[start:end] = _dense_attend(q[start:end].float(), _gather_kv(
+                kv_cache, block_table[b], seq_len, kv_scale), sm_scale, kv_lora_rank, seq_len - n_q)
+        elif native:  # the kernel reads bf16 as it is: no fp32 copy of the context
+            rows = _gather_rows(kv_cache, block_table[b], seq_len)
+            res[start:end], lse[start:end] = _attend(q[start:end], rows, sm_scale, kv_lora_rank)
         else:
-            res[start:end], lse[start:end] = _attend(qb, kv, sm_scale, kv_lora_rank)
+            res[start:end], lse[start:end] = _attend(q[start:end].float(), _gather_kv(
+                kv_cache, block_table[b], seq_len, kv_scale), sm_scale, kv_lora_rank)
     out = res.to(q.dtype) if out is None else out.copy_(res)
     return out, lse
 
@@ -142,7 +164,7 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, ou
     dtype (:func:`_decode_batched`: fp32 accumulation, bf16 inputs read as they are, no fp32 copy
     of the context); else sequence by sequence as :func:`mla_extend` (fp32)."""
     lens = seq_lens.tolist()
-    if (_FLASH is not None and lens and max(lens) > 0 and kv_scale in (None, 1.0) and kv_cache.dtype == q.dtype
+    if (_FLASH is not None and lens and max(lens) > 0 and _reads_native(q, kv_cache, kv_scale)
             and len(lens) * max(lens) <= PAD_FACTOR * sum(lens)):
         res, lse = _decode_batched(q, kv_cache, block_table, seq_lens, lens, sm_scale, kv_lora_rank)
         return (res.contiguous() if out is None else out.copy_(res)), lse
