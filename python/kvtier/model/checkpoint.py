@@ -1,9 +1,9 @@
-"""Deterministic random checkpoints in the Hugging Face DeepSeek-V3 layout.
+"""Deterministic random weights in the Hugging Face DeepSeek-V3 layout (a weights directory).
 
 Used by tests, the quickstart and benchmarks in place of real weights (which cannot be
 downloaded here). Values are drawn from ``torch.Generator(seed)`` in a fixed order, so the
 same (config, seed) always gives the same bytes, and the same values whatever the dtype (an
-``int4`` or ``fp8`` checkpoint is the quantized ``float32`` one of the same seed).
+``int4`` or ``fp8`` directory holds the quantized ``float32`` weights of the same seed).
 
 Layouts as released:
 
@@ -73,7 +73,7 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
 
 
 def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a random checkpoint: fp8 adds ``<name>_scale_inv`` after each
+    """(name, tensor) pairs of random weights: fp8 adds ``<name>_scale_inv`` after each
     linear weight; int4 writes each routed expert's ``<module>.weight_packed``, ``.weight_scale``
     and ``.weight_shape`` in place of its ``.weight`` (module docstring)."""
     if dtype not in WEIGHT_DTYPES:
@@ -100,12 +100,12 @@ def random_tensors(config: KimiK2Config, seed: int, dtype: str = "bfloat16") -> 
 
 def _create_hybrid_weights(path, config: KimiLinearConfig, seed: int, dtype: str, max_shard_bytes: int,
                               max_total_bytes: int) -> Path:
-    """A random hybrid (``kimi_linear`` / ``kimi_k3``) checkpoint: dense ``float32`` or ``bfloat16``, or
+    """Random hybrid (``kimi_linear`` / ``kimi_k3``) weights: dense ``float32`` or ``bfloat16``, or
     ``mxfp4`` (routed experts compressed-tensors ``mxfp4-pack-quantized``, the rest bf16, as K3 ships)."""
     from kvtier.model.kimi_linear_loader import hybrid_weight_specs, write_random_hybrid_weights
 
     if dtype not in ("float32", "bfloat16", "mxfp4"):
-        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'mxfp4' for a {config.model_type} checkpoint, "
+        raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'mxfp4' for {config.model_type} weights, "
                          f"got {dtype!r}")
     if dtype == "mxfp4":
         bad = [(n, v) for n, v in (("moe_intermediate_size", config.moe_intermediate_size),
@@ -116,8 +116,8 @@ def _create_hybrid_weights(path, config: KimiLinearConfig, seed: int, dtype: str
     width = 4 if dtype == "float32" else 2
     size = sum(math.prod(s.shape) for s in hybrid_weight_specs(config).values()) * width
     if size > max_total_bytes:
-        raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
-                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
+        raise ValueError(f"random {dtype} weights of this config take {size / 2**30:.0f} GiB, more than "
+                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size weights are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     dense = torch.bfloat16 if dtype == "mxfp4" else WEIGHT_DTYPES[dtype]
@@ -128,7 +128,7 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
                              seed: int = 0,
                              dtype: str = "bfloat16", max_shard_bytes: int = 64 << 20,
                              max_total_bytes: int = 8 << 30) -> Path:
-    """Write a deterministic random checkpoint (config.json + sharded safetensors + index).
+    """Write deterministic random weights (config.json + sharded safetensors + index).
 
     Args:
         path: output directory (created if missing).
@@ -142,10 +142,10 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
             | ``mxfp4`` (hybrid models only: routed experts compressed-tensors ``mxfp4-pack-quantized``,
             FP4 E2M1 with E8M0 scales per 32, as Kimi K3 ships them; the rest bf16).
         max_shard_bytes: start a new shard once one exceeds this many bytes.
-        max_total_bytes: refuse (ValueError) configs whose checkpoint would be larger.
+        max_total_bytes: refuse (ValueError) configs whose weights would be larger.
 
     Returns:
-        The checkpoint directory.
+        The weights directory.
 
     Raises:
         ValueError: an unknown dtype, a config the dtype's layout cannot hold, or one too large.
@@ -163,8 +163,8 @@ def create_random_checkpoint(path: str | Path, preset_or_config: str | KimiK2Con
         PRESET_FORMATS["int4"].check(config)
     size = sum(b for _, b in parameter_bytes(config, formats, 4 if dtype == "float32" else 2).values())
     if size > max_total_bytes:
-        raise ValueError(f"a random {dtype} checkpoint of this config takes {size / 2**30:.0f} GiB, more than "
-                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size checkpoints are not useful")
+        raise ValueError(f"random {dtype} weights of this config take {size / 2**30:.0f} GiB, more than "
+                         f"max_total_bytes={max_total_bytes / 2**30:.0f} GiB; random full-size weights are not useful")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     write_shards(out, random_tensors(config, seed, dtype), max_shard_bytes)

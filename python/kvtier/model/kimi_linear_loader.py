@@ -1,13 +1,13 @@
-"""Checkpoints of the hybrid Kimi models: tensor names and shapes, loading, random checkpoints.
+"""Weights of the hybrid Kimi models: tensor names and shapes, loading, random weights.
 
-Names are those of the released Kimi-Linear checkpoints (what transformers' ``save_pretrained``
+Names are those of the released Kimi-Linear weights (what transformers' ``save_pretrained``
 writes for ``KimiLinearForCausalLM``): KDA layers ``self_attn.{q,k,v}_proj``, ``{q,k,v}_conv1d``
 [P, 1, W], ``f_a_proj``, ``f_b_proj``, ``dt_bias``, ``A_log`` [1, 1, NK, 1], ``b_proj``, the output
 gate ``g_a_proj`` + ``g_b_proj`` (or K3's full-rank ``g_proj``), ``o_norm``, ``o_proj``; MoE layers
 under ``block_sparse_moe.`` with ``experts.{e}.w1/w2/w3``; dense MLPs under ``mlp.``. K3 adds
 ``g_proj`` on MLA, ``block_sparse_moe.routed_expert_{down_proj,norm,up_proj}`` and the attention
 residual weights (``self_attention_res_{norm,proj}``, ``mlp_res_{norm,proj}``,
-``model.output_attn_res_{norm,proj}``). A K3 checkpoint prefixes the text model with
+``model.output_attn_res_{norm,proj}``). K3 weights prefix the text model with
 ``language_model.`` (its layers as ``language_model.layers.N``): both are read.
 
 Weights are dense (bf16 / fp16 / fp32), except that a compressed-tensors ``mxfp4-pack-quantized``
@@ -107,7 +107,7 @@ def _layer_specs(c: KimiLinearConfig, i: int) -> dict[str, TensorSpec]:
 
 
 def hybrid_weight_specs(config: KimiLinearConfig) -> dict[str, TensorSpec]:
-    """Every tensor of a hybrid checkpoint of ``config`` (MTP layers excluded), canonical names."""
+    """Every tensor of hybrid weights of ``config`` (MTP layers excluded), canonical names."""
     c = config
     specs = {"model.embed_tokens.weight": TensorSpec((c.vocab_size, c.hidden_size), "embed_tokens", quantizable=False)}
     for i in range(c.num_hidden_layers):
@@ -160,7 +160,7 @@ def _matches(module: str, patterns) -> bool:
 
 
 class Mxfp4Config:
-    """A hybrid checkpoint's ``quantization_config``, checked: compressed-tensors
+    """Hybrid weights' ``quantization_config``, checked: compressed-tensors
     ``mxfp4-pack-quantized`` (FP4 E2M1 weights, an E8M0 scale per 32 along K) or none.
 
     Config-wide fields are checked at construction; a group's ``weights`` when a tensor it targets is
@@ -212,7 +212,7 @@ class Mxfp4Config:
         return bool(self.groups)
 
     def targets(self, module: str, tensor: str) -> bool:
-        """Whether ``module`` (its checkpoint name without ``.weight``) is stored MXFP4; checks the
+        """Whether ``module`` (its stored name without ``.weight``) is stored MXFP4; checks the
         targeting group, naming ``tensor`` in the error."""
         if not self.groups or _matches(module, self.ignore):
             return False
@@ -291,14 +291,14 @@ def hold_packed_experts(model: KimiLinearForCausalLM) -> None:
 
 
 def _read_packed(source, by_name, key: str, name: str, spec: TensorSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight_packed uint8, weight_scale uint8) of the MXFP4 module of checkpoint weight ``name``."""
+    """(weight_packed uint8, weight_scale uint8) of the MXFP4 module of stored weight ``name``."""
     module = name[: -len(".weight")]
     n, k = spec.shape
     out = []
     for suffix, shape in (("weight_packed", (n, k // 2)), ("weight_scale", (n, k // ref_mxfp4.MXFP4_GROUP))):
         raw = by_name.get(f"{key[: -len('.weight')]}.{suffix}")
         if raw is None:
-            raise ValueError(f"checkpoint lacks tensor '{module}.{suffix}' (MXFP4 {suffix.split('_')[1]} of "
+            raise ValueError(f"the weights directory lacks tensor '{module}.{suffix}' (MXFP4 {suffix.split('_')[1]} of "
                              f"{module}, required by quantization_config.format '{MXFP4_FORMAT}')")
         t = source.get(raw)
         if t.dtype == getattr(torch, "float8_e8m0fnu", None):
@@ -350,10 +350,10 @@ def load_hybrid_weights(model: KimiLinearForCausalLM, source, quant: Mxfp4Config
             else:
                 if quant.quantized and spec.quantizable and len(spec.shape) == 2 and \
                         quant.targets(by_name.get(key, key)[: -len(".weight")], f"{name[:-7]}.weight_packed"):
-                    raise ValueError(f"checkpoint lacks tensor '{name[:-7]}.weight_packed' (quantization_config."
-                                     f"config_groups targets {name[:-7]} as '{MXFP4_FORMAT}')")
+                    raise ValueError(f"the weights directory lacks tensor '{name[:-7]}.weight_packed' "
+                                     f"(quantization_config.config_groups targets {name[:-7]} as '{MXFP4_FORMAT}')")
                 if by_name.get(key) is None:
-                    raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {spec.shape})")
+                    raise ValueError(f"the weights directory lacks tensor {name!r} (expected shape {spec.shape})")
                 if packed_model and _is_routed_expert(spec):
                     raise ValueError(f"tensor {name!r} is stored dense but the model holds its routed experts MXFP4 "
                                      "(one format per weight class); load with dequantize=True")
@@ -373,7 +373,7 @@ def load_hybrid_weights(model: KimiLinearForCausalLM, source, quant: Mxfp4Config
         if (layer is not None and layer.isdigit() and int(layer) >= c.num_hidden_layers) \
                 or name.startswith(_OTHER_TOWERS) or name.endswith("rotary_emb.inv_freq"):
             continue
-        raise ValueError(f"checkpoint has unexpected tensor {by_name[name]!r} (not a parameter of this "
+        raise ValueError(f"the weights have an unexpected tensor {by_name[name]!r} (not a parameter of this "
                          f"{c.model_type} config)")
 
 
@@ -382,7 +382,7 @@ def load_hybrid_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                       dequantize: bool = False) -> KimiLinearForCausalLM:
     """Build and load a hybrid model from a HF-layout directory (config.json + safetensors).
 
-    An ``mxfp4-pack-quantized`` checkpoint keeps its routed experts packed (the MoE runs
+    Weights ``mxfp4-pack-quantized`` keep their routed experts packed (the MoE runs
     :func:`kvtier.ops.fused_moe_mxfp4`); ``dequantize=True`` expands them to ``dtype`` (the bf16
     :func:`kvtier.ops.fused_moe` path).
 
@@ -415,7 +415,7 @@ def _random_tensors(config: KimiLinearConfig, seed: int, dtype: torch.dtype, mxf
 
 def write_random_hybrid_weights(out: Path, config: KimiLinearConfig, seed: int, dtype: torch.dtype,
                                    max_shard_bytes: int, mxfp4: bool = False) -> Path:
-    """A deterministic random checkpoint of ``config`` (values of :func:`random_hybrid_tensor` from
+    """Deterministic random weights of ``config`` (values of :func:`random_hybrid_tensor` from
     ``torch.Generator(seed)`` in spec order; router and gate parameters fp32, the rest ``dtype``);
     a ``kimi_k3`` config writes its text model under ``language_model.`` as K3 ships. ``mxfp4``:
     the routed experts as compressed-tensors ``mxfp4-pack-quantized`` (``weight_packed`` /
@@ -426,7 +426,7 @@ def write_random_hybrid_weights(out: Path, config: KimiLinearConfig, seed: int, 
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     if mxfp4:
         quant = copy.deepcopy(K3_MXFP4_QUANTIZATION_CONFIG)
-        if prefix:  # module names as the checkpoint spells them
+        if prefix:  # module names as the stored weights spell them
             quant["ignore"] = [f"{prefix}lm_head", "lm_head"]
         (cfg["text_config"] if "text_config" in cfg else cfg)["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,4 +1,4 @@
-"""Load a Hugging Face-layout Kimi K2 / DeepSeek-V3 checkpoint into :class:`KimiK2ForCausalLM`.
+"""Load Hugging Face-layout Kimi K2 / DeepSeek-V3 weights into :class:`KimiK2ForCausalLM`.
 
 Reads ``config.json`` and safetensors shards (``model.safetensors.index.json`` or every
 ``*.safetensors`` file). Quantized weights stay quantized (:mod:`kvtier.model.formats`):
@@ -9,7 +9,7 @@ Reads ``config.json`` and safetensors shards (``model.safetensors.index.json`` o
   ``.weight_scale``, ``.weight_shape``) are held packed with their group scales.
 
 Each weight class (attention, dense MLP, shared experts, routed experts) is held in the format
-its checkpoint tensors have; ``kv_b_proj`` and any quantized tensor outside those classes are
+its stored tensors have; ``kv_b_proj`` and any quantized tensor outside those classes are
 dequantized (the absorbed attention reads ``kv_b_proj`` per head). ``dequantize=True`` holds every
 weight dense in the model dtype instead: ``w = fp8 * scale_inv[i // b0, j // b1]``,
 ``w = q * scale[i, j // group_size]`` (:mod:`kvtier.reference.quant`). Dense bf16/fp16/fp32 tensors
@@ -49,7 +49,7 @@ from kvtier.ops.quant import fp8_e4m3_dtype, fp8_e4m3fn_to_fnuz
 from kvtier.reference import quant as ref_quant
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-_OTHER_TOWERS = ("vision_tower.", "mm_projector.")  # multimodal checkpoints' vision encoder: not used for text
+_OTHER_TOWERS = ("vision_tower.", "mm_projector.")  # multimodal weights' vision encoder: not used for text
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -130,21 +130,21 @@ def _int4_names(name: str) -> tuple[str, str, str]:
 
 
 def _is_linear(name: str, spec: TensorSpec) -> bool:
-    """A linear layer's weight in the checkpoint's module tree (compressed-tensors' ``Linear``)."""
+    """A linear layer's weight in the stored module tree (compressed-tensors' ``Linear``)."""
     return len(spec.shape) == 2 and (spec.quantizable or name == "lm_head.weight")
 
 
 def stored_formats(config: KimiK2Config, source: TensorSource, quant: QuantizationConfig,
                        tensor_names: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The format (``dense`` | ``fp8`` | ``int4``) each checkpoint weight is stored in, by spec name.
+    """The format (``dense`` | ``fp8`` | ``int4``) each stored weight is in, by spec name.
 
     INT4 = ``<module>.weight_packed`` present; FP8 = the weight's dtype is float8; else dense.
     Checked against ``quant``: an INT4 tensor the config does not target (or a targeted one that
     is not packed), FP8 beside compressed-tensors, packed weights without a config, and a
-    config group the checkpoint's shapes or fields do not fit all fail here.
+    config group the stored shapes or fields do not fit all fail here.
 
     Args:
-        tensor_names: spec name -> checkpoint name (tied ``lm_head``); default the spec name.
+        tensor_names: spec name -> stored name (tied ``lm_head``); default the spec name.
 
     Raises:
         ValueError: naming the tensor and the ``quantization_config`` field.
@@ -167,9 +167,10 @@ def stored_formats(config: KimiK2Config, source: TensorSource, quant: Quantizati
             want = quant.format_of(module, spec.shape[1])
             if want == INT4 and fmt != INT4:
                 raise ValueError(
-                    f"checkpoint lacks tensor {packed!r}: quantization_config.config_groups targets {_module(src)!r} "
+                    f"the weights directory lacks tensor {packed!r}: quantization_config.config_groups targets "
+                    f"{_module(src)!r} "
                     f"(and quantization_config.ignore does not list it), so it must be INT4-packed"
-                    + (f", but the checkpoint holds {src!r} unpacked" if src in available else ""))
+                    + (f", but the weights hold {src!r} unpacked" if src in available else ""))
             if want == DENSE and fmt == INT4:
                 raise ValueError(f"tensor {packed!r} is INT4-packed but no quantization_config.config_groups entry "
                                  "targets it (or quantization_config.ignore lists it)")
@@ -179,7 +180,7 @@ def stored_formats(config: KimiK2Config, source: TensorSource, quant: Quantizati
                                  f"quantization_config (quantization_config.quant_method is {quant.method!r})")
             for extra, what in ((scale, "INT4 group scales"), (shape, "the logical [out, in] shape")):
                 if extra not in available:
-                    raise ValueError(f"checkpoint lacks tensor {extra!r} ({what} of {packed!r}, required by "
+                    raise ValueError(f"the weights directory lacks tensor {extra!r} ({what} of {packed!r}, required by "
                                      "quantization_config.format 'pack-quantized')")
         if fmt == FP8:
             if quant.method == "compressed-tensors":
@@ -197,7 +198,7 @@ def stored_formats(config: KimiK2Config, source: TensorSource, quant: Quantizati
 
 def formats_of_checkpoint(config: KimiK2Config, formats: Mapping[str, str], quant: QuantizationConfig
                           ) -> WeightFormats:
-    """The :class:`WeightFormats` that holds each weight class as its checkpoint tensors are stored.
+    """The :class:`WeightFormats` that holds each weight class as its tensors are stored.
 
     A class whose shapes its stored format's fused layout cannot hold (FP8 gate/up halves not on
     a block row: :meth:`WeightFormats.problems`, only small test configs) is held dense, with a
@@ -267,7 +268,7 @@ def _read_fp8(source: TensorSource, src: str, spec: TensorSpec, block: tuple[int
 
 def _read_dense(source: TensorSource, src: str, spec: TensorSpec, fmt: str, quant: QuantizationConfig,
                 group_size: int) -> torch.Tensor:
-    """The tensor as floating point values, dequantized (fp32) when the checkpoint stores it quantized."""
+    """The tensor as floating point values, dequantized (fp32) when it is stored quantized."""
     if fmt == INT4:
         packed, scale = _read_int4(source, src, spec, group_size)
         return ref_quant.dequantize_int4_group(packed, scale, group_size=group_size)
@@ -293,7 +294,7 @@ def _check_unexpected(config: KimiK2Config, available: set[str], expected: set[s
             continue  # multi-token-prediction layers: not used for plain decoding
         if name.endswith("rotary_emb.inv_freq") or name.startswith(_OTHER_TOWERS):
             continue
-        raise ValueError(f"checkpoint has unexpected tensor {name!r} (not a DeepSeek-V3 parameter of this config)")
+        raise ValueError(f"the weights have an unexpected tensor {name!r} (not a DeepSeek-V3 parameter of this config)")
 
 
 def _rows(dst: torch.Tensor, spec: TensorSpec, offset: int, rows: int) -> torch.Tensor:
@@ -316,8 +317,8 @@ def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[in
     ``num_nextn_predict_layers`` in config.json) are skipped; any other extra tensor is an error.
 
     Args:
-        block: FP8 block size when ``quant`` is None (a checkpoint without quantization_config).
-        quant: the checkpoint's checked ``quantization_config``.
+        block: FP8 block size when ``quant`` is None (weights without quantization_config).
+        quant: the weights' checked ``quantization_config``.
 
     Raises:
         ValueError: a missing, misshaped or unexpected tensor, or a format the model does not
@@ -339,7 +340,7 @@ def load_weights(model: KimiK2ForCausalLM, source: TensorSource, block: tuple[in
     _check_unexpected(config, available, expected, num_mtp_layers)
     for name, fmt in stored.items():
         if fmt == DENSE and names.get(name, name) not in available:
-            raise ValueError(f"checkpoint lacks tensor {name!r} (expected shape {specs[name].shape})")
+            raise ValueError(f"the weights directory lacks tensor {name!r} (expected shape {specs[name].shape})")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, spec in specs.items():
@@ -368,7 +369,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                dequantize: bool = False) -> KimiK2ForCausalLM:
     """Build and load a model from a HF-layout directory (config.json + safetensors).
 
-    A ``kimi_linear`` / ``kimi_k3`` checkpoint gives a hybrid
+    ``kimi_linear`` / ``kimi_k3`` weights give a hybrid
     :class:`kvtier.model.kimi_linear.KimiLinearForCausalLM`
     (:func:`kvtier.model.kimi_linear_loader.load_hybrid_model`: dense weights, MXFP4 routed experts).
 
