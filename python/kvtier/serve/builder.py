@@ -3,9 +3,8 @@
 cache identity, the engine over it, and where its tokenizer lives.
 
 Hybrid KDA + MLA models (``kimi_linear`` / ``kimi_k3`` weights, presets of
-:data:`kvtier.model.kimi_linear_config.HYBRID_PRESETS` such as ``tiny-k3``) are built too; their
-engine's pool keeps recurrent-state checkpoints beside the MLA blocks, so prefixes are reused
-at exact checkpoints (:mod:`kvtier.serve.hybrid_state`, :mod:`kvtier.cache.checkpoints.reuse`)."""
+:data:`kvtier.model.kimi_linear_config.HYBRID_PRESETS` such as ``tiny-k3``) are built the same way;
+the engine sizes what they cache from the model's ``cache_spec()``."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.model.kimi_linear import KimiLinearForCausalLM, random_hybrid_tensor
 from kvtier.model.kimi_linear_config import HYBRID_PRESETS, KimiLinearConfig
 from kvtier.model.kimi_linear_loader import hybrid_weight_specs, load_hybrid_weights
-from kvtier.model.loader import weights_fingerprint, load_model, load_weights
+from kvtier.model.loader import load_model, load_weights, weights_fingerprint
 from kvtier.model.weights import weights_bytes
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.engine import Engine
