@@ -249,23 +249,23 @@ def markdown_table(summary: list[dict]) -> str:
 
 
 def print_report(console, summary: list[dict], title: str) -> None:
-    """``summary`` as a rich table on ``console`` (``reach``: the page bound; ``restated``: the
-    restated bound and ``r.ratio`` cached over it; ``full``: turns at >= 0.99 of the page bound;
-    ``ckpt``: turns at their restated bound; ``lost``: turns lost whole; each of the group's
-    turns)."""
+    """``summary`` as a rich table on ``console``, whole in 80 columns (the token sums are in the
+    JSON and :func:`markdown_table`): ``ratio`` cached over the page bound, ``r.ratio`` over the
+    restated bound, ``lowest`` the lowest turn's ratio, ``full`` turns at >= 0.99 of the page
+    bound, ``ckpt`` turns at their restated bound, ``lost`` turns lost whole; each of the group's
+    turns."""
     from rich import box
     from rich.table import Table
 
-    t = Table(title=title, box=box.SIMPLE, pad_edge=False)
-    widths = {"API": len("responses"), "reused turn": len("new-session")}
-    for col in ("API", "reused turn", "cached", "reach", "ratio", "restated", "r.ratio", "lowest", "full", "ckpt",
-                "lost"):
-        t.add_column(col, justify="left" if col in widths else "right", no_wrap=True,
+    t = Table(title=title, box=box.SIMPLE, pad_edge=False, collapse_padding=True)
+    widths = {"API": len("responses"), "reused turn": len("new-session"), "full": 7, "ckpt": 7, "lost": 7}
+    for col in ("API", "reused turn", "ratio", "r.ratio", "lowest", "full", "ckpt", "lost"):
+        t.add_column(col, justify="left" if col in ("API", "reused turn") else "right", no_wrap=True,
                      min_width=max(len(col), widths.get(col, 0)))
     for s in summary:
-        t.add_row(s["api"], s["kind"], str(s["cached_tokens"]), str(s["reachable_tokens"]), f"{s['ratio']:.3f}",
-                  str(s["restated_tokens"]), _restated(s), f"{s['min_ratio']:.3f}", f"{s['full_turns']}/{s['turns']}",
-                  f"{s['reached_checkpoint']}/{s['turns']}", f"{s['lost_turns']}/{s['turns']}")
+        n = s["turns"]
+        t.add_row(s["api"], s["kind"], f"{s['ratio']:.3f}", _restated(s), f"{s['min_ratio']:.3f}",
+                  f"{s['full_turns']}/{n}", f"{s['reached_checkpoint']}/{n}", f"{s['lost_turns']}/{n}")
     console.print(t)
 
 
