@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.bench.records import ConfigRun, RequestRecord
-from kvtier.cache.pool_stats import StateStats
 from kvtier.bench.workload import Session, Turn, Workload
 from kvtier.cache.eviction import ToolWaitEstimate
 from kvtier.serve.engine import Engine
@@ -358,28 +357,27 @@ def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, e
         stores_refused=total("stores_refused"), preemptions=sum(s.scheduler.preemptions for s in snaps),
         device_pages=sum(e.config.pool.num_device_pages for e in engines),
         working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency),
-        state=sum_state_stats([s.state for s in stats], scales))
+        state=sum_counters([s.state for s in stats], scales))
 
 
-def sum_state_stats(states: list[StateStats | None], bytes_scale: list[float]) -> StateStats | None:
-    """The checkpoint counters of several pools summed (their bytes each times its
-    ``bytes_scale``); None when no pool keeps states (every entry None)."""
-    kept = [(s, x) for s, x in zip(states, bytes_scale) if s is not None]
+def sum_counters(sections: list, bytes_scale: list[float]):
+    """One section of several pools' stats (e.g. each pool's ``state``) added up: every int and
+    every dict of ints by name, a field named ``bytes_*`` times its pool's ``bytes_scale``; None
+    when no pool has the section (every entry None)."""
+    kept = [(s, x) for s, x in zip(sections, bytes_scale) if s is not None]
     if not kept:
         return None
-    total = StateStats()
-    for s, x in kept:
-        for name in ("hits", "saved", "evictions", "refused", "failures"):
-            mine = getattr(total, name)
-            for k, n in getattr(s, name).items():
-                mine[k] = mine.get(k, 0) + n
-        for name in ("bytes_loaded", "bytes_written"):
-            mine = getattr(total, name)
-            for k, n in getattr(s, name).items():
-                mine[k] = mine.get(k, 0) + round(n * x)
-        total.fallbacks += s.fallbacks
-        total.tokens_lost += s.tokens_lost
-    return total
+
+    def added(name: str, values: list[tuple[object, float]]):
+        scale = name.startswith("bytes_")
+        if isinstance(values[0][0], dict):
+            keys = dict.fromkeys(k for v, _ in values for k in v)
+            return {k: sum(round(v.get(k, 0) * x) if scale else v.get(k, 0) for v, x in values) for k in keys}
+        return sum(round(v * x) if scale else v for v, x in values)
+
+    first = kept[0][0]
+    return type(first)(**{f.name: added(f.name, [(getattr(s, f.name), x) for s, x in kept])
+                          for f in dataclasses.fields(first)})
 
 
 def _minus(end, start):
@@ -396,7 +394,7 @@ def _minus(end, start):
 def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
     """What one engine counted between two of its :meth:`Engine.stats` snapshots: ``end`` with
     every counter (prefill tokens, steps, preemptions, the pool's hits, bytes, evictions, copy
-    errors, prefetches, refused stores and checkpoint counters) less ``start``'s; the gauges
+    errors, prefetches, refused stores and its ``state`` section's counters) less ``start``'s; the gauges
     (queues, free pages, cached blocks) and the remote tier's and grammar counters are ``end``'s."""
     p, q = end.pool, start.pool
     counters = ("hit_tokens", "bytes_loaded", "bytes_written", "evictions", "copy_errors", "prefetched_blocks",
