@@ -219,3 +219,34 @@ def test_a_grammar_error_fails_its_request_only_and_the_step_still_samples_once(
     failed = outs[rids[5]]
     assert failed.finish_reason == "error" and "stand-in failure" in failed.error and len(failed.token_ids) == 2
     assert all(outs[r].error is None and len(outs[r].token_ids) == 5 for i, r in enumerate(rids) if i != 5)
+
+
+def test_an_all_greedy_unconstrained_step_takes_the_argmax_without_the_sampling_call(monkeypatch):
+    """Every row greedy, unconstrained and without penalties (logprobs asked by one): the step's
+    tokens are the argmax ``ops.sample`` gives such rows, without calling it; the logprobs are
+    still read from the model's distribution."""
+    spy = SamplingSpy(monkeypatch)
+    seen = []
+    real_rows = sampler_module.Sampler._sample_rows
+
+    def rows(self, live, logits):
+        got = real_rows(self, live, logits)
+        seen.append((logits.clone(), got))
+        return got
+
+    monkeypatch.setattr(sampler_module.Sampler, "_sample_rows", rows)
+    engine = _engine("torch")
+    greedy = [(first, params, False) for first, params, constrained in MIXED if params.greedy and not constrained]
+    greedy.append((109, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), False))
+    rids = _add(engine, greedy)
+    outs = _run(engine)
+    assert spy.calls == [] and len(seen) == engine.num_steps == 5
+    n = len(greedy)
+    for logits, got in seen:
+        assert got == spy.real(logits, torch.zeros(n), torch.ones(n), backend="torch").tolist()
+    for i, rid in enumerate(rids):
+        assert outs[rid].error is None and outs[rid].token_ids == [got[i] for _, got in seen]
+    with_logprobs = [i for i, (_, p, _) in enumerate(greedy) if p.logprobs]
+    assert with_logprobs and all(outs[rids[i]].logprobs and len(outs[rids[i]].logprobs) == 5 for i in with_logprobs)
+    want = [float(torch.log_softmax(logits[with_logprobs[0]], -1)[got[with_logprobs[0]]]) for logits, got in seen]
+    assert outs[rids[with_logprobs[0]]].logprobs == pytest.approx(want, abs=1e-6)

@@ -103,6 +103,11 @@ class Sampler:
         ``logits``: their rows stacked, [len(live), vocab] fp32."""
         dev = logits.device
         params = [seq.params for seq, _, _ in live]
+        if all(p.greedy and not (p.presence_penalty or p.frequency_penalty) for p in params) and all(
+                mask is None for _, _, mask in live):
+            # every row greedy and unconstrained: the argmax ops.sample would take (greedy rows
+            # draw no uniform), without the sampling call's per-row tensors and checks
+            return logits.argmax(dim=-1).tolist()
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         masked = [i for i, (_, _, mask) in enumerate(live) if mask is not None]
