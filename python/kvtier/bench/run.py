@@ -42,7 +42,7 @@ class BenchOptions:
     """What ``kvtier bench`` runs. Sizes in pages are per layer; bytes are bytes.
 
     Attributes:
-        model: preset name or checkpoint directory.
+        model: preset name or weights directory.
         trace: trace file or folder (kv-cache-tester or Mooncake); None = built-in workload.
         conversations: a JSONL file of text chat sessions (:mod:`kvtier.bench.conversations`),
             instead of a trace; its turns are encoded with ``tokenizer`` in pages of

@@ -117,7 +117,7 @@ def add_parser(sub) -> None:
                    help="comma-separated: device-only, tiered, tiered-write-through, tiered-tool-aware, no-cache, "
                         "ideal (the bound: device pages for the whole working set; each other configuration's "
                         "distance to it is reported)")
-    b.add_argument("--model", default="tiny", help=f"checkpoint directory or preset {sorted(PRESETS)}; with "
+    b.add_argument("--model", default="tiny", help=f"weights directory or preset {sorted(PRESETS)}; with "
                    "--endpoint, the served model's name")
     b.add_argument("--endpoint", metavar="URL", help="replay against this OpenAI-compatible server over HTTP "
                    "(e.g. http://127.0.0.1:8000, a running kvtier serve, vLLM or SGLang) instead of in-process; "

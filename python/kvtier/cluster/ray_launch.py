@@ -186,7 +186,7 @@ def start_ray_cluster(model: str, *, workers: int, policy: str, worker_args: lis
     """Start the store (or check ``store_url``), ``workers`` workers and the router under Ray.
 
     Args:
-        model: checkpoint directory or preset, as ``kvtier serve`` takes it (on every node).
+        model: weights directory or preset, as ``kvtier serve`` takes it (on every node).
         workers: number of ``kvtier serve`` workers (>= 1).
         policy: the router's policy (``sticky``, ``least-loaded``, ``kv-aware``).
         worker_args: more ``kvtier serve`` arguments (``--tokenizer``, sizes, ``--threads``).
