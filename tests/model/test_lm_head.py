@@ -65,7 +65,7 @@ def test_compute_logits_in_bf16_matches_f_linear(n):
     with torch.inference_mode():
         got = model.compute_logits(hidden)
         want = torch.nn.functional.linear(hidden, model.lm_head).float()
-    assert got.shape == (n, model.config.vocab_size) and got.dtype == torch.float32
+    assert got.shape == (n, model.config.vocab_size) and got.dtype == torch.float32 and got.is_contiguous()
     scale = float(want.abs().max())
     assert_close(got, want, atol=1e-2 * scale, rtol=1e-2, name="compute_logits bf16 vs F.linear")
     assert_close(got, _reference(hidden, model.lm_head.detach()), atol=1e-2 * scale, rtol=1e-2, name="vs float64")

@@ -227,14 +227,14 @@ def test_an_all_greedy_unconstrained_step_takes_the_argmax_without_the_sampling_
     still read from the model's distribution."""
     spy = SamplingSpy(monkeypatch)
     seen = []
-    real_rows = sampler_module.Sampler._sample_rows
+    real_sample = sampler_module.Sampler.sample
 
-    def rows(self, live, logits):
-        got = real_rows(self, live, logits)
-        seen.append((logits.clone(), got))
+    def sample(self, rows):
+        got = real_sample(self, rows)
+        seen.append((torch.stack([logits for _, logits, _ in rows]), [got[seq.seq_id] for seq, _, _ in rows]))
         return got
 
-    monkeypatch.setattr(sampler_module.Sampler, "_sample_rows", rows)
+    monkeypatch.setattr(sampler_module.Sampler, "sample", sample)
     engine = _engine("torch")
     greedy = [(first, params, False) for first, params, constrained in MIXED if params.greedy and not constrained]
     greedy.append((109, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), False))

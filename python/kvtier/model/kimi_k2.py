@@ -335,7 +335,7 @@ class KimiK2ForCausalLM(nn.Module):
             if hidden.dtype == torch.float32:
                 return few_rows_linear(hidden, self.lm_head)
             if hidden.dtype == torch.bfloat16 and hidden.shape[0] > 1:
-                return torch.mm(self.lm_head, hidden.T).T.float()
+                return torch.mm(self.lm_head, hidden.T).T.to(torch.float32, memory_format=torch.contiguous_format)
         return F.linear(hidden, self.lm_head).float()
 
 

@@ -27,7 +27,8 @@ class Sampler:
         return model.backend if model is not None else "torch"
 
     def sample(self, rows: list[tuple[Sequence, torch.Tensor, object]]) -> dict[int, int | Exception]:
-        """The step's tokens of the sequences that sample, in one :func:`kvtier.ops.sample` call.
+        """The step's tokens of the sequences that sample, in one :func:`kvtier.ops.sample` call
+        (none when every row is greedy, unconstrained and without penalties: each row's argmax).
 
         Args:
             rows: ``(seq, next_token_logits, token_bitmask)`` per sequence, logits [vocab] fp32;
@@ -56,8 +57,11 @@ class Sampler:
         if not live:
             return out
         try:
-            logits = torch.stack([row for _, row, _ in live])  # [rows, vocab]: one copy, for both uses
-            sampled = self._sample_rows(live, logits)
+            if _argmax_only(live):  # each row's argmax, without a copy of the rows
+                logits, sampled = None, [int(row.argmax()) for _, row, _ in live]
+            else:
+                logits = torch.stack([row for _, row, _ in live])  # [rows, vocab]: one copy, for both uses
+                sampled = self._sample_rows(live, logits)
         except Exception as e:  # noqa: BLE001 - the step's other requests keep going
             return out | {seq.seq_id: e for seq, _, _ in live}
         want_logprobs = []
@@ -72,6 +76,8 @@ class Sampler:
             if seq.params.logprobs:
                 want_logprobs.append(i)
         if want_logprobs:
+            if logits is None:
+                logits = torch.stack([row for _, row, _ in live])
             failed = self._logprobs(live, logits, sampled, want_logprobs)
             if failed is not None:
                 return out | {live[i][0].seq_id: failed for i in want_logprobs}
@@ -103,11 +109,6 @@ class Sampler:
         ``logits``: their rows stacked, [len(live), vocab] fp32."""
         dev = logits.device
         params = [seq.params for seq, _, _ in live]
-        if all(p.greedy and not (p.presence_penalty or p.frequency_penalty) for p in params) and all(
-                mask is None for _, _, mask in live):
-            # every row greedy and unconstrained: the argmax ops.sample would take (greedy rows
-            # draw no uniform), without the sampling call's per-row tensors and checks
-            return logits.argmax(dim=-1).tolist()
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32)
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         masked = [i for i, (_, _, mask) in enumerate(live) if mask is not None]
@@ -123,6 +124,14 @@ class Sampler:
         tokens = ops.sample(logits, temperature.to(dev), top_p.to(dev), token_bitmask=token_bitmask,
                             generator=generators, backend=self.backend())
         return tokens.tolist()
+
+
+def _argmax_only(rows) -> bool:
+    """Whether every row of :meth:`Sampler.sample` is greedy, without a grammar mask and without
+    penalties: its token is the argmax of its logits, as ``ops.sample`` gives a greedy row (which
+    draws no uniform), so the step needs neither the sampling call nor a copy of the rows."""
+    return all(mask is None and seq.params.greedy and not (seq.params.presence_penalty or seq.params.frequency_penalty)
+               for seq, _, mask in rows)
 
 
 def prompt_logprobs(seq: Sequence, res) -> None:
