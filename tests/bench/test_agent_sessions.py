@@ -90,6 +90,41 @@ def test_a_turn_sampled_after_a_tail_is_bounded_by_the_history_end():
     assert [r["restated_tokens"] for r in annotate(rows, PAGE, None, tail=(0, 3))] == [None, 352, 480, 592]
 
 
+def test_a_turn_the_server_refuses_ends_its_session_and_is_not_counted():
+    from kvtier.bench.agent_sessions import TurnUsage, run_session
+
+    class Refused(Exception):
+        status_code = 400
+
+    class Driver:  # answers two turns, then refuses (as the SDKs raise an HTTP error)
+        api, calls = "chat", 0
+
+        def start(self, user):
+            return [user]
+
+        def call(self, history, forced, max_tokens, session_id):
+            self.calls += 1
+            if self.calls == 3:
+                raise Refused("request failed: GrammarLimitError")
+            return TurnUsage(100 * self.calls, 10, 0, 0, "stop"), "reply", []
+
+        def extend(self, history, reply, results, user):
+            return history + [reply, user]
+
+    rows, history = run_session(Driver(), AgentWorkload(tool_share=0), "n", 0, range(6))
+    assert history is None and [r["turn"] for r in rows] == [0, 1, 2] and rows[2]["error"].startswith("400: ")
+    out = annotate(rows, PAGE, None)
+    assert [r["kind"] for r in out] == ["first", "text", "error"] and out[2]["ratio"] is None
+    assert [s["turns"] for s in summarize(out) if s["api"] == "all"] == [1]
+
+    class Down(Driver):
+        def call(self, *a):
+            raise ConnectionError("no server")  # no HTTP status: not an answer, raised
+
+    with pytest.raises(ConnectionError):
+        run_session(Down(), AgentWorkload(), "n", 0, range(2))
+
+
 def _tokenizer(model):
     if not (TOKENIZER_DIR / "tiktoken.model").is_file():
         pytest.skip(f"real Kimi tokenizer files not present at {TOKENIZER_DIR}")

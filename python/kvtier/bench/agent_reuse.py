@@ -167,7 +167,8 @@ def annotate(rows: list[dict], page_size: int, new_session: dict[tuple[str, int]
     ``restated_ratio`` (None where nothing is reachable), ``reached_checkpoint`` (cached >= the
     restated bound; None where not counted) and ``lost`` (``text`` and ``tool`` rows: no token past
     the previous prompt's last whole page was cached; else None) added (module docstring). The
-    run's first request is the first row.
+    run's first request is the first row; a row with ``error`` (:func:`kvtier.bench.agent_sessions.run_session`)
+    is of kind ``error`` and not counted.
 
     Args:
         rows: see above.
@@ -179,6 +180,10 @@ def annotate(rows: list[dict], page_size: int, new_session: dict[tuple[str, int]
     tail_ids, after_history = tail if tail else (0, 0)
     for i, row in enumerate(rows):
         key = (row["api"], row["session"])
+        if row.get("error") is not None:  # refused or failed: no usage, the session ended there
+            out.append({**row, "kind": "error", "reachable_tokens": None, "after_tail": None, "restated_tokens": None,
+                        "ratio": None, "restated_ratio": None, "reached_checkpoint": None, "lost": None})
+            continue
         lost = after = None
         if i == 0:
             kind, reach, restated = "first", None, None

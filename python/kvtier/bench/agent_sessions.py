@@ -273,15 +273,24 @@ def run_session(driver, workload: AgentWorkload, nonce: str, session: int, turns
                 history: list | None = None) -> tuple[list[dict], list]:
     """Turns ``turns`` of session ``session`` through ``driver``; returns one row per turn
     (``api``, ``session``, ``turn``, ``forced``, and :class:`TurnUsage`'s fields) and the history
-    the last turn extended to (where a later call of this function goes on)."""
+    the last turn extended to (where a later call of this function goes on). A turn the server
+    answers with an HTTP error (a refused or failed request) ends the session: its row holds
+    ``error`` (status and message) instead of the usage, and the history returned is None."""
     if history is None:
         history = driver.start(first_message(nonce, driver.api, session))
     sid = f"{nonce}-{driver.api}-{session}" if workload.send_session_id else None
     rows = []
     for k in turns:
         forced = workload.forced(session, k)
-        usage, reply, calls = driver.call(history, forced, workload.max_tokens, sid)
-        rows.append({"api": driver.api, "session": session, "turn": k, "forced": forced, **vars(usage)})
+        row = {"api": driver.api, "session": session, "turn": k, "forced": forced}
+        try:
+            usage, reply, calls = driver.call(history, forced, workload.max_tokens, sid)
+        except Exception as e:  # the SDKs' APIStatusError: the server answered with an error
+            if getattr(e, "status_code", None) is None:
+                raise
+            rows.append({**row, "error": f"{e.status_code}: {str(e)[:300]}"})
+            return rows, None
+        rows.append({**row, **vars(usage)})
         rng = random.Random(f"{workload.seed}:{driver.api}:{session}:{k}")
         results = [(cid, tool_result(rng, name)) for cid, name in calls]
         history = driver.extend(history, reply, results, None if results else follow_up(rng))
@@ -306,10 +315,12 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
     (default: 8 random hex digits). ``on_session(api, session)`` is called as each session ends.
 
     Returns:
-        one row per request (:func:`run_session`), ordered by API, session and turn.
+        one row per request (:func:`run_session`; a turn the server answered with an error holds
+        ``error`` and ends its session), ordered by API, session and turn.
 
     Raises:
-        what the SDKs raise (``openai.APIError``, ``anthropic.APIError``) for a refused request.
+        what the SDKs raise for a server that does not answer (``openai.APIConnectionError``,
+        ``anthropic.APIConnectionError``, timeouts).
     """
     nonce = nonce or secrets.token_hex(4)
     drivers = {api: make_driver(api, url, model) for api in workload.apis}
@@ -318,7 +329,8 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
 
     def one(api: str, session: int) -> list[dict]:
         if (api, session) == (first, 0):
-            rows, _ = run_session(drivers[api], workload, nonce, 0, range(1, workload.turns), head_history)
+            rows = [] if head_history is None else \
+                run_session(drivers[api], workload, nonce, 0, range(1, workload.turns), head_history)[0]
             rows = head + rows
         else:
             rows, _ = run_session(drivers[api], workload, nonce, session, range(workload.turns))
@@ -429,7 +441,8 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
         ``chat_format``, ``hybrid`` and ``prompt_tail`` (:func:`kvtier.bench.agent_reuse.prompt_tail`)
         the bounds were computed with, and ``evicted_during_run``: what the server's eviction
         counters added during the run (:func:`eviction_counts`; None for a server without them):
-        a turn can lose pages to capacity as well as to re-encoding.
+        a turn can lose pages to capacity as well as to re-encoding; ``failed_turns``: turns the
+        server answered with an error (:func:`run_session`).
 
     Raises:
         ValueError: a bad page size; what :func:`run_agents` and :func:`local_server` raise.
@@ -469,8 +482,11 @@ def bench_agents(workload: AgentWorkload, *, model: str, tokenizer: str | None, 
             evicted = _evicted_during(server.url, before)
     rows = agent_reuse.annotate(rows, page_size, bounds, tail)
     summary = agent_reuse.summarize(rows)
-    result = agent_reuse.agent_json(rows, summary, {**prov, "evicted_during_run": evicted})
+    failed = sum(r.get("error") is not None for r in rows)
+    result = agent_reuse.agent_json(rows, summary, {**prov, "evicted_during_run": evicted, "failed_turns": failed})
     if console is not None:
+        if failed:
+            console.log(f"{failed} turns answered with an error (each ended its session; rows of kind 'error')")
         agent_reuse.print_report(console, summary, f"cached / reachable tokens per turn: {model} via {where}")
     if json_path:
         write_json(json_path, result)
