@@ -432,12 +432,9 @@ def test_a_request_preempted_before_its_first_token_preempts_a_decode_to_get_bac
 def test_an_aged_request_past_its_first_token_preempts_a_decode_to_get_back_in():
     """A request preempted after its first token that has aged ranks first; when its blocks do
     not fit beside a running decode, it preempts the decode (whose blocks load back) rather than
-    hold admission for everyone until the decode ends. Outputs are each request's alone. (Under
-    ``recompute`` preemption, where a new request may be admitted ahead of a preempted one; under
-    ``swap`` the preempted one holds admission: tests/serve/test_swap_preemption.py.)"""
+    hold admission for everyone until the decode ends. Outputs are each request's alone."""
     llm = host_cached(llm=StandInLLM)
     engine, scheduler = llm.engine, llm.engine.scheduler
-    reconfigure(scheduler, preemption_mode="recompute")
     long_decode = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     aged_prompt, decode_prompt = prompt(N, 81), prompt(5 * PS, 82)
     aged = engine.add_request(aged_prompt, long_decode)

@@ -153,9 +153,9 @@ def add_parser(sub) -> None:
     b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
     b.add_argument("--preemption-mode", default="swap", choices=PREEMPTION_MODES,
-                   help="swap (default): a preempted sequence's blocks go down a tier and load back, it resumes "
-                        "ahead of new requests, and victims are the cheapest to resume; recompute: it is ranked "
-                        "again like any request (the engine's earlier behaviour)")
+                   help="swap (default): a preempted sequence's blocks go down a tier and load back, and victims "
+                        "are the cheapest to resume (a decode only when that costs less than its end); recompute: "
+                        "victims by rank alone (the engine's earlier behaviour)")
     b.add_argument("--admission-watermark", type=float, default=ADMISSION_WATERMARK, metavar="SHARE",
                    help=f"share of device pages a new request leaves free for the running sequences' next pages "
                         f"(default {ADMISSION_WATERMARK}; 0 = none)")

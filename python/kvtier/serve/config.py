@@ -50,13 +50,12 @@ class EngineConfig:
         preemption_mode: what a preempted sequence costs when it comes back
             (:mod:`kvtier.serve.preemption`). ``swap`` (default): where the pool keeps evicted
             blocks below the device (``KVPool.keeps_evicted_blocks``), its full blocks go down a
-            tier when their pages are reused and load back by copy; it resumes ahead of new
-            requests, and victims are chosen by their resume cost (``KVPool.resume_s``): a
-            decode is preempted for a waiting request only when bringing it back costs less
-            than waiting for it to end. ``recompute``: a preempted sequence is ranked again
-            like any request and victims are chosen by rank alone (what this engine did
-            before; its blocks are reused only while cached). Without a lower tier both act as
-            ``recompute``.
+            tier when their pages are reused and load back by copy, and victims are chosen by
+            their resume cost (``KVPool.resume_s``): a decode is preempted for a waiting request
+            only when bringing it back costs less than waiting for it to end.
+            ``recompute``: victims are chosen by rank alone (what this engine did before; the
+            preempted sequence's blocks are reused while cached). Without a lower tier both act
+            as ``recompute``.
         admission_watermark: share of the device pages, in [0, 0.5], that admitting a new request
             must leave free while other sequences run or load, so the running sequences get
             their next pages without a preemption (vLLM's block manager keeps 1%); 0: none. A

@@ -20,8 +20,8 @@ def resumes_by_copy(config: EngineConfig, pool: KVPool) -> bool:
     """Whether a preempted sequence comes back by copy: ``preemption_mode`` is ``swap`` and the
     pool keeps evicted blocks below the device (:attr:`KVPool.keeps_evicted_blocks`: under
     write-back a reused page's block is copied to the host tier first, and a returning request
-    loads it back). Then the ranking resumes it ahead of new requests and the preemption rule
-    picks victims by :meth:`KVPool.resume_s`."""
+    loads it back). Then the preemption rule picks victims by :meth:`KVPool.resume_s` and the
+    admission watermark does not hold it back."""
     return config.preemption_mode == "swap" and pool.keeps_evicted_blocks
 
 

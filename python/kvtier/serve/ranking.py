@@ -74,9 +74,10 @@ class ArrivalOrder:
 
     def resuming(self, seq: Sequence) -> bool:
         """Whether waiting ``seq`` was preempted and comes back by copy
-        (:func:`kvtier.serve.queues.resumes_by_copy`): it is tried before new requests and holds
-        admission when it cannot be placed, so a preemption costs it a reload, not a wait behind
-        new prompts."""
+        (:func:`kvtier.serve.queues.resumes_by_copy`): it is not held to the admission watermark
+        (it is one of the running sequences the watermark keeps pages for). It ranks as any
+        request does: tried ahead of new ones, holding admission when it did not fit, it cost
+        their TTFT more than it saved its own wait (docs/benchmarks.md)."""
         return False
 
     def fast_lane(self, skip: Iterable[int] = ()) -> dict[int, int]:
@@ -172,11 +173,9 @@ class CostRanking(ArrivalOrder):
 
     def order(self, first: Sequence | None, fast: dict[int, int]) -> list[Sequence]:
         """Aged requests, those whose prefix is placed (they hold its pages), ``first`` (the one
-        preemptions just made room for), preempted requests that come back by copy
-        (:meth:`resuming`), the fast lane, then the rest, each in rank order."""
+        preemptions just made room for), the fast lane, then the rest, each in rank order."""
         return sorted(self.ranked(self.queues.waiting),
-                      key=lambda q: (not (self.urgent(q) or q.prefix_done), q is not first, not self.resuming(q),
-                                     q.seq_id not in fast))
+                      key=lambda q: (not (self.urgent(q) or q.prefix_done), q is not first, q.seq_id not in fast))
 
     def overtakes(self, seq: Sequence, chunked: list[Sequence]) -> bool:
         """It ranks ahead of the one prefill being chunked."""

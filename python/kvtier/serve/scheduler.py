@@ -5,7 +5,6 @@ and an admission watermark; the admission order is a policy chosen by name
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -46,8 +45,9 @@ class Scheduler:
         self.waiting, self.loading, self.running = self.queues.waiting, self.queues.loading, self.queues.running
         self.policy = POLICIES[config.schedule_policy]
         self.step_time = StepTimeModel()  # fed by the engine with every step's measured seconds
-        # device pages a new request leaves free while others run (the admission watermark)
-        self.reserve = math.ceil(config.admission_watermark * pool.config.num_device_pages)
+        # device pages a new request leaves free while others run (the admission watermark;
+        # rounded down, as vLLM's block manager does: a pool of a few pages keeps none)
+        self.reserve = int(config.admission_watermark * pool.config.num_device_pages)
         self.ranking = self.policy.ranking(config, pool, self.queues)
         self.preemption = self.policy.preemption(self.ranking, config, pool, self.queues, self.step_time, self.reserve)
         # The step being scheduled.
@@ -151,7 +151,7 @@ class Scheduler:
                 self.queues.start_running(seq, self.clock)
                 if not hold:
                     chunked += plan.chunked([seq])
-            elif hold or self.ranking.urgent(seq) or self.ranking.resuming(seq):
+            elif hold or self.ranking.urgent(seq):
                 break
 
         for seq in self.ranking.leftover(plan.batch):  # left-over budget to running prefills
