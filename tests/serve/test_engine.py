@@ -160,7 +160,7 @@ def test_a_failing_request_finishes_with_an_error_and_others_complete(llm, monke
 
     long_prompt = prompt(100, 23)  # not cached, 64-token steps: its first token is sampled in step 2
     monkeypatch.setattr(sampler_module.ops, "sample", sample)
-    bad = dataclasses.replace(GREEDY, top_p=0.5, max_tokens=1)
+    bad = dataclasses.replace(GREEDY, temperature=0.7, top_p=0.5, max_tokens=1)  # sampled: an all-greedy step makes no call
     outs = llm.generate(prompt_token_ids=[prompt(10, 22), long_prompt], sampling_params=[bad, GREEDY])
     assert outs[0].finish_reason == "error" and "sampler exploded" in outs[0].error
     assert outs[1].error is None and len(outs[1].token_ids) == 6
