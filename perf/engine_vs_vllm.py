@@ -31,6 +31,10 @@ chunk), TPOT ((last chunk - first chunk) / (output tokens - 1)), output tokens f
 round, and (prompt + output) tokens / wall; TTFT and TPOT medians and p90. The table gives the
 median over rounds of each figure and kvtier / vLLM of the medians.
 
+``--baseline-pythonpath DIR`` (``python/`` of an earlier commit, e.g. ``git archive``d, with the
+built ``kvtier/_C`` copied in) adds that kvtier as ``kvtier-base`` to the same alternating rounds:
+before and after a change under the same load.
+
 ``--profile PATH``: after the ``off`` rounds, one more kvtier round under ``py-spy record --pid
 --format raw`` (folded stacks, written to PATH), and the top frames of kvtier's engine thread
 (self and inclusive samples) into the JSON.
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -66,6 +71,7 @@ from server_process import ServerProcess, free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "bench-dsv3"
 ENGINES = ("kvtier", "vllm")
+BASE = "kvtier-base"  # kvtier serve from --baseline-pythonpath (an earlier commit), in the same rounds
 CONFIGS = ("off", "cache")
 
 
@@ -103,7 +109,8 @@ def server_cmd(args, engine: str, config: str, model: Path, port: int) -> tuple[
         cmd.append("--no-prefix-caching")
     else:
         cmd += ["--host-cache-bytes", str(int(args.host_cache_gib * (1 << 30)))]
-    return cmd, {**os.environ, "PYTHONPATH": args.kvtier_pythonpath}
+    path = args.baseline_pythonpath if engine == BASE else args.kvtier_pythonpath
+    return cmd, {**os.environ, "PYTHONPATH": path}
 
 
 def prompts(args, round_index: int) -> list[list[int]]:
@@ -216,29 +223,37 @@ def profile_round(args, server: ServerProcess, out: Path, round_index: int) -> d
     return {"round": row, "raw": str(out), **top_frames(out)}
 
 
+def engines_of(args) -> tuple[str, ...]:
+    """The servers measured: kvtier and vLLM, and kvtier's baseline when one is given."""
+    return (*ENGINES, BASE) if args.baseline_pythonpath else ENGINES
+
+
 def run_config(args, config: str, model: Path, work: Path, doc: dict, save) -> None:
     """Start both servers of ``config``, warm each up, run the alternating rounds (and the profile)."""
-    rows = doc["results"].setdefault(config, {e: {"rounds": []} for e in ENGINES})
+    engines = engines_of(args)
+    rows = doc["results"].setdefault(config, {e: {"rounds": []} for e in engines})
     servers = {}
-    for engine in ENGINES:
+    for engine in engines:
         port = free_port()
         cmd, env = server_cmd(args, engine, config, model, port)
         servers[engine] = ServerProcess(cmd, port, work / f"{config}-{engine}.log", env, args.start_timeout_s)
-    with servers["kvtier"] as kv, servers["vllm"] as vl:
-        for engine, s in (("kvtier", kv), ("vllm", vl)):
+    with contextlib.ExitStack() as stack:
+        for engine in engines:
+            s = stack.enter_context(servers[engine])
             rows[engine]["server"] = " ".join(s.cmd)
             rows[engine]["start_s"] = round(s.start_s, 1)
             run_round(args, s.url, -1)  # warm-up (vLLM's compile of the batch shapes, kvtier's first steps)
+        kv = servers["kvtier"]
         for r in range(args.rounds):
-            order = ENGINES if r % 2 == 0 else ENGINES[::-1]
+            order = engines if r % 2 == 0 else engines[::-1]
             for engine in order:
-                row = run_round(args, (kv if engine == "kvtier" else vl).url, r)
+                row = run_round(args, servers[engine].url, r)
                 rows[engine]["rounds"].append(row)
                 print(f"[{config} round {r}] {engine}: {row['output_tok_s']:.0f} output tok/s, TPOT p50 "
                       f"{1e3 * row['tpot_p50_s']:.1f} ms, TTFT p50 {1e3 * row['ttft_p50_s']:.0f} ms, "
                       f"load {row['load'][0]:.1f}", flush=True)
                 save()
-        for engine in ENGINES:
+        for engine in engines:
             rows[engine]["summary"] = summarize(rows[engine]["rounds"])
         if args.profile and config == "off":
             doc["profile"] = profile_round(args, kv, Path(args.profile), args.rounds)
@@ -255,13 +270,13 @@ def table(results: dict) -> str:
         return f"{fmt.format(s[f]['median'] * scale)} [{fmt.format(s[f]['min'] * scale)}-{fmt.format(s[f]['max'] * scale)}]"
 
     for config, rows in results.items():
-        sums = {e: rows[e].get("summary") for e in ENGINES}
-        for engine in ENGINES:
+        sums = {e: r.get("summary") for e, r in rows.items()}
+        for engine in rows:
             s = sums[engine]
             if not s:
                 continue
             ratio = ["", ""]
-            if engine == "kvtier" and sums["vllm"]:
+            if engine != "vllm" and sums.get("vllm"):
                 v = sums["vllm"]
                 ratio = [f"{s['output_tok_s']['median'] / v['output_tok_s']['median']:.2f}x",
                          f"{s['tpot_p50_s']['median'] / v['tpot_p50_s']['median']:.2f}x"]
@@ -294,6 +309,9 @@ def main() -> int:
                    help="kvtier serve's --tokenizer (the prompts are token ids; it is not used for them)")
     p.add_argument("--kvtier-pythonpath", default=str(ROOT / "python"),
                    help="PYTHONPATH of kvtier serve (e.g. a copy of python/ at an earlier commit)")
+    p.add_argument("--baseline-pythonpath", default="",
+                   help=f"also run kvtier serve from this PYTHONPATH (an earlier commit's python/) as {BASE!r} in "
+                        "the same alternating rounds: before and after a change under the same load")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager")
     p.add_argument("--profile", default="", help="py-spy raw profile of one more kvtier round (caches off)")
     p.add_argument("--profile-rate", type=int, default=200, help="py-spy samples per second")
