@@ -114,7 +114,7 @@ def test_store_reads_end_in_virtual_time():
     start = clock.now
     assert store.ended(read) and clock.now > start  # waiting stalls the clock to the read's end
     assert clock.now >= 8_000_000 / 1e8  # the whole state over the 100 MB/s storage link
-    assert store.stats.bytes_loaded["disk"] == 100  # placeholder bytes (reports scale them to state_bytes)
+    assert store.stats.bytes_loaded["disk"] == 8_000_000 * 1e-4  # the whole state, in placeholder units
     missing = store.read(bytes(16), Tier.HOST)
     assert missing.done() and not store.ended(missing) and store.stats.failures["missing"] == 1
 

@@ -92,8 +92,6 @@ class SimWorker:
         engine: the real :class:`Engine`; ``engine.pool``, ``engine.scheduler`` its pool and
             scheduler.
         runner: its :class:`TimedRunner`; copy_engine: its :class:`SimCopyEngine`.
-        state_bytes_scale: modelled bytes (one checkpoint's ``state_bytes``, all devices) per byte
-            of the pool's placeholder checkpoints (0 without checkpoints).
         busy, step: a step (or a wait for a copy to end) is in flight; that step (None: a wait).
         running: the closed loop's session of each request id it runs (:mod:`kvtier.sim.loop`).
     """
@@ -108,7 +106,7 @@ class SimWorker:
         self.copy_engine = SimCopyEngine(clock, links)
         # the placeholder pages' blocks: 1 layer x page_size x 1 byte
         cost = links.cost_model(config.pool.page_size, prefill_tok_s(timer, config.max_num_batched_tokens))
-        store, self.state_bytes_scale = None, 0.0
+        store = None
         pool_config = config.pool_config()
         if states is not None and pool_config.enable_prefix_caching:
             scale = config.pool.page_size / links.block_bytes  # placeholder bytes per modelled byte
@@ -118,7 +116,6 @@ class SimWorker:
                                               state_checkpoint_tokens=states.checkpoint_tokens)
             self.runner.checkpoints = CheckpointPlan(config.pool.page_size, states.checkpoint_tokens, checkpoints)
             self.runner.placeholder = torch.zeros(store.checkpoint_bytes, dtype=torch.uint8)
-            self.state_bytes_scale = states.state_bytes / store.checkpoint_bytes
         pool = KVPool(pool_config, self.runner.kv_caches, cost, copy_engine=self.copy_engine,
                       disk=disk, clock=clock, checkpoints=store)
         self.engine = Engine(None, config, runner=self.runner, pool=pool, clock=clock)

@@ -230,9 +230,9 @@ def state_counters(workers: list[SimWorker], since: dict | None = None) -> dict 
     """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields, bytes
     in modelled bytes) added up, less ``since`` (an earlier result of this function; None: from
     the start); None when no worker's pool keeps states."""
-    stats = [(dataclasses.asdict(snap), w.state_bytes_scale) for w in workers if (snap := w.pool.stats().state)]
+    stats = [(dataclasses.asdict(snap), w.bytes_scale) for w in workers if (snap := w.pool.stats().state)]
     for s, scale in stats:
-        for k in ("bytes_loaded", "bytes_written"):  # placeholder checkpoints -> modelled state bytes
+        for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
             s[k] = {n: round(v * scale) for n, v in s[k].items()}
     stats = [s for s, _ in stats]
     if not stats:

@@ -26,8 +26,8 @@ heads) and copies its share over its own host link, as it loads its replica of t
 a host copy moves ``state_bytes / tp`` bytes per device (``link_bytes``), a disk copy the whole
 ``state_bytes`` through the node's storage link. A placeholder checkpoint is ``link_bytes`` in the
 pool's placeholder units (see :class:`~kvtier.sim.copies.TierLinks`), what the pool's cost model
-prices; the store's byte counters count placeholder checkpoints, which reports scale to
-``state_bytes`` each (all devices, :attr:`kvtier.sim.engine.SimWorker.state_bytes_scale`).
+prices; the store's byte counters count ``state_bytes`` (all devices) per checkpoint in the same
+units, as the KV counters, so reports scale both alike.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def sim_checkpoints(states: CheckpointSizes, copy_engine: SimCopyEngine, scale: 
     if host_tier is not None:
         stores[Tier.HOST] = SimHostStore(host_tier, copy_engine, states.link_bytes)
     return CheckpointStore(n, device_slots=check_int("device_checkpoints", states.device_checkpoints, min_value=0),
-                           stores=stores, clock=copy_engine.clock)
+                           stores=stores, clock=copy_engine.clock, counted_bytes=states.state_bytes * scale)
 
 
 __all__ = ["CHECKPOINT_POLICIES", "CheckpointSizes", "sim_checkpoints"]

@@ -134,6 +134,8 @@ class CheckpointStore:
             copies); the host store's slots hold host copies, the others are written from them.
         clock: seconds, monotonic (recency of use).
         stats: the counters to update.
+        counted_bytes: what the byte counters add per checkpoint (default ``checkpoint_bytes``;
+            the simulator counts the bytes its placeholder checkpoints stand for).
 
     Raises:
         ValueError: ``checkpoint_bytes`` <= 0.
@@ -141,10 +143,11 @@ class CheckpointStore:
 
     def __init__(self, checkpoint_bytes: int, *, device_slots: int = 0, device="cpu",
                  stores: Mapping[Tier, TierStore] | None = None, clock=None,
-                 stats: StateStats | None = None):
+                 stats: StateStats | None = None, counted_bytes: float | None = None):
         if not isinstance(checkpoint_bytes, int) or checkpoint_bytes <= 0:
             raise ValueError(f"checkpoint_bytes must be a positive int, got {checkpoint_bytes!r}")
         self.checkpoint_bytes = checkpoint_bytes
+        self.counted_bytes = checkpoint_bytes if counted_bytes is None else counted_bytes
         self.meta = checkpoint_meta(checkpoint_bytes)
         self.clock = clock if clock is not None else time.monotonic
         self.stats = stats if stats is not None else StateStats()
@@ -250,7 +253,7 @@ class CheckpointStore:
         self.index.gain(key, tier, slot)
         if tier in self._counts and not reserved:
             self._counts[tier] += 1
-        self.stats.bytes_written[TIER_NAMES[tier]] += self.checkpoint_bytes
+        self.stats.bytes_written[TIER_NAMES[tier]] += self.counted_bytes
 
     def poll(self, wait: bool = False) -> None:
         """Index the lower tiers' writes that ended (all of them, waiting, with ``wait``) and
@@ -300,7 +303,7 @@ class CheckpointStore:
         drop a failed copy from the index. Returns whether it succeeded."""
         if read.result() == 0:
             if read.tier != Tier.DEVICE:
-                self.stats.bytes_loaded[TIER_NAMES[read.tier]] += self.checkpoint_bytes
+                self.stats.bytes_loaded[TIER_NAMES[read.tier]] += self.counted_bytes
             return True
         self.stats.failures[read.reason] += 1
         self.drop(read.key, read.tier)
