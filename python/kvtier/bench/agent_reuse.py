@@ -29,7 +29,9 @@ boundaries (``boundaries()`` of the session encoders, :mod:`kvtier.tokenize.xtml
       restated_k = floor((prompt_{k-1} - after_history) / page_size) * page_size
 
   with ``after_history`` the ids a forced prompt holds after its history's end (the tail and the
-  generation prompt), measured on the renderer (:func:`prompt_tail`);
+  generation prompt), measured on the renderer (:func:`prompt_tail`). The tail and the next
+  assistant message open with the same few tokens, so a turn can find a page more where a grid
+  checkpoint (``--state-checkpoint-tokens``) falls among them (a restated ratio just above 1);
 - a new session on a model that resumes only at state checkpoints (a hybrid KDA + MLA model):
   the last boundary the renderer names (the tool declaration's end, the first user message's
   opening tag) within the shared prefix, in whole pages;
