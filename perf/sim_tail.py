@@ -24,6 +24,7 @@ from kvtier.bench.report import bench_json
 from kvtier.bench.run import BenchOptions
 from kvtier.sim.hardware import Link
 from kvtier.provenance import provenance
+from kvtier.serve.config import ADMISSION_WATERMARK
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -51,12 +52,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--configs", default="device-only,tiered")
     ap.add_argument("--schedule-policy", default="cache-aware")
+    ap.add_argument("--preemption-mode", default="swap", help="swap or recompute (EngineConfig.preemption_mode)")
+    ap.add_argument("--admission-watermark", type=float, default=ADMISSION_WATERMARK,
+                    help="share of device pages a new request leaves free (EngineConfig.admission_watermark)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slowest", type=int, default=5)
     ap.add_argument("--json", help="write the run here, records included (perf/tail_report.py reads it)")
     args = ap.parse_args()
     opts = BenchOptions(trace=args.trace, sessions=args.sessions, concurrency=args.concurrency,
-                        configs=args.configs, schedule_policy=args.schedule_policy, seed=args.seed)
+                        configs=args.configs, schedule_policy=args.schedule_policy, seed=args.seed,
+                        preemption_mode=args.preemption_mode, admission_watermark=args.admission_watermark)
     runs = [r.run for r in simulate_bench(opts, load_costs(args.costs))]
     doc = bench_json(runs, provenance(simulated=True, options=vars(args)), records=True)
     if args.json:

@@ -12,9 +12,11 @@ from kvtier.options import check_choice, check_int, check_real
 
 SCHEDULE_POLICIES = ("cache-aware", "fcfs")  # kvtier.serve.admission.POLICIES by name (checked there)
 PREEMPTION_MODES = ("swap", "recompute")  # EngineConfig.preemption_mode (vLLM's names for the two)
-ADMISSION_WATERMARK = 0.02
+ADMISSION_WATERMARK = 0.0
 """Default ``EngineConfig.admission_watermark``: the share of device pages admission keeps free
-for the running sequences' next pages (chosen by measurement, docs/benchmarks.md)."""
+for the running sequences' next pages. 0, 0.02 and 0.05 were measured under swap preemption in
+the simulator on 32 kv-cache-tester sessions (perf/results/sim_preemption_watermark.json): TPOT
+p99 2.34, 2.31 and 4.90 s, TTFT p90 1.23, 1.35 and 1.40 s; none is kept by default."""
 
 
 @dataclass(frozen=True)
