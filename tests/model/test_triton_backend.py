@@ -1,7 +1,7 @@
 """The tiny model with its paged attention and routed experts on the Triton kernels (interpreter
 on CPU) matches the torch backend's log-probabilities: prompt log-probs over a chunked prefill
 (mla_extend on a cached prefix, moe_route + fused_moe per chunk) and the generated tokens'
-log-probs (mla_decode, greedy sampling on the triton kernel too), on a NaN-poisoned, shuffled page
+log-probs (mla_decode, greedy sampling with a presence penalty on the triton kernel too), on a NaN-poisoned, shuffled page
 pool."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ OPS = {"mla_extend", "mla_decode", "moe_route", "fused_moe", "sample"}
 
 
 def _run(backend, monkeypatch):
-    """Generate 3 greedy tokens of a 13-token prompt; returns (output, {op: resolved backends})."""
+    """Generate 3 greedy tokens (a presence penalty) of a 13-token prompt; returns (output, {op: resolved backends})."""
     resolved: dict[str, set[str]] = {}
 
     def recording(op, *args):
@@ -33,7 +33,9 @@ def _run(backend, monkeypatch):
     llm = poisoned_llm("tiny", seed=3, max_num_batched_tokens=8)  # chunks of 8: later chunks attend to a prefix
     llm.engine.runner.model.set_backend(backend)
     prompt = torch.randint(0, llm.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).tolist()
-    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=True, prompt_logprobs=True)
+    # a presence penalty keeps the greedy rows on ops.sample (an all-greedy step without penalties
+    # takes each row's argmax and makes no sampling call)
+    params = SamplingParams(max_tokens=3, temperature=0.0, presence_penalty=0.5, logprobs=True, prompt_logprobs=True)
     return llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0], resolved
 
 
