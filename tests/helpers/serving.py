@@ -26,11 +26,11 @@ def always_load(llm):
     return llm
 
 
-def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware", llm=LLM):
+def host_cached(*prompts, num_device_pages=10, schedule_policy="cache-aware", llm=LLM, preemption_mode="recompute"):
     """A tiny engine (``llm``: ``LLM`` or :class:`tests.helpers.engines.StandInLLM`) whose host
     tier holds ``prompts``' blocks and whose device pages do not."""
     built = always_load(llm("tiny", page_size=PS, num_device_pages=num_device_pages, host_cache_bytes=64 * BLOCK,
-                            schedule_policy=schedule_policy))
+                            schedule_policy=schedule_policy, preemption_mode=preemption_mode))
     for p in (*prompts, prompt(N, 901), prompt(N, 902)):
         built.generate(prompt_token_ids=[p], sampling_params=ONE)
     built.engine.pool.poll(wait=True)

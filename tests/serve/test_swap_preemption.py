@@ -81,7 +81,7 @@ def test_a_swapped_decode_loads_its_blocks_back_and_recomputes_only_its_partial_
     """A decode is preempted; another request takes every page (its blocks are written back to
     the host tier); when it resumes, its full blocks load from there and only the tokens past
     them (fewer than a page, its last token included) run again. Its output is its own."""
-    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=12, host_cache_bytes=64 * BLOCK,
+    llm = always_load(StandInLLM("tiny", page_size=PS, num_device_pages=12, host_cache_bytes=64 * BLOCK, preemption_mode="swap",
                                  write_policy="write-back", admission_watermark=0.0))
     engine, scheduler, pool = llm.engine, llm.engine.scheduler, llm.engine.pool
     p = prompt(5 * PS + 3, 7)
@@ -110,7 +110,8 @@ def test_a_swapped_decode_loads_its_blocks_back_and_recomputes_only_its_partial_
 def test_a_preempted_request_is_not_held_to_the_watermark():
     """A new request that would leave fewer than the watermark's pages free waits; the same
     request, preempted (it comes back by copy), is not held to it."""
-    llm = StandInLLM("tiny", page_size=PS, num_device_pages=20, admission_watermark=0.25, host_cache_bytes=64 * BLOCK)
+    llm = StandInLLM("tiny", page_size=PS, num_device_pages=20, admission_watermark=0.25, host_cache_bytes=64 * BLOCK,
+                     preemption_mode="swap")
     engine, scheduler = llm.engine, llm.engine.scheduler
     engine.add_request(prompt(N, 5), LONG)
     engine.step()  # it holds 9 to 10 of the 20 pages
@@ -128,7 +129,7 @@ def test_a_decode_is_preempted_for_a_new_turn_only_when_its_resume_costs_less_th
     and recomputes 3 tokens. With 10 s steps, waiting for the decode costs more than its resume:
     it is preempted. With steps far shorter than its resume it is not: the turn waits for it to
     end. Outputs are unchanged either way."""
-    llm = host_cached(llm=StandInLLM)
+    llm = host_cached(llm=StandInLLM, preemption_mode="swap")
     engine, scheduler = llm.engine, llm.engine.scheduler
     decode_prompt, cold_prompt = prompt(5 * PS + 3, 3), prompt(N, 77)
     dec = engine.add_request(decode_prompt, LONG)

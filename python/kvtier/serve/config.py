@@ -50,7 +50,7 @@ class EngineConfig:
         schedule_max_passes: under ``cache-aware``, a request that later arrivals passed over in
             this many steps is served ahead of every request that was not, in arrival order.
         preemption_mode: what a preempted sequence costs when it comes back
-            (:mod:`kvtier.serve.preemption`). ``swap`` (default): where the pool keeps evicted
+            (:mod:`kvtier.serve.preemption`). ``swap``: where the pool keeps evicted
             blocks below the device (``KVPool.keeps_evicted_blocks``), its full blocks go down a
             tier when their pages are reused and load back by copy, and victims are chosen by
             their resume cost (``KVPool.resume_s``): a decode is preempted for a waiting request
@@ -86,7 +86,7 @@ class EngineConfig:
     cuda_graph: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
-    preemption_mode: str = "swap"
+    preemption_mode: str = "recompute"
     admission_watermark: float = ADMISSION_WATERMARK
 
     def __post_init__(self) -> None:
