@@ -8,7 +8,7 @@ from kvtier.cache.prefix_index import Tier
 from kvtier.model.config import preset
 from kvtier.model.hybrid_plan import hybrid_memory_plan
 from kvtier.serve.hybrid_state import CheckpointPlan
-from kvtier.serve.hybrid_state import default_checkpoint_tokens
+from kvtier.cache.checkpoints.options import default_checkpoint_tokens
 from kvtier.sim.copies import SimCopyEngine, TierLinks, VirtualClock
 from kvtier.sim.hardware import Link
 from kvtier.sim.run import SimOptions, run_scenario

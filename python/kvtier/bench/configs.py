@@ -57,14 +57,12 @@ class BenchConfig:
     whole_working_set: bool = False
 
     def engine_config(self, base: EngineConfig, host_cache_bytes: int, disk_dir: str | None,
-                      disk_cache_bytes: int, state_host_bytes: int | None = None,
-                      state_disk_bytes: int | None = None, whole_working_set_pages: int | None = None) -> EngineConfig:
+                      disk_cache_bytes: int, whole_working_set_pages: int | None = None) -> EngineConfig:
         """``base`` with this configuration's pool fields.
 
-        ``state_host_bytes`` / ``state_disk_bytes``: the checkpoint budgets (bytes) of the host
-        and disk tiers of a hybrid model (None = the tier's KV budget); they apply only when this
-        configuration has that tier (else 0: no checkpoints there). ``base.pool`` carries the
-        grid spacing and the device checkpoint budget. ``whole_working_set_pages``: the device
+        ``base.pool`` carries a hybrid model's checkpoint options (grid spacing and budgets); the
+        host and disk budgets apply only when this configuration has that tier (else 0: no
+        checkpoints there). ``whole_working_set_pages``: the device
         pages of a ``whole_working_set`` configuration (ignored by the others).
 
         Raises:
@@ -79,8 +77,8 @@ class BenchConfig:
             disk_cache_dir=disk_dir if self.disk else None,
             disk_cache_bytes=disk_cache_bytes if self.disk else 0,
             cache_policy=self.cache_policy, write_policy=self.cache_write_policy,
-            state_host_bytes=state_host_bytes if self.host else 0,
-            state_disk_bytes=state_disk_bytes if self.disk else 0)
+            state_host_bytes=base.pool.state_host_bytes if self.host else 0,
+            state_disk_bytes=base.pool.state_disk_bytes if self.disk else 0)
         if self.whole_working_set:
             # a hybrid model's device checkpoints get that whole KV budget too (None: the tier's KV bytes)
             pool = dataclasses.replace(pool, num_device_pages=whole_working_set_pages, state_device_bytes=None)

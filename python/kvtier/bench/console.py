@@ -35,8 +35,8 @@ def describe(console: Console, opts, workload, sizing) -> None:
                   f"({sizing.working_set_pages} pages); host tier {sizing.host_cache_bytes / 2**20:.1f} MiB; "
                   f"{opts.schedule_policy} admission")
     if sizing.checkpoint_bytes:
-        budgets = ", ".join(f"{t} {'the KV budget' if v is None else f'{v / 2**20:.1f} MiB'}" for t, v in (
-            ("device", opts.state_device_bytes), ("host", opts.state_host_bytes), ("disk", opts.state_disk_bytes)))
+        budgets = ", ".join(f"{t} {'the KV budget' if v is None else f'{v / 2**20:.1f} MiB'}"
+                            for t, v in opts.checkpoints.budgets().items())
         console.print(f"hybrid model: {sizing.checkpoint_bytes / 2**10:.1f} KiB recurrent-state checkpoints at prompt "
                       f"and turn ends and every {sizing.checkpoint_tokens} tokens; checkpoint budgets {budgets}")
 

@@ -240,9 +240,7 @@ def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workloa
     Raises:
         ValueError: the server does not serve ``opts.model``, or the workload is empty.
     """
-    from dataclasses import asdict
-
-    from kvtier.bench.run import load_tokenizer_for, load_workload
+    from kvtier.bench.run import load_tokenizer_for, load_workload, options_json
     from kvtier.model.config import PRESETS, preset
     from kvtier.provenance import provenance
 
@@ -267,5 +265,5 @@ def run_endpoint(opts, url: str, on_start=None, on_finish=None) -> tuple[Workloa
                                 "sessions": len(workload.sessions), "requests": workload.num_requests(),
                                 "block_size": workload.block_size},
                       token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
-                      options=asdict(opts), resume_slo=resume_slo)
+                      options=options_json(opts), resume_slo=resume_slo)
     return workload, run, prov

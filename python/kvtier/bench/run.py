@@ -24,11 +24,10 @@ from kvtier.bench.records import ConfigRun
 from kvtier.bench.closed_loop import whole_working_set_pages
 from kvtier.bench.replay import replay, working_set_pages
 from kvtier.bench.workload import Workload, generate_workload, load_trace
+from kvtier.cache.checkpoints.options import CheckpointOptions
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.disk_tier import DiskTier
-from kvtier.cache.host_tier import HostTier
 from kvtier.serve.builder import check_device, load_for_serving
-from kvtier.serve.hybrid_state import default_checkpoint_tokens
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
 from kvtier.provenance import provenance
@@ -83,13 +82,11 @@ class BenchOptions:
             of device pages admission keeps free for the running sequences.
         device: ``cpu`` or ``cuda`` (CUDA or ROCm): where the model and its page pools live;
             every configuration runs there (host and disk tiers through the device copy path).
-        state_checkpoint_tokens: a hybrid model's grid spacing of recurrent-state checkpoints, in
-            tokens: a positive multiple of the workload's page size (None: the engine's default,
-            :func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`).
-        state_device_bytes, state_host_bytes, state_disk_bytes: a hybrid model's checkpoint
-            budgets per tier in bytes (None: that tier's KV budget; 0: no checkpoints there);
-            the host and disk ones apply to the configurations with that tier. Each one that is
-            not 0 must hold one checkpoint (checked before any configuration runs).
+        checkpoints: a hybrid model's recurrent-state checkpoint options (grid spacing, a multiple
+            of the workload's page size, and per-tier budgets; the host and disk ones apply to the
+            configurations with that tier), checked against the model and workload before any
+            configuration runs (:func:`check_state_options`). Written flat in the provenance's
+            ``options``, as the command line names them.
     """
 
     model: str = "tiny"
@@ -119,10 +116,7 @@ class BenchOptions:
     preemption_mode: str = "recompute"
     admission_watermark: float = ADMISSION_WATERMARK
     device: str = "cpu"
-    state_checkpoint_tokens: int | None = None
-    state_device_bytes: int | None = None
-    state_host_bytes: int | None = None
-    state_disk_bytes: int | None = None
+    checkpoints: CheckpointOptions = CheckpointOptions()
 
     def __post_init__(self) -> None:
         check_device("--device", self.device)
@@ -160,13 +154,12 @@ class BenchOptions:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise ValueError(f"--max-output-tokens must be >= 1, got {self.max_output_tokens}")
-        for name in ("num_device_pages", "host_cache_bytes", "state_checkpoint_tokens", "state_device_bytes",
-                     "state_host_bytes", "state_disk_bytes"):
+        for name, low in (("num_device_pages", 1), ("host_cache_bytes", 0)):
             value = getattr(self, name)
-            low = 1 if name in ("num_device_pages", "state_checkpoint_tokens") else 0
             if value is not None and value < low:
-                what = "a positive multiple of the page size" if name == "state_checkpoint_tokens" else f">= {low}"
-                raise ValueError(f"--{name.replace('_', '-')} must be {what}, got {value}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        if not isinstance(self.checkpoints, CheckpointOptions):
+            raise ValueError(f"checkpoints must be a CheckpointOptions, got {self.checkpoints!r}")
         configs = parse_configs(self.configs)
         if self.disk_cache_dir is not None and any(c.disk for c in configs):
             d = Path(self.disk_cache_dir)
@@ -246,9 +239,8 @@ def size_tiers(opts: BenchOptions, workload: Workload, model: KimiK2ForCausalLM)
     host = opts.host_cache_bytes if opts.host_cache_bytes is not None else int(opts.host_fraction * ws * block_bytes)
     distinct = len({b for s in workload.sessions for t in s.turns for b in t.block_ids})
     disk = (distinct + 16) * DiskTier.file_bytes(block_bytes)
-    ckpt_bytes, ckpt_tokens = spec.state_bytes, 0
-    if ckpt_bytes:
-        ckpt_tokens = opts.state_checkpoint_tokens or default_checkpoint_tokens(ckpt_bytes, block_bytes // ps, ps)
+    ckpt_bytes = spec.state_bytes
+    ckpt_tokens = opts.checkpoints.grid_tokens(ckpt_bytes, block_bytes // ps, ps) if ckpt_bytes else 0
     return Sizing(ps, ws, device, block_bytes, host, disk, device_floor_applied=device > wanted,
                   checkpoint_bytes=ckpt_bytes, checkpoint_tokens=ckpt_tokens,
                   whole_working_set_pages=max(whole_working_set_pages(workload, ps, opts.concurrency), device))
@@ -273,8 +265,7 @@ def run_config(config: BenchConfig, model: KimiK2ForCausalLM, model_id: bytes, b
     disk_dir = tempfile.mkdtemp(prefix=f"kvtier-bench-{config.name}-", dir=opts.disk_cache_dir) if config.disk else None
     try:
         engine = Engine(model, config.engine_config(base, sizing.host_cache_bytes, disk_dir, sizing.disk_cache_bytes,
-                                                    opts.state_host_bytes, opts.state_disk_bytes,
-                                                    sizing.whole_working_set_pages), model_id)
+                                                    whole_working_set_pages=sizing.whole_working_set_pages), model_id)
         # As a server does once started: what exists now (model, workload, engine) leaves the
         # collector's generations, so a full collection no longer scans it (they paused steps
         # for ~150 ms each on the trace; ~55 ms frozen).
@@ -303,7 +294,13 @@ def bench_provenance(opts: BenchOptions, workload: Workload, sizing: Sizing, mod
         workload={"name": workload.name, "source": workload.source, "format": workload.format,
                   "sessions": len(workload.sessions), "requests": workload.num_requests()},
         token_scale=opts.token_scale, time_scale=opts.time_scale, max_think_s=opts.max_think_s,
-        sizing=asdict(sizing), options=asdict(opts), torch_threads=torch.get_num_threads())
+        sizing=asdict(sizing), options=options_json(opts), torch_threads=torch.get_num_threads())
+
+
+def options_json(opts: BenchOptions) -> dict:
+    """``opts`` as JSON, the checkpoint options flat beside the others (as the command line names them)."""
+    out = asdict(opts)
+    return out | out.pop("checkpoints")
 
 
 def prepare(opts: BenchOptions):
@@ -329,8 +326,7 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
     check_state_options(opts, model, workload.block_size)
     sizing = size_tiers(opts, workload, model)
     pool = PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
-                      state_checkpoint_tokens=opts.state_checkpoint_tokens or 0,
-                      state_device_bytes=opts.state_device_bytes)
+                      **opts.checkpoints.pool_fields())
     base = EngineConfig(pool=pool,
                         max_num_batched_tokens=opts.max_num_batched_tokens, max_num_seqs=max(opts.concurrency, 1),
                         seed=opts.seed, schedule_policy=opts.schedule_policy, preemption_mode=opts.preemption_mode,
@@ -338,40 +334,20 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
     return workload, sizing, base
 
 
-STATE_OPTIONS = ("state_checkpoint_tokens", "state_device_bytes", "state_host_bytes", "state_disk_bytes")
-"""The :class:`BenchOptions` fields that apply to hybrid models only."""
-
-
 def check_state_options(opts: BenchOptions, model, page_size: int) -> None:
-    """Check ``opts``'s checkpoint options against ``model`` and the workload's ``page_size``
-    (tokens), before any configuration runs (a budget the pool would refuse fails here, not
-    after the configurations before it have run).
+    """Check ``opts.checkpoints`` against ``model`` and the workload's ``page_size`` (tokens) before
+    any configuration runs (a budget the pool would refuse fails here, not after the configurations
+    before it have run).
 
     Raises:
-        ValueError: a checkpoint option given for a model that is not hybrid;
-            ``--state-checkpoint-tokens`` not a multiple of ``page_size``; a budget that is not 0
-            and smaller than one checkpoint of ``model`` in its tier (each names the option and
-            what was expected).
+        ValueError: see :meth:`kvtier.cache.checkpoints.options.CheckpointOptions.check_model` and
+            :meth:`~kvtier.cache.checkpoints.options.CheckpointOptions.check` (each names the option).
     """
-    given = [n for n in STATE_OPTIONS if getattr(opts, n) is not None]
     nbytes = model.cache_spec().state_bytes  # as the engine sizes its checkpoints
-    if not nbytes:
-        if given:
-            raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in given)} apply to hybrid KDA + MLA "
-                             f"models only (recurrent-state checkpoints); model {opts.model!r} has none")
-        return
-    n = opts.state_checkpoint_tokens
-    if n is not None and n % page_size:
-        raise ValueError(f"--state-checkpoint-tokens must be a positive multiple of the page size ({page_size} tokens "
-                         f"here: the workload's block size times --token-scale), got {n}")
-    floors = {"state_device_bytes": nbytes, "state_host_bytes": HostTier.row_bytes(nbytes),
-              "state_disk_bytes": DiskTier.file_bytes(nbytes)}
-    for name, floor in floors.items():
-        value = getattr(opts, name)
-        if value and value < floor:
-            raise ValueError(f"--{name.replace('_', '-')}={value} is smaller than one state checkpoint of model "
-                             f"{opts.model!r} in that tier ({floor} bytes for a {nbytes}-byte checkpoint): give at "
-                             "least that many bytes, or 0 for no checkpoints there")
+    opts.checkpoints.check_model(nbytes, opts.model)
+    if nbytes:
+        opts.checkpoints.check(page_size, f"the page size ({page_size} tokens here: the workload's block size "
+                                          "times --token-scale)")
 
 
 def _start(opts: BenchOptions):
@@ -423,5 +399,5 @@ def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_fi
     return workload, sizing, points, bench_provenance(opts, workload, sizing, model) | {"load_sweep": list(loads)}
 
 
-__all__ = ["BenchOptions", "STATE_OPTIONS", "Sizing", "at_load", "check_state_options", "prepare", "prepare_workload",
+__all__ = ["BenchOptions", "Sizing", "at_load", "check_state_options", "options_json", "prepare", "prepare_workload",
            "run_all", "run_config", "run_sweep", "size_tiers"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvtier.cache.remote import check_remote_url
@@ -37,7 +38,8 @@ class PoolConfig:
             model has no recurrent state (no checkpoints). Set by the engine from the model.
         state_checkpoint_tokens: spacing in tokens of the sparse grid of checkpoints a hybrid
             model's prefill saves beside the ones at prompt and turn ends; a positive multiple
-            of ``page_size``, or 0 = the default (:func:`default_checkpoint_tokens`).
+            of ``page_size``, or 0 = the default
+            (:func:`kvtier.cache.checkpoints.options.default_checkpoint_tokens`).
         state_device_bytes, state_host_bytes, state_disk_bytes: checkpoint budgets of the device,
             host and disk tiers, separate from their KV budgets; None = the tier's KV budget
             (``num_device_pages`` blocks, ``host_cache_bytes``, ``disk_cache_bytes``), 0 = no
@@ -99,3 +101,13 @@ class PoolConfig:
         if self.remote_cache_url is not None and self.host_cache_bytes == 0:
             raise ValueError(f"remote_cache_url={self.remote_cache_url!r} needs host_cache_bytes > 0: blocks reach "
                              "the remote tier through host memory; got host_cache_bytes=0")
+
+    def keeping_checkpoints(self, checkpoint_bytes: int, kv_bytes_per_token: int) -> PoolConfig:
+        """This config keeping recurrent-state checkpoints of ``checkpoint_bytes`` bytes, its grid
+        spacing 0 made the default for a model of ``kv_bytes_per_token`` bytes of KV per token
+        (:func:`kvtier.cache.checkpoints.options.default_checkpoint_tokens`)."""
+        from kvtier.cache.checkpoints.options import default_checkpoint_tokens
+
+        grid = self.state_checkpoint_tokens or default_checkpoint_tokens(checkpoint_bytes, kv_bytes_per_token,
+                                                                         self.page_size)
+        return dataclasses.replace(self, state_checkpoint_bytes=checkpoint_bytes, state_checkpoint_tokens=grid)

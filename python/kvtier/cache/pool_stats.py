@@ -3,7 +3,20 @@ and what the pool publishes of them (:class:`PoolSnapshot`, from :meth:`KVPool.s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+
+
+def series(name: str, doc: str, label: str | None = None, **kw):
+    """A counter field of a pool's section (:meth:`PoolSnapshot.sections`) with the Prometheus series
+    it is published as: ``name`` (``_total`` added), help ``doc``, and ``label`` naming the keys of a
+    dict of counts (None: a plain count). ``kw`` go to :func:`dataclasses.field`."""
+    return field(metadata={"series": (name, doc, label)}, **kw)
+
+
+def series_table(section) -> dict[str, tuple[str, str, str | None]]:
+    """``{field: (metric name, help, label or None)}`` of a section class or instance, in field order."""
+    return {f.name: f.metadata["series"] for f in dataclasses.fields(section)}
 
 
 @dataclass
@@ -61,20 +74,36 @@ class StateStats:
             because no checkpoint was reachable at their boundary (exact hits only).
     """
 
-    hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    bytes_loaded: dict[str, int] = field(default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
-    bytes_written: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    saved: dict[str, int] = field(default_factory=lambda: {"grid": 0, "turn": 0})
-    evictions: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    refused: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    failures: dict[str, int] = field(default_factory=lambda: {"missing": 0, "corrupt": 0, "error": 0})
-    fallbacks: int = 0
-    tokens_lost: int = 0
+    hits: dict[str, int] = series(
+        "kvtier_state_checkpoint_hits", "recurrent-state checkpoints restored into a request, by the tier they came "
+        "from (device: a device checkpoint slot)", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    bytes_loaded: dict[str, int] = series(
+        "kvtier_state_checkpoint_bytes_loaded", "checkpoint bytes read from a tier below the device, by tier", "tier",
+        default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
+    bytes_written: dict[str, int] = series(
+        "kvtier_state_checkpoint_bytes_written", "checkpoint bytes written, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    saved: dict[str, int] = series(
+        "kvtier_state_checkpoints_saved", "checkpoints saved, by kind (grid: the prefill's sparse grid; turn: a "
+        "prompt's or a turn's end)", "kind", default_factory=lambda: {"grid": 0, "turn": 0})
+    evictions: dict[str, int] = series(
+        "kvtier_state_checkpoint_evictions", "checkpoints dropped to make room, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    refused: dict[str, int] = series(
+        "kvtier_state_checkpoints_refused", "checkpoints not stored in a tier that had no room, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    failures: dict[str, int] = series(
+        "kvtier_state_checkpoint_failures", "checkpoint reads that failed (each fell back to an earlier point), by "
+        "reason: missing, corrupt, error", "reason", default_factory=lambda: {"missing": 0, "corrupt": 0, "error": 0})
+    fallbacks: int = series("kvtier_state_checkpoint_fallbacks", "restores that fell back to an earlier point after "
+                            "a failed checkpoint or a missing MLA block", default=0)
+    tokens_lost: int = series("kvtier_state_tokens_lost", "prompt tokens whose MLA blocks were reachable but not "
+                              "reused: no checkpoint was reachable at their boundary", default=0)
 
     def copy(self) -> StateStats:
-        return StateStats(dict(self.hits), dict(self.bytes_loaded), dict(self.bytes_written), dict(self.saved),
-                          dict(self.evictions), dict(self.refused), dict(self.failures), self.fallbacks,
-                          self.tokens_lost)
+        return StateStats(**{f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
+                             for f in dataclasses.fields(self)})
 
 
 @dataclass(frozen=True)
@@ -82,9 +111,11 @@ class RemoteSnapshot:
     """A remote tier's block reads and writes by status name (``ok``, ``miss``, ``corrupt``, ...;
     :class:`kvtier.cache.remote.RemoteStatus`) and its failed existence queries, at one instant."""
 
-    gets: dict[str, int]
-    puts: dict[str, int]
-    exists_failures: int
+    gets: dict[str, int] = series("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)",
+                                  "status")
+    puts: dict[str, int] = series("kvtier_remote_puts", "remote tier block writes, by status", "status")
+    exists_failures: int = series("kvtier_remote_lookup_failures", "remote lookups that failed or timed out (taken "
+                                  "as absent)")
 
     @property
     def misses(self) -> int:
@@ -128,7 +159,8 @@ class PoolSnapshot:
 
     def sections(self) -> dict[str, RemoteSnapshot | StateStats]:
         """The counters this pool keeps beyond its blocks', by name: ``remote`` (a remote tier's
-        reads and writes) and ``state`` (recurrent-state checkpoints), each only where the pool has it."""
+        reads and writes) and ``state`` (recurrent-state checkpoints), each only where the pool has it;
+        each field's Prometheus series is in its metadata (:func:`series_table`)."""
         return {name: v for name, v in (("remote", self.remote), ("state", self.state)) if v is not None}
 
     @classmethod

@@ -8,7 +8,7 @@ import math
 
 from rich.console import Console
 
-from kvtier.cli.serve import add_state_options, check_state_options
+from kvtier.cli.serve import add_state_options, state_options
 from kvtier.model import PRESETS
 from kvtier.serve.config import ADMISSION_WATERMARK, PREEMPTION_MODES, SCHEDULE_POLICIES
 
@@ -23,7 +23,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_bench_agents(args)
     if args.json_records and not args.json:
         raise ValueError("--json-records adds the per-request records to --json PATH; give --json too")
-    check_state_options(args, None)  # the page size comes from the workload: checked once it is loaded
+    checkpoints = state_options(args)  # the page size comes from the workload: checked once it is loaded
     loads = parse_loads(args.load_sweep) if args.load_sweep is not None else None
     if args.ttft_slo is not None and (loads is None or not 0 < args.ttft_slo < math.inf):
         raise ValueError(f"--ttft-slo needs --load-sweep and a finite number of seconds > 0, got {args.ttft_slo}")
@@ -40,9 +40,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes, disk_cache_dir=args.disk_cache_dir,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed, threads=args.threads,
         schedule_policy=args.schedule_policy, preemption_mode=args.preemption_mode,
-        admission_watermark=args.admission_watermark, device=args.device,
-        state_checkpoint_tokens=args.state_checkpoint_tokens, state_device_bytes=args.state_device_bytes,
-        state_host_bytes=args.state_host_bytes, state_disk_bytes=args.state_disk_bytes)
+        admission_watermark=args.admission_watermark, device=args.device, checkpoints=checkpoints)
     for path in (args.json, args.plot):  # fail now, not after a long run
         if path:
             report.check_writable(path)
@@ -78,9 +76,7 @@ def cmd_bench_agents(args: argparse.Namespace) -> int:
     server_args = ["--seed", str(args.seed), "--device", args.device, "--threads", str(args.threads)]
     if args.num_device_pages is not None:
         server_args += ["--num-device-pages", str(args.num_device_pages)]
-    for name in ("state_checkpoint_tokens", "state_device_bytes", "state_host_bytes", "state_disk_bytes"):
-        if getattr(args, name) is not None:
-            server_args += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    server_args += state_options(args).args()
     bench_agents(workload, model=args.model, tokenizer=args.tokenizer, page_size=args.page_size or 16,
                  endpoint=args.endpoint, server_args=tuple(server_args), console=Console(), json_path=args.json)
     return 0

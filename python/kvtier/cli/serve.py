@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    check_state_options(args, args.page_size)
+    checkpoints = state_options(args, f"--page-size {args.page_size}")
     from kvtier.cluster.disagg import check_role
 
     check_role(args.role)
@@ -49,9 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=args.disk_cache_bytes,
                        cache_policy=args.cache_policy, write_policy=args.cache_write_policy,
                        salt=args.cache_salt.encode(), remote_cache_url=args.remote_cache_url,
-                       remote_timeout_s=args.remote_timeout_s, state_checkpoint_tokens=args.state_checkpoint_tokens or 0,
-                       state_device_bytes=args.state_device_bytes, state_host_bytes=args.state_host_bytes,
-                       state_disk_bytes=args.state_disk_bytes)
+                       remote_timeout_s=args.remote_timeout_s, **checkpoints.pool_fields())
     app = make_worker_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                           max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
@@ -63,13 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-STATE_BUDGETS = ("state_device_bytes", "state_host_bytes", "state_disk_bytes")
-
-
 def add_state_options(p: argparse.ArgumentParser) -> None:
     """The recurrent-state checkpoint options of a hybrid KDA + MLA model (``kvtier serve`` and
-    ``kvtier bench``): :class:`kvtier.cache.config.PoolConfig`'s ``state_checkpoint_tokens`` and
-    checkpoint budgets per tier."""
+    ``kvtier bench``), read back as one record by :func:`state_options`."""
     p.add_argument("--state-checkpoint-tokens", type=int, default=None, metavar="N",
                    help="hybrid models: tokens between the grid checkpoints of the recurrent state a prefill saves "
                         "beside those at prompt and turn ends; a positive multiple of the page size (default: the "
@@ -80,25 +74,18 @@ def add_state_options(p: argparse.ArgumentParser) -> None:
                             f"budget (default: the {tier} tier's KV budget; 0 = no checkpoints there)")
 
 
-def check_state_options(args: argparse.Namespace, page_size: int | None) -> None:
-    """Check the options :func:`add_state_options` adds, before any model loads.
-
-    Budgets smaller than one checkpoint depend on the model; the pool refuses them at start,
-    naming the option (:class:`kvtier.cache.checkpoints.store.CheckpointStore`).
+def state_options(args: argparse.Namespace, page_size_name: str | None = None):
+    """The options :func:`add_state_options` adds, as one checked
+    :class:`kvtier.cache.checkpoints.options.CheckpointOptions`, before any model loads (the grid
+    against ``args.page_size`` where ``page_size_name`` names it). Budgets smaller than one
+    checkpoint depend on the model: the pool refuses them at start, naming the option.
 
     Raises:
-        ValueError: ``--state-checkpoint-tokens`` not a positive multiple of ``page_size`` (None:
-            only positive), or a negative budget; each names the option and what was expected.
+        ValueError: an option out of range, naming it and what was expected.
     """
-    n = args.state_checkpoint_tokens
-    if n is not None and (n < 1 or (page_size is not None and n % page_size)):
-        of = f"--page-size {page_size}" if page_size is not None else "the page size"
-        raise ValueError(f"--state-checkpoint-tokens must be a positive multiple of {of}, got {n}")
-    for name in STATE_BUDGETS:
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 bytes (0 = no checkpoints in that tier), "
-                             f"got {value}")
+    from kvtier.cache.checkpoints.options import CheckpointOptions
+
+    return CheckpointOptions.from_args(args, args.page_size if page_size_name else None, page_size_name)
 
 
 def parse_grammar_limits(text: str | None):

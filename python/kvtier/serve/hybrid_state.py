@@ -70,28 +70,17 @@ def device_only(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, pool=pool)
 
 
-def default_checkpoint_tokens(checkpoint_bytes: int, kv_bytes_per_token: int, page_size: int) -> int:
-    """The default grid spacing of state checkpoints: the tokens whose MLA KV takes as many bytes
-    as one checkpoint, rounded up to a page (so the grid at most doubles a prefix's bytes); at
-    least one page. Kimi K3 (429 MiB fp32 state, 27,648 B/token): 16,896 tokens at 64-token pages."""
-    tokens = -(-checkpoint_bytes // max(1, kv_bytes_per_token))
-    return max(page_size, -(-tokens // page_size) * page_size)
-
-
 def cache_config(config: EngineConfig, spec: CacheSpec) -> EngineConfig:
     """``config`` as a model with cache ``spec`` runs: an attention-only model's as it is; for a
     model with a recurrent state, the pool keeps checkpoints of ``spec.state_bytes`` (prefix
-    caching on; ``state_checkpoint_tokens`` 0 becomes :func:`default_checkpoint_tokens`), or,
+    caching on; a grid spacing of 0 becomes the default, :meth:`PoolConfig.keeping_checkpoints`), or,
     with prefix caching off, no tiers (:func:`device_only`)."""
     pool = config.pool
     if not spec.state_bytes:
         return config
     if not pool.enable_prefix_caching:
         return device_only(config)
-    grid = pool.state_checkpoint_tokens or default_checkpoint_tokens(spec.state_bytes, spec.kv_bytes_per_token,
-                                                                     pool.page_size)
-    pool = dataclasses.replace(pool, state_checkpoint_bytes=spec.state_bytes, state_checkpoint_tokens=grid)
-    return dataclasses.replace(config, pool=pool)
+    return dataclasses.replace(config, pool=pool.keeping_checkpoints(spec.state_bytes, spec.kv_bytes_per_token))
 
 
 class CheckpointPlan:
@@ -334,5 +323,5 @@ def recurrent_state(model: StepModel, config: EngineConfig) -> HybridState | NoR
     return HybridState(model, config.max_num_seqs, pool.page_size, grid)
 
 
-__all__ = ["CheckpointPlan", "HybridState", "NoRecurrentState", "cache_config", "default_checkpoint_tokens",
+__all__ = ["CheckpointPlan", "HybridState", "NoRecurrentState", "cache_config",
            "device_only", "recurrent_state", "turn_end_checkpoints"]

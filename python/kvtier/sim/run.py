@@ -22,7 +22,7 @@ slot per running sequence (``max_num_seqs`` = the replay's concurrency) and
 ``state_device_checkpoints`` device checkpoints, each ``state_bytes / num_devices`` bytes per
 device. Host and disk hold ``state_host_bytes // state_bytes`` and ``state_disk_bytes //
 state_bytes`` checkpoints besides their KV blocks; the grid spacing is the scenario's or
-:func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`. Each worker's pool keeps them in its
+:func:`kvtier.cache.checkpoints.options.default_checkpoint_tokens`. Each worker's pool keeps them in its
 checkpoint store on virtual-time tiers (:func:`kvtier.sim.states.sim_checkpoints`; configurations
 without prefix caching keep none).
 """
@@ -57,7 +57,7 @@ from kvtier.model.kimi_linear_config import KimiLinearConfig
 from kvtier.model.plan import GB, memory_plan
 from kvtier.provenance import provenance
 from kvtier.serve.config import EngineConfig
-from kvtier.serve.hybrid_state import default_checkpoint_tokens
+from kvtier.cache.checkpoints.options import default_checkpoint_tokens
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class Scenario:
             ``fcfs``, under which the scenarios were calibrated, unless overridden.
         state_dtype: a hybrid model's recurrent-state dtype (``fp32`` | ``bf16``; conv windows bf16).
         state_checkpoint_tokens: a hybrid model's checkpoint grid spacing, tokens (a multiple of
-            ``page_size``; 0 = :func:`kvtier.serve.hybrid_state.default_checkpoint_tokens`).
+            ``page_size``; 0 = :func:`kvtier.cache.checkpoints.options.default_checkpoint_tokens`).
         state_device_checkpoints: checkpoints kept in HBM per worker (their share of each device
             is taken from the KV pages), beside one state slot per running sequence.
         state_host_bytes, state_disk_bytes: host DRAM and NVMe bytes per worker for checkpoints,

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.cache.pool_stats import StateStats
-from kvtier.serve.api.metrics import STATE_METRICS
+from kvtier.cache.pool_stats import StateStats, series_table
 from tests.serve.api.test_metrics_snapshot import _published, _samples
+
+
+STATE_METRICS = series_table(StateStats)
 
 
 def test_every_state_counter_has_a_metric():
@@ -55,6 +57,6 @@ def test_hybrid_metrics_have_the_pools_state_counters(tok_dir):
 
 
 def test_state_families_are_the_tables_in_field_order():
-    from kvtier.serve.api.metrics import _state_families
+    from kvtier.serve.api.metrics import _section_families
 
-    assert [f.name for f in _state_families(StateStats())] == [n for n, _, _ in STATE_METRICS.values()]
+    assert [f.name for f in _section_families(StateStats())] == [n for n, _, _ in STATE_METRICS.values()]

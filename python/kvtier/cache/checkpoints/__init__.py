@@ -1,6 +1,9 @@
 """Recurrent-state checkpoints: the pool's second kind of cached object (a hybrid model's).
 
-One room, three parts, bottom to top:
+One room, four parts, bottom to top:
+
+- ``options``: what a user sets (:class:`CheckpointOptions`: grid spacing and per-tier budgets, as
+  one record with its checks; the default grid);
 
 - ``index``: the records and rules every checkpoint store shares (:class:`Checkpoint`, the data
   that crosses the serving loop; :class:`CheckpointKind`; the index with its eviction order);
@@ -13,8 +16,9 @@ The pool (:mod:`kvtier.cache.pool`) holds the rule; prefix reuse asks it and not
 """
 
 from kvtier.cache.checkpoints.index import Checkpoint, CheckpointKind
+from kvtier.cache.checkpoints.options import CheckpointOptions
 from kvtier.cache.checkpoints.reuse import CheckpointReuse, EveryBlock, resume_rule
 from kvtier.cache.checkpoints.store import CheckpointStore, open_checkpoints
 
-__all__ = ["Checkpoint", "CheckpointKind", "CheckpointReuse", "CheckpointStore", "EveryBlock", "open_checkpoints",
-           "resume_rule"]
+__all__ = ["Checkpoint", "CheckpointKind", "CheckpointOptions", "CheckpointReuse", "CheckpointStore", "EveryBlock",
+           "open_checkpoints", "resume_rule"]

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind
+from kvtier.cache.checkpoints.options import BUDGETS, bytes_per_copy, flag
 from kvtier.cache.disk_tier import BlockMeta, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
@@ -388,8 +389,8 @@ def open_store(checkpoint_bytes: int, *, device_bytes: int = 0, host_bytes: int 
     n = checkpoint_bytes
     if not isinstance(n, int) or n <= 0:
         raise ValueError(f"checkpoint_bytes must be a positive int, got {n!r}")
-    names = {t: f"state_{t}_bytes" for t in ("device", "host", "disk")} | dict(names or {})
-    per_copy = {"device": n, "host": HostTier.row_bytes(n), "disk": DiskTier.file_bytes(n)}
+    names = {name.split("_")[1]: name for name in BUDGETS} | dict(names or {})
+    per_copy = bytes_per_copy(n)
     budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes if disk_dir is not None else 0}
     slots = {t: budget_slots(names[t], value, per_copy[t], n) for t, value in budgets.items()}
     meta = checkpoint_meta(n)
@@ -415,21 +416,21 @@ def open_checkpoints(tiers) -> CheckpointStore:
         ValueError: a budget that is not 0 but holds no checkpoint (names its option).
     """
     c, n = tiers.config, tiers.config.state_checkpoint_bytes
-    per_copy = {"device": n, "host": HostTier.row_bytes(n), "disk": DiskTier.file_bytes(n)}
+    per_copy = bytes_per_copy(n)
     kv_budget = {"device": c.num_device_pages * tiers.block_bytes,
                  "host": c.host_cache_bytes if tiers.host is not None else 0,
                  "disk": c.disk_cache_bytes if c.disk_cache_dir is not None else 0}
-    budget = {}
-    for t, derived in kv_budget.items():
-        given = getattr(c, f"state_{t}_bytes")
-        budget[t] = given if given is not None else (derived if derived >= per_copy[t] else 0)
+    budget, names = {}, {}
+    for name in BUDGETS:
+        t, given = name.split("_")[1], getattr(c, name)
+        budget[t] = given if given is not None else (kv_budget[t] if kv_budget[t] >= per_copy[t] else 0)
+        names[t] = f"{name} ({flag(name)})"
     disk_dir = None
     if c.disk_cache_dir is not None:
         disk_dir = namespace_dir(c.disk_cache_dir, c.salt, checkpoint_meta(n))
     remote = None
     if tiers.remote is not None:
         remote = RemoteTier(tiers.remote.backend, checkpoint_meta(n), timeout_s=tiers.remote.timeout_s)
-    names = {t: f"state_{t}_bytes (--state-{t}-bytes)" for t in kv_budget}
     return open_store(n, device_bytes=budget["device"], host_bytes=budget["host"], disk_bytes=budget["disk"],
                       device=tiers.kv_caches[0].device, disk_dir=disk_dir, remote=remote,
                       copy_engine=lambda: tiers.copy_engine, clock=lambda: tiers.clock(), names=names)

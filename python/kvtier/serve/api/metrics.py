@@ -14,11 +14,10 @@ engine, its scheduler or its pool.
 
 from __future__ import annotations
 
-import dataclasses
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvtier.cache.pool_stats import series_table
 from kvtier.serve.api.jobs import Final
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -75,8 +74,8 @@ class _EngineCollector:
                 fam.add_metric([tier], v)
             yield fam
         yield from _resume_families(w.resume)
-        for name, section in kv.sections().items():  # what this pool keeps beyond blocks (remote, state)
-            yield from SECTION_FAMILIES[name](section)
+        for section in kv.sections().values():  # what this pool keeps beyond blocks (remote, state)
+            yield from _section_families(section)
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
         if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
             yield from _grammar_families(e.grammar)
@@ -117,33 +116,11 @@ def _resume_families(r: dict):
                                 "counted against", value=r["target_s"])
 
 
-# StateStats field -> (metric name, help, label of its dict's keys; None for a plain count)
-STATE_METRICS = {
-    "hits": ("kvtier_state_checkpoint_hits", "recurrent-state checkpoints restored into a request, by the tier "
-             "they came from (device: a device checkpoint slot)", "tier"),
-    "bytes_loaded": ("kvtier_state_checkpoint_bytes_loaded", "checkpoint bytes read from a tier below the device, "
-                     "by tier", "tier"),
-    "bytes_written": ("kvtier_state_checkpoint_bytes_written", "checkpoint bytes written, by tier", "tier"),
-    "saved": ("kvtier_state_checkpoints_saved", "checkpoints saved, by kind (grid: the prefill's sparse grid; "
-              "turn: a prompt's or a turn's end)", "kind"),
-    "evictions": ("kvtier_state_checkpoint_evictions", "checkpoints dropped to make room, by tier", "tier"),
-    "refused": ("kvtier_state_checkpoints_refused", "checkpoints not stored in a tier that had no room, by tier",
-                "tier"),
-    "failures": ("kvtier_state_checkpoint_failures", "checkpoint reads that failed (each fell back to an earlier "
-                 "point), by reason: missing, corrupt, error", "reason"),
-    "fallbacks": ("kvtier_state_checkpoint_fallbacks", "restores that fell back to an earlier point after a failed "
-                  "checkpoint or a missing MLA block", None),
-    "tokens_lost": ("kvtier_state_tokens_lost", "prompt tokens whose MLA blocks were reachable but not reused: no "
-                    "checkpoint was reachable at their boundary", None),
-}
-
-
-def _state_families(state):
-    """The counters of a hybrid pool's :class:`kvtier.cache.pool_stats.StateStats`, one family per
-    field (:data:`STATE_METRICS`)."""
-    for f in dataclasses.fields(state):
-        name, doc, label = STATE_METRICS[f.name]  # a new StateStats field needs its metric here
-        value = getattr(state, f.name)
+def _section_families(section):
+    """One counter family per field of a pool's section (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`),
+    named and described as the cache declares it (:func:`kvtier.cache.pool_stats.series_table`)."""
+    for field, (name, doc, label) in series_table(section).items():
+        value = getattr(section, field)
         if label is None:
             yield CounterMetricFamily(name, doc, value=value)
             continue
@@ -151,22 +128,6 @@ def _state_families(state):
         for key, v in sorted(value.items()):
             fam.add_metric([key], v)
         yield fam
-
-
-def _remote_families(r):
-    for name, doc, counts in [("kvtier_remote_gets", "remote tier block reads, by status (all but ok are misses)",
-                               r.gets),
-                              ("kvtier_remote_puts", "remote tier block writes, by status", r.puts)]:
-        fam = CounterMetricFamily(name, doc, labels=["status"])
-        for status, v in sorted(counts.items()):
-            fam.add_metric([status], v)
-        yield fam
-    yield CounterMetricFamily("kvtier_remote_lookup_failures", "remote lookups that failed or timed out (taken "
-                              "as absent)", value=r.exists_failures)
-
-
-SECTION_FAMILIES = {"remote": _remote_families, "state": _state_families}
-"""The families of each of a pool's sections (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`)."""
 
 
 class ServerMetrics:
