@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from kvtier import ops
+from kvtier import ops, reference
 from tests.helpers.moe_inputs import _dense_moe, _route_oracle, _routing_inputs, _sorted_by_id
 from tests.ops._compare import assert_close
 
@@ -181,3 +181,45 @@ def test_fused_moe_rejects_odd_w13_rows():
     with pytest.raises(ValueError, match="w13"):
         ops.fused_moe(torch.randn(2, 4), torch.randn(3, 5, 4), torch.randn(3, 4, 2), torch.ones(2, 1),
                       torch.zeros(2, 1, dtype=torch.int32))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", "situ"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 300])
+def test_cpu_moe_sorted_by_expert_is_the_reference_math(dtype, activation, num_tokens):
+    """The CPU kernel (pairs sorted by expert, kvtier.ops._cpu_moe) computes what the fp32
+    reference does, up to the order of each token's sum: K2-like routing sizes (16 experts, top 4,
+    a skewed choice so one expert gets every token), SiLU and K3's SiTU, an unchosen expert of NaN
+    weights that must never be read."""
+    from kvtier.ops import _cpu_moe
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_experts, top_k, hidden, inter = 16, 4, 64, 32
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    w13[0], w2[0] = math.nan, math.nan
+    ids = torch.stack([torch.cat([torch.tensor([3]), 4 + torch.randperm(num_experts - 4, generator=gen)[:top_k - 1]])
+                       for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    args = (activation, 4.0, 25.0 if activation == "situ" else None)
+    got = _cpu_moe.fused_moe(x, w13, w2, weights, ids, *args)
+    want = reference.fused_moe(x, w13, w2, weights, ids, *args)
+    assert got.dtype == dtype and bool(torch.isfinite(got).all())
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same fp32 sums
+    assert_close(got, want, atol=tol, rtol=tol, max_cos_diff=1e-9 if dtype == torch.float32 else 1e-6, name="out")
+
+
+def test_cpu_ops_fused_moe_runs_the_sorted_kernel(monkeypatch):
+    """ops.fused_moe on the CPU runs kvtier.ops._cpu_moe for every float dtype."""
+    from kvtier.ops import _cpu_moe
+
+    calls = []
+    real = _cpu_moe.fused_moe
+    monkeypatch.setattr(_cpu_moe, "fused_moe", lambda *a: calls.append(a[0].dtype) or real(*a))
+    ids, weights = torch.tensor([[0, 1], [1, 2]], dtype=torch.int32), torch.ones(2, 2)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, w13, w2 = torch.randn(2, 8).to(dtype), torch.randn(3, 6, 8).to(dtype), torch.randn(3, 8, 3).to(dtype)
+        assert ops.fused_moe(x, w13, w2, weights, ids).dtype == dtype
+    assert calls == [torch.bfloat16, torch.float16, torch.float32]

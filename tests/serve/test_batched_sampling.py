@@ -9,6 +9,7 @@ vocabulary, so the Triton kernel runs under the interpreter.
 from __future__ import annotations
 
 import dataclasses
+import math
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -250,3 +251,13 @@ def test_an_all_greedy_unconstrained_step_takes_the_argmax_without_the_sampling_
     assert with_logprobs and all(outs[rids[i]].logprobs and len(outs[rids[i]].logprobs) == 5 for i in with_logprobs)
     want = [float(torch.log_softmax(logits[with_logprobs[0]], -1)[got[with_logprobs[0]]]) for logits, got in seen]
     assert outs[rids[with_logprobs[0]]].logprobs == pytest.approx(want, abs=1e-6)
+
+
+def test_the_greedy_path_reads_argmax_rule_for_ties_and_nan():
+    """The all-greedy path takes ``row.max(0).indices`` (faster than ``argmax`` on the CPU); it must
+    keep ``argmax``'s rule, which ``ops.sample`` follows for greedy rows: the first maximum on a
+    tie, the first NaN when there is one (checked on the installed torch)."""
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, float("nan"), 5.0, float("nan")], [-math.inf] * 3 + [0.0]])
+    for row in rows:
+        assert int(row.max(0).indices) == int(row.argmax())
+    assert [int(r.max(0).indices) for r in rows] == [1, 1, 3]

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvtier import reference
+from kvtier.ops import _cpu_moe
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
 from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend, triton_interpreting
 from kvtier.reference.activation import ACTIVATIONS
@@ -251,8 +252,8 @@ def _fused_moe_impl(backend, *args):
 def _fused_moe_cpu(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, activation: str = "silu", situ_beta: float = 1.0,
                    situ_linear_beta: float | None = None) -> torch.Tensor:
-    return reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation, situ_beta,
-                               situ_linear_beta)
+    return _cpu_moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, activation, situ_beta,
+                              situ_linear_beta)
 
 
 @_fused_moe_cpu.register_kernel("cuda")
