@@ -51,5 +51,5 @@ def test_model_checks():
     assert floors == {"device": 5000, "host": 8192, "disk": 4096 + 8192}
     CheckpointOptions(state_host_bytes=0, state_disk_bytes=floors["disk"]).check_model(5000, "tiny-k3")
     with pytest.raises(ValueError, match="--state-host-bytes=6000 is smaller than one state checkpoint of model "
-                                         "'tiny-k3' in that tier \\(8192 bytes"):
+                                         "'tiny-k3' \\(8192 bytes for a 5000-byte checkpoint\\)"):
         CheckpointOptions(state_host_bytes=6000).check_model(5000, "tiny-k3")

@@ -85,7 +85,7 @@ class BenchOptions:
         checkpoints: a hybrid model's recurrent-state checkpoint options (grid spacing, a multiple
             of the workload's page size, and per-tier budgets; the host and disk ones apply to the
             configurations with that tier), checked against the model and workload before any
-            configuration runs (:func:`check_state_options`). Written flat in the provenance's
+            configuration runs (:func:`prepare_workload`). Written flat in the provenance's
             ``options``, as the command line names them.
     """
 
@@ -317,13 +317,17 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
     with ``base`` the engine configuration every configuration starts from.
 
     Raises:
-        ValueError: no session fits the model's context.
+        ValueError: no session fits the model's context; a checkpoint option the model or the
+            workload's page size refuses (:class:`~kvtier.cache.checkpoints.options.CheckpointOptions`).
     """
     workload = load_workload(opts, model.config.max_position_embeddings, tokenizer)
     if not workload.sessions:
         raise ValueError("the workload has no session that fits the model's context "
                          f"(max_position_embeddings={model.config.max_position_embeddings} tokens after scaling)")
-    check_state_options(opts, model, workload.block_size)
+    nbytes, ps = model.cache_spec().state_bytes, workload.block_size  # as the engine sizes its checkpoints
+    opts.checkpoints.check_model(nbytes, opts.model)  # a budget the pool would refuse fails before any run
+    if nbytes:
+        opts.checkpoints.check(ps, f"the page size ({ps} tokens here: the workload's block size times --token-scale)")
     sizing = size_tiers(opts, workload, model)
     pool = PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages,
                       **opts.checkpoints.pool_fields())
@@ -332,22 +336,6 @@ def prepare_workload(opts: BenchOptions, model: KimiK2ForCausalLM, tokenizer: Ki
                         seed=opts.seed, schedule_policy=opts.schedule_policy, preemption_mode=opts.preemption_mode,
                         admission_watermark=opts.admission_watermark)
     return workload, sizing, base
-
-
-def check_state_options(opts: BenchOptions, model, page_size: int) -> None:
-    """Check ``opts.checkpoints`` against ``model`` and the workload's ``page_size`` (tokens) before
-    any configuration runs (a budget the pool would refuse fails here, not after the configurations
-    before it have run).
-
-    Raises:
-        ValueError: see :meth:`kvtier.cache.checkpoints.options.CheckpointOptions.check_model` and
-            :meth:`~kvtier.cache.checkpoints.options.CheckpointOptions.check` (each names the option).
-    """
-    nbytes = model.cache_spec().state_bytes  # as the engine sizes its checkpoints
-    opts.checkpoints.check_model(nbytes, opts.model)
-    if nbytes:
-        opts.checkpoints.check(page_size, f"the page size ({page_size} tokens here: the workload's block size "
-                                          "times --token-scale)")
 
 
 def _start(opts: BenchOptions):
@@ -399,5 +387,5 @@ def run_sweep(opts: BenchOptions, loads: tuple[float, ...], on_start=None, on_fi
     return workload, sizing, points, bench_provenance(opts, workload, sizing, model) | {"load_sweep": list(loads)}
 
 
-__all__ = ["BenchOptions", "Sizing", "at_load", "check_state_options", "options_json", "prepare", "prepare_workload",
+__all__ = ["BenchOptions", "Sizing", "at_load", "options_json", "prepare", "prepare_workload",
            "run_all", "run_config", "run_sweep", "size_tiers"]

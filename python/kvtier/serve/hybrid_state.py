@@ -44,6 +44,7 @@ from kvtier.model.cache_spec import CacheSpec
 from kvtier.model.kimi_linear import KimiLinearForCausalLM
 from kvtier.model.state_slots import StateBatch, StateCheckpoints, StateSlots
 from kvtier.model.step import StepModel
+from kvtier.options import check_choice, check_int
 from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
 from kvtier.serve.step_plan import ScheduledBatch
@@ -103,14 +104,10 @@ class CheckpointPlan:
     POLICIES = ("turn", "grid")
 
     def __init__(self, page_size: int, checkpoint_tokens: int = 0, policy: str = "turn"):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if not isinstance(checkpoint_tokens, int) or checkpoint_tokens < 0:
-            raise ValueError(f"checkpoint_tokens must be an int >= 0, got {checkpoint_tokens!r}")
-        if checkpoint_tokens % page_size:
+        check_int("page_size", page_size, min_value=1)
+        if check_int("checkpoint_tokens", checkpoint_tokens, min_value=0) % page_size:
             raise ValueError(f"checkpoint_tokens must be a multiple of page_size={page_size}, got {checkpoint_tokens}")
-        if policy not in self.POLICIES:
-            raise ValueError(f"policy must be one of {self.POLICIES}, got {policy!r}")
+        check_choice("policy", policy, self.POLICIES)
         self.page_size, self.checkpoint_tokens, self.policy = page_size, checkpoint_tokens, policy
         self._last: dict[int, tuple[Sequence, Checkpoint]] = {}  # seq_id -> its last decode boundary
 

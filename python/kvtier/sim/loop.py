@@ -158,9 +158,6 @@ class SimRun:
             reported).
         busy_s: per worker, virtual seconds spent in steps (the whole run's).
         end_s: virtual time of the last finish.
-        state: a hybrid model's checkpoint counters summed over workers (the fields of
-            :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes; the window's, as the
-            run's counters); None without checkpoints.
         window_s: virtual time the measurement window opened (0 without warm-up turns).
         window_sessions: sessions active when it opened.
     """
@@ -170,9 +167,15 @@ class SimRun:
     warmup_records: list[RequestRecord] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     end_s: float = 0.0
-    state: dict | None = None
     window_s: float = 0.0
     window_sessions: int = 0
+
+    @property
+    def state(self) -> dict | None:
+        """A hybrid model's checkpoint counters summed over workers (``run.state``, the fields of
+        :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes; the window's, as the run's
+        counters) as a dict; None without checkpoints."""
+        return None if self.run.state is None else dataclasses.asdict(self.run.state)
 
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,
@@ -212,7 +215,7 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     opened: dict = {}  # the workers' counters when the window opened (warm-up turns only)
 
     def snapshot(_: float) -> None:
-        opened["engines"], opened["state"] = [w.engine.stats() for w in workers], state_counters(workers)
+        opened["engines"] = [w.engine.stats() for w in workers]
 
     loop = ClosedLoop(workload, target, lambda: target.now, concurrency=concurrency, ramp_s=ramp_s,
                       tool_aware=tool_aware, warmup_s=warmup_s, duration_s=duration_s, num_homes=len(workers),
@@ -222,26 +225,5 @@ def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurr
     window_s = loop.window_s if loop.window_s is not None else end_s
     run = run_result(name, loop, min(end_s, window_s + duration_s) - (window_s + warmup_s), workload,
                      [w.engine for w in workers], [w.bytes_scale for w in workers], since=opened.get("engines"))
-    return SimRun(run, target.migrations, loop.warmup_records, [w.runner.busy_s for w in workers], end_s,
-                  state_counters(workers, since=opened.get("state")), window_s, loop.window_sessions)
-
-
-def state_counters(workers: list[SimWorker], since: dict | None = None) -> dict | None:
-    """The workers' checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats` fields, bytes
-    in modelled bytes) added up, less ``since`` (an earlier result of this function; None: from
-    the start); None when no worker's pool keeps states."""
-    stats = [(dataclasses.asdict(snap), w.bytes_scale) for w in workers if (snap := w.pool.stats().state)]
-    for s, scale in stats:
-        for k in ("bytes_loaded", "bytes_written"):  # the pool's placeholder bytes -> modelled bytes
-            s[k] = {n: round(v * scale) for n, v in s[k].items()}
-    stats = [s for s, _ in stats]
-    if not stats:
-        return None
-    total = stats[0]
-    for s in stats[1:]:
-        for k, v in s.items():
-            total[k] = {n: total[k][n] + c for n, c in v.items()} if isinstance(v, dict) else total[k] + v
-    if since is not None:
-        for k, v in total.items():
-            total[k] = {n: c - since[k].get(n, 0) for n, c in v.items()} if isinstance(v, dict) else v - since[k]
-    return total
+    return SimRun(run, target.migrations, loop.warmup_records, [w.runner.busy_s for w in workers], end_s, window_s,
+                  loop.window_sessions)

@@ -40,6 +40,21 @@ def bytes_per_copy(checkpoint_bytes: int) -> dict[str, int]:
             "disk": DiskTier.file_bytes(checkpoint_bytes)}
 
 
+def budget_slots(name: str, value: int, per_copy: int, checkpoint_bytes: int, of: str = "") -> int:
+    """Checkpoints a budget of ``value`` bytes holds at ``per_copy`` bytes each (a device slot, a
+    host slot, a disk file, :func:`bytes_per_copy`); 0 for 0.
+
+    Raises:
+        ValueError: a budget that is not 0 but holds none (the message names ``name``, and the
+            checkpoint's model with ``of``).
+    """
+    if value and value < per_copy:
+        raise ValueError(f"{name}={value} is smaller than one state checkpoint{of} ({per_copy} bytes for a "
+                         f"{checkpoint_bytes}-byte checkpoint): give it at least {per_copy} bytes, or 0 for no "
+                         "checkpoints in that tier")
+    return value // per_copy if value else 0
+
+
 @dataclass(frozen=True)
 class CheckpointOptions:
     """The checkpoint options of a hybrid KDA + MLA model; None = not given (the default).
@@ -114,17 +129,12 @@ class CheckpointOptions:
             ValueError: an option given for a model without recurrent state; a budget that is not 0
                 and smaller than one checkpoint in its tier (naming the option and the floor).
         """
-        if not checkpoint_bytes:
-            if self.given():
-                raise ValueError(f"{', '.join(self.given())} apply to hybrid KDA + MLA models only (recurrent-state "
-                                 f"checkpoints); model {model!r} has none")
-            return
+        if not checkpoint_bytes and self.given():
+            raise ValueError(f"{', '.join(self.given())} apply to hybrid KDA + MLA models only (recurrent-state "
+                             f"checkpoints); model {model!r} has none")
         floors = bytes_per_copy(checkpoint_bytes)
-        for tier, value in self.budgets().items():
-            if value and value < floors[tier]:
-                raise ValueError(f"{flag(f'state_{tier}_bytes')}={value} is smaller than one state checkpoint of "
-                                 f"model {model!r} in that tier ({floors[tier]} bytes for a {checkpoint_bytes}-byte "
-                                 "checkpoint): give at least that many bytes, or 0 for no checkpoints there")
+        for tier, value in self.budgets().items() if checkpoint_bytes else ():
+            budget_slots(flag(f"state_{tier}_bytes"), value, floors[tier], checkpoint_bytes, f" of model {model!r}")
 
     def grid_tokens(self, checkpoint_bytes: int, kv_bytes_per_token: int, page_size: int) -> int:
         """The grid spacing in tokens: the option, else :func:`default_checkpoint_tokens`."""
@@ -137,4 +147,4 @@ class CheckpointOptions:
         return dataclasses.asdict(self) | {"state_checkpoint_tokens": self.state_checkpoint_tokens or 0}
 
 
-__all__ = ["BUDGETS", "CheckpointOptions", "bytes_per_copy", "default_checkpoint_tokens", "flag"]
+__all__ = ["BUDGETS", "CheckpointOptions", "budget_slots", "bytes_per_copy", "default_checkpoint_tokens", "flag"]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind
-from kvtier.cache.checkpoints.options import BUDGETS, bytes_per_copy, flag
+from kvtier.cache.checkpoints.options import BUDGETS, budget_slots, bytes_per_copy, flag
 from kvtier.cache.disk_tier import BlockMeta, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
@@ -107,20 +107,6 @@ class _DeviceSlots:
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
-
-
-def budget_slots(name: str, value: int, per_copy: int, checkpoint_bytes: int) -> int:
-    """Checkpoints a budget of ``value`` bytes holds at ``per_copy`` bytes each (a host slot, a disk
-    file); 0 for 0.
-
-    Raises:
-        ValueError: a budget that is not 0 but holds none (the message names ``name``).
-    """
-    if value and value < per_copy:
-        raise ValueError(f"{name}={value} is smaller than one state checkpoint ({per_copy} bytes for a "
-                         f"{checkpoint_bytes}-byte checkpoint): give it at least {per_copy} bytes, or 0 for no "
-                         "checkpoints in that tier")
-    return value // per_copy if value else 0
 
 
 class CheckpointStore:
@@ -437,4 +423,4 @@ def open_checkpoints(tiers) -> CheckpointStore:
 
 
 __all__ = ["STATE_LAYOUT_CODE", "CheckpointKind", "CheckpointRead", "CheckpointStore",
-           "budget_slots", "checkpoint_meta", "open_checkpoints", "open_store"]
+           "checkpoint_meta", "open_checkpoints", "open_store"]
