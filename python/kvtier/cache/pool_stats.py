@@ -52,26 +52,14 @@ class PoolStats:
 
 @dataclass
 class StateStats:
-    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.checkpoints.store`).
-
-    Attributes:
-        hits: checkpoints restored into a request, by the tier they came from (``device``,
-            ``host``, ``disk``, ``remote``).
-        bytes_loaded: checkpoint bytes read from each tier below the device (a device hit moves
-            no bytes between tiers).
-        bytes_written: checkpoint bytes written to each tier.
-        saved: checkpoints saved, by kind (``grid``, ``turn``).
-        evictions: checkpoints dropped from each tier to make room.
-        refused: checkpoints not stored in a tier (no room: everything there is protected or
-            larger than the budget), by tier.
-        failures: checkpoint reads that failed, by reason: ``missing`` (gone from the tier),
-            ``corrupt`` (failed the disk or remote tier's check: CRC-32C, size or key, so a short
-            read or a value under another key counts here), ``error`` (the store failed or timed
-            out); each one fell back to the last valid earlier point.
-        fallbacks: restores that fell back to an earlier point (or to token 0) after a failure
-            or a missing MLA block.
-        tokens_lost: prompt tokens whose MLA blocks were reachable but could not be reused
-            because no checkpoint was reachable at their boundary (exact hits only).
+    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.checkpoints.store`)
+    by tier (``device``, ``host``, ``disk``, ``remote``), kind or reason; bytes in bytes. Each field
+    means what the help of its series says (:func:`series`), and: ``bytes_loaded`` has no device
+    entry (a device hit moves no bytes between tiers); ``refused`` counts a tier where everything is
+    protected or the budget holds none; ``failures``: ``missing`` (gone from the tier), ``corrupt``
+    (failed the disk or remote tier's check: CRC-32C, size or key, so a short read or a value under
+    another key counts here), ``error`` (the store failed or timed out); ``fallbacks`` include a
+    fall back to token 0; ``tokens_lost`` counts exact hits only.
     """
 
     hits: dict[str, int] = series(
