@@ -167,3 +167,56 @@ def test_a_new_request_leaves_the_watermark_free_while_another_runs(watermark):
         assert outs[b].metrics.first_token_time > outs[a].metrics.finish_time
     else:
         assert outs[b].metrics.first_token_time < outs[a].metrics.finish_time
+
+
+def test_the_queues_measure_how_long_a_preempted_decode_waits():
+    """A decode preempted at t = 1 s and admitted again at t = 3 s waited 2 s; preempted again
+    at 5 s and admitted at 9 s, 4 s more: ``decode_wait_s`` moves a quarter of the way to the
+    latest wait (2.5 s), ``waited_s`` adds them up (6 s), and its end forgets them. A prefill
+    preempted before its first token counts no decode wait."""
+    now = [0.0]
+    llm = StandInLLM("tiny", page_size=PS, num_device_pages=64, max_num_batched_tokens=4 * PS)
+    engine, queues, pool = llm.engine, llm.engine.scheduler.queues, llm.engine.pool
+    rid = engine.add_request(prompt(N, 11), LONG)
+    seq = engine.sequence(rid)
+    while not seq.output_token_ids:
+        engine.step()
+    assert seq.output_token_ids and queues.decode_wait_s == 0.0
+    for preempted_at, admitted_at in ((1.0, 3.0), (5.0, 9.0)):
+        queues.preempt(seq, pool, preempted_at)
+        now[0] = admitted_at
+        queues.start_running(seq, lambda: now[0])
+    assert queues.decode_wait_s == pytest.approx(2.0 + 0.25 * (4.0 - 2.0))
+    assert queues.waited_s[rid] == pytest.approx(6.0)
+    queues.finish(seq)
+    assert rid not in queues.waited_s and seq not in queues.running
+    other = engine.add_request(prompt(N, 12), LONG)
+    engine.step()  # its first chunk runs: a prefill
+    fresh = engine.sequence(other)
+    assert not fresh.output_token_ids
+    queues.preempt(fresh, pool, 10.0)
+    queues.start_running(fresh, lambda: 20.0)
+    assert other not in queues.waited_s and queues.decode_wait_s == pytest.approx(2.5)
+
+
+def test_the_decode_preempted_first_is_the_one_whose_time_per_token_it_harms_least():
+    """Three decodes of equal context: one with 2 tokens to spread a wait over, one with 40,
+    and one with 40 that already waited 10 s preempted. With a measured wait of 1 s, the
+    preemption rule offers the long fresh one first, then the one that waited, then the short
+    one (1 s over 2 gaps, against 11 s over 39)."""
+    llm = host_cached(llm=StandInLLM, num_device_pages=40, preemption_mode="swap")
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    forty = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = engine.add_request(prompt(2 * PS, 21), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    fresh = engine.add_request(prompt(2 * PS, 22), forty)
+    waited = engine.add_request(prompt(2 * PS, 23), forty)
+    engine.step()
+    seqs = [engine.sequence(r) for r in (short, fresh, waited)]
+    assert all(s.output_token_ids for s in seqs)
+    scheduler.queues.decode_wait_s = 1.0
+    scheduler.queues.waited_s[waited] = 10.0
+    fix_step_s(engine, 10.0)
+    order = scheduler.preemption.cheap_decodes(seqs)
+    assert [s.seq_id for s in order] == [fresh, waited, short]
+    # a running sequence short of pages preempts the least harmed decode after it, too
+    assert scheduler.preemption.running_victim(seqs[0]).seq_id == fresh

@@ -11,8 +11,14 @@ pool with a tier below the device, :func:`kvtier.serve.queues.resumes_by_copy`),
 :class:`PreemptBehind` weighs each victim's resume cost (:meth:`KVPool.resume_s`: its full
 blocks loaded back, its partial last page recomputed): a decode is preempted for a waiting
 request only when that costs less than waiting for it to end (its tokens left times the
-step-time model's estimate of a step), cheapest first, and a running sequence short of pages
-preempts the one of those after it whose resume costs least.
+step-time model's estimate of a step), and a running sequence short of pages preempts a
+prefill after it whose resume costs least before any decode. Decodes go least harmed first
+(:meth:`PreemptBehind.harm`): by the seconds per output token a preemption would leave them
+carrying in waits (their waits so far and the measured wait of a preempted decode until it is
+admitted again, :attr:`Queues.decode_wait_s`, plus the resume, over their ``max_tokens - 1``
+gaps). On the real engine almost every request in the time-per-output-token p99 was a decode
+of a few tokens preempted once, which waited 95-99% of its decode time to be admitted again
+(``perf/preemption_anatomy.py``); the wait, not the copy, is what a preemption costs a decode.
 """
 
 from __future__ import annotations
@@ -141,13 +147,30 @@ class PreemptBehind(PreemptLast):
 
     def cheap_decodes(self, decodes: list[Sequence]) -> list[Sequence]:
         """Those of ``decodes`` whose resume costs less than waiting for them to end
-        (:meth:`KVPool.resume_s` < tokens left x :meth:`step_s`), cheapest resume first; all of
-        them, most tokens left first, before the step-time model has an estimate."""
+        (:meth:`KVPool.resume_s` < tokens left x :meth:`step_s`), the least harmed by a
+        preemption first (:meth:`harm`); all of them, most tokens left first, before the
+        step-time model has an estimate. (The measured wait is left out of the filter: with it,
+        decodes of a few tokens were never preempted and new turns waited for them, 1.8x the
+        TTFT p90 in the simulator on 32 kv-cache-tester sessions; docs/scheduling.md.)"""
         step_s = self.step_s()
         if step_s is None:
             return sorted(decodes, key=tokens_left, reverse=True)
-        cost = {q.seq_id: self.pool.resume_s(q.kv) for q in decodes}
-        return sorted((q for q in decodes if cost[q.seq_id] < tokens_left(q) * step_s), key=lambda q: cost[q.seq_id])
+        resume = {q.seq_id: self.pool.resume_s(q.kv) for q in decodes}
+        return sorted((q for q in decodes if resume[q.seq_id] < tokens_left(q) * step_s),
+                      key=lambda q: self.harm(q, self.queues.decode_wait_s + resume[q.seq_id]))
+
+    def preempt_cost_s(self, seq: Sequence) -> float:
+        """Seconds preempting decode ``seq`` adds to its decode: the measured wait of a preempted
+        decode (:attr:`Queues.decode_wait_s`) and its resume (:meth:`KVPool.resume_s`)."""
+        return self.queues.decode_wait_s + self.pool.resume_s(seq.kv)
+
+    def harm(self, seq: Sequence, cost_s: float) -> float:
+        """The seconds per output token decode ``seq`` would carry in waits if preempted now
+        (what its time per output token, ``(finish - first token) / (max_tokens - 1)``, grows by
+        over a run without preemption): its waits so far (:attr:`Queues.waited_s`) plus
+        ``cost_s``, over its ``max_tokens - 1`` gaps. A decode resumed a moment ago, or one with
+        few tokens to spread a wait over, is harmed most."""
+        return (self.queues.waited_s.get(seq.seq_id, 0.0) + cost_s) / max(1, seq.params.max_tokens - 1)
 
     def step_s(self) -> float | None:
         """The step-time model's estimate of a step of the running sequences: their decodes and
@@ -162,14 +185,18 @@ class PreemptBehind(PreemptLast):
 
     def running_victim(self, seq: Sequence) -> Sequence:
         """Of ``seq`` (short of pages) and the running sequences after it, the worst-ranked,
-        prefills that end within a step last; where preempted sequences come back by copy, the
-        one whose resume costs least (:meth:`KVPool.resume_s`), prefills before decodes (a
-        decode's wait lengthens its time per output token) and those that end within a step
-        last."""
+        prefills that end within a step last; where preempted sequences come back by copy,
+        prefills before decodes (a decode's wait lengthens its time per output token) and those
+        that end within a step last, a prefill whose resume costs least
+        (:meth:`KVPool.resume_s`), a decode least harmed (:meth:`harm`)."""
         running = self.queues.running
         later = running[running.index(seq):]
         if resumes_by_copy(self.config, self.pool):
-            return min(later, key=lambda q: (self.ends_soon(q), bool(q.output_token_ids), self.pool.resume_s(q.kv)))
+            def key(q):
+                if q.output_token_ids:
+                    return self.ends_soon(q), True, self.harm(q, self.preempt_cost_s(q))
+                return self.ends_soon(q), False, self.pool.resume_s(q.kv)
+            return min(later, key=key)
         return max(later, key=lambda q: (not self.ends_soon(q), self.ranking.key(q)))
 
     def deferred(self, seq: Sequence, step: StepBudget) -> bool:

@@ -16,6 +16,9 @@ from kvtier.serve.config import EngineConfig
 from kvtier.serve.request import Sequence, SequenceStatus
 
 
+WAIT_WEIGHT = 0.25  # weight of the latest wait in Queues.decode_wait_s's moving average
+
+
 def resumes_by_copy(config: EngineConfig, pool: KVPool) -> bool:
     """Whether a preempted sequence comes back by copy: ``preemption_mode`` is ``swap`` and the
     pool keeps evicted blocks below the device (:attr:`KVPool.keeps_evicted_blocks`: under
@@ -32,7 +35,14 @@ class Queues:
     requests that failed admission, by seq_id, with the free pages then and the token budget they
     had (not retried until pages were freed or the budget shrank). ``num_preemptions`` counts
     :meth:`preempt` calls; ``preempted``: the seq_ids of the preempted requests not admitted
-    again yet."""
+    again yet.
+
+    What a decode's preemption costs it, measured: ``decode_wait_s`` is the mean seconds a
+    sequence preempted after its first token waited until admitted again (an exponential moving
+    average with weight :data:`WAIT_WEIGHT` on the latest; 0 before the first), and
+    ``waited_s`` each unfinished sequence's seconds waited so far after its first token (what its
+    time per output token already carries), both read from the clock passed to
+    :meth:`preempt` and the admissions."""
 
     waiting: deque[Sequence] = field(default_factory=deque)
     loading: list[Sequence] = field(default_factory=list)
@@ -40,6 +50,9 @@ class Queues:
     blocked: dict[int, tuple[int, int]] = field(default_factory=dict)
     num_preemptions: int = 0
     preempted: set[int] = field(default_factory=set)
+    decode_wait_s: float = 0.0
+    waited_s: dict[int, float] = field(default_factory=dict)
+    _decode_preempted_at: dict[int, float] = field(default_factory=dict)
 
     def start_loading(self, seq: Sequence, clock: Callable[[], float]) -> None:
         """Waiting ``seq`` is admitted and its prefix loads run: it holds pages now, so it is
@@ -49,6 +62,7 @@ class Queues:
         self.loading.append(seq)
         self.unblock(seq)
         self.preempted.discard(seq.seq_id)
+        self._readmitted(seq, clock)
 
     def start_running(self, seq: Sequence, clock: Callable[[], float]) -> None:
         """Waiting ``seq``'s first chunk was placed: it runs. Its first admission that runs
@@ -56,6 +70,7 @@ class Queues:
         self.waiting.remove(seq)
         self.unblock(seq)
         self.preempted.discard(seq.seq_id)
+        self._readmitted(seq, clock)
         mark(seq, "admitted_time", clock)
         mark(seq, "loaded_time", clock)
         if not seq.admitted:
@@ -65,16 +80,19 @@ class Queues:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def preempt(self, seq: Sequence, pool: KVPool) -> None:
+    def preempt(self, seq: Sequence, pool: KVPool, now: float | None = None) -> None:
         """Running ``seq``'s pages go back to the prefix cache (its full blocks stay cached, and
         are copied down a tier when their pages are reused, where the pool keeps evicted blocks),
         and it waits at the queue's head; when re-admitted it matches and loads them like any
         returning prompt, and recomputes the tokens past its last full block (the partial last
-        page: fewer than ``page_size`` tokens, and at least its last token)."""
+        page: fewer than ``page_size`` tokens, and at least its last token). ``now``: the
+        scheduler's clock, from which a decode's wait is measured (None: not measured)."""
         self.running.remove(seq)
         pool.free(seq.kv)
         if seq.output_token_ids:
             seq.metrics.preemptions_after_first_token += 1
+            if now is not None:
+                self._decode_preempted_at[seq.seq_id] = now
         else:
             seq.metrics.num_preemptions += 1
         seq.num_computed_tokens = 0
@@ -83,6 +101,20 @@ class Queues:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         self.preempted.add(seq.seq_id)
+
+    def _readmitted(self, seq: Sequence, clock: Callable[[], float]) -> None:
+        """``seq`` is admitted again: the wait of a decode preempted since goes into
+        :attr:`decode_wait_s` and its :attr:`waited_s`."""
+        at = self._decode_preempted_at.pop(seq.seq_id, None)
+        if at is not None:
+            wait = max(0.0, clock() - at)
+            self.waited_s[seq.seq_id] = self.waited_s.get(seq.seq_id, 0.0) + wait
+            self.decode_wait_s += WAIT_WEIGHT * (wait - self.decode_wait_s) if self.decode_wait_s else wait
+
+    def finish(self, seq: Sequence) -> None:
+        """Running ``seq`` ended: it leaves the running queue and its waits are forgotten."""
+        self.running.remove(seq)
+        self.waited_s.pop(seq.seq_id, None)
 
     def block(self, seq: Sequence, free_pages: int, budget: int) -> None:
         self.blocked[seq.seq_id] = (free_pages, budget)
@@ -104,6 +136,8 @@ class Queues:
             self.waiting.remove(seq)
         self.unblock(seq)
         self.preempted.discard(seq.seq_id)
+        self.waited_s.pop(seq.seq_id, None)
+        self._decode_preempted_at.pop(seq.seq_id, None)
 
     def collect_loaded(self, pool: KVPool, clock: Callable[[], float]) -> None:
         """Move sequences whose prefix loads ended to the front of the waiting queue, in the order
@@ -135,4 +169,4 @@ def mark(seq: Sequence, name: str, clock: Callable[[], float]) -> None:
         setattr(seq.metrics, name, clock())
 
 
-__all__ = ["Queues", "mark", "resumes_by_copy"]
+__all__ = ["WAIT_WEIGHT", "Queues", "mark", "resumes_by_copy"]

@@ -87,7 +87,7 @@ class Scheduler:
         self.preemption.begin_step()
         made = self.preemption.make_room(plan.budget)  # (the best-ranked request blocked on pages, victims)
         for victim in made[1] if made else ():
-            self.queues.preempt(victim, self.pool)
+            self.queues.preempt(victim, self.pool, self.clock())
         fast = self.ranking.fast_lane(self.preemption.displaced)
         caps = self.ranking.plan(plan.tokens_left, fast)
 
@@ -103,7 +103,7 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_tokens - 1
             while plan.add(seq, plan.chunk(seq, caps), shrink=caps is not None) is Verdict.NO_PAGES:
                 victim = self.preemption.running_victim(seq)
-                self.queues.preempt(victim, self.pool)
+                self.queues.preempt(victim, self.pool, self.clock())
                 if victim is seq:
                     break
 
@@ -187,7 +187,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.running.remove(seq)
+        self.queues.finish(seq)
         self.preemption.forget(seq)
         self.pool.free(seq.kv)
 
