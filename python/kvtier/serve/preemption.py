@@ -16,9 +16,10 @@ prefill after it whose resume costs least before any decode. Decodes go least ha
 (:meth:`PreemptBehind.harm`): by the seconds per output token a preemption would leave them
 carrying in waits (their waits so far and the measured wait of a preempted decode until it is
 admitted again, :attr:`Queues.decode_wait_s`, plus the resume, over their ``max_tokens - 1``
-gaps). On the real engine almost every request in the time-per-output-token p99 was a decode
-of a few tokens preempted once, which waited 95-99% of its decode time to be admitted again
-(``perf/preemption_anatomy.py``); the wait, not the copy, is what a preemption costs a decode.
+gaps). On the real engine every request in the time-per-output-token p99 was a decode of a
+few tokens preempted once or twice, which spent 86-98% of its decode time waiting to be
+admitted again (``perf/preemption_anatomy.py``, docs/scheduling.md): the wait, not the copy,
+is what a preemption costs a decode.
 """
 
 from __future__ import annotations
