@@ -18,6 +18,7 @@ from kvtier.cache.kv_state import KVState, TokenList
 from kvtier.cache.pool import KVPool
 from kvtier.cache.prefix_index import Tier
 from kvtier.serve.config import EngineConfig
+from kvtier.serve.preemption import SPARED_DECODE_TOKENS
 from kvtier.serve.step_time import FEATURES
 from tests.helpers.engines import StandInLLM
 from tests.helpers.scheduling import reconfigure
@@ -200,23 +201,41 @@ def test_the_queues_measure_how_long_a_preempted_decode_waits():
 
 
 def test_the_decode_preempted_first_is_the_one_whose_time_per_token_it_harms_least():
-    """Three decodes of equal context: one with 2 tokens to spread a wait over, one with 40,
-    and one with 40 that already waited 10 s preempted. With a measured wait of 1 s, the
+    """Three decodes of equal context: one with 8 tokens to spread a wait over, one with 40,
+    and one with 40 that already waited 3 s preempted. With a measured wait of 1 s, the
     preemption rule offers the long fresh one first, then the one that waited, then the short
-    one (1 s over 2 gaps, against 11 s over 39)."""
+    one (1 s over 7 gaps, against 4 s over 39)."""
     llm = host_cached(llm=StandInLLM, num_device_pages=40, preemption_mode="swap")
     engine, scheduler = llm.engine, llm.engine.scheduler
     forty = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    short = engine.add_request(prompt(2 * PS, 21), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    short = engine.add_request(prompt(2 * PS, 21), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     fresh = engine.add_request(prompt(2 * PS, 22), forty)
     waited = engine.add_request(prompt(2 * PS, 23), forty)
     engine.step()
     seqs = [engine.sequence(r) for r in (short, fresh, waited)]
     assert all(s.output_token_ids for s in seqs)
     scheduler.queues.decode_wait_s = 1.0
-    scheduler.queues.waited_s[waited] = 10.0
+    scheduler.queues.waited_s[waited] = 3.0
     fix_step_s(engine, 10.0)
     order = scheduler.preemption.cheap_decodes(seqs)
     assert [s.seq_id for s in order] == [fresh, waited, short]
     # a running sequence short of pages preempts the least harmed decode after it, too
     assert scheduler.preemption.running_victim(seqs[0]).seq_id == fresh
+
+
+def test_a_decode_about_to_end_is_not_preempted_for_a_new_turn():
+    """The decode of the resume-cost test with 10 s steps, but 4 tokens left
+    (``SPARED_DECODE_TOKENS``) when the new turn comes: the turn waits for its end instead of
+    preempting it. Outputs are unchanged."""
+    assert SPARED_DECODE_TOKENS == 4
+    llm = host_cached(llm=StandInLLM, preemption_mode="swap")
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    five = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    decode_prompt, cold_prompt = prompt(5 * PS + 3, 3), prompt(N, 77)
+    dec = engine.add_request(decode_prompt, five)
+    engine.step()  # its first token: 4 left
+    rid = engine.add_request(cold_prompt, TWO)
+    outs = run(engine, step_s=10.0)
+    assert scheduler.num_preemptions == 0
+    assert outs[rid].metrics.first_token_time > outs[dec].metrics.finish_time
+    assert outs[rid].token_ids == alone(cold_prompt, TWO) and outs[dec].token_ids == alone(decode_prompt, five)

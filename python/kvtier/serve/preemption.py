@@ -33,6 +33,13 @@ from kvtier.serve.step_plan import StepBudget, admission_pages, pages_freed, rem
 from kvtier.serve.step_time import StepTimeModel, step_features
 
 
+# Where preempted sequences come back by copy, a decode with this many tokens left or fewer is
+# not preempted for a waiting request: the request waits at most that many steps for its pages,
+# while the decode, preempted, waits to be admitted again (seconds on 16 kv-cache-tester sessions,
+# against steps of 50-100 ms: docs/scheduling.md) and that wait is its whole time per output token.
+SPARED_DECODE_TOKENS = 4
+
+
 class PreemptLast:
     """Nobody is preempted for a waiting request; a running sequence short of pages preempts
     the last admitted.
@@ -147,12 +154,14 @@ class PreemptBehind(PreemptLast):
         return chosen if freed >= short else None
 
     def cheap_decodes(self, decodes: list[Sequence]) -> list[Sequence]:
-        """Those of ``decodes`` whose resume costs less than waiting for them to end
-        (:meth:`KVPool.resume_s` < tokens left x :meth:`step_s`), the least harmed by a
-        preemption first (:meth:`harm`); all of them, most tokens left first, before the
-        step-time model has an estimate. (The measured wait is left out of the filter: with it,
-        decodes of a few tokens were never preempted and new turns waited for them, 1.8x the
-        TTFT p90 in the simulator on 32 kv-cache-tester sessions; docs/scheduling.md.)"""
+        """Those of ``decodes`` with more than :data:`SPARED_DECODE_TOKENS` tokens left whose
+        resume costs less than waiting for them to end (:meth:`KVPool.resume_s` < tokens left x
+        :meth:`step_s`), the least harmed by a preemption first (:meth:`harm`); all of them,
+        most tokens left first, before the step-time model has an estimate. (The measured wait
+        is left out of the filter: with it, decodes of dozens of tokens were not preempted and
+        new turns waited for them, 1.8x the TTFT p90 in the simulator on 32 kv-cache-tester
+        sessions; docs/scheduling.md.)"""
+        decodes = [q for q in decodes if tokens_left(q) > SPARED_DECODE_TOKENS]
         step_s = self.step_s()
         if step_s is None:
             return sorted(decodes, key=tokens_left, reverse=True)
@@ -212,4 +221,4 @@ def tokens_left(seq: Sequence) -> int:
     return seq.params.max_tokens - len(seq.output_token_ids)
 
 
-__all__ = ["PreemptBehind", "PreemptLast", "tokens_left"]
+__all__ = ["SPARED_DECODE_TOKENS", "PreemptBehind", "PreemptLast", "tokens_left"]
