@@ -101,22 +101,6 @@ def _allocate_kv_caches(spec: CacheSpec, config: EngineConfig, device) -> list[t
                          f"allocated: {str(e).splitlines()[0][:200]}") from None
 
 
-def _compiled(step):
-    """``step`` through ``torch.compile`` (dynamic shapes, inductor with frozen weights), compiled
-    without duck shapes: sizes that happen to be equal in one step (a block table 8 pages wide
-    for 8 sequences) are not assumed equal, which would recompile the step whenever they differ.
-    What remains are a graph per step kind (prefill, decode, mixed) and per batch of one."""
-    import torch.fx.experimental._config as fx_config
-
-    compiled = torch.compile(step, dynamic=True, options={"freezing": True})
-
-    def run(*args):
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args)
-
-    return run
-
-
 class ModelRunner:
     """Owns the model and what its cache spec declares (``model.cache_spec()``): one
     ``[num_device_pages, page_size, kv_width]`` page pool per KV layer and, for a model with a
@@ -149,7 +133,7 @@ class ModelRunner:
             if model.cache_spec().state_bytes:
                 raise ValueError("torch_compile is for models without a recurrent state; "
                                  f"{type(model).__name__} keeps one (run it eager)")
-            self._step = _compiled(model.step)
+            self._step = torch.compile(model.step, dynamic=True, options={"freezing": True})
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.page_ids) for s in seqs)
