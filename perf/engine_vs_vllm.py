@@ -13,8 +13,7 @@ multiple of 32 for its AMX MLA backend), the same ``--max-num-seqs`` and
 ``--max-num-batched-tokens``, and the same cores: each server runs under ``taskset -c
 --cores``, vLLM with ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (its model on one core, its scheduler
 process on the other), kvtier with ``--threads 1`` (one torch compute thread; its HTTP and engine
-threads beside it). vLLM runs as it ships (torch.compile; ``--vllm-eager`` for eager); kvtier runs
-eager unless ``--kvtier-compile`` (its ``--enable-torch-compile``; the warm-up round compiles).
+threads beside it). vLLM runs as it ships (torch.compile; ``--vllm-eager`` for eager).
 
 Configurations: ``off``: no cache on either (kvtier ``--no-prefix-caching``, no tiers; vLLM
 ``--no-enable-prefix-caching``); ``cache``: each with its own cache (kvtier's prefix cache in its
@@ -106,8 +105,6 @@ def server_cmd(args, engine: str, config: str, model: Path, port: int) -> tuple[
            "--served-model-name", MODEL_NAME,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--page-size", str(args.page_size),
            "--num-device-pages", str(args.device_pages), "--threads", "1", "--log-level", "warning", *common]
-    if args.kvtier_compile and engine == "kvtier":
-        cmd.append("--enable-torch-compile")
     if config == "off":
         cmd.append("--no-prefix-caching")
     else:
@@ -316,9 +313,6 @@ def main() -> int:
                    help=f"also run kvtier serve from this PYTHONPATH (an earlier commit's python/) as {BASE!r} in "
                         "the same alternating rounds: before and after a change under the same load")
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager")
-    p.add_argument("--kvtier-compile", action="store_true",
-                   help="kvtier with --enable-torch-compile (not its --baseline-pythonpath copy: with "
-                        "--baseline-pythonpath python, eager and compiled kvtier run in the same rounds)")
     p.add_argument("--profile", default="", help="py-spy raw profile of one more kvtier round (caches off)")
     p.add_argument("--profile-rate", type=int, default=200, help="py-spy samples per second")
     p.add_argument("--py-spy", default=str(Path(sys.executable).parent / "py-spy"))

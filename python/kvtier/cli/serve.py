@@ -49,8 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        disk_cache_dir=args.disk_cache_dir, disk_cache_bytes=args.disk_cache_bytes,
                        cache_policy=args.cache_policy, write_policy=args.cache_write_policy,
                        salt=args.cache_salt.encode(), remote_cache_url=args.remote_cache_url,
-                       remote_timeout_s=args.remote_timeout_s, torch_compile=args.enable_torch_compile,
-                       **checkpoints.pool_fields())
+                       remote_timeout_s=args.remote_timeout_s, **checkpoints.pool_fields())
     app = make_worker_app(args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                           max_queue=args.max_queue, session_ttl_s=args.session_ttl_s, dtype=args.dtype, device=args.device,
                           seed=args.seed, kv_events_endpoint=args.kv_events_endpoint, role=args.role,
@@ -143,9 +142,6 @@ def add_parser(sub) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     s.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached blocks")
-    s.add_argument("--enable-torch-compile", action="store_true",
-                   help="run the model's step through torch.compile (the first steps of each shape compile, minutes "
-                        "on a CPU; not for a model with a recurrent state)")
     s.add_argument("--host-cache-bytes", type=int, default=0, help="host-memory KV tier budget (0 = none)")
     s.add_argument("--disk-cache-dir", default=None, help="disk KV tier directory (default: none)")
     s.add_argument("--disk-cache-bytes", type=int, default=0, help="disk KV tier budget")

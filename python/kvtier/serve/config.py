@@ -44,12 +44,6 @@ class EngineConfig:
         cuda_graph: replay decode-only steps from CUDA/HIP graphs captured per batch size (1, 2,
             4, .. up to max_num_seqs, at most 64), as vLLM and SGLang do; needs a GPU model (the
             runner raises ValueError otherwise). Off by default until measured.
-        torch_compile: run the model's step through ``torch.compile`` (dynamic shapes; inductor
-            with the weights frozen as constants, so its CPU GEMMs take prepacked oneDNN
-            weights), as vLLM-CPU does by default and SGLang's ``--enable-torch-compile``. The
-            kernel ops stay opaque nodes; the first steps of each shape class compile (minutes
-            on a CPU). Not for a model with a recurrent state (the runner raises ValueError).
-            Off by default (docs/benchmarks.md has what it gave on the CPU).
         schedule_policy: ``cache-aware`` (waiting requests ordered by their estimated cost to
             serve, cached ones first, with aging; see :mod:`kvtier.serve.admission`) or
             ``fcfs`` (arrival order; a request that cannot be placed holds the ones behind it).
@@ -92,7 +86,6 @@ class EngineConfig:
     max_num_seqs: int = 64
     seed: int = 0
     cuda_graph: bool = False
-    torch_compile: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
     preemption_mode: str = "swap"
@@ -101,9 +94,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
             raise ValueError(f"pool must be a PoolConfig, got {self.pool!r} ({type(self.pool).__name__})")
-        for name in ("cuda_graph", "torch_compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise ValueError(f"cuda_graph must be a bool, got {self.cuda_graph!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "schedule_max_passes"):
             check_int(name, getattr(self, name), min_value=1)
         if self.max_num_batched_pairs is not None:

@@ -111,8 +111,7 @@ class ModelRunner:
     through the same step (:class:`kvtier.model.step.StepModel`).
 
     Raises:
-        ValueError: the page pools do not fit, or ``cuda_graph`` or ``torch_compile`` with a
-            hybrid model.
+        ValueError: the page pools do not fit, or ``cuda_graph`` with a hybrid model.
     """
 
     def __init__(self, model: StepModel, config: EngineConfig):
@@ -128,12 +127,6 @@ class ModelRunner:
             from kvtier.serve.cuda_graph import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.kv_caches, config.max_num_seqs, config.pool.num_device_pages)
-        self._step = model.step
-        if config.torch_compile:
-            if model.cache_spec().state_bytes:
-                raise ValueError("torch_compile is for models without a recurrent state; "
-                                 f"{type(model).__name__} keeps one (run it eager)")
-            self._step = torch.compile(model.step, dynamic=True, options={"freezing": True})
 
     def _block_table(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(s.page_ids) for s in seqs)
@@ -185,7 +178,7 @@ class ModelRunner:
                 and self.graphs.fits(len(batch.decodes), attn.decode_block_table.shape[1])):
             logits, produced = self.graphs.run(input_ids, positions, attn)[index], None
         else:
-            hidden, produced = self._step(input_ids, positions, attn, self.kv_caches, states.slots, state_batch)
+            hidden, produced = self.model.step(input_ids, positions, attn, self.kv_caches, states.slots, state_batch)
             logits = self.model.compute_logits(hidden[index])
         return logits, states.ran(batch, produced), states.turn_ends(batch)
 
