@@ -113,7 +113,7 @@ class BenchOptions:
     workload_seed: int | None = None
     threads: int = 1
     schedule_policy: str = "cache-aware"
-    preemption_mode: str = "swap"
+    preemption_mode: str = "recompute"
     admission_watermark: float = ADMISSION_WATERMARK
     device: str = "cpu"
     checkpoints: CheckpointOptions = CheckpointOptions()

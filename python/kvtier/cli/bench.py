@@ -148,10 +148,11 @@ def add_parser(sub) -> None:
                    help="include every request's record (times, TTFT parts, tier mix) in --json")
     b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
-    b.add_argument("--preemption-mode", default="swap", choices=PREEMPTION_MODES,
-                   help="swap (default): a preempted sequence's blocks go down a tier and load back, and a decode "
+    b.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                   help="swap: a preempted sequence's blocks go down a tier and load back, and a decode "
                         "is a victim only when its resume costs less than its end and it has more than 4 tokens "
-                        "left, least harmed in its time per output token first; recompute: victims by rank alone")
+                        "left, least harmed in its time per output token first; recompute (default): victims by "
+                        "rank alone")
     b.add_argument("--admission-watermark", type=float, default=ADMISSION_WATERMARK, metavar="SHARE",
                    help=f"share of device pages a new request leaves free for the running sequences' next pages "
                         f"(default {ADMISSION_WATERMARK}; 0 = none)")

@@ -55,9 +55,9 @@ class EngineConfig:
             tier when their pages are reused and load back by copy, and victims are chosen by
             their resume cost (``KVPool.resume_s``): a decode is preempted for a waiting request
             only when bringing it back costs less than waiting for it to end and it has more than
-            4 tokens left, least harmed in its time per output token first (the default:
-            docs/scheduling.md has the measurement).
-            ``recompute``: victims are chosen by rank alone (what this engine did before; the
+            4 tokens left, least harmed in its time per output token first.
+            ``recompute`` (the default: docs/scheduling.md has the measurement): victims are
+            chosen by rank alone (what this engine did before; the
             preempted sequence's blocks are reused while cached). Without a lower tier both act
             as ``recompute``.
         admission_watermark: share of the device pages, in [0, 0.5], that admitting a new request
@@ -88,7 +88,7 @@ class EngineConfig:
     cuda_graph: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
-    preemption_mode: str = "swap"
+    preemption_mode: str = "recompute"
     admission_watermark: float = ADMISSION_WATERMARK
 
     def __post_init__(self) -> None:
