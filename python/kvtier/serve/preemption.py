@@ -167,20 +167,18 @@ class PreemptBehind(PreemptLast):
             return sorted(decodes, key=tokens_left, reverse=True)
         resume = {q.seq_id: self.pool.resume_s(q.kv) for q in decodes}
         return sorted((q for q in decodes if resume[q.seq_id] < tokens_left(q) * step_s),
-                      key=lambda q: self.harm(q, self.queues.decode_wait_s + resume[q.seq_id]))
+                      key=lambda q: self.harm(q, resume[q.seq_id]))
 
-    def preempt_cost_s(self, seq: Sequence) -> float:
-        """Seconds preempting decode ``seq`` adds to its decode: the measured wait of a preempted
-        decode (:attr:`Queues.decode_wait_s`) and its resume (:meth:`KVPool.resume_s`)."""
-        return self.queues.decode_wait_s + self.pool.resume_s(seq.kv)
-
-    def harm(self, seq: Sequence, cost_s: float) -> float:
+    def harm(self, seq: Sequence, resume_s: float) -> float:
         """The seconds per output token decode ``seq`` would carry in waits if preempted now
         (what its time per output token, ``(finish - first token) / (max_tokens - 1)``, grows by
-        over a run without preemption): its waits so far (:attr:`Queues.waited_s`) plus
-        ``cost_s``, over its ``max_tokens - 1`` gaps. A decode resumed a moment ago, or one with
-        few tokens to spread a wait over, is harmed most."""
-        return (self.queues.waited_s.get(seq.seq_id, 0.0) + cost_s) / max(1, seq.params.max_tokens - 1)
+        over a run without preemption): its waits so far (:attr:`Queues.waited_s`), the measured
+        wait of a preempted decode until admitted again (:attr:`Queues.decode_wait_s`) and its
+        resume ``resume_s`` (seconds, :meth:`KVPool.resume_s`), over its ``max_tokens - 1`` gaps.
+        A decode resumed a moment ago, or one with few tokens to spread a wait over, is harmed
+        most."""
+        waits = self.queues.waited_s.get(seq.seq_id, 0.0) + self.queues.decode_wait_s + resume_s
+        return waits / max(1, seq.params.max_tokens - 1)
 
     def step_s(self) -> float | None:
         """The step-time model's estimate of a step of the running sequences: their decodes and
@@ -204,7 +202,7 @@ class PreemptBehind(PreemptLast):
         if resumes_by_copy(self.config, self.pool):
             def key(q):
                 if q.output_token_ids:
-                    return self.ends_soon(q), True, self.harm(q, self.preempt_cost_s(q))
+                    return self.ends_soon(q), True, self.harm(q, self.pool.resume_s(q.kv))
                 return self.ends_soon(q), False, self.pool.resume_s(q.kv)
             return min(later, key=key)
         return max(later, key=lambda q: (not self.ends_soon(q), self.ranking.key(q)))
