@@ -28,6 +28,11 @@ def _got(value) -> str:
     return f"got {value!r} ({type(value).__name__})"
 
 
+def flag(name: str) -> str:
+    """The command-line option of field ``name`` (``state_host_bytes`` -> ``--state-host-bytes``)."""
+    return "--" + name.replace("_", "-")
+
+
 def is_int(value) -> bool:
     """An integer that is not a bool (Python, numpy or any ``numbers.Integral``)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

@@ -30,6 +30,7 @@ from kvtier.cache.disk_tier import DiskTier
 from kvtier.serve.builder import check_device, load_for_serving
 from kvtier.model.kimi_k2 import KimiK2ForCausalLM
 from kvtier.ops import resolve_backend
+from kvtier.options import flag
 from kvtier.provenance import provenance
 from kvtier.serve import Engine, EngineConfig, SamplingParams
 from kvtier.serve.config import ADMISSION_WATERMARK, SCHEDULE_POLICIES
@@ -132,7 +133,7 @@ class BenchOptions:
                 raise ValueError("--conversations replays a fixed set of text sessions: it cannot be drawn per "
                                  "seed (workload_seed, as --repeat sets it); give --trace or the built-in workload")
         if self.conversations is None:
-            given = [f"--{n.replace('_', '-')}" for n in ("tokenizer", "page_size", "max_output_tokens")
+            given = [flag(n) for n in ("tokenizer", "page_size", "max_output_tokens")
                      if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to --conversations only (traces and the built-in "
@@ -141,13 +142,13 @@ class BenchOptions:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         for name in ("sessions", "concurrency", "max_num_batched_tokens", "threads"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("token_scale", "device_fraction"):
             if not 0 < getattr(self, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("time_scale", "host_fraction", "ramp_s"):
             if not 0 <= getattr(self, name) < math.inf:
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag(name)} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 <= self.max_think_s:  # inf = no cap
             raise ValueError(f"--max-think-s must be >= 0, got {self.max_think_s}")
         if self.max_turns is not None and self.max_turns < 1:
@@ -157,7 +158,7 @@ class BenchOptions:
         for name, low in (("num_device_pages", 1), ("host_cache_bytes", 0)):
             value = getattr(self, name)
             if value is not None and value < low:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+                raise ValueError(f"{flag(name)} must be >= {low}, got {value}")
         if not isinstance(self.checkpoints, CheckpointOptions):
             raise ValueError(f"checkpoints must be a CheckpointOptions, got {self.checkpoints!r}")
         configs = parse_configs(self.configs)

@@ -14,15 +14,10 @@ from dataclasses import InitVar, dataclass
 
 from kvtier.cache.disk_tier import DiskTier
 from kvtier.cache.host_tier import HostTier
-from kvtier.options import is_int
+from kvtier.options import flag, is_int
 
 BUDGETS = ("state_device_bytes", "state_host_bytes", "state_disk_bytes")
 """The per-tier budget fields, device first."""
-
-
-def flag(name: str) -> str:
-    """The command-line option of field ``name`` (``state_host_bytes`` -> ``--state-host-bytes``)."""
-    return "--" + name.replace("_", "-")
 
 
 def default_checkpoint_tokens(checkpoint_bytes: int, kv_bytes_per_token: int, page_size: int) -> int:
@@ -147,4 +142,4 @@ class CheckpointOptions:
         return dataclasses.asdict(self) | {"state_checkpoint_tokens": self.state_checkpoint_tokens or 0}
 
 
-__all__ = ["BUDGETS", "CheckpointOptions", "budget_slots", "bytes_per_copy", "default_checkpoint_tokens", "flag"]
+__all__ = ["BUDGETS", "CheckpointOptions", "budget_slots", "bytes_per_copy", "default_checkpoint_tokens"]

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind
-from kvtier.cache.checkpoints.options import BUDGETS, budget_slots, bytes_per_copy, flag
+from kvtier.cache.checkpoints.options import BUDGETS, budget_slots, bytes_per_copy
 from kvtier.cache.disk_tier import BlockMeta, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
 from kvtier.cache.pool_stats import StateStats
@@ -46,6 +46,7 @@ from kvtier.cache.tiers import HostStore, TierStore, open_stores
 from kvtier.cache.tiers.disk_budget import namespace_dir
 from kvtier.cache.tiers.protocol import Admit
 from kvtier.cache.remote import RemoteTier
+from kvtier.options import flag
 
 STATE_LAYOUT_CODE = 0x57A7E0
 """Layout code (bits 8-31 of :attr:`BlockMeta.dtype`) of a checkpoint file or value: it names their
