@@ -127,6 +127,7 @@ def test_run_reads_no_device_value_on_the_host(monkeypatch):
     # the op is replaced by its fake: what remains is the run's own Python
     monkeypatch.setattr(ops.attention, "device_backend", lambda op, device: "torch")
     monkeypatch.setattr(torch.ops.kvtier, "mla_decode", lambda q, *a: q.new_empty(q.shape[:2]))
+    monkeypatch.setattr(ops.attention._mla_library, "decode_cpu", lambda q, *a: q.new_empty(q.shape[:2]))
     out, lse = ops.mla_decode_run(q, kv, plan, SM_SCALE)
     assert out.shape == (5, HEADS, RANK) and lse.shape == (5, HEADS)
 

@@ -70,11 +70,15 @@ def extend_impl(backend: str, q, kv_cache, block_table, cu_seqlens_q, seq_lens, 
                                 kv_scale=kv_scale)[1]
 
 
-@torch.library.custom_op("kvtier::mla_decode", mutates_args=("out",), device_types="cpu")
-def _mla_decode_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    sm_scale: float, kv_lora_rank: int, kv_scale: float, out: torch.Tensor,
-                    num_splits: int = 0) -> torch.Tensor:
+def decode_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               sm_scale: float, kv_lora_rank: int, kv_scale: float, out: torch.Tensor,
+               num_splits: int = 0) -> torch.Tensor:
+    """The CPU kernel of ``torch.ops.kvtier.mla_decode`` (its schema), callable without the
+    registration's dispatch (:func:`kvtier.ops.dispatch.calls_registered_op`)."""
     return decode_impl("torch", q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out)
+
+
+_mla_decode_cpu = torch.library.custom_op("kvtier::mla_decode", mutates_args=("out",), device_types="cpu")(decode_cpu)
 
 
 @_mla_decode_cpu.register_kernel("cuda")
@@ -88,12 +92,16 @@ def _(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, kv_scale, out,
     return q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32)
 
 
-@torch.library.custom_op("kvtier::mla_extend", mutates_args=("out",), device_types="cpu")
-def _mla_extend_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    seq_lens: torch.Tensor, sm_scale: float, kv_lora_rank: int, kv_scale: float, max_new_tokens: int,
-                    out: torch.Tensor) -> torch.Tensor:
+def extend_cpu(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               seq_lens: torch.Tensor, sm_scale: float, kv_lora_rank: int, kv_scale: float, max_new_tokens: int,
+               out: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel of ``torch.ops.kvtier.mla_extend`` (its schema), callable without the
+    registration's dispatch."""
     return extend_impl("torch", q, kv_cache, block_table, cu_seqlens_q, seq_lens, sm_scale, kv_lora_rank, kv_scale,
                        max_new_tokens, out)
+
+
+_mla_extend_cpu = torch.library.custom_op("kvtier::mla_extend", mutates_args=("out",), device_types="cpu")(extend_cpu)
 
 
 @_mla_extend_cpu.register_kernel("cuda")

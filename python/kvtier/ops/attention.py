@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from kvtier.ops import _mla_library, split_kv
+from kvtier.ops import _cpu_mla, _mla_library, split_kv
 from kvtier.ops.checks import FLOAT_DTYPES, check_out, check_tensor
-from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend
+from kvtier.ops.dispatch import calls_registered_op, device_backend, register_backend, resolve_backend
 
 # fp8 e4m3 caches (with a per-tensor kv_scale): e4m3fn (OCP: gfx950, NVIDIA) and e4m3fnuz (gfx942).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -262,7 +262,8 @@ def mla_decode_run(q, kv_cache, plan: MLADecodePlan, sm_scale, *, kv_scale=None,
         args = (q, kv_cache, plan.block_table, plan.seq_lens, float(sm_scale), plan.kv_lora_rank, kv_scale, out,
                 plan.num_splits)
         if plan.backend == device_backend("mla_decode", q.device):
-            lse = torch.ops.kvtier.mla_decode(*args)
+            kernel = torch.ops.kvtier.mla_decode if calls_registered_op(q.device) else _mla_library.decode_cpu
+            lse = kernel(*args)
         else:
             lse = _mla_library.decode_impl(plan.backend, *args)
         return out, lse
@@ -288,7 +289,8 @@ def mla_extend_run(q, kv_cache, plan: MLAExtendPlan, sm_scale, *, kv_scale=None,
         args = (q, kv_cache, plan.block_table, plan.cu_seqlens_q, plan.seq_lens, float(sm_scale), plan.kv_lora_rank,
                 1.0 if kv_scale is None else float(kv_scale), plan.max_new_tokens, out)
         if plan.backend == device_backend("mla_extend", q.device):
-            lse = torch.ops.kvtier.mla_extend(*args)
+            kernel = torch.ops.kvtier.mla_extend if calls_registered_op(q.device) else _mla_library.extend_cpu
+            lse = kernel(*args)
         else:
             lse = _mla_library.extend_impl(plan.backend, *args)
         return out, lse
@@ -406,4 +408,7 @@ def concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, *, validate=True, b
         check_slot_mapping(slot_mapping, kv_cache.shape[0] * kv_cache.shape[1])
     resolve_backend("concat_and_cache_mla", backend, kv_c.device, kv_c.dtype)
     with record_function("kvtier::concat_and_cache_mla"):
-        torch.ops.kvtier.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping)
+        if calls_registered_op(kv_c.device):
+            torch.ops.kvtier.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping)
+        else:
+            _cpu_mla.concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping)

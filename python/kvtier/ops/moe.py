@@ -12,7 +12,8 @@ import torch
 from kvtier import reference
 from kvtier.ops import _cpu_moe
 from kvtier.ops.checks import FLOAT_DTYPES, check_tensor
-from kvtier.ops.dispatch import device_backend, register_backend, resolve_backend, triton_interpreting
+from kvtier.ops.dispatch import (calls_registered_op, device_backend, register_backend, resolve_backend,
+                                 triton_interpreting)
 from kvtier.reference.activation import ACTIVATIONS
 
 register_backend("moe_route", "triton")
@@ -312,7 +313,8 @@ def _moe_route(router_logits, e_score_correction_bias, top_k, n_group, topk_grou
     args = (router_logits, e_score_correction_bias, top_k, n_group, topk_group, float(routed_scaling_factor),
             bool(renormalize))
     if resolved == device_backend("moe_route", router_logits.device):
-        return torch.ops.kvtier.moe_route(*args)
+        kernel = torch.ops.kvtier.moe_route if calls_registered_op(router_logits.device) else reference.moe_route
+        return kernel(*args)
     return _moe_route_impl(resolved, *args)
 
 
@@ -380,5 +382,6 @@ def _fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, validate, backend
         _aiter.check_fused_moe(hidden_states, w13, w2)
         return _aiter.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
     if resolved == device_backend("fused_moe", dev):
-        return torch.ops.kvtier.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *act)
+        kernel = torch.ops.kvtier.fused_moe if calls_registered_op(dev) else _cpu_moe.fused_moe
+        return kernel(hidden_states, w13, w2, topk_weights, topk_ids, *act)
     return _fused_moe_impl(resolved, hidden_states, w13, w2, topk_weights, topk_ids, *act)
