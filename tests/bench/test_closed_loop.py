@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from kvtier.bench.closed_loop import ActiveSession, ClosedLoop, sum_counters
+from kvtier.bench.closed_loop import ActiveSession, ClosedLoop, sum_sections
 from kvtier.bench.workload import Session, Turn, Workload
-from kvtier.cache.pool_stats import StateStats
+from kvtier.cache.pool_stats import RemoteSnapshot, StateStats
 from kvtier.serve.params import RequestMetrics, RequestOutput
 
 
@@ -86,12 +86,15 @@ def test_tool_waits_are_estimated_and_the_window_cuts_sessions():
         _run(sessions, concurrency=0)
 
 
-def test_sum_counters_adds_a_section_over_pools_scaling_its_bytes():
+def test_sum_sections_adds_each_section_over_pools_scaling_its_bytes():
     a, b = StateStats(fallbacks=2), StateStats(tokens_lost=7)
     a.hits["host"], a.bytes_loaded["host"] = 3, 10
     b.hits["host"], b.bytes_loaded["host"], b.saved["turn"] = 1, 5, 4
-    total = sum_counters([a, None, b], [1.0, 9.0, 3.0])  # the pool without the section adds nothing
+    remote = RemoteSnapshot({"ok": 2}, {"ok": 1}, 0)
+    got = sum_sections([{"state": a}, {"remote": remote}, {"state": b}], [1.0, 9.0, 3.0])  # by name: each over its pools
+    total = got["state"]
     assert total.hits == {"device": 0, "host": 4, "disk": 0, "remote": 0}
     assert total.bytes_loaded["host"] == 10 + 15 and total.saved == {"grid": 0, "turn": 4}
     assert (total.fallbacks, total.tokens_lost) == (2, 7)
-    assert sum_counters([None, None], [1.0, 1.0]) is None
+    assert got["remote"] == remote and list(got) == ["state", "remote"]
+    assert sum_sections([{}, {}], [1.0, 1.0]) == {}

@@ -39,7 +39,7 @@ def test_bench_tiny_k3_runs_device_only_and_tiered_with_checkpoints(tmp_path, ca
     assert sizing["checkpoint_bytes"] > 0 and sizing["checkpoint_tokens"] % sizing["page_size"] == 0
     for name, run in data["configs"].items():
         assert run["requests"] == 4 and run["errors"] == 0
-        st = run["state"]
+        st = run["sections"]["state"]
         assert st["saved"]["turn"] >= 4  # every prompt end is saved as a turn-boundary checkpoint
         assert st["hits_total"] == sum(st["hits"].values())
         assert st["bytes_loaded_total"] == sum(st["bytes_loaded"].values())
@@ -49,13 +49,12 @@ def test_bench_tiny_k3_runs_device_only_and_tiered_with_checkpoints(tmp_path, ca
             assert r["cached_tokens"] == sum(r["cached_tokens_by_tier"].values()) <= r["input_tokens"]
         cached = sum(r["cached_tokens"] for r in run["records"])
         assert run["hit_rate"]["total"] == pytest.approx(cached / run["input_tokens"])
-    device_only, tiered = data["configs"]["device-only"]["state"], data["configs"]["tiered"]["state"]
+    device_only, tiered = (data["configs"][n]["sections"]["state"] for n in ("device-only", "tiered"))
     assert device_only["hits"]["host"] == device_only["hits"]["disk"] == 0  # no host or disk tier there
     assert device_only["fallbacks"] == 0  # nothing is loaded, so no load can fail
     assert device_only["bytes_written_total"] == 0 and device_only["bytes_written"]["device"] > 0
     assert tiered["bytes_written"]["host"] > 0  # device slots are few: checkpoints go down as they are evicted
-    for label in ("checkpoint hits device", "checkpoint hits host", "state bytes host->device",
-                  "prefix tokens lost (no checkpoint)", "checkpoint fallbacks"):
+    for label in ("state saved turn", "state bytes_written host", "state tokens_lost", "state fallbacks"):
         assert label in printed
     assert "hybrid model:" in printed and "checkpoints at prompt and turn ends" in printed
 
@@ -89,7 +88,7 @@ def test_state_options_are_refused_for_a_model_without_recurrent_state(capsys):
 def _run(name: str, state: StateStats | None) -> ConfigRun:
     r = RequestRecord("s0", 0, input_tokens=100, output_tokens=2, arrival_s=0.0, first_token_s=0.1, finish_s=0.2,
                       cached_tokens=64, cached_tokens_by_tier={"device": 0, "host": 64, "disk": 0})
-    return ConfigRun(name, [r], wall_s=1.0, state=state)
+    return ConfigRun(name, [r], wall_s=1.0, sections={} if state is None else {"state": state})
 
 
 def test_state_counters_in_the_json_table_and_repeat_lines():
@@ -97,22 +96,22 @@ def test_state_counters_in_the_json_table_and_repeat_lines():
     st.hits["host"], st.bytes_loaded["host"], st.bytes_written["host"], st.tokens_lost = 2, 2048, 4096, 37
     runs = [_run("device-only", StateStats()), _run("tiered", st)]
     doc = report.bench_json(runs, {})
-    got = doc["configs"]["tiered"]["state"]
+    got = doc["configs"]["tiered"]["sections"]["state"]
     assert got["hits"]["host"] == 2 and got["hits_total"] == 2 and got["tokens_lost"] == 37
     assert got["bytes_loaded_total"] == 2048 and got["bytes_written_total"] == 4096
     text = io.StringIO()
     report.render_table(runs, Console(file=text, width=200))
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
             for line in text.getvalue().splitlines() if line.count("│") == 4}
-    assert rows["checkpoint hits host"] == ["0", "2"] and rows["state bytes host->device"] == ["0 B", "2.0 KiB"]
-    assert rows["prefix tokens lost (no checkpoint)"] == ["0", "37"]
+    assert rows["state hits host"] == ["0", "2"] and rows["state bytes_loaded host"] == ["0 B", "2.0 KiB"]
+    assert rows["state tokens_lost"] == ["0", "37"] and "state hits disk" not in rows  # 0 in every run
     lines = "\n".join(repeat_lines(summarize_repeats([doc | {"seed": 0}])))
-    assert "checkpoint hits host" in lines and "tokens lost (no ckpt)" in lines
-    # a model without recurrent state: no state in the JSON, no checkpoint rows or lines
+    assert "state hits_total" in lines and "state tokens_lost" in lines and "state bytes_loaded_total (MiB)" in lines
+    # a model without recurrent state: no state in the JSON, no state rows or lines
     k2 = [_run("device-only", None), _run("tiered", None)]
     doc = report.bench_json(k2, {})
-    assert doc["configs"]["tiered"]["state"] is None
+    assert doc["configs"]["tiered"]["sections"] == {}
     text = io.StringIO()
     report.render_table(k2, Console(file=text, width=200))
-    assert "checkpoint" not in text.getvalue()
-    assert "checkpoint" not in "\n".join(repeat_lines(summarize_repeats([doc | {"seed": 0}])))
+    assert "state " not in text.getvalue()
+    assert "state " not in "\n".join(repeat_lines(summarize_repeats([doc | {"seed": 0}])))

@@ -16,7 +16,7 @@ from kvtier.bench.report import (bench_json, check_writable, plot_ttft, render_t
 SUMMARY_KEYS = {"ttft_s", "tpot_s", "e2e_s", "throughput_tok_s", "requests", "hit_tokens", "recomputed_tokens",
                 "bytes_moved", "errors", "hit_rate", "input_tokens", "output_tokens", "wall_s", "preemptions",
                 "evictions", "copy_errors", "stores_refused", "device_pages", "working_set_pages", "queue_wait_s",
-                "load_wait_s", "prefill_s", "state", "mean_running_batch"}
+                "load_wait_s", "prefill_s", "sections", "mean_running_batch"}
 
 
 def rec(i, ttft, dur, out=5, inp=100, device=0, host=0, disk=0, arrival=None, error=None, finished=True):
@@ -127,7 +127,7 @@ def test_bench_json_shape_and_comparison():
     assert list(data["configs"]) == ["device-only", "tiered"]
     for s in data["configs"].values():
         assert set(s) == SUMMARY_KEYS
-        assert s["state"] is None  # no recurrent state (the hybrid model's: tests/bench/test_hybrid_bench.py)
+        assert s["sections"] == {}  # no counters beyond the blocks' (a hybrid model's: tests/bench/test_hybrid_bench.py)
         assert set(s["ttft_s"]) == {"p50", "p90", "p99"}
         assert set(s["tpot_s"]) == set(s["e2e_s"]) == {"p50", "p99"}
         assert set(s["hit_tokens"]) == {"device", "host", "disk"}

@@ -38,12 +38,12 @@ def test_scenario_has_k3_sizes(small_run):
     held = (states.state_slots + states.device_checkpoints) * states.state_bytes / 8
     assert sizing.device_pages == int((plan.free_bytes_per_device - held) // sizing.block_bytes)
     assert all(t.input_tokens == 409_600 + 4096 * k for s in workload.sessions for k, t in enumerate(s.turns))
-    assert prov["per_variant"]["tiered"]["state"]["saved"]["turn"] > 0
+    assert prov["per_variant"]["tiered"]["sections"]["state"]["saved"]["turn"] > 0
 
 
 def test_checkpoints_saved_and_restored(small_run):
-    _, _, _, runs, _ = small_run
-    state = {sr.run.name: sr.state for sr in runs}
+    _, _, _, runs, prov = small_run
+    state = {name: v["sections"]["state"] for name, v in prov["per_variant"].items()}
     for name in ("device-only", "tiered", "tiered-grid-only"):
         assert sum(state[name]["hits"].values()) > 0, name
         assert state[name]["failures"] == dict.fromkeys(state[name]["failures"], 0)
@@ -85,7 +85,7 @@ def test_warmup_turns_run_before_the_window_and_are_not_reported():
         assert prov["per_variant"][name]["window_s"] == sr.window_s
         # the run's counters are the window's: none negative
         assert sr.run.recomputed_tokens >= 0 and sr.run.preemptions >= 0
-        for k, v in (sr.state or {}).items():
+        for k, v in prov["per_variant"][name]["sections"]["state"].items():
             assert all(n >= 0 for n in v.values()) if isinstance(v, dict) else v >= 0, (name, k)
     with pytest.raises(ValueError, match="warmup_turns"):
         Replay(sessions=1, concurrency=1, warmup_turns=-1)

@@ -344,13 +344,10 @@ def run_agents(url: str, model: str, workload: AgentWorkload, nonce: str | None 
     return [row for rows in done for row in rows]
 
 
-EVICTION_COUNTERS = ("kvtier_evictions_total", "kvtier_state_checkpoint_evictions_total")
-
-
 def eviction_counts(url: str, timeout_s: float = 10.0) -> dict | None:
-    """``{"kvtier_evictions_total": {tier: n}, "kvtier_state_checkpoint_evictions_total": {tier: n}}``
-    from the server's Prometheus ``/metrics`` (blocks and hybrid-state checkpoints dropped to make
-    room, by tier); None when it does not answer or counts neither (another server)."""
+    """``{series: {tier: n}}`` of every ``kvtier_*evictions_total`` series of the server's Prometheus
+    ``/metrics`` (each kind of cached object the pool drops to make room, by tier: blocks as
+    ``kvtier_evictions_total``, ...); None when it does not answer or counts none (another server)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -360,11 +357,11 @@ def eviction_counts(url: str, timeout_s: float = 10.0) -> dict | None:
         families = list(text_string_to_metric_families(r.text))
     except (httpx.HTTPError, ValueError):
         return None
-    out = {name: {} for name in EVICTION_COUNTERS}
+    out: dict[str, dict[str, int]] = {}
     for fam in families:
         for sample in fam.samples:
-            if sample.name in out:
-                out[sample.name][sample.labels.get("tier", "")] = int(sample.value)
+            if sample.name.startswith("kvtier_") and sample.name.endswith("evictions_total"):
+                out.setdefault(sample.name, {})[sample.labels.get("tier", "")] = int(sample.value)
     return out if any(out.values()) else None
 
 
@@ -373,7 +370,7 @@ def _evicted_during(url: str, before: dict | None) -> dict | None:
     after = eviction_counts(url)
     if before is None or after is None:
         return None
-    return {name: {t: n - before[name].get(t, 0) for t, n in tiers.items()} for name, tiers in after.items()}
+    return {name: {t: n - before.get(name, {}).get(t, 0) for t, n in tiers.items()} for name, tiers in after.items()}
 
 
 @contextmanager

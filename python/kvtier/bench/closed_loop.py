@@ -357,17 +357,13 @@ def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, e
         stores_refused=total("stores_refused"), preemptions=sum(s.scheduler.preemptions for s in snaps),
         device_pages=sum(e.config.pool.num_device_pages for e in engines),
         working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency),
-        state=sum_counters([s.state for s in stats], scales))
+        sections=sum_sections([s.sections() for s in stats], scales))
 
 
-def sum_counters(sections: list, bytes_scale: list[float]):
-    """One section of several pools' stats (e.g. each pool's ``state``) added up: every int and
-    every dict of ints by name, a field named ``bytes_*`` times its pool's ``bytes_scale``; None
-    when no pool has the section (every entry None)."""
-    kept = [(s, x) for s, x in zip(sections, bytes_scale) if s is not None]
-    if not kept:
-        return None
-
+def sum_sections(sections: list[dict], bytes_scale: list[float]) -> dict:
+    """Several pools' counter sections (each pool's :meth:`PoolSnapshot.sections`) added up by name:
+    every int and every dict of ints by name, a field named ``bytes_*`` times its pool's
+    ``bytes_scale``; a section only some pools keep sums over those."""
     def added(name: str, values: list[tuple[object, float]]):
         scale = name.startswith("bytes_")
         if isinstance(values[0][0], dict):
@@ -375,30 +371,34 @@ def sum_counters(sections: list, bytes_scale: list[float]):
             return {k: sum(round(v.get(k, 0) * x) if scale else v.get(k, 0) for v, x in values) for k in keys}
         return sum(round(v * x) if scale else v for v, x in values)
 
-    first = kept[0][0]
-    return type(first)(**{f.name: added(f.name, [(getattr(s, f.name), x) for s, x in kept])
-                          for f in dataclasses.fields(first)})
+    def summed(kept: list[tuple[object, float]]):
+        return type(kept[0][0])(**{f.name: added(f.name, [(getattr(s, f.name), x) for s, x in kept])
+                                   for f in dataclasses.fields(kept[0][0])})
+
+    names = dict.fromkeys(n for secs in sections for n in secs)
+    return {n: summed([(secs[n], x) for secs, x in zip(sections, bytes_scale, strict=True) if n in secs])
+            for n in names}
 
 
 def _minus(end, start):
-    """``end - start`` of a counter: an int, a dict of ints by name (names only in ``end`` kept), a
-    dataclass of counters (each field's), or None (a section the pool does not keep)."""
+    """``end - start`` of a counter: an int, a dict of ints by name (names only in ``end`` kept) or a
+    dataclass of counters (each field's)."""
     if isinstance(end, dict):
         return {k: v - start.get(k, 0) for k, v in end.items()}
     if dataclasses.is_dataclass(end):
         return type(end)(**{f.name: _minus(getattr(end, f.name), getattr(start, f.name))
                             for f in dataclasses.fields(end)})
-    return end if end is None else end - start
+    return end - start
 
 
 def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
     """What one engine counted between two of its :meth:`Engine.stats` snapshots: ``end`` with
     every counter (prefill tokens, steps, preemptions, the pool's hits, bytes, evictions, copy
-    errors, prefetches, refused stores and its ``state`` section's counters) less ``start``'s; the gauges
-    (queues, free pages, cached blocks) and the remote tier's and grammar counters are ``end``'s."""
+    errors, prefetches, refused stores and every counter of its sections, :meth:`PoolSnapshot.sections`)
+    less ``start``'s; the gauges (queues, free pages, cached blocks) and the grammar counters are ``end``'s."""
     p, q = end.pool, start.pool
     counters = ("hit_tokens", "bytes_loaded", "bytes_written", "evictions", "copy_errors", "prefetched_blocks",
-                "stores_refused", "state")
+                "stores_refused", *p.sections())  # a section is the snapshot's field of its name
     pool = dataclasses.replace(p, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters})
     sched = dataclasses.replace(end.scheduler, preemptions=end.scheduler.preemptions - start.scheduler.preemptions)
     return dataclasses.replace(end, scheduler=sched, pool=pool, prefill_tokens=end.prefill_tokens - start.prefill_tokens,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.cache.pool_stats import StateStats
-
 
 @dataclass
 class RequestRecord:
@@ -121,10 +119,9 @@ class ConfigRun:
             (``kvtier bench --endpoint``): the report shows them as unknown, not 0.
         mean_running_batch: sequences running per engine step, averaged over the steps that ran
             any (None: not observed, as over HTTP or in the simulator).
-        state: a hybrid model's recurrent-state checkpoint counters (hits per tier, bytes loaded
-            and written per tier, fallbacks, prefix tokens lost to missing checkpoints; see
-            :class:`kvtier.cache.pool_stats.StateStats`); None for a model without recurrent
-            state, or when not observed.
+        sections: the pools' counters beyond their blocks', by section name
+            (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`), summed over the engines;
+            empty when the pools keep none or they were not observed.
     """
 
     name: str
@@ -139,5 +136,5 @@ class ConfigRun:
     device_pages: int = 0
     working_set_pages: int = 0
     server_counters: bool = True
-    state: StateStats | None = None
+    sections: dict[str, object] = field(default_factory=dict)
     mean_running_batch: float | None = None

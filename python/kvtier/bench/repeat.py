@@ -20,18 +20,15 @@ import torch
 
 from kvtier.bench import report
 from kvtier.bench.configs import IDEAL, parse_configs
+from kvtier.bench.pool_sections import figure_label, section_figures
 from kvtier.bench.run import BenchOptions, bench_provenance, load_tokenizer_for, prepare_workload, run_config, warm_up
 from kvtier.bench.tail import tail_json
 from kvtier.llm import load_for_serving
 
-STATE_FIGURES = ("state.hits.device", "state.hits.host", "state.hits.disk", "state.bytes_loaded_total",
-                 "state.bytes_written_total", "state.fallbacks", "state.tokens_lost")
-"""A hybrid model's checkpoint figures (:func:`kvtier.bench.state_report.state_json`): checkpoint hits
-per tier, state bytes loaded into and written below the device, fallbacks, prefix tokens lost
-to missing checkpoints; printed only when some configuration has them."""
 FIGURES = ("ttft_s.p50", "ttft_s.p90", "ttft_s.p99", "tpot_s.p50", "tpot_s.p99", "queue_wait_s.p99",
-           "throughput_tok_s", "hit_rate.total", "preemptions", "mean_running_batch", *STATE_FIGURES)
-"""Per-configuration figures summarized, as dotted paths into ``report.summarize``'s dict."""
+           "throughput_tok_s", "hit_rate.total", "preemptions", "mean_running_batch")
+"""Per-configuration figures summarized, as dotted paths into ``report.summarize``'s dict; the pool's
+sections add theirs (:func:`kvtier.bench.pool_sections.section_figures`), only where some run has them."""
 RATIOS = ("ttft_p99_ratio", "throughput_ratio")
 """Per-configuration ratios against the baseline (``report.bench_json``'s ``comparison``)
 summarized; ``ttft_p99_ratio`` (baseline p99 TTFT / this configuration's)."""
@@ -129,10 +126,11 @@ def summarize_repeats(docs: list[dict]) -> dict:
     names = list(dict.fromkeys(n for d in docs for n in d["configs"]))
     compared = list(dict.fromkeys(n for d in docs for n in d.get("comparison", {})))
     bounded = list(dict.fromkeys(n for d in docs for n in d.get("bound", {})))
+    figures = [*FIGURES, *section_figures(c for d in docs for c in d["configs"].values())]
     return {
         "repeats": len(docs),
         "seeds": [d.get("seed") for d in docs],
-        "configs": {n: {f: spread([_figure(d["configs"][n], f) for d in docs if n in d["configs"]]) for f in FIGURES}
+        "configs": {n: {f: spread([_figure(d["configs"][n], f) for d in docs if n in d["configs"]]) for f in figures}
                     for n in names},
         "comparison": {n: {r: spread([d["comparison"][n][r] for d in docs if n in d.get("comparison", {})])
                            for r in RATIOS} for n in compared},
@@ -161,14 +159,7 @@ _LABELS = {"ttft_s.p50": ("TTFT p50 (ms)", 1e3, "{:.0f}"), "ttft_s.p90": ("TTFT 
            "tpot_s.p99": ("TPOT p99 (ms)", 1e3, "{:.1f}"), "queue_wait_s.p99": ("queue wait p99 (ms)", 1e3, "{:.0f}"),
            "throughput_tok_s": ("throughput (tok/s)", 1.0, "{:.0f}"), "hit_rate.total": ("hit rate total", 1.0, "{:.2f}"),
            "preemptions": ("preemptions", 1.0, "{:.0f}"),
-           "mean_running_batch": ("mean running batch", 1.0, "{:.2f}"),
-           "state.hits.device": ("checkpoint hits device", 1.0, "{:.0f}"),
-           "state.hits.host": ("checkpoint hits host", 1.0, "{:.0f}"),
-           "state.hits.disk": ("checkpoint hits disk", 1.0, "{:.0f}"),
-           "state.bytes_loaded_total": ("state MiB loaded", 1 / 2**20, "{:.1f}"),
-           "state.bytes_written_total": ("state MiB written", 1 / 2**20, "{:.1f}"),
-           "state.fallbacks": ("checkpoint fallbacks", 1.0, "{:.0f}"),
-           "state.tokens_lost": ("tokens lost (no ckpt)", 1.0, "{:.0f}")}
+           "mean_running_batch": ("mean running batch", 1.0, "{:.2f}")}
 
 
 def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
@@ -176,13 +167,11 @@ def repeat_lines(summary: dict, baseline: str = report.BASELINE) -> list[str]:
     then each configuration's distance to the bound (p99 and p90 TTFT, p99 TPOT, throughput, each
     / the ``ideal`` run's) and its p99 TTFT ratio and throughput ratio against ``baseline``."""
     names = list(summary["configs"])
-    width = max(len(label) for label, _, _ in _LABELS.values())
+    labels = {f: _LABELS[f] if f in _LABELS else figure_label(f) for n in names for f in summary["configs"][n]}
+    width = max(len(label) for label, _, _ in [*_LABELS.values(), *labels.values()])
     lines = [f"median [min-max] over {summary['repeats']} repeats (workload seeds {summary['seeds']})",
              " " * width + "  " + "  ".join(f"{n:>24}" for n in names)]
-    for f in FIGURES:
-        if f in STATE_FIGURES and all(summary["configs"][n].get(f) is None for n in names):
-            continue  # no recurrent state (not a hybrid model)
-        label, scale, fmt = _LABELS[f]
+    for f, (label, scale, fmt) in labels.items():
         lines.append(f"{label:<{width}}  " + "  ".join(f"{format_spread(summary['configs'][n][f], scale, fmt):>24}"
                                                         for n in names))
     for n, b in summary.get("bound", {}).items():
@@ -235,6 +224,6 @@ def bench_repeat(opts: BenchOptions, repeats: int, console, json_path: str | Non
     return 1 if failed else 0
 
 
-__all__ = ["BOUND", "FIGURES", "RATIOS", "STATE_FIGURES", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds",
+__all__ = ["BOUND", "FIGURES", "RATIOS", "bench_repeat", "repeat_json", "repeat_lines", "repeat_seeds",
            "run_repeats",
            "format_spread", "spread", "summarize_repeats"]

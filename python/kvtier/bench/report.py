@@ -29,9 +29,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtier.bench.configs import IDEAL
+from kvtier.bench.pool_sections import section_rows, sections_json
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.result_file import check_writable, write_json  # noqa: F401 (callers write report.write_json)
-from kvtier.bench.state_report import state_json, state_rows
 
 BASELINE = "device-only"
 """Name of the run the others are compared against (ratios appear when it is present)."""
@@ -78,7 +78,7 @@ def summarize(run: ConfigRun) -> dict:
         "hit_rate": {"device", "host", "disk", "total"}, "input_tokens", "output_tokens",
         "wall_s", "preemptions", "evictions": {tier: blocks}, "copy_errors",
         "stores_refused": {tier: blocks}, "device_pages", "working_set_pages", "mean_running_batch",
-        "state"}``.
+        "sections"}``.
 
         - ``*_s`` percentiles: seconds, numpy ``"linear"`` percentiles over finished requests
           (TPOT only over those with >= 2 output tokens; the TTFT parts over those that
@@ -92,10 +92,10 @@ def summarize(run: ConfigRun) -> dict:
         - ``bytes_moved`` (bytes), ``evictions`` (blocks) and the counters are copied from ``run``;
           ``preemptions``, ``evictions``, ``copy_errors``, ``stores_refused`` and ``device_pages``
           are None when ``run.server_counters`` is False (a run over HTTP cannot see them).
-        - ``state``: a hybrid model's checkpoint counters (:func:`state_json`), None for a model
-          without recurrent state or a run over HTTP. The hit rates above count exact hits only:
-          a cached token is one the pool placed (for a hybrid model, up to a boundary where both
-          the MLA blocks and the checkpoint were restored), never an MLA match beyond it.
+        - ``sections``: the pools' counters beyond their blocks', by section name
+          (:func:`kvtier.bench.pool_sections.sections_json`); empty for a run over HTTP. The hit rates
+          above count exact hits only: a cached token is one the pool placed (for a hybrid model, up
+          to a boundary where both the MLA blocks and the recurrent state were restored).
 
     Raises:
         ValueError: ``run.wall_s`` is negative or not finite (names the run).
@@ -141,7 +141,7 @@ def summarize(run: ConfigRun) -> dict:
         "working_set_pages": run.working_set_pages,
         "mean_running_batch": run.mean_running_batch,
         **_server_counters(run),
-        "state": state_json(run),
+        "sections": sections_json(run),
     }
 
 
@@ -288,7 +288,7 @@ def _table_rows(runs: list[ConfigRun], s: dict[str, dict], baseline: str) -> lis
         rows.append((label, col(lambda x, key=key: _count(x[key]))))
     rows.append(("stores refused host / disk", col(lambda x: "n/a" if x["stores_refused"] is None else " / ".join(
         str(x["stores_refused"].get(t, 0)) for t in ("host", "disk")))))
-    rows += state_rows(s, names, TIERS, _bytes)
+    rows += section_rows(runs, s, _bytes)
     if IDEAL in s and len(s) > 1:  # the distance to the bound leads, then the baseline's ratios
         bound = {n: bound_distance(s[IDEAL], s[n]) for n in names}
         for key, label in (("ttft_p99", "TTFT p99"), ("ttft_p90", "TTFT p90"), ("tpot_p99", "TPOT p99"),

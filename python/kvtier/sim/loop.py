@@ -23,7 +23,6 @@ router records them. A session whose turn goes elsewhere has migrated.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
@@ -169,13 +168,6 @@ class SimRun:
     end_s: float = 0.0
     window_s: float = 0.0
     window_sessions: int = 0
-
-    @property
-    def state(self) -> dict | None:
-        """A hybrid model's checkpoint counters summed over workers (``run.state``, the fields of
-        :class:`kvtier.cache.pool_stats.StateStats`, modelled bytes; the window's, as the run's
-        counters) as a dict; None without checkpoints."""
-        return None if self.run.state is None else dataclasses.asdict(self.run.state)
 
 
 def simulate(workers: list[SimWorker], workload: Workload, name: str, *, concurrency: int, tool_aware: bool = False,

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 from kvtier.bench.closed_loop import whole_working_set_pages
+from kvtier.bench.pool_sections import sections_json
 from kvtier.bench.replay import working_set_pages
 from kvtier.bench.resume import resume_misses
 from kvtier.sim import hardware
@@ -352,7 +353,7 @@ def sim_provenance(scn: Scenario, workload: Workload, sizing: SimSizing, runs: l
                                  "window_s": sr.window_s, "window_sessions": sr.window_sessions,
                                  "end_s": sr.end_s, "busy_s": sr.busy_s,
                                  "ttft_p99_returning_s": ttft_p99(sr.run.records, lambda r: r.turn > 0),
-                                 "state": sr.state}  # null without checkpoints, as kvtier bench's runs
+                                 "sections": sections_json(sr.run)}  # as kvtier bench's runs
                    for sr in runs}  # returning turns: after a session's first (those a cache can serve)
     if opts.resume_ttft_s is not None:  # resumes after a tool wait and their misses of the target, by why
         for sr in runs:
