@@ -8,7 +8,8 @@ import math
 import pytest
 from kvtier.bench.closed_loop import ActiveSession, ClosedLoop, sum_sections
 from kvtier.bench.workload import Session, Turn, Workload
-from kvtier.cache.pool_stats import RemoteSnapshot, StateStats
+from kvtier.cache.checkpoints.index import StateStats
+from kvtier.cache.pool_stats import RemoteSnapshot
 from kvtier.serve.params import RequestMetrics, RequestOutput
 
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from kvtier.bench import report
 from kvtier.bench.records import ConfigRun, RequestRecord
 from kvtier.bench.repeat import repeat_lines, summarize_repeats
-from kvtier.cache.pool_stats import StateStats
+from kvtier.cache.checkpoints.index import StateStats
 from kvtier.cli import main
 
 

@@ -117,7 +117,7 @@ def test_checkpoint_and_blocks_restored_together_from_each_tier(tmp_path, tier):
         only_in(pool, key, tier)
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, NUM_BLOCKS)
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.hits[tier.name.lower()] == 1 and sum(s.hits.values()) == 1
     assert s.fallbacks == 0 and sum(s.failures.values()) == 0
     pool.close()
@@ -188,7 +188,7 @@ def test_bad_checkpoint_falls_back_to_the_last_valid_point(tmp_path, tier, fault
     damage(pool, backend, tier, ks[8], ks[4])
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 6)  # the checkpoint at 8 blocks failed: the one at 6 with its blocks
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.fallbacks == 1
     assert s.failures[reason] == 1 and sum(s.failures.values()) == 1
     assert s.hits[tier.name.lower()] == 1 and sum(s.hits.values()) == 1
@@ -208,7 +208,7 @@ def test_every_checkpoint_bad_computes_from_token_zero(tmp_path, tier):
         corrupt(pool, backend, tier, key, None)
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 0)
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.fallbacks == 1 and s.failures["corrupt"] == len(POINTS) and sum(s.hits.values()) == 0
     assert pool.num_free_pages == PAGES  # no page kept for blocks placed without their state
     pool.close()
@@ -226,7 +226,7 @@ def test_a_second_fault_on_the_fallback_path_falls_back_further(tmp_path):
     lose(pool, None, Tier.DISK, ks[6], None)
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 4)
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.fallbacks == 1 and s.failures["corrupt"] == 1 and s.failures["missing"] == 1
     pool.close()
 
@@ -246,7 +246,7 @@ def test_checkpoint_dropped_from_every_tier_resumes_at_the_one_before(tmp_path):
     store.drop(ks[8], Tier.REMOTE)
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 6)
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.tokens_lost == 2 * PS and s.fallbacks == 0 and sum(s.failures.values()) == 0
     pool.close()
 
@@ -289,7 +289,7 @@ def test_failed_block_load_falls_back_below_it(tmp_path, damage):
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 4)
     assert torch.equal(pool.kv_caches[0][got.page_ids[3]], page_written(3))
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.fallbacks == 1 and sum(s.failures.values()) == 0  # the checkpoints themselves were fine
     assert sum(s.hits.values()) == 1
     pool.close()
@@ -314,7 +314,7 @@ def test_block_dropped_from_the_index_stops_the_match_below_it(tmp_path):
     pool.tiers.stores[Tier.DISK].evict([h])
     got = restore(pool, ids)
     assert_placed(pool, got, payloads, 4)
-    s = pool.stats().state
+    s = pool.stats().sections["state"]
     assert s.fallbacks == 0 and sum(s.failures.values()) == 0
     pool.close()
 

@@ -143,7 +143,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
 
     # host: session 0's checkpoints lose their device copies
     store = e1.pool.resume_rule.store
-    hits = dict(e1.pool.stats().state.hits)
+    hits = dict(e1.pool.stats().sections["state"].hits)
     p0 = s.next(0, second0)
     k, key = resume_key(e1, p0)
     assert Tier.HOST in store.where(key)
@@ -151,7 +151,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
         if t == Tier.DEVICE:
             store.drop(key, t)
     (third0,) = serve(e1, ref, [p0])
-    st = e1.pool.stats().state
+    st = e1.pool.stats().sections["state"]
     assert st.hits["host"] == hits["host"] + 1 and third0.num_cached_tokens == k * PS
 
     # a checkpoint evicted everywhere while its MLA blocks stay: an earlier point, tokens counted lost
@@ -160,7 +160,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     lost = st.tokens_lost
     forget(e1, backend, key)
     (third1,) = serve(e1, ref, [p1])
-    st = e1.pool.stats().state
+    st = e1.pool.stats().sections["state"]
     assert 0 < third1.num_cached_tokens < k * PS and st.tokens_lost > lost
 
     # a corrupt checkpoint (its only copy, on disk) while its MLA blocks stay: fallback, counted
@@ -170,7 +170,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     forget(e1, backend, key, keep=Tier.DISK)
     flip_payload_byte(store.stores[Tier.DISK].disk.path(key))
     (third2,) = serve(e1, ref, [p2])
-    st = e1.pool.stats().state
+    st = e1.pool.stats().sections["state"]
     assert third2.num_cached_tokens < k * PS
     assert st.fallbacks == fallbacks + 1 and st.failures["corrupt"] == corrupt + 1
     assert st.evictions["device"] > 0 and st.evictions["host"] > 0  # the budgets were tight
@@ -180,7 +180,7 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     # ---- engine 2: a fresh engine over the same disk directory ------------------------------------
     e2 = cached_engine(llm, tmp_path / "disk", backend)
     (fourth0,) = serve(e2, ref, [s.next(0, third0)])
-    st = e2.pool.stats().state
+    st = e2.pool.stats().sections["state"]
     assert fourth0.num_cached_tokens > 0 and st.hits["disk"] == 1
     assert fourth0.cached_tokens_by_tier["disk"] > 0
 
@@ -190,14 +190,14 @@ def test_tiered_hybrid_cache_gives_what_no_cache_gives(llm, tmp_path):
     hashes = e2.pool.prefetcher.hash_tokens(p1[:k * PS])
     flip_payload_byte(e2.pool.tiers.disk.path(hashes[k - 1]))
     (fourth1,) = serve(e2, ref, [p1])
-    st = e2.pool.stats().state
+    st = e2.pool.stats().sections["state"]
     assert fourth1.num_cached_tokens < k * PS and st.fallbacks == 1 and sum(st.failures.values()) == 0
     e2.pool.close()
 
     # ---- engine 3: a fresh engine with an empty disk, over the same remote store -------------------
     e3 = cached_engine(llm, tmp_path / "disk3", backend)
     (fourth2,) = serve(e3, ref, [s.next(2, third2)])
-    st = e3.pool.stats().state
+    st = e3.pool.stats().sections["state"]
     assert fourth2.num_cached_tokens > 0 and st.hits["remote"] == 1
     assert fourth2.cached_tokens_by_tier["remote"] > 0
     e3.pool.close()

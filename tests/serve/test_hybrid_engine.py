@@ -126,7 +126,7 @@ def test_turn_end_crosses_as_data_and_is_the_state_at_its_boundary(llm):
     out = run(engine, [p], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     ends = [c for r in results for c in r.turn_ends.values()]
     assert ends and {c.num_tokens for c in ends} == {16} and all(c.payload.device.type == "cpu" for c in ends)
-    stats = engine.pool.stats().state
+    stats = engine.pool.stats().sections["state"]
     assert stats.saved["turn"] == 1  # the prompt (10 tokens) ends before the first boundary: only the turn end
     model, tokens = engine.runner.model, (p + out.token_ids)[:16]
     c, n = model.config, 16

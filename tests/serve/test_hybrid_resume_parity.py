@@ -78,7 +78,7 @@ def test_turn_two_restored_equals_a_cold_transformers_run(pair, tmp_path, one_th
     (out2,) = run(engine, [second], PARAMS)
     assert out2.num_cached_tokens >= 80  # the checkpoint at the prompt's last page boundary (90 -> 80) or later
     assert out2.cached_tokens_by_tier[source] > 0
-    state = engine.pool.stats().state
+    state = engine.pool.stats().sections["state"]
     assert state.hits[source] == 1 and sum(state.hits.values()) == 1
     assert_matches_transformers(hf, second, out2)
     engine.pool.close()

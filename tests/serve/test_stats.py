@@ -23,7 +23,7 @@ def test_snapshots_are_frozen_copies_with_the_live_values():
     assert first.steps == 0 and first.prefill_tokens == 0 and first.grammar is None
     assert first.scheduler == SchedulerStats(waiting=0, loading=0, running=0, preemptions=0)
     assert first.pool.num_pages == 32 and first.pool.num_free_pages == 32
-    assert first.pool.hit_tokens == {"device": 0, "host": 0, "disk": 0} and first.pool.remote is None
+    assert first.pool.hit_tokens == {"device": 0, "host": 0, "disk": 0} and "remote" not in first.pool.sections
 
     prompt = list(range(1, 4 * PS + 5))
     engine.add_request(prompt, PARAMS)

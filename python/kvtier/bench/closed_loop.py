@@ -357,11 +357,11 @@ def run_result(name: str, loop: ClosedLoop, wall_s: float, workload: Workload, e
         stores_refused=total("stores_refused"), preemptions=sum(s.scheduler.preemptions for s in snaps),
         device_pages=sum(e.config.pool.num_device_pages for e in engines),
         working_set_pages=working_set_pages(workload, engines[0].config.pool.page_size, loop.concurrency),
-        sections=sum_sections([s.sections() for s in stats], scales))
+        sections=sum_sections([s.sections for s in stats], scales))
 
 
 def sum_sections(sections: list[dict], bytes_scale: list[float]) -> dict:
-    """Several pools' counter sections (each pool's :meth:`PoolSnapshot.sections`) added up by name:
+    """Several pools' counter sections (each pool's :attr:`PoolSnapshot.sections`) added up by name:
     every int and every dict of ints by name, a field named ``bytes_*`` times its pool's
     ``bytes_scale``; a section only some pools keep sums over those."""
     def added(name: str, values: list[tuple[object, float]]):
@@ -394,12 +394,13 @@ def _minus(end, start):
 def stats_since(end: EngineStats, start: EngineStats) -> EngineStats:
     """What one engine counted between two of its :meth:`Engine.stats` snapshots: ``end`` with
     every counter (prefill tokens, steps, preemptions, the pool's hits, bytes, evictions, copy
-    errors, prefetches, refused stores and every counter of its sections, :meth:`PoolSnapshot.sections`)
+    errors, prefetches, refused stores and every counter of its sections, :attr:`PoolSnapshot.sections`)
     less ``start``'s; the gauges (queues, free pages, cached blocks) and the grammar counters are ``end``'s."""
     p, q = end.pool, start.pool
     counters = ("hit_tokens", "bytes_loaded", "bytes_written", "evictions", "copy_errors", "prefetched_blocks",
-                "stores_refused", *p.sections())  # a section is the snapshot's field of its name
-    pool = dataclasses.replace(p, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters})
+                "stores_refused")
+    pool = dataclasses.replace(p, **{k: _minus(getattr(p, k), getattr(q, k)) for k in counters},
+                               sections={k: _minus(v, q.sections[k]) for k, v in p.sections.items()})
     sched = dataclasses.replace(end.scheduler, preemptions=end.scheduler.preemptions - start.scheduler.preemptions)
     return dataclasses.replace(end, scheduler=sched, pool=pool, prefill_tokens=end.prefill_tokens - start.prefill_tokens,
                                steps=end.steps - start.steps)

@@ -87,7 +87,7 @@ class KVPool:
             ``config.remote_cache_url`` when set. Blocks are written to it from host slots in
             the background; a prefix that runs past the local tiers is looked up there
             (a lookup waits ``remote_timeout_s`` at most) and loaded like a disk hit. Its
-            misses, corrupt values and timeouts are counted (``stats().remote``) and recomputed.
+            misses, corrupt values and timeouts are counted (``stats().sections["remote"]``) and recomputed.
         checkpoints: a hybrid model's state checkpoint store
             (:class:`kvtier.cache.checkpoints.store.CheckpointStore`, e.g. on the simulator's
             virtual-time tiers); None opens one on this pool's tiers when
@@ -147,7 +147,7 @@ class KVPool:
         cached = t.cached_blocks()
         return PoolSnapshot.of(t.stats, num_pages=self.pages.num_pages, num_free_pages=self.pages.num_free,
                                cached_blocks=cached, remote=None if t.remote is None else t.remote.stats,
-                               state=self.resume_rule.snapshot())
+                               sections=self.resume_rule.sections())
 
     # ---- device pages -------------------------------------------------------------------------
     @property

@@ -50,50 +50,6 @@ class PoolStats:
             counts.setdefault(name, 0)
 
 
-@dataclass
-class StateStats:
-    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.checkpoints.store`)
-    by tier (``device``, ``host``, ``disk``, ``remote``), kind or reason; bytes in bytes. Each field
-    means what the help of its series says (:func:`series`), and: ``bytes_loaded`` has no device
-    entry (a device hit moves no bytes between tiers); ``refused`` counts a tier where everything is
-    protected or the budget holds none; ``failures``: ``missing`` (gone from the tier), ``corrupt``
-    (failed the disk or remote tier's check: CRC-32C, size or key, so a short read or a value under
-    another key counts here), ``error`` (the store failed or timed out); ``fallbacks`` include a
-    fall back to token 0; ``tokens_lost`` counts exact hits only.
-    """
-
-    hits: dict[str, int] = series(
-        "kvtier_state_checkpoint_hits", "recurrent-state checkpoints restored into a request, by the tier they came "
-        "from (device: a device checkpoint slot)", "tier",
-        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    bytes_loaded: dict[str, int] = series(
-        "kvtier_state_checkpoint_bytes_loaded", "checkpoint bytes read from a tier below the device, by tier", "tier",
-        default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
-    bytes_written: dict[str, int] = series(
-        "kvtier_state_checkpoint_bytes_written", "checkpoint bytes written, by tier", "tier",
-        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    saved: dict[str, int] = series(
-        "kvtier_state_checkpoints_saved", "checkpoints saved, by kind (grid: the prefill's sparse grid; turn: a "
-        "prompt's or a turn's end)", "kind", default_factory=lambda: {"grid": 0, "turn": 0})
-    evictions: dict[str, int] = series(
-        "kvtier_state_checkpoint_evictions", "checkpoints dropped to make room, by tier", "tier",
-        default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    refused: dict[str, int] = series(
-        "kvtier_state_checkpoints_refused", "checkpoints not stored in a tier that had no room, by tier", "tier",
-        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    failures: dict[str, int] = series(
-        "kvtier_state_checkpoint_failures", "checkpoint reads that failed (each fell back to an earlier point), by "
-        "reason: missing, corrupt, error", "reason", default_factory=lambda: {"missing": 0, "corrupt": 0, "error": 0})
-    fallbacks: int = series("kvtier_state_checkpoint_fallbacks", "restores that fell back to an earlier point after "
-                            "a failed checkpoint or a missing MLA block", default=0)
-    tokens_lost: int = series("kvtier_state_tokens_lost", "prompt tokens whose MLA blocks were reachable but not "
-                              "reused: no checkpoint was reachable at their boundary", default=0)
-
-    def copy(self) -> StateStats:
-        return StateStats(**{f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
-                             for f in dataclasses.fields(self)})
-
-
 @dataclass(frozen=True)
 class RemoteSnapshot:
     """A remote tier's block reads and writes by status name (``ok``, ``miss``, ``corrupt``, ...;
@@ -126,9 +82,11 @@ class PoolSnapshot:
         num_pages: device pages in each layer's page pool.
         num_free_pages: of those, pages no request or copy holds (cached ones included).
         cached_blocks: ``{"device", "host", "disk"}``: blocks with a copy in that tier.
-        remote: the remote tier's reads and writes by status; None without a remote tier.
-        state: a hybrid pool's checkpoint counters (:class:`StateStats`, a copy); None for a
-            pool without state checkpoints.
+        sections: the counters this pool keeps beyond its blocks', by name (``remote``: a remote
+            tier's reads and writes, :class:`RemoteSnapshot`; one per other kind of cached object the
+            pool keeps, as its resume rule names them: :mod:`kvtier.cache.checkpoints.reuse`), each
+            only where the pool has it and each a copy; each field's Prometheus series is in its
+            metadata (:func:`series_table`).
     """
 
     hit_tokens: dict[str, int]
@@ -142,22 +100,16 @@ class PoolSnapshot:
     num_pages: int
     num_free_pages: int
     cached_blocks: dict[str, int]
-    remote: RemoteSnapshot | None = None
-    state: StateStats | None = None
-
-    def sections(self) -> dict[str, RemoteSnapshot | StateStats]:
-        """The counters this pool keeps beyond its blocks', by name: ``remote`` (a remote tier's
-        reads and writes) and ``state`` (recurrent-state checkpoints), each only where the pool has it;
-        each field's Prometheus series is in its metadata (:func:`series_table`)."""
-        return {name: v for name, v in (("remote", self.remote), ("state", self.state)) if v is not None}
+    sections: dict[str, object] = field(default_factory=dict)
 
     @classmethod
     def of(cls, stats: PoolStats, *, num_pages: int, num_free_pages: int, cached_blocks: dict[str, int],
-           remote=None, state: StateStats | None = None) -> PoolSnapshot:
+           remote=None, sections: dict[str, object] | None = None) -> PoolSnapshot:
         """A snapshot of ``stats`` (copied) with the pool's page and block counts; ``remote``: the
-        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None; ``state``: a copy
-        of the checkpoint counters, or None."""
-        rs = None if remote is None else RemoteSnapshot(dict(remote.gets), dict(remote.puts), remote.exists_failures)
+        remote tier's :class:`kvtier.cache.remote.RemoteStats` (copied), or None; ``sections``: the
+        pool's other sections (copies)."""
+        rs = {} if remote is None else {"remote": RemoteSnapshot(dict(remote.gets), dict(remote.puts),
+                                                                 remote.exists_failures)}
         return cls(dict(stats.hit_tokens), dict(stats.bytes_loaded), dict(stats.bytes_written), dict(stats.evictions),
                    stats.copy_errors, stats.prefetched_blocks, dict(stats.stores_refused), stats.disk_capacity_blocks,
-                   num_pages, num_free_pages, dict(cached_blocks), rs, state)
+                   num_pages, num_free_pages, dict(cached_blocks), rs | (sections or {}))

@@ -75,7 +75,7 @@ def test_corrupt_and_missing_remote_blocks_are_recomputed(redis_store, shared):
     client.set(keys[4], bytes(value))  # block 4 corrupt: blocks 0-3 load, the rest is recomputed
     b = engine(redis_store.url, salt=b"corrupt")
     out = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]
-    assert out.cached_tokens_by_tier["remote"] == 4 * PS and b.engine.pool.stats().remote.gets["corrupt"] == 1
+    assert out.cached_tokens_by_tier["remote"] == 4 * PS and b.engine.pool.stats().sections["remote"].gets["corrupt"] == 1
     assert_same_as_recompute(out, _reference(second, b"corrupt"), 4 * PS)
     client.delete(keys[2])  # block 2 missing: a fresh engine loads blocks 0-1 only
     c = engine(redis_store.url, salt=b"corrupt")
@@ -100,7 +100,7 @@ def test_store_killed_mid_run_every_request_is_answered(tmp_path, shared, start)
     outs = b.generate(prompt_token_ids=[second, prompt(60, 10)], sampling_params=PARAMS)
     assert_same_as_recompute(outs[0], want, 0)
     assert len(outs[1].token_ids) == PARAMS.max_tokens
-    assert pool.stats().remote.misses >= 1 and pool.stats().copy_errors == 0
+    assert pool.stats().sections["remote"].misses >= 1 and pool.stats().copy_errors == 0
     again = b.generate(prompt_token_ids=[second], sampling_params=PARAMS)[0]  # from B's own device pages
     assert_same_as_recompute(again, want, again.num_cached_tokens)
 

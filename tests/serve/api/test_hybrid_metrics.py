@@ -1,5 +1,5 @@
 """``/metrics`` of a hybrid model (``tiny-k3`` with a host tier): every counter of
-``stats().pool.state`` (recurrent-state checkpoint hits, bytes, saves, evictions, refusals,
+``stats().pool.sections["state"]`` (recurrent-state checkpoint hits, bytes, saves, evictions, refusals,
 failures, fallbacks, tokens lost) is a ``kvtier_state_*`` series with the published snapshot's
 values, and a second turn's checkpoint hit shows there (a K2 model has none of these series:
 tests/serve/api/test_usage_numbers.py)."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvtier.cache.pool_stats import StateStats, series_table
+from kvtier.cache.checkpoints.index import StateStats
+from kvtier.cache.pool_stats import series_table
 from tests.serve.api.test_metrics_snapshot import _published, _samples
 
 
@@ -41,7 +42,7 @@ def test_hybrid_metrics_have_the_pools_state_counters(tok_dir):
         assert second.usage.prompt_tokens_details.cached_tokens > 0  # restored with its checkpoint
         snap = _published(worker, after_steps=worker.engine.num_steps)
         m = _samples(http.get("/metrics").text)
-    state = snap.engine.pool.state
+    state = snap.engine.pool.sections["state"]
     assert state is not None
     for f in dataclasses.fields(StateStats):
         name, _, label = STATE_METRICS[f.name]

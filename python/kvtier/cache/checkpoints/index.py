@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from kvtier.cache.pool_stats import series
 from kvtier.cache.prefix_index import Tier
 
 
@@ -166,7 +167,51 @@ class CheckpointIndex:
 
 
 TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk", Tier.REMOTE: "remote"}
-"""Tier names as :class:`kvtier.cache.pool_stats.StateStats` counts them."""
+"""Tier names as :class:`StateStats` counts them."""
 
 
-__all__ = ["TIER_NAMES", "Checkpoint", "CheckpointEntry", "CheckpointIndex", "CheckpointKind"]
+@dataclass
+class StateStats:
+    """Counters of a hybrid pool's recurrent-state checkpoints (:mod:`kvtier.cache.checkpoints.store`)
+    by tier (``device``, ``host``, ``disk``, ``remote``), kind or reason; bytes in bytes. Each field
+    means what the help of its series says (:func:`kvtier.cache.pool_stats.series`), and: ``bytes_loaded`` has no device
+    entry (a device hit moves no bytes between tiers); ``refused`` counts a tier where everything is
+    protected or the budget holds none; ``failures``: ``missing`` (gone from the tier), ``corrupt``
+    (failed the disk or remote tier's check: CRC-32C, size or key, so a short read or a value under
+    another key counts here), ``error`` (the store failed or timed out); ``fallbacks`` include a
+    fall back to token 0; ``tokens_lost`` counts exact hits only.
+    """
+
+    hits: dict[str, int] = series(
+        "kvtier_state_checkpoint_hits", "recurrent-state checkpoints restored into a request, by the tier they came "
+        "from (device: a device checkpoint slot)", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    bytes_loaded: dict[str, int] = series(
+        "kvtier_state_checkpoint_bytes_loaded", "checkpoint bytes read from a tier below the device, by tier", "tier",
+        default_factory=lambda: {"host": 0, "disk": 0, "remote": 0})
+    bytes_written: dict[str, int] = series(
+        "kvtier_state_checkpoint_bytes_written", "checkpoint bytes written, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    saved: dict[str, int] = series(
+        "kvtier_state_checkpoints_saved", "checkpoints saved, by kind (grid: the prefill's sparse grid; turn: a "
+        "prompt's or a turn's end)", "kind", default_factory=lambda: {"grid": 0, "turn": 0})
+    evictions: dict[str, int] = series(
+        "kvtier_state_checkpoint_evictions", "checkpoints dropped to make room, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    refused: dict[str, int] = series(
+        "kvtier_state_checkpoints_refused", "checkpoints not stored in a tier that had no room, by tier", "tier",
+        default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
+    failures: dict[str, int] = series(
+        "kvtier_state_checkpoint_failures", "checkpoint reads that failed (each fell back to an earlier point), by "
+        "reason: missing, corrupt, error", "reason", default_factory=lambda: {"missing": 0, "corrupt": 0, "error": 0})
+    fallbacks: int = series("kvtier_state_checkpoint_fallbacks", "restores that fell back to an earlier point after "
+                            "a failed checkpoint or a missing MLA block", default=0)
+    tokens_lost: int = series("kvtier_state_tokens_lost", "prompt tokens whose MLA blocks were reachable but not "
+                              "reused: no checkpoint was reachable at their boundary", default=0)
+
+    def copy(self) -> StateStats:
+        return StateStats(**{f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
+                             for f in fields(self)})
+
+
+__all__ = ["TIER_NAMES", "Checkpoint", "CheckpointEntry", "CheckpointIndex", "CheckpointKind", "StateStats"]

@@ -99,9 +99,9 @@ class EveryBlock:
     def tool_return(self, session_id) -> None:
         """Nothing was protected."""
 
-    def snapshot(self):
-        """None: no checkpoint counters."""
-        return None
+    def sections(self) -> dict:
+        """No counters beyond the blocks' (:attr:`kvtier.cache.pool_stats.PoolSnapshot.sections`)."""
+        return {}
 
     def poll(self, wait: bool = False) -> None:
         """No writes run."""
@@ -252,9 +252,10 @@ class CheckpointReuse(EveryBlock):
         hash_blocks(kv, num_tokens // ps)
         return self.store.save(kv.block_hashes[num_tokens // ps - 1], payload, kind)
 
-    def snapshot(self):
-        """A copy of the checkpoint counters (:class:`kvtier.cache.pool_stats.StateStats`)."""
-        return self.stats.copy()
+    def sections(self) -> dict:
+        """``{"state": a copy of the checkpoint counters}`` (:class:`kvtier.cache.checkpoints.index.StateStats`;
+        :attr:`kvtier.cache.pool_stats.PoolSnapshot.sections`)."""
+        return {"state": self.stats.copy()}
 
     def poll(self, wait: bool = False) -> None:
         """Index the store's writes that ended (all of them, waiting, with ``wait``)."""

@@ -35,11 +35,10 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind
+from kvtier.cache.checkpoints.index import TIER_NAMES, CheckpointIndex, CheckpointKind, StateStats
 from kvtier.cache.checkpoints.options import BUDGETS, budget_slots, bytes_per_copy
 from kvtier.cache.disk_tier import BlockMeta, DiskTier, aligned_empty
 from kvtier.cache.host_tier import HostTier
-from kvtier.cache.pool_stats import StateStats
 from kvtier.cache.prefix_index import Tier
 from kvtier.cache.seams import CopyEngine, CopyJob
 from kvtier.cache.tiers import HostStore, TierStore, open_stores

@@ -3,7 +3,7 @@
 Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
 requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
 and bytes per tier, copy errors, preemptions, engine steps, a hybrid model's
-``kvtier_state_checkpoint*`` series (every counter of ``stats().pool.state``: checkpoint hits,
+``kvtier_state_checkpoint*`` series (every counter of ``stats().pool.sections["state"]``: checkpoint hits,
 bytes, saves, evictions, refusals, failures, fallbacks, tokens lost) and the ``kvtier_grammar_*``
 series of tool-grammar compiles, mask work and requests a grammar limit ended) are read, when scraped,
 from the engine thread's last published snapshot only
@@ -74,7 +74,7 @@ class _EngineCollector:
                 fam.add_metric([tier], v)
             yield fam
         yield from _resume_families(w.resume)
-        for section in kv.sections().values():  # what this pool keeps beyond blocks (remote, state)
+        for section in kv.sections.values():  # what this pool keeps beyond blocks (remote, state)
             yield from _section_families(section)
         yield CounterMetricFamily("kvtier_engine_steps", "engine steps completed", value=e.steps)
         if e.grammar is not None:  # the tool-grammar compiler exists (a request with tools came)
