@@ -1,6 +1,5 @@
-"""The pool's counter sections in a ``kvtier bench`` report, whatever they are (a remote tier's
-reads and writes, a hybrid model's recurrent-state checkpoints, ...): each section
-(:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`) as JSON (:func:`sections_json`), as
+"""The pool's counter sections in a ``kvtier bench`` report, whatever they are: each section
+(:attr:`kvtier.cache.pool_stats.PoolSnapshot.sections`) as JSON (:func:`sections_json`), as
 table rows (:func:`section_rows`) and as the figures ``--repeat`` summarizes
 (:func:`section_figures`), read from the fields the section declares
 (:func:`kvtier.cache.pool_stats.series_table`). A new section shows up with no change here."""

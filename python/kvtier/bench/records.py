@@ -120,7 +120,7 @@ class ConfigRun:
         mean_running_batch: sequences running per engine step, averaged over the steps that ran
             any (None: not observed, as over HTTP or in the simulator).
         sections: the pools' counters beyond their blocks', by section name
-            (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`), summed over the engines;
+            (:attr:`kvtier.cache.pool_stats.PoolSnapshot.sections`), summed over the engines;
             empty when the pools keep none or they were not observed.
     """
 

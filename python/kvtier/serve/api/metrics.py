@@ -117,7 +117,7 @@ def _resume_families(r: dict):
 
 
 def _section_families(section):
-    """One counter family per field of a pool's section (:meth:`kvtier.cache.pool_stats.PoolSnapshot.sections`),
+    """One counter family per field of a pool's section (:attr:`kvtier.cache.pool_stats.PoolSnapshot.sections`),
     named and described as the cache declares it (:func:`kvtier.cache.pool_stats.series_table`)."""
     for field, (name, doc, label) in series_table(section).items():
         value = getattr(section, field)
