@@ -200,8 +200,8 @@ class SimCopyEngine:
         self._layouts: dict[BlockMeta, tuple[float, float]] = {}
 
     def add_layout(self, meta: BlockMeta, link_bytes: float, disk_bytes: float) -> None:
-        """Time I/O jobs of objects of layout ``meta`` (another kind than the pool's blocks, e.g. a
-        state checkpoint) by their own modelled bytes: ``disk_bytes`` each on the storage link; a
+        """Time I/O jobs of objects of layout ``meta`` (another kind of cached object than the pool's
+        blocks) by their own modelled bytes: ``disk_bytes`` each on the storage link; a
         read then goes on to the device, ``link_bytes`` each on the host -> device link (such an
         object is not scattered into device pages by a job of its own)."""
         self._layouts[meta] = (float(link_bytes), float(disk_bytes))
@@ -213,8 +213,8 @@ class SimCopyEngine:
                      num_blocks: int = 1) -> SimCopyHandle:
         """A job of ``nbytes`` modelled bytes on link ``link_name`` (``"device->host"``,
         ``"host->device"``, ``"disk"``) that starts when the link is free and not before
-        ``not_before`` seconds (a job that follows another one), e.g. a state checkpoint's copy
-        (:mod:`kvtier.sim.states`). ``effect`` runs when the pool collects it.
+        ``not_before`` seconds (a job that follows another one: a disk read going on to the device).
+        ``effect`` runs when the pool collects it.
 
         Raises:
             KeyError: an unknown link name.
@@ -270,8 +270,8 @@ class SimCopyEngine:
 
 class SimHostStore(HostStore):
     """Host slots whose copies take virtual time: a :class:`~kvtier.cache.tiers.host.HostStore`
-    for objects that move between the device and host memory without a page copy job of their own
-    (a state checkpoint): :meth:`fill` queues ``link_bytes`` per slot on the device -> host link,
+    for objects that move between the device and host memory without a page copy job of their own:
+    :meth:`fill` queues ``link_bytes`` per slot on the device -> host link,
     :meth:`read` returns a job over the host -> device link ending when they arrived.
 
     Args:

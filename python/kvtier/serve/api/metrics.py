@@ -2,9 +2,8 @@
 
 Request-level series (histograms of TTFT and TPOT, token and request counters) are updated as
 requests end; engine and pool series (queue depth, running requests, device pages, hit tokens
-and bytes per tier, copy errors, preemptions, engine steps, a hybrid model's
-``kvtier_state_checkpoint*`` series (every counter of ``stats().pool.sections["state"]``: checkpoint hits,
-bytes, saves, evictions, refusals, failures, fallbacks, tokens lost) and the ``kvtier_grammar_*``
+and bytes per tier, copy errors, preemptions, engine steps, every counter of each of the pool's
+sections (``stats().pool.sections``, each a series as the cache declares it) and the ``kvtier_grammar_*``
 series of tool-grammar compiles, mask work and requests a grammar limit ended) are read, when scraped,
 from the engine thread's last published snapshot only
 (:class:`kvtier.serve.api.worker.WorkerStats`: the scheduler's, the pool's and the engine's
