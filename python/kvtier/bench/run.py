@@ -33,7 +33,7 @@ from kvtier.ops import resolve_backend
 from kvtier.options import flag
 from kvtier.provenance import provenance
 from kvtier.serve import Engine, EngineConfig, SamplingParams
-from kvtier.serve.config import ADMISSION_WATERMARK, SCHEDULE_POLICIES
+from kvtier.serve.config import ADMISSION_WATERMARK, PREEMPTION_MODE, SCHEDULE_POLICIES
 from kvtier.tokenize import KimiTokenizer, load_tokenizer
 
 
@@ -114,7 +114,7 @@ class BenchOptions:
     workload_seed: int | None = None
     threads: int = 1
     schedule_policy: str = "cache-aware"
-    preemption_mode: str = "recompute"
+    preemption_mode: str = PREEMPTION_MODE
     admission_watermark: float = ADMISSION_WATERMARK
     device: str = "cpu"
     checkpoints: CheckpointOptions = CheckpointOptions()

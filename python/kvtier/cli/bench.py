@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kvtier.cli.serve import add_state_options, state_options
 from kvtier.model import PRESETS
-from kvtier.serve.config import ADMISSION_WATERMARK, PREEMPTION_MODES, SCHEDULE_POLICIES
+from kvtier.serve.config import ADMISSION_WATERMARK, PREEMPTION_MODE, PREEMPTION_MODES, SCHEDULE_POLICIES
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -148,10 +148,10 @@ def add_parser(sub) -> None:
                    help="include every request's record (times, TTFT parts, tier mix) in --json")
     b.add_argument("--schedule-policy", default="cache-aware", choices=SCHEDULE_POLICIES,
                    help="admission order: cached and cheap requests first, with aging (default), or arrival order")
-    b.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+    b.add_argument("--preemption-mode", default=PREEMPTION_MODE, choices=PREEMPTION_MODES,
                    help="swap: a preempted sequence's blocks go down a tier and load back, and a decode "
                         "is a victim only when its resume costs less than its end and it has more than 4 tokens "
-                        "left, least harmed in its time per output token first; recompute (default): victims by "
+                        "left, least harmed in its time per output token first (default); recompute: victims by "
                         "rank alone")
     b.add_argument("--admission-watermark", type=float, default=ADMISSION_WATERMARK, metavar="SHARE",
                    help=f"share of device pages a new request leaves free for the running sequences' next pages "

@@ -12,6 +12,9 @@ from kvtier.options import check_choice, check_int, check_real
 
 SCHEDULE_POLICIES = ("cache-aware", "fcfs")  # kvtier.serve.admission.POLICIES by name (checked there)
 PREEMPTION_MODES = ("swap", "recompute")  # EngineConfig.preemption_mode (vLLM's names for the two)
+PREEMPTION_MODE = "swap"
+"""Default ``EngineConfig.preemption_mode``: over 5 quiet repeats against the bound (docs/scheduling.md)
+``swap`` halved the decode tail of ``recompute`` on both workloads at overlapping p99 TTFT."""
 ADMISSION_WATERMARK = 0.0
 """Default ``EngineConfig.admission_watermark``: the share of device pages admission keeps free
 for the running sequences' next pages. 0, 0.02 and 0.05 were measured under swap preemption in
@@ -55,9 +58,9 @@ class EngineConfig:
             tier when their pages are reused and load back by copy, and victims are chosen by
             their resume cost (``KVPool.resume_s``): a decode is preempted for a waiting request
             only when bringing it back costs less than waiting for it to end and it has more than
-            4 tokens left, least harmed in its time per output token first.
-            ``recompute`` (the default: docs/scheduling.md has the measurement): victims are
-            chosen by rank alone (what this engine did before; the
+            4 tokens left, least harmed in its time per output token first (the default,
+            :data:`PREEMPTION_MODE`: docs/scheduling.md has the measurement).
+            ``recompute``: victims are chosen by rank alone (what this engine did before; the
             preempted sequence's blocks are reused while cached). Without a lower tier both act
             as ``recompute``.
         admission_watermark: share of the device pages, in [0, 0.5], that admitting a new request
@@ -88,7 +91,7 @@ class EngineConfig:
     cuda_graph: bool = False
     schedule_policy: str = "cache-aware"
     schedule_max_passes: int = 16
-    preemption_mode: str = "recompute"
+    preemption_mode: str = PREEMPTION_MODE
     admission_watermark: float = ADMISSION_WATERMARK
 
     def __post_init__(self) -> None:

@@ -243,10 +243,17 @@ def _size_hybrid(scn: Scenario, model: KimiLinearConfig, node: Node, workload: W
                      int(node.disk_kv_bytes // block), ws, states, whole)
 
 
+SIM_PREEMPTION_MODE = "recompute"
+"""The victim rule the scenarios run (``EngineConfig.preemption_mode``): the one their published
+figures in docs/simulator.md were made with; the engine's default is ``swap`` (measured on the
+real engine, docs/scheduling.md), not yet rerun here."""
+
+
 def _engine_config(scn: Scenario, v: Variant, sizing: SimSizing) -> EngineConfig:
     base = EngineConfig(pool=PoolConfig(page_size=sizing.page_size, num_device_pages=sizing.device_pages),
                         max_num_batched_tokens=scn.max_num_batched_tokens, max_num_seqs=max(scn.replay.concurrency, 1),
-                        seed=scn.replay.seed, schedule_policy=scn.schedule_policy)
+                        seed=scn.replay.seed, schedule_policy=scn.schedule_policy,
+                        preemption_mode=SIM_PREEMPTION_MODE)
     host_bytes = sizing.host_slots * HostTier.row_bytes(sizing.page_size)  # the pool's blocks: page_size bytes
     store_bytes = sizing.store_slots * DiskTier.file_bytes(sizing.page_size)
     return v.cache.engine_config(base, host_bytes, None, store_bytes,
