@@ -48,6 +48,7 @@ from kvtier.cache.checkpoints.store import CheckpointStore
 from kvtier.cache.config import PoolConfig
 from kvtier.cache.cost_model import CostModel
 from kvtier.cache.device_pages import DevicePages
+from kvtier.cache.disk_tier import BlockMeta
 from kvtier.cache.kv_state import KVState
 from kvtier.cache.loads import Loads
 from kvtier.cache.pool_stats import PoolSnapshot
@@ -311,27 +312,6 @@ class KVPool:
         for c in checkpoints:
             self.save_checkpoint(c.kv, c.num_tokens, c.payload, c.kind)
 
-    @property
-    def checkpoint_meta(self):
-        """The layout a state checkpoint travels in (:func:`kvtier.cache.checkpoints.store.checkpoint_meta`,
-        as ``meta`` is a block's); None for a pool without state checkpoints."""
-        return self.resume_rule.meta
-
-    def export_checkpoint(self, block_hash: bytes):
-        """The state checkpoint after block ``block_hash`` (16 bytes, the block before its boundary)
-        as a ``[state_checkpoint_bytes]`` uint8 CPU tensor, for another worker; None when this
-        pool keeps no states, holds no such checkpoint or could not read it back."""
-        return self.resume_rule.export(block_hash)
-
-    def import_checkpoints(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
-        """Keep checked checkpoints ``(block hash, payload bytes)`` another worker sent (as turn
-        ends, in every tier with room); counts ``{"stored", "duplicate", "refused"}``.
-
-        Raises:
-            ValueError: this pool keeps no states.
-        """
-        return self.resume_rule.import_(values)
-
     # ---- the load decision's costs -----------------------------------------------------------
     def recompute_s(self, num_tokens: int) -> float:
         """Seconds the cost model expects prefilling ``num_tokens`` tokens to take (its measured
@@ -450,6 +430,32 @@ class KVPool:
         """Place checked ``(hash, payload)`` blocks into free device pages as cached copies; counts
         ``{"stored", "duplicate", "refused"}`` (:meth:`kvtier.cache.block_io.BlockIO.import_blocks`)."""
         return self.block_io.import_blocks(blocks)
+
+    def layouts(self) -> dict[str, BlockMeta]:
+        """The layout of each kind of object this pool exchanges with another worker, by the name it
+        travels under: ``blocks`` (:attr:`meta`), then what its resume rule needs at a prefix's end
+        (a hybrid model's ``states``, :meth:`export_resume_point`)."""
+        return {"blocks": self.meta} | self.resume_rule.layouts()
+
+    def export_resume_point(self, block_hash: bytes) -> dict[str, torch.Tensor]:
+        """What another worker needs besides the blocks to resume a prefix that ends with block
+        ``block_hash``, by kind (a uint8 CPU tensor of its layout each; empty for an attention-only
+        pool, or where this pool holds nothing there or could not read it back)."""
+        return self.resume_rule.export(block_hash)
+
+    def import_values(self, kind: str, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
+        """Keep checked ``(key, payload)`` values of ``kind`` (a name of :meth:`layouts`) another worker
+        sent: blocks as :meth:`import_blocks`, the rest as resume points (turn ends, in every tier
+        with room); counts ``{"stored", "duplicate", "refused"}``.
+
+        Raises:
+            ValueError: this pool keeps nothing of ``kind``.
+        """
+        if kind == "blocks":
+            return self.import_blocks(values)
+        if kind not in self.layouts():
+            raise ValueError(f"kind must be one of {list(self.layouts())}, got {kind!r}")
+        return self.resume_rule.import_(values)
 
     def copy_job_costs(self, jobs: int = 512) -> tuple[float, float]:
         """Seconds per host -> device and disk -> host copy job of this pool's copy engine

@@ -72,7 +72,7 @@ def test_held_query_names_block_hashes(pd, body):
 def test_corrupt_values_are_counted_never_registered(pd):
     decode = pd["decode"]
     info = httpx.get(f"{decode.url}/v1/kv/info", timeout=10).json()
-    size = 64 + info["layout"]["payload_bytes"]
+    size = 64 + info["layouts"]["blocks"]["payload_bytes"]
     r = httpx.post(f"{decode.url}/v1/kv/blocks", content=bytes(2 * size + 10), timeout=30)
     assert r.status_code == 200
     assert r.json() == {"stored": 0, "duplicate": 0, "refused": 0, "corrupt": 2, "truncated": 1}

@@ -51,7 +51,7 @@ def test_hybrid_turns_through_pd_reuse_the_sent_blocks_and_state_exactly(hybrid_
         assert_same_output(got, want)
         needed = (got["usage"]["prompt_tokens"] - 1) // PAGE_SIZE
         assert report is not None and not report["failed"], report
-        assert report["states_sent"] == 1 and report["states_stored"] == 1, report
+        assert report["values_sent"] == {"states": 1} and report["values_stored"] == {"states": 1}, report
         # The decode worker placed every reusable block with the state after the last one.
         assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == needed * PAGE_SIZE
         messages += [{"role": "assistant", "content": got["choices"][0]["message"]["content"]},
@@ -67,7 +67,7 @@ def test_k3_prompt_fields_reach_the_prefill_worker(hybrid_pd):
     got, report = turn(hybrid_pd["router"], messages, "pd-fields", model="tiny-k3", **fields)
     assert_same_output(got, want)
     assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
-    assert report is not None and not report["failed"] and report["states_stored"] == 1, report
+    assert report is not None and not report["failed"] and report["values_stored"] == {"states": 1}, report
     needed = (got["usage"]["prompt_tokens"] - 1) // PAGE_SIZE
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == needed * PAGE_SIZE
 
@@ -79,4 +79,4 @@ def test_a_prefill_worker_of_another_model_is_refused_naming_both_layouts(hybrid
     code = main(["serve", "tiny", "--tokenizer", str(TOKENIZER_DIR), "--role", "prefill",
                  "--decode-workers", hybrid_pd["decode"].url, "--port", "0"])
     err = capsys.readouterr().err
-    assert code == 2 and "state checkpoint layout" in err and "'row_bytes'" in err, err
+    assert code == 2 and "has layouts {'blocks'" in err and "'states': {" in err and "'row_bytes'" in err, err

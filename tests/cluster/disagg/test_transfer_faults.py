@@ -28,7 +28,7 @@ def test_cut_transfer_ends_in_correct_output(pd):
     messages = _conversation("cut")
     stored = metric(decode, "kvtier_kv_import_blocks_total", result="stored")
     truncated = metric(decode, "kvtier_kv_import_blocks_total", result="truncated")
-    value_bytes = HEADER_BYTES + httpx.get(f"{decode.url}/v1/kv/info", timeout=10).json()["layout"]["payload_bytes"]
+    value_bytes = HEADER_BYTES + httpx.get(f"{decode.url}/v1/kv/info", timeout=10).json()["layouts"]["blocks"]["payload_bytes"]
     proxy.cut_next(400 + value_bytes + value_bytes // 2)  # request line and headers, one value, half the next
     report = _prefill(prefill.url, proxy.url, messages, "cut-session")
     assert proxy.cuts == 1

@@ -45,10 +45,10 @@ class EveryBlock:
     there is nowhere to keep a checkpoint.
 
     Attributes:
-        store, stats, meta: None (no checkpoints are kept, counted or moved).
+        store, stats: None (no checkpoints are kept or counted).
     """
 
-    store = stats = meta = None
+    store = stats = None
 
     def choose(self, hashes: list[bytes], rows, take: int, *, remote: bool) -> tuple[int, Tier | None, int]:
         """``(take, None, 0)``: the cost model's choice stands, nothing is lost."""
@@ -85,9 +85,13 @@ class EveryBlock:
         raise ValueError("save_checkpoint needs a pool with state checkpoints (state_checkpoint_bytes > 0 and "
                          "prefix caching on)")
 
-    def export(self, key: bytes):
-        """None: no checkpoint is kept."""
-        return None
+    def layouts(self) -> dict:
+        """Nothing besides the blocks travels to another worker."""
+        return {}
+
+    def export(self, key: bytes) -> dict:
+        """Nothing besides the blocks is needed to resume on another worker."""
+        return {}
 
     def import_(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
         """Raises ValueError: this pool keeps no checkpoints."""
@@ -124,8 +128,7 @@ class CheckpointReuse(EveryBlock):
     """
 
     def __init__(self, tiers: PoolTiers, store: CheckpointStore):
-        self.tiers, self.store = tiers, store
-        self.stats, self.meta = store.stats, store.meta
+        self.tiers, self.store, self.stats = tiers, store, store.stats
         self.page_size = tiers.config.page_size
         self._sessions: dict[object, list[bytes]] = {}  # tool-waiting session -> protected keys
         self._reads: dict[int, tuple[int, object]] = {}  # id(kv) -> (blocks, read in flight)
@@ -270,15 +273,20 @@ class CheckpointReuse(EveryBlock):
         self.store.close()
 
     # ---- checkpoints for another worker (P/D transfer) ----------------------------------------
-    def export(self, key: bytes):
-        """Checkpoint ``key``'s bytes (a ``[checkpoint_bytes]`` uint8 CPU tensor) read from its
-        fastest tier, or None when no tier holds it or the read failed."""
+    def layouts(self) -> dict:
+        """``{"states": the checkpoint layout}``: a prefix resumes on another worker only with the
+        checkpoint at its end, sent as a value of this layout."""
+        return {"states": self.store.meta}
+
+    def export(self, key: bytes) -> dict:
+        """``{"states": checkpoint key's bytes}`` (a ``[checkpoint_bytes]`` uint8 CPU tensor) read
+        from its fastest tier; empty when no tier holds it or the read failed."""
         tier = self.store.locate(key)
         if tier is None:
-            return None
+            return {}
         read = self.store.read(key, tier)
         read.wait()
-        return read.payload.cpu() if self.store.ended(read) else None
+        return {"states": read.payload.cpu()} if self.store.ended(read) else {}
 
     def import_(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
         """Keep checked checkpoints ``(key, payload bytes)`` from another worker as turn ends;

@@ -49,15 +49,13 @@ def reach_decode_workers(urls: list[str], timeout_s: float = 5.0) -> dict[str, d
 
 def check_compatible(infos: dict[str, dict], info: dict) -> None:
     """Every decode worker in ``infos`` (from :func:`reach_decode_workers`) has this worker's
-    block layout and salt (``info``, :func:`kvtier.cluster.disagg.routes.worker_info`).
+    layouts and salt (``info``, :func:`kvtier.cluster.disagg.routes.worker_info`).
 
     Raises:
         ValueError: one that does not, named with both layouts and salts.
     """
     for u, theirs in infos.items():
-        if theirs.get("layout") != info["layout"] or theirs.get("salt") != info["salt"] \
-                or theirs.get("state_layout") != info.get("state_layout"):
-            raise ValueError(f"--decode-workers: {u} has block layout {theirs.get('layout')}, state checkpoint "
-                             f"layout {theirs.get('state_layout')} and salt {theirs.get('salt')}, this worker "
-                             f"{info['layout']}, {info.get('state_layout')} and {info['salt']} (another "
-                             "model, dtype, page size or --cache-salt): it could never use these blocks")
+        if theirs.get("layouts") != info["layouts"] or theirs.get("salt") != info["salt"]:
+            raise ValueError(f"--decode-workers: {u} has layouts {theirs.get('layouts')} and salt {theirs.get('salt')}, "
+                             f"this worker {info['layouts']} and {info['salt']} (another model, dtype, page size or "
+                             "--cache-salt): it could never use these blocks")

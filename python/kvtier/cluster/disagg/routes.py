@@ -1,11 +1,11 @@
 """HTTP routes of worker roles (added to ``kvtier serve``'s application by :func:`add_role_routes`).
 
-Every role answers ``GET /v1/kv/info`` (role, block layout, salt digest). Workers that decode
-(``decode``, ``both``) take blocks: ``POST /v1/kv/held`` (JSON ``{"block_hashes": [hex, ...]}``
--> ``{"held": n}``, the leading blocks held in a local tier) and ``POST /v1/kv/blocks`` (a stream
-of checked wire values, see :mod:`kvtier.cluster.disagg.blocks`, each registered as soon as it is
-complete); a hybrid model's worker also takes state checkpoints (``POST /v1/kv/states``, values of
-the checkpoint layout, kept as turn ends). A ``prefill`` worker answers ``POST /v1/kv/prefill/chat/completions`` and
+Every role answers ``GET /v1/kv/info`` (role, the layout of each kind of object its pool
+exchanges, salt digest). Workers that decode (``decode``, ``both``) answer ``POST /v1/kv/held``
+(JSON ``{"block_hashes": [hex, ...]}`` -> ``{"held": n}``, the leading blocks held in a local tier)
+and take each kind of object at ``POST /v1/kv/<kind>`` (``blocks``, and what the pool's resume rule
+needs at a prefix's end: :meth:`kvtier.cache.pool.KVPool.layouts`): a stream of checked wire values
+of its layout (:mod:`kvtier.cluster.disagg.blocks`), each kept as soon as it is complete. A ``prefill`` worker answers ``POST /v1/kv/prefill/chat/completions`` and
 ``/v1/kv/prefill/completions`` (the OpenAI body; the target in the ``x-kvtier-decode-url``
 header, one of its ``--decode-workers``) with the first token and the transfer's report; it
 refuses plain ``/v1/chat/completions`` and ``/v1/completions`` with a 400 that says where to send
@@ -52,11 +52,10 @@ def check_role(role) -> str:
 
 
 def worker_info(engine, role: str) -> dict:
-    """What ``/v1/kv/info`` answers: the role, block layout and a digest of the block-hash salt
-    (workers exchange blocks only when both match)."""
-    m, sm = engine.pool.meta, engine.pool.checkpoint_meta
-    return {"role": role, "layout": dataclasses.asdict(m),
-            "state_layout": None if sm is None else dataclasses.asdict(sm),
+    """What ``/v1/kv/info`` answers: the role, the layout of each kind of object the pool exchanges
+    (``layouts``, by name) and a digest of the block-hash salt (workers exchange blocks only when
+    both match)."""
+    return {"role": role, "layouts": {k: dataclasses.asdict(m) for k, m in engine.pool.layouts().items()},
             "salt": hashlib.sha256(engine.block_hash_salt).hexdigest()[:32]}
 
 
@@ -82,9 +81,18 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
         hashes = _held_query(await json_body(request))
         return {"held": await worker.call(lambda: pool.held_prefix(hashes))}
 
-    @app.post("/v1/kv/blocks")
-    async def blocks(request: Request):
-        reader = ValueReader(pool.meta)
+    for kind, meta in pool.layouts().items():
+        app.post(f"/v1/kv/{kind}")(_import_route(worker, kind, meta, metrics))
+
+
+def _import_route(worker, kind: str, meta, metrics: DisaggMetrics):
+    """``POST /v1/kv/<kind>``: a stream of wire values of layout ``meta``, each kept as soon as it is
+    complete (:meth:`kvtier.cache.pool.KVPool.import_values`); the counts by result, corrupt and
+    truncated values included (blocks' also in ``kvtier_kv_import_blocks_total``)."""
+    pool = worker.engine.pool
+
+    async def import_values(request: Request):
+        reader = ValueReader(meta)
         counts = {"stored": 0, "duplicate": 0, "refused": 0}
         nbytes = 0
         try:
@@ -92,27 +100,17 @@ def _add_decode_routes(app, worker, metrics: DisaggMetrics) -> None:
                 nbytes += len(data)
                 good = reader.feed(data)
                 if good:
-                    for k, v in (await worker.call(lambda good=good: pool.import_blocks(good))).items():
+                    for k, v in (await worker.call(lambda good=good: pool.import_values(kind, good))).items():
                         counts[k] += v
         except ClientDisconnect:
-            pass  # a cut transfer: the complete values are registered, the rest is recomputed
+            pass  # a cut transfer: the complete values are kept, the rest is recomputed
         reader.close()
         counts.update(corrupt=reader.corrupt, truncated=reader.truncated)
-        metrics.observe_import(counts, nbytes)
+        if kind == "blocks":
+            metrics.observe_import(counts, nbytes)
         return counts
 
-    if pool.checkpoint_meta is None:
-        return
-
-    @app.post("/v1/kv/states")
-    async def states(request: Request):
-        reader = ValueReader(pool.checkpoint_meta)
-        good = reader.feed(await request.body())
-        reader.close()
-        counts = await worker.call(lambda: pool.import_checkpoints(good)) if good else \
-            {"stored": 0, "duplicate": 0, "refused": 0}
-        counts.update(corrupt=reader.corrupt, truncated=reader.truncated)
-        return counts
+    return import_values
 
 
 def _add_prefill_routes(app, worker, metrics: DisaggMetrics, decode_urls: set[str]) -> None:

@@ -4,9 +4,9 @@ The engine thread hands the transfer batches of newly computed full blocks (afte
 chunk, :meth:`Transfer.offer`) and returns to the next chunk at once; the transfer's thread
 first asks the decode worker which leading blocks it already holds (``POST /v1/kv/held``), then
 sends every offered block at or past that point (``POST /v1/kv/blocks``), so sending overlaps
-the following chunks. For a hybrid model, the state checkpoint at the end of the reusable blocks
-follows them (``POST /v1/kv/states``, :meth:`Transfer.offer_state`): without it the decode worker
-could not use them. A failed or timed-out call ends sending for this turn: the blocks not
+the following chunks. What the decode worker needs besides the blocks to resume at their end
+(:meth:`kvtier.cache.pool.KVPool.export_resume_point`: a hybrid model's recurrent state) follows
+them (``POST /v1/kv/<kind>``, :meth:`Transfer.offer_value`): without it they are of no use there. A failed or timed-out call ends sending for this turn: the blocks not
 delivered are counted as ``lost`` and the decode worker recomputes them. Nothing here ever makes
 the engine thread wait on the network.
 
@@ -48,8 +48,8 @@ class TransferReport:
     full_prompt_bytes: int = 0  # what sending every needed block would move
     overlapped_s: float = 0.0
     exposed_s: float = 0.0
-    states_sent: int = 0  # state checkpoints sent (a hybrid model: the one after the last reusable block)
-    states_stored: int = 0  # ... that the decode worker kept
+    values_sent: dict[str, int] = field(default_factory=dict)  # values of other kinds sent, by kind
+    values_stored: dict[str, int] = field(default_factory=dict)  # ... that the decode worker kept
     failed: bool = False
     error: str | None = None
 
@@ -64,24 +64,24 @@ class Transfer:
     Args:
         decode_url: the decode worker's base URL.
         hashes: the block hashes of the prompt's reusable full blocks, in order.
-        meta: the block layout.
+        layouts: the layout of each kind of object, by name (:meth:`kvtier.cache.pool.KVPool.layouts`;
+            ``blocks`` the blocks').
         timeout_s: limit of each call to the decode worker.
-        state_meta: the layout of a state checkpoint (a hybrid model), or None.
         client: the httpx client to use (shared by a worker's transfers).
     """
 
     decode_url: str
     hashes: list[bytes]
-    meta: BlockMeta
+    layouts: dict[str, BlockMeta]
     timeout_s: float
     client: httpx.Client
-    state_meta: BlockMeta | None = None
     exported: int = 0  # blocks offered so far (engine thread)
     held: int | None = None  # set by the transfer thread once the decode worker answered
     prefill_end: float | None = None
     report: TransferReport = field(init=False)
 
     def __post_init__(self):
+        self.meta = self.layouts["blocks"]
         self.report = TransferReport(self.decode_url, blocks_needed=len(self.hashes),
                                      full_prompt_bytes=len(self.hashes) * value_bytes(self.meta))
         self._queue: queue.Queue = queue.Queue()
@@ -97,10 +97,10 @@ class Transfer:
         """Blocks ``start..start+len(hashes)`` (payloads back to back in ``payload``) are ready."""
         self._queue.put((start, hashes, payload))
 
-    def offer_state(self, key: bytes, payload) -> None:
-        """The state checkpoint keyed ``key`` (the block before its boundary) is ready: sent after
-        the blocks offered before it."""
-        self._queue.put(("state", key, payload))
+    def offer_value(self, kind: str, key: bytes, payload) -> None:
+        """A value of ``kind`` keyed ``key`` (the block it follows) is ready: sent after the blocks
+        offered before it."""
+        self._queue.put((kind, key, payload))
 
     def end(self, ok: bool = True) -> None:
         """No more blocks: the prefill ended (``ok``) or the rest cannot be exported."""
@@ -121,8 +121,8 @@ class Transfer:
                 break
             if r.failed:
                 continue
-            if item[0] == "state":
-                self._send_state(item[1], item[2])
+            if isinstance(item[0], str):
+                self._send_value(*item)
                 continue
             start, hashes, payload = item
             self._send(start, hashes, payload)
@@ -147,14 +147,16 @@ class Transfer:
         self.report.bytes_sent += len(body)
         self.report.blocks_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
 
-    def _send_state(self, key: bytes, payload) -> None:
-        body = encode_values([key], payload, self.state_meta)
-        stored = self._post("/v1/kv/states", body)
+    def _send_value(self, kind: str, key: bytes, payload) -> None:
+        body = encode_values([key], payload, self.layouts[kind])
+        stored = self._post(f"/v1/kv/{kind}", body)
         if stored is None:  # the decode worker recomputes the prompt then
             return
-        self.report.states_sent += 1
-        self.report.bytes_sent += len(body)
-        self.report.states_stored += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
+        r = self.report
+        r.values_sent[kind] = r.values_sent.get(kind, 0) + 1
+        r.bytes_sent += len(body)
+        r.values_stored[kind] = r.values_stored.get(kind, 0) + int(stored.get("stored", 0)) + int(
+            stored.get("duplicate", 0))
 
     def _post(self, path: str, body: bytes) -> dict | None:
         """POST ``body`` (wire values) to the decode worker's ``path``; its JSON counts, or None

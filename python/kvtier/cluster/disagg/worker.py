@@ -55,8 +55,8 @@ class PrefillWorker(EngineWorker):
         hashes = seq.block_hashes[:needed]  # hashed once, when the prompt was appended
         if len(hashes) < needed:
             hashes = block_hashes(seq.prompt_token_ids[:needed * ps], ps, None, self.engine.block_hash_salt + seq.kv.salt)
-        job.transfer = Transfer(job.decode_url, hashes, self.engine.pool.meta, self.transfer_timeout_s, self.client,
-                                self.engine.pool.checkpoint_meta)
+        job.transfer = Transfer(job.decode_url, hashes, self.engine.pool.layouts(), self.transfer_timeout_s,
+                                self.client)
         job.transfer.start()
         self._transfers[job.request_id] = (job, seq)
 
@@ -65,7 +65,7 @@ class PrefillWorker(EngineWorker):
             gone = rid in finished or self.engine.sequence(rid) is None
             self._export(job.transfer, seq)
             if gone:
-                self._export_state(job.transfer)
+                self._export_resume_point(job.transfer)
                 job.transfer.end()
                 del self._transfers[rid]
         super()._progress(finished)
@@ -82,14 +82,11 @@ class PrefillWorker(EngineWorker):
                 t.offer(start, *got)
         t.exported = max(t.exported, avail)
 
-    def _export_state(self, t: Transfer) -> None:
-        """A hybrid model's checkpoint after the prompt's last reusable block, if the pool kept it
-        (saved at the end of the step that finished the prefill)."""
-        if t.state_meta is None or not t.hashes:
-            return
-        payload = self.engine.pool.export_checkpoint(t.hashes[-1])
-        if payload is not None:
-            t.offer_state(t.hashes[-1], payload)
+    def _export_resume_point(self, t: Transfer) -> None:
+        """What the decode worker needs besides the blocks to resume after the prompt's last reusable
+        block, where the pool kept it (saved at the end of the step that finished the prefill)."""
+        for kind, payload in (self.engine.pool.export_resume_point(t.hashes[-1]) if t.hashes else {}).items():
+            t.offer_value(kind, t.hashes[-1], payload)
 
     def _fail_all(self, message: str) -> None:
         for job, _ in self._transfers.values():
