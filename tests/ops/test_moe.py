@@ -223,3 +223,35 @@ def test_cpu_ops_fused_moe_runs_the_sorted_kernel(monkeypatch):
         x, w13, w2 = torch.randn(2, 8).to(dtype), torch.randn(3, 6, 8).to(dtype), torch.randn(3, 8, 3).to(dtype)
         assert ops.fused_moe(x, w13, w2, weights, ids).dtype == dtype
     assert calls == [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 8, 33])
+def test_cpu_moe_padded_layout_is_the_reference_math(monkeypatch, dtype, num_tokens):
+    """At decode sizes the CPU kernel runs its padded layout (one ``bmm`` per product over every
+    expert): the same sums as the reference and as the sorted loop, with fp32 or bf16 weights, and
+    an unchosen expert's NaN weights (computed on padding rows) never reach the output."""
+    from kvtier.ops import _cpu_moe
+
+    gen = torch.Generator().manual_seed(40 + num_tokens)
+    num_experts, top_k, hidden, inter = 16, 4, 64, 32
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    w13[5], w2[5] = math.nan, math.nan
+    ids = torch.stack([torch.tensor([e for e in torch.randperm(num_experts, generator=gen).tolist() if e != 5][:top_k])
+                       for _ in range(num_tokens)]).to(torch.int32)
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    calls = []
+    real = _cpu_moe._padded
+    monkeypatch.setattr(_cpu_moe, "_padded", lambda *a: calls.append(1) or real(*a))
+    got = _cpu_moe.fused_moe(x, w13, w2, weights, ids)
+    assert calls == [1], "decode sizes did not take the padded layout"
+    monkeypatch.setattr(_cpu_moe, "PADDED_MAX_PAIRS", 0)
+    looped = _cpu_moe.fused_moe(x.float(), w13.float(), w2.float(), weights, ids).to(dtype)
+    want = reference.fused_moe(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and bool(torch.isfinite(got).all()), "the unchosen expert's NaN leaked"
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same fp32 sums
+    cos = 1e-9 if dtype == torch.float32 else 1e-6
+    assert_close(got, want, atol=tol, rtol=tol, max_cos_diff=cos, name="padded vs reference")
+    assert_close(got, looped, atol=tol, rtol=tol, max_cos_diff=cos, name="padded vs sorted")
