@@ -112,8 +112,6 @@ class SimWorker:
             scale = config.pool.page_size / links.block_bytes  # placeholder bytes per modelled byte
             store = sim_checkpoints(states, self.copy_engine, scale, host=bool(pool_config.host_cache_bytes),
                                     disk=disk is not None)
-            pool_config = dataclasses.replace(pool_config, state_checkpoint_bytes=store.checkpoint_bytes,
-                                              state_checkpoint_tokens=states.checkpoint_tokens)
             self.runner.checkpoints = CheckpointPlan(config.pool.page_size, states.checkpoint_tokens, checkpoints)
             self.runner.placeholder = torch.zeros(store.checkpoint_bytes, dtype=torch.uint8)
         pool = KVPool(pool_config, self.runner.kv_caches, cost, copy_engine=self.copy_engine,
@@ -133,11 +131,6 @@ class SimWorker:
         block stored while this worker's copy engine collects a job is its own pool's write."""
         disk.on_store.append(lambda block_hash: not self.copy_engine.collecting
                              and self.pool.index_disk_block(block_hash))
-
-    def backlog_tokens(self) -> int:
-        """Prompt tokens queued or being prefilled."""
-        s = self.scheduler
-        return sum(max(0, q.num_prompt_tokens - q.num_computed_tokens) for q in (*s.waiting, *s.loading, *s.running))
 
     def begin(self) -> tuple[float, StepResult | None]:
         """Begin a step at ``clock.now``: ``(end_s, result)`` of the step, or ``(wake_s, None)``

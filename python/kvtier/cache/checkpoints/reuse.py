@@ -41,8 +41,8 @@ _PRICED_POINTS = 16  # resume points the cost model compares at most (longest fi
 class EveryBlock:
     """The resume rule of an attention-only model: a prefix resumes after any block it matched.
 
-    Every method is the identity or does nothing; :meth:`save` and :meth:`import_` raise, as
-    there is nowhere to keep a checkpoint.
+    Every method is the identity or does nothing; :meth:`save` raises, as there is nowhere to
+    keep a checkpoint.
 
     Attributes:
         store, stats: None (no checkpoints are kept or counted).
@@ -92,10 +92,6 @@ class EveryBlock:
     def export(self, key: bytes) -> dict:
         """Nothing besides the blocks is needed to resume on another worker."""
         return {}
-
-    def import_(self, values: list[tuple[bytes, bytes]]) -> dict[str, int]:
-        """Raises ValueError: this pool keeps no checkpoints."""
-        raise ValueError("import_checkpoints needs a pool with state checkpoints")
 
     def tool_wait(self, session_id, hashes: list[bytes]) -> None:
         """Nothing to protect."""

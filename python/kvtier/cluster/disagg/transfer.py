@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -48,8 +49,8 @@ class TransferReport:
     full_prompt_bytes: int = 0  # what sending every needed block would move
     overlapped_s: float = 0.0
     exposed_s: float = 0.0
-    values_sent: dict[str, int] = field(default_factory=dict)  # values of other kinds sent, by kind
-    values_stored: dict[str, int] = field(default_factory=dict)  # ... that the decode worker kept
+    values_sent: Counter = field(default_factory=Counter)  # values of other kinds sent, by kind
+    values_stored: Counter = field(default_factory=Counter)  # ... that the decode worker kept
     failed: bool = False
     error: str | None = None
 
@@ -152,11 +153,9 @@ class Transfer:
         stored = self._post(f"/v1/kv/{kind}", body)
         if stored is None:  # the decode worker recomputes the prompt then
             return
-        r = self.report
-        r.values_sent[kind] = r.values_sent.get(kind, 0) + 1
-        r.bytes_sent += len(body)
-        r.values_stored[kind] = r.values_stored.get(kind, 0) + int(stored.get("stored", 0)) + int(
-            stored.get("duplicate", 0))
+        self.report.values_sent[kind] += 1
+        self.report.bytes_sent += len(body)
+        self.report.values_stored[kind] += int(stored.get("stored", 0)) + int(stored.get("duplicate", 0))
 
     def _post(self, path: str, body: bytes) -> dict | None:
         """POST ``body`` (wire values) to the decode worker's ``path``; its JSON counts, or None
