@@ -310,3 +310,36 @@ def test_counters_a_client_cannot_see_are_not_reported_as_zero():
     assert cells(text, "stores refused host / disk")[-1] == "n/a"
     assert cells(text, "device pages / working set")[-1] == "n/a / 96"
     json.dumps(bench_json([remote], {}))  # null in the JSON
+
+
+def test_a_new_section_of_the_pool_shows_up_in_the_json_table_and_repeat_lines():
+    # a kind of cached object the bench has never heard of: its counters declare their series,
+    # and the report walks them (what a third kind, e.g. sparse-attention indexer keys, would add)
+    import dataclasses
+
+    from kvtier.bench.repeat import repeat_lines, summarize_repeats
+    from kvtier.cache.pool_stats import series
+
+    @dataclasses.dataclass
+    class IndexerStats:
+        hits: dict = series("kvtier_indexer_hits", "indexer keys restored, by tier", "tier",
+                            default_factory=lambda: {"device": 0, "host": 0})
+        bytes_written: dict = series("kvtier_indexer_bytes_written", "indexer bytes written, by tier", "tier",
+                                     default_factory=lambda: {"device": 0, "host": 0})
+        dropped: int = series("kvtier_indexer_dropped", "indexer keys dropped", default=0)
+
+    new = IndexerStats(hits={"device": 0, "host": 3}, bytes_written={"device": 4096, "host": 2048}, dropped=5)
+    runs = [make_run("device-only"), dataclasses.replace(make_run("tiered"), sections={"indexer": new})]
+    doc = bench_json(runs, {})
+    got = doc["configs"]["tiered"]["sections"]["indexer"]
+    assert got == {"hits": {"device": 0, "host": 3}, "bytes_written": {"device": 4096, "host": 2048}, "dropped": 5,
+                   "hits_total": 3, "bytes_written_total": 2048}  # bytes below the device only
+    assert doc["configs"]["device-only"]["sections"] == {}
+    text = render(runs)
+    assert cells(text, "indexer hits host") == ["indexer hits host", "n/a", "3"]
+    assert cells(text, "indexer bytes_written device") == ["indexer bytes_written device", "n/a", "4.0 KiB"]
+    assert cells(text, "indexer dropped") == ["indexer dropped", "n/a", "5"]
+    assert "indexer hits device" not in text  # 0 in every run
+    lines = repeat_lines(summarize_repeats([doc | {"seed": 0}]))
+    assert any(line.startswith("indexer hits_total") and "3 [3-3]" in line and "n/a" in line for line in lines)
+    assert any(line.startswith("indexer bytes_written_total (MiB)") for line in lines)
