@@ -154,3 +154,29 @@ def test_the_decode_op_takes_the_batched_call_on_the_cpu(monkeypatch):
     assert calls == [1]
     assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2, name="out")
     assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, name="lse")
+
+
+def test_a_decode_steps_layers_share_one_gather_and_a_refilled_table_gets_its_own(monkeypatch):
+    """The layers of a step pass the same block_table and seq_lens: the slots and mask are built
+    once; lengths refilled in place (a new step in the same buffers) are read again, never reused."""
+    calls, built = [], []
+    real_build = _cpu_mla._DecodeGather
+    monkeypatch.setattr(_cpu_mla, "_DecodeGather", lambda *a: built.append(1) or real_build(*a))
+    gen = torch.Generator().manual_seed(13)
+    lens = [70, 65, 80]
+    seqs = [_rounded((n, 80), torch.bfloat16, gen) for n in lens]
+    kv_cache, block_table = _paged_pool(seqs, 16, torch.bfloat16, gen, strided=False)
+    q = _rounded((len(lens), 4, 80), torch.bfloat16, gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    for _ in range(3):  # three layers of one step
+        out, lse = _cpu_mla.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+        calls.append(out)
+    assert built == [1]
+    ref_out, _ = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+    assert_close(calls[-1], ref_out, atol=1e-2, rtol=1.6e-2, name="out")
+    seq_lens.copy_(torch.tensor([60, 64, 1], dtype=torch.int32))  # shorter: the rest of each page is NaN-free data
+    out, lse = _cpu_mla.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+    assert built == [1, 1]
+    ref_out, ref_lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
+    assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2, name="out after refill")
+    assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, name="lse after refill")

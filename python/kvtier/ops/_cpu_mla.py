@@ -26,6 +26,7 @@ output (within the bf16 tolerances of ``tests/ops/test_cpu_mla.py``).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -165,7 +166,55 @@ sequence to the longest costs at most this many times the keys the batch holds; 
 long context among short ones) each sequence runs on its own."""
 
 
-def _decode_batched(q, kv_cache, block_table, seq_lens, lens: list[int], sm_scale, kv_lora_rank):
+@dataclass(frozen=True, eq=False)
+class _DecodeGather:
+    """What every layer of one decode step shares (derived from block_table and seq_lens only):
+    the slot each padded key reads and the mask of the padding."""
+
+    block_table: torch.Tensor  # copies of the step's metadata the gather was built from
+    seq_lens: torch.Tensor
+    page_size: int
+    lens: list[int]
+    slots: torch.Tensor  # [batch, L] int64
+    mask: torch.Tensor  # [batch, 1, 1, L] in the queries' dtype: 0 or -inf
+    empty: torch.Tensor | None  # [batch] bool, None when no sequence is empty
+
+    def fits(self, block_table, seq_lens, page_size: int, dtype: torch.dtype) -> bool:
+        return (self.page_size == page_size and self.mask.dtype == dtype
+                and block_table.shape == self.block_table.shape and seq_lens.shape == self.seq_lens.shape
+                and block_table.device == self.block_table.device
+                and torch.equal(block_table, self.block_table) and torch.equal(seq_lens, self.seq_lens))
+
+
+_last_gather: _DecodeGather | None = None
+"""The last decode step's gather: the layers of a step pass the same block_table and seq_lens
+(the step's plan), so it is built once a step, not once a layer. Reuse is checked by value (two
+``torch.equal`` of a few hundred bytes, 10 µs against the 150 µs of a build), so new or refilled
+metadata never runs on a stale gather."""
+
+
+def _decode_gather(block_table, seq_lens, page_size: int, dtype: torch.dtype) -> _DecodeGather:
+    global _last_gather
+    held = _last_gather
+    if held is not None and held.fits(block_table, seq_lens, page_size, dtype):
+        return held
+    lens = seq_lens.tolist()
+    dev = block_table.device
+    lens_t = seq_lens.to(device=dev, dtype=torch.long)
+    pos = torch.arange(max(lens, default=0), device=dev)
+    valid = pos[None, :] < lens_t[:, None]  # [batch, L]
+    at = torch.where(valid, pos[None, :], 0)
+    pages = torch.where(lens_t[:, None] > 0, block_table.long().gather(1, at // page_size), 0)
+    mask = torch.zeros(len(lens), 1, 1, pos.numel(), dtype=dtype, device=dev).masked_fill_(
+        ~valid[:, None, None, :], -math.inf)
+    empty = lens_t == 0
+    held = _DecodeGather(block_table.clone(), seq_lens.clone(), page_size, lens, pages * page_size + at % page_size,
+                         mask, empty if 0 in lens else None)
+    _last_gather = held
+    return held
+
+
+def _decode_batched(q, kv_cache, gather: _DecodeGather, sm_scale, kv_lora_rank):
     """All sequences of a decode step in one call of the blocked CPU kernel, in the cache's dtype:
     each sequence's ``H`` query heads are the query rows of one attention head over its keys (the
     shared latent row), padded to the longest sequence (``max(lens)`` keys) and masked. A padded
@@ -173,19 +222,11 @@ def _decode_batched(q, kv_cache, block_table, seq_lens, lens: list[int], sm_scal
     sequence owns may hold anything, NaN included, and a zero weight would not cancel it).
     Returns (out [batch, H, kv_lora_rank] in q.dtype, lse [batch, H] fp32), out 0 and lse
     ``+inf`` for an empty sequence."""
-    batch, longest, page_size = len(lens), max(lens), kv_cache.shape[1]
-    dev = q.device
-    lens_t = seq_lens.to(device=dev, dtype=torch.long)
-    pos = torch.arange(longest, device=dev)
-    valid = pos[None, :] < lens_t[:, None]  # [batch, L]
-    at = torch.where(valid, pos[None, :], 0)
-    pages = torch.where(lens_t[:, None] > 0, block_table.long().gather(1, at // page_size), 0)
-    kv = _read_slots(kv_cache, pages * page_size + at % page_size).unsqueeze(1)  # [batch, 1, L, D]
-    mask = torch.zeros(batch, 1, 1, longest, dtype=q.dtype, device=dev).masked_fill_(~valid[:, None, None, :], -math.inf)
-    out, lse = _FLASH(q.unsqueeze(1), kv, kv, 0.0, False, attn_mask=mask, scale=sm_scale)[:2]
+    kv = _read_slots(kv_cache, gather.slots).unsqueeze(1)  # [batch, 1, L, D]
+    out, lse = _FLASH(q.unsqueeze(1), kv, kv, 0.0, False, attn_mask=gather.mask, scale=sm_scale)[:2]
     out, lse = out[:, 0, :, :kv_lora_rank], lse[:, 0].float()  # [batch, H, R], [batch, H]
-    empty = lens_t == 0
-    if bool(empty.any()):
+    if gather.empty is not None:
+        empty = gather.empty
         out, lse = out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], math.inf)
     return out, lse
 
@@ -199,10 +240,11 @@ def mla_decode(q, kv_cache, block_table, seq_lens, sm_scale, kv_lora_rank, *, ou
     stays within ``PAD_FACTOR``, the whole batch is one call of the blocked CPU kernel in that
     dtype (:func:`_decode_batched`: fp32 accumulation, bf16 inputs read as they are, no fp32 copy
     of the context); else sequence by sequence as :func:`mla_extend` (fp32)."""
-    lens = seq_lens.tolist()
-    if (_FLASH is not None and lens and max(lens) > 0 and _reads_native(q, kv_cache, kv_scale)
-            and len(lens) * max(lens) <= PAD_FACTOR * sum(lens)):
-        res, lse = _decode_batched(q, kv_cache, block_table, seq_lens, lens, sm_scale, kv_lora_rank)
-        return (res.contiguous() if out is None else out.copy_(res)), lse
+    if _FLASH is not None and seq_lens.numel() and _reads_native(q, kv_cache, kv_scale):
+        gather = _decode_gather(block_table, seq_lens, kv_cache.shape[1], q.dtype)
+        lens = gather.lens
+        if max(lens) > 0 and len(lens) * max(lens) <= PAD_FACTOR * sum(lens):
+            res, lse = _decode_batched(q, kv_cache, gather, sm_scale, kv_lora_rank)
+            return (res.contiguous() if out is None else out.copy_(res)), lse
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return mla_extend(q, kv_cache, block_table, cu, seq_lens, sm_scale, kv_lora_rank, out=out, kv_scale=kv_scale)
