@@ -13,7 +13,10 @@ results are merged by their log-sum-exps: ``lse = logaddexp(lse_1, lse_2)``,
 ``out = out_1 * exp(lse_1 - lse) + out_2 * exp(lse_2 - lse)`` (the merge of FlashAttention-2's
 online softmax, Dao 2023, §3.1; FlashInfer's ``merge_state``). The latent row is both key and
 value (the value is its first ``kv_lora_rank`` columns: the kernel needs equal key and value
-widths, so it computes the rope columns of the output too and they are dropped).
+widths, so it computes the rope columns of the output too and they are dropped). Every head reads
+the one latent head, so the prefix runs the ``n_q * H`` query rows as a single head
+(:func:`_shared_keys`); the causal block, whose mask is per row, runs per head on a per-head copy
+of its keys while that copy is small (:data:`EXPAND_COPY_BYTES`).
 
 Accumulation is fp32. A bf16 cache read by bf16 queries (no ``kv_scale``) goes into the kernel as
 it is (it accumulates in fp32; no fp32 copy of the context is made), and a decode step runs all
@@ -46,12 +49,31 @@ def available() -> bool:
     return _FLASH is not None
 
 
-def _flash(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [1, H, n_q, D], kv [L, D] fp32 (one latent head shared by all heads) -> (out [1, H, n_q, D],
-    lse [1, H, n_q])."""
-    k = kv.expand(1, q.shape[1], kv.shape[0], kv.shape[1])
-    out, lse = _FLASH(q, k, k, 0.0, causal, scale=sm_scale)[:2]
-    return out, lse
+EXPAND_COPY_BYTES = 32 << 20
+"""The causal block's latent keys are copied to every head when that copy stays under this many
+bytes: the blocked kernel runs 1.7x faster on contiguous per-head keys than on an expanded view
+(384 new tokens, 4 heads of 576, bf16: 2.0 against 3.5 ms, torch 2.13 on one core)."""
+
+
+def _shared_keys(q: torch.Tensor, kv: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n_q, H, D] over every row of kv [L, D] (no mask): all heads attend to the one latent
+    head, so the ``n_q * H`` query rows run as one head (no copy of kv). Returns (out [n_q, H, D],
+    lse [n_q, H] fp32)."""
+    n_q, heads, dim = q.shape
+    k = kv[None, None]
+    out, lse = _FLASH(q.reshape(1, 1, n_q * heads, dim), k, k, 0.0, False, scale=sm_scale)[:2]
+    return out.view(n_q, heads, dim), lse.view(n_q, heads)
+
+
+def _causal_block(q: torch.Tensor, kv: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n_q, H, D] over kv [n_q, D], query i seeing keys <= i (the kernel skips the masked
+    blocks). Returns (out [n_q, H, D], lse [n_q, H] fp32)."""
+    heads = q.shape[1]
+    k = kv.expand(1, heads, *kv.shape)
+    if k.numel() * k.element_size() <= EXPAND_COPY_BYTES:
+        k = k.contiguous()
+    out, lse = _FLASH(q.transpose(0, 1).unsqueeze(0), k, k, 0.0, True, scale=sm_scale)[:2]
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
 def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,15 +82,14 @@ def _attend(q: torch.Tensor, kv: torch.Tensor, sm_scale: float, kv_lora_rank: in
     prefix, else in q's dtype, lse [n_q, H] fp32)."""
     n_q = q.shape[0]
     prefix = kv.shape[0] - n_q
-    qh = q.transpose(0, 1).unsqueeze(0)
-    out, lse = _flash(qh, kv[prefix:], sm_scale, causal=True)
+    out, lse = _causal_block(q, kv[prefix:], sm_scale)
     if prefix:
-        out_p, lse_p = _flash(qh, kv[:prefix], sm_scale, causal=False)
+        out_p, lse_p = _shared_keys(q, kv[:prefix], sm_scale)
         merged = torch.logaddexp(lse_p, lse)
         out = (out_p.float() * torch.exp(lse_p - merged).unsqueeze(-1)
                + out.float() * torch.exp(lse - merged).unsqueeze(-1))
         lse = merged
-    return out[0, :, :, :kv_lora_rank].transpose(0, 1), lse[0].transpose(0, 1)
+    return out[..., :kv_lora_rank], lse
 
 
 def _reads_native(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale) -> bool:
