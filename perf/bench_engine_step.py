@@ -42,7 +42,8 @@ def main() -> int:
                    help="print the top frames of a py-spy raw profile of this script (no run)")
     args = p.parse_args()
     if args.top_frames:
-        top = top_frames(Path(args.top_frames), thread_hint="step (kvtier/serve/engine.py", limit=20)
+        top = top_frames(Path(args.top_frames), thread_hint="step (kvtier/serve/engine.py", limit=20,
+                         by_function=True)
         print(f"{top['samples']} samples under Engine.step")
         for kind in ("self", "inclusive"):
             print(f"-- {kind}")

@@ -57,6 +57,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -187,10 +188,11 @@ def summarize(rounds: list[dict]) -> dict:
                 "max": max(r[f] for r in rounds)} for f in FIGURES}
 
 
-def top_frames(raw: Path, thread_hint: str = "serve/api/worker.py", limit: int = 25) -> dict:
+def top_frames(raw: Path, thread_hint: str = "serve/api/worker.py", limit: int = 25, by_function: bool = False) -> dict:
     """The top frames of ``py-spy record --format raw`` output (folded stacks, ``frame;frame N``
     per line): by self samples and by inclusive samples, over the stacks that pass through a frame
-    whose name contains ``thread_hint`` (the engine thread), as ``[frame, samples, % of them]``."""
+    whose name contains ``thread_hint`` (the engine thread), as ``[frame, samples, % of them]``;
+    ``by_function`` sums a function's lines into one frame (``name (file)``)."""
     self_n: collections.Counter = collections.Counter()
     incl: collections.Counter = collections.Counter()
     total = 0
@@ -199,6 +201,8 @@ def top_frames(raw: Path, thread_hint: str = "serve/api/worker.py", limit: int =
         if not stack or not n.isdigit() or thread_hint not in stack:
             continue
         frames = stack.split(";")
+        if by_function:
+            frames = [re.sub(r":\d+\)$", ")", f) for f in frames]
         total += int(n)
         self_n[frames[-1]] += int(n)
         for f in set(frames):
