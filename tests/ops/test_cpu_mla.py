@@ -180,3 +180,21 @@ def test_a_decode_steps_layers_share_one_gather_and_a_refilled_table_gets_its_ow
     ref_out, ref_lse = reference.mla_decode(q, kv_cache, block_table, seq_lens, 0.2, 64)
     assert_close(out, ref_out, atol=1e-2, rtol=1.6e-2, name="out after refill")
     assert_close(lse, ref_lse, atol=2e-4, rtol=1e-5, name="lse after refill")
+
+
+def test_a_cache_whose_pages_are_not_evenly_strided_is_read_and_written_slot_by_slot():
+    """A cache view with gaps between pages (no ``[num_pages * page_size, D]`` row view) takes the
+    two-index gather and the reference's write, with the same results."""
+    gen = torch.Generator().manual_seed(21)
+    wide = torch.full((6, 20, 80), float("nan"), dtype=torch.bfloat16)
+    kv_cache = wide[:, :16]  # 16 slots a page, 20 apart
+    assert kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1)
+    rows = _rounded((5, 80), torch.bfloat16, gen)
+    slots = torch.tensor([17, -1, 3, 95, 40])
+    _cpu_mla.concat_and_cache_mla(rows[:, :64], rows[:, 64:], kv_cache, slots)
+    want = torch.full_like(wide, float("nan"))
+    reference.concat_and_cache_mla(rows[:, :64], rows[:, 64:], want[:, :16], slots)
+    assert torch.equal(wide.isnan(), want.isnan()) and torch.equal(wide.nan_to_num(), want.nan_to_num())
+    keep = slots[slots >= 0]
+    got = _cpu_mla._read_slots(kv_cache, keep[None])
+    assert torch.equal(got[0], kv_cache[keep // 16, keep % 16])
