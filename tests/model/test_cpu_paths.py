@@ -94,3 +94,14 @@ def test_a_reloaded_model_runs_on_its_new_weights(monkeypatch):
     got = model(ids, pos, batch, caches)
     ids, pos, batch, caches = _prefill(other, 5)
     assert torch.equal(got, other(ids, pos, batch, caches))
+
+
+def test_a_model_built_under_inference_mode_runs_its_cpu_paths():
+    """Weights made under ``torch.inference_mode`` carry no version counter; the derived copies
+    are then keyed by storage alone."""
+    with torch.inference_mode():
+        model = _model(2)
+        ids, pos, batch, caches = _prefill(model, 5)
+        first = model(ids, pos, batch, caches)
+        ids, pos, batch, caches = _prefill(model, 5)
+        assert torch.equal(model(ids, pos, batch, caches), first)

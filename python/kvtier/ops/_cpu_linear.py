@@ -62,11 +62,13 @@ class DerivedWeights:
     """
 
     def __init__(self) -> None:
-        self._held: dict[str, tuple[tuple[int, int], object]] = {}
+        self._held: dict[str, tuple[tuple[int, int | None], object]] = {}
 
     def get(self, name: str, source: torch.Tensor, make: Callable[[torch.Tensor], object]) -> object:
-        """``make(source)``, kept under ``name`` while ``source``'s storage and version are unchanged."""
-        key = (source.data_ptr(), source._version)
+        """``make(source)``, kept under ``name`` while ``source``'s storage and version are unchanged
+        (an inference tensor, made under ``torch.inference_mode``, has no version counter: only its
+        storage is compared)."""
+        key = (source.data_ptr(), None if source.is_inference() else source._version)
         held = self._held.get(name)
         if held is None or held[0] != key:
             with torch.no_grad():
