@@ -55,7 +55,8 @@ class SamplingParams:
 
     A constrained turn ends when its grammar is complete (``ignore_eos`` does not apply), and
     when the shortest completion needs all remaining tokens of ``max_tokens`` that completion
-    is forced, so calls are not cut off whenever ``max_tokens`` leaves room for one.
+    is forced, so calls are not cut off whenever ``max_tokens`` leaves room for one; such a turn
+    finishes with ``"length"``, as one cut off does.
 
     Raises:
         ValueError: a field out of range; for tools, naming ``tools[i]...`` or ``tool_choice``.
@@ -187,7 +188,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens whose KV came from cached blocks, from any tier.
         cached_tokens_by_tier: the same tokens split by the tier they came from
             (``{"device", "host", "disk"}``).
-        finish_reason: ``"length"``, ``"stop"`` (an end-of-sequence token, or a tool grammar
+        finish_reason: ``"length"`` (``max_tokens`` or the context reached, or a tool grammar
+            the budget forced closed), ``"stop"`` (an end-of-sequence token, or a tool grammar
             completed) or ``"error"``.
         error: what went wrong when ``finish_reason == "error"``, else None.
         metrics: timings.

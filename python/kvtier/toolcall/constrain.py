@@ -15,7 +15,10 @@ forced tokens first, then whichever allowed token closes most JSON nesting, see
 which the turn could no longer be finished in time is replaced by the completion's first token.
 A turn therefore ends with complete calls whenever ``max_tokens`` leaves room for the shortest
 completion when the watch starts; otherwise the output is cut and the parser reports the open
-call as incomplete.
+call as incomplete. A forced completion that is the end of turn alone (text the budget cut)
+sets :attr:`ToolCallConstraint.closed_by_budget`, and the request finishes with ``"length"``
+(OpenAI's ``length``, Anthropic's ``max_tokens``, an ``incomplete`` response), as it would
+without tools; the server still reports whole calls as ``tool_calls``.
 
 **Bounded work.** A search looks no further than the budget it decides about (the tokens left,
 or what decides whether to watch), spends at most ``GrammarLimits.closing_fuel`` matcher calls
@@ -71,6 +74,7 @@ class ToolCallConstraint:
         self.num_tokens = 0  # tokens consumed
         self.nesting = JsonNesting()
         self.finished = False
+        self.closed_by_budget = False  # the budget ended the turn outside a call (finish reason "length")
         self._forced: list[int] = []  # committed completion, next token first
         self._closing: list[int] | None = (
             None  # a short completion from the state at _closing_at
@@ -127,9 +131,15 @@ class ToolCallConstraint:
         if self._watch:
             path = self._closing_now(self.remaining)
             if path is not None and len(path) >= self.remaining:
-                self._forced = list(path)
+                self._forced, self.closed_by_budget = list(path), self._cuts_text(path)
                 return path[0]
         return None
+
+    def _cuts_text(self, path: list[int]) -> bool:
+        """Whether forcing ``path`` ends the turn where it stands (the end of turn alone: text, or
+        the space after a finished call, cut by the budget) rather than closing an open call or
+        structure whole."""
+        return len(path) == 1 and path[0] in self.table.end_of_turn
 
     def take(self, token: int) -> int:
         """Consume the sampled ``token``, or the first token of the shortest completion when
@@ -154,7 +164,7 @@ class ToolCallConstraint:
         self.matcher.rollback(1)
         self.num_tokens -= 1
         self.nesting = nesting
-        self._forced = list(before)
+        self._forced, self.closed_by_budget = list(before), self._cuts_text(before)
         self.consume(before[0])
         return before[0]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 anthropic = pytest.importorskip("anthropic")
@@ -157,8 +158,12 @@ TOOL = {"type": "function", "function": {"name": "ls", "description": "list a di
 def _chat(client, stream: bool, **kw):
     if not stream:
         return client.chat.completions.create(**kw)
-    with client.chat.completions.stream(**kw) as s:
-        return s.get_final_completion()
+    try:
+        with client.chat.completions.stream(**kw) as s:
+            return s.get_final_completion()
+    except openai.LengthFinishReasonError as e:  # the random model's text runs to max_tokens
+        assert e.completion.usage.completion_tokens == kw["max_tokens"]
+        return e.completion
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
@@ -178,5 +183,7 @@ def test_chat_tool_loop_sent_back_as_the_sdk_gives_it(server, tmp_path, way, str
                                for c in msg.tool_calls]
     second = _chat(client, stream, messages=messages, tool_choice="none", **kw)
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+    # text the budget cut is reported as such, as it is without tools
+    assert second.choices[0].finish_reason == "length"
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
     assert second.usage.prompt_tokens_details.cached_tokens >= _cached_at_least(first.usage.prompt_tokens) > 0

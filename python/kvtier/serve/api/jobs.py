@@ -177,7 +177,9 @@ class Job:
         n_out = len(ids)
         if self.stop is not None and self.stop.hit:
             finish_reason = "stop"
-        elif finish_reason == "stop" and self.calls:
+        elif self.calls and (finish_reason == "stop" or (finish_reason == "length" and not self.problems)):
+            # whole calls, the last one closed before the budget ran out (ToolCallConstraint): the
+            # client runs them; text the budget cut, or a call left open, stays "length"
             finish_reason = "tool_calls"
         status = 400 if error and error.split(":", 1)[0] in ("ValueError", "GrammarError", "GrammarLimitError") else 500
         lps = list(o.logprobs) if self.params.logprobs and o.logprobs is not None else None

@@ -142,14 +142,16 @@ class ResponsesWriter:
     def _add(self, item: dict) -> bytes:
         return self._event("response.output_item.added", output_index=len(self.items), item=item)
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
+        """Close the open item; a message closed by the response's end takes its ``status``
+        (``incomplete`` when ``max_output_tokens`` cut it), as :func:`output_items` gives it."""
         item, text = self.open, self.text
         if item is None:
             return []
         self.open, self.text = None, ""
         at = {"item_id": item["id"], "output_index": len(self.items)}
         if item["type"] == "message":
-            done = message_item(item["id"], text)
+            done = message_item(item["id"], text, status)
             out = [self._event("response.output_text.done", **at, content_index=0, text=text, logprobs=[]),
                    self._event("response.content_part.done", **at, content_index=0, part=text_part(text))]
         else:
@@ -198,8 +200,8 @@ class ResponsesWriter:
         return out
 
     def final(self, f: Final) -> list[bytes]:
-        out = self._close()
         status = self.fmt.finished(f)
+        out = self._close("incomplete" if status == "incomplete" else "completed")
         r = self.fmt.response(self.created, self.model, status, self.items, f)
         return out + [self._event(f"response.{status}", response=r)]
 
