@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 
 anthropic = pytest.importorskip("anthropic")
