@@ -88,6 +88,16 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(llm, prompts, match):
     assert len(llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=GREEDY)[0].token_ids) == 6
 
 
+def test_output_the_pages_cannot_hold_is_blamed_on_max_tokens(llm):
+    """A prompt that fits the 64 pages with an output that does not: the error names max_tokens
+    (the API's param), a prompt too long by itself names the prompt."""
+    with pytest.raises(ValueError, match=r"^max_tokens: prompt_token_ids\[0\] with max_tokens=2000 needs 126 pages"):
+        llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=SamplingParams(max_tokens=2000))
+    with pytest.raises(ValueError, match=r"^prompt_token_ids\[0\] with max_tokens=1 needs"):
+        llm.generate(prompt_token_ids=[[1] * 1100], sampling_params=SamplingParams(max_tokens=1))
+    assert not llm.engine.has_unfinished()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"page_size": 12}, "page_size must be a power of two, got 12"),
     ({"num_device_pages": 0}, "num_device_pages"),

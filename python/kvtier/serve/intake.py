@@ -72,9 +72,12 @@ class Intake:
                              f"(max_position_embeddings={max_pos}); lower max_tokens or shorten the prompt")
         ps = self.config.pool.page_size
         pages = -(-(min(num_tokens + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
-        if pages > self.config.pool.num_device_pages:
-            raise ValueError(f"{where} with max_tokens={params.max_tokens} needs {pages} pages of "
-                             f"{ps} tokens, more than num_device_pages={self.config.pool.num_device_pages}")
+        num_pages = self.config.pool.num_device_pages
+        if pages > num_pages:
+            # the prompt alone fits: the output's room is what the pool lacks
+            cause = "max_tokens: " if -(-(num_tokens - 1) // ps) <= num_pages else ""
+            raise ValueError(f"{cause}{where} with max_tokens={params.max_tokens} needs {pages} pages of "
+                             f"{ps} tokens, more than num_device_pages={num_pages}")
 
     def prompt_hashes(self, prompt_token_ids, prompt: list[int], given, index: int, salt: bytes) -> list[bytes]:
         """The block hashes of ``prompt`` (``prompt_token_ids`` as checked) from ``given``: None

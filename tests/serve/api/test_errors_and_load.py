@@ -162,6 +162,13 @@ def test_overload_gives_503_and_the_server_recovers(tmp_path):
         codes = [getattr(o, "status_code", 200) for o in outs]
         assert set(codes) == {200, 503} and codes.count(200) >= 2, outs
         assert s.client().chat.completions.create(model="tiny", messages=ASK, max_tokens=2).usage.completion_tokens == 2
+        # 256 pages of 16 tokens hold less than the context (8192): /v1/models says what a request may
+        # have, and an output the pages cannot hold is refused naming max_tokens
+        [m] = httpx.get(f"{s.url}/v1/models", timeout=30).json()["data"]
+        assert m["max_model_len"] == 256 * 16
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=30,
+                       json={"model": "tiny", "messages": ASK, "max_tokens": 5000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     finally:
         stop_server(s)
 

@@ -45,7 +45,8 @@ class ServerOptions:
     Attributes:
         model_name: the name clients send as ``model`` (others get 404).
         max_queue: requests accepted at once (running or queued); more get 503.
-        max_model_len: the model's context in tokens (reported by ``/v1/models``).
+        max_model_len: the longest sequence a request may have, in tokens (reported by
+            ``/v1/models``): the model's context, or fewer where the device pages hold fewer.
         kv_events: the ZeroMQ endpoint publishing this worker's KV events (reported by
             ``/health``; the events' worker id is this endpoint), or None.
         health_stall_s: ``/health`` answers 503 once the engine thread has not completed a step

@@ -77,7 +77,9 @@ def make_app(model: str, *, tokenizer: str | None, served_model_name: str | None
     engine.grammar.limits = grammar_limits
     engine.grammar.compiler()  # built now (about a second), not by the first request with tools
     probe_prefill_tokens = warm_up(engine)
-    options.max_model_len = built.config.max_position_embeddings
+    # the longest sequence a request can have: the context, or what the device pages hold
+    pool = engine.config.pool
+    options.max_model_len = min(built.config.max_position_embeddings, pool.num_device_pages * pool.page_size)
     if kv_events_endpoint is not None:
         from kvtier.cache.kv_events import KVEventPublisher
 
