@@ -52,3 +52,18 @@ def _decode_inputs(model, table, gen):
     batch = AttentionBatch(slot_mapping=torch.tensor(slots), num_prefill_tokens=0,
                            decode_seq_lens=torch.tensor(PROMPT_LENS, dtype=torch.int32) + 1, decode_block_table=table)
     return ids, positions, batch
+
+
+def one_prefill(model, n: int, page: int = 4, dtype=torch.float32, fill: float = 0.0, first_id: int = 1):
+    """``(ids, positions, plan, caches)`` of one sequence's ``n``-token prefill: ids ``first_id..``,
+    caches of ``dtype`` (one per KV layer of ``model.cache_spec()``) filled with ``fill`` (NaN: a
+    row the step should not read poisons it), pages shuffled in a pool of 3 more than it uses."""
+    pages = -(-n // page) + 2
+    caches = [torch.full((pages + 3, page, model.config.kv_cache_dim), fill, dtype=dtype)
+              for _ in range(model.cache_spec().kv_layers)]
+    table = torch.randperm(pages + 3, generator=torch.Generator().manual_seed(n))[:pages].to(torch.int32)[None]
+    pos = torch.arange(n)
+    batch = AttentionBatch(slot_mapping=table[0, pos // page].long() * page + pos % page, num_prefill_tokens=n,
+                           prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+                           prefill_seq_lens=torch.tensor([n], dtype=torch.int32), prefill_block_table=table)
+    return torch.arange(first_id, n + first_id), pos, model.plan(pos, batch, caches), caches

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.model import AttentionBatch, KimiK2ForCausalLM, kimi_k2, preset
+from kvtier.model import KimiK2ForCausalLM, kimi_k2, preset
 from kvtier.ops import _cpu_linear
+from tests.helpers.step_inputs import one_prefill
 from tests.ops._compare import assert_close
 
 
@@ -22,18 +23,9 @@ def _model(seed: int = 0) -> KimiK2ForCausalLM:
     return model
 
 
-def _prefill(model, n: int, page: int = 4):
-    """n tokens of one sequence in a shuffled page pool whose unused rows are NaN."""
-    pages = -(-n // page) + 2
-    caches = [torch.full((pages + 3, page, model.config.kv_cache_dim), float("nan"), dtype=torch.bfloat16)
-              for _ in range(model.cache_spec().kv_layers)]
-    table = torch.randperm(pages + 3, generator=torch.Generator().manual_seed(n))[:pages].to(torch.int32)[None]
-    pos = torch.arange(n)
-    batch = AttentionBatch(slot_mapping=table[0, pos // page].long() * page + pos % page, num_prefill_tokens=n,
-                           prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                           prefill_seq_lens=torch.tensor([n], dtype=torch.int32), prefill_block_table=table)
-    ids = torch.arange(3, n + 3)
-    return ids, pos, model.plan(pos, batch, caches), caches
+def _prefill(model, n: int):
+    """n tokens of one sequence in a shuffled bf16 page pool whose unused rows are NaN."""
+    return one_prefill(model, n, dtype=torch.bfloat16, fill=float("nan"), first_id=3)
 
 
 def _plain(monkeypatch) -> None:

@@ -8,12 +8,13 @@ import inspect
 import pytest
 import torch
 
-from kvtier.model import AttentionBatch, KimiK2ForCausalLM, preset
+from kvtier.model import KimiK2ForCausalLM, preset
 from kvtier.model.kimi_linear import KimiLinearForCausalLM
 from kvtier.model.state_slots import StateBatch, StateSlots
 from kvtier.model.step import StepModel
 from kvtier.serve.hybrid_state import NoRecurrentState, recurrent_state
 from kvtier.serve.config import EngineConfig
+from tests.helpers.step_inputs import one_prefill
 
 MODELS = (KimiK2ForCausalLM, KimiLinearForCausalLM)
 
@@ -28,23 +29,12 @@ def test_every_model_class_has_the_protocols_signature(name):
     assert [_params(getattr(cls, name)) for cls in MODELS] == [want, want]
 
 
-def _one_prefill(model, n: int = 5, page: int = 4):
-    caches = [torch.zeros(4, page, model.config.kv_cache_dim) for _ in range(model.cache_spec().kv_layers)]
-    table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
-    pos = torch.arange(n)
-    batch = AttentionBatch(slot_mapping=table[0, pos // page].long() * page + pos % page, num_prefill_tokens=n,
-                           prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-                           prefill_seq_lens=torch.tensor([n], dtype=torch.int32), prefill_block_table=table)
-    ids = torch.arange(1, n + 1)
-    return ids, pos, model.plan(pos, batch, caches), caches
-
-
 def test_k2_step_is_its_forward_with_no_checkpoints_and_refuses_a_state():
     torch.manual_seed(0)
     model = KimiK2ForCausalLM(preset("tiny"))
     for p in model.parameters():
         p.data.normal_(0, 0.05)
-    ids, pos, batch, caches = _one_prefill(model)
+    ids, pos, batch, caches = one_prefill(model, 5)
     hidden, checkpoints = model.step(ids, pos, batch, caches)
     assert checkpoints is None
     torch.testing.assert_close(hidden, model(ids, pos, batch, [torch.zeros_like(c) for c in caches]))
@@ -55,7 +45,7 @@ def test_k2_step_is_its_forward_with_no_checkpoints_and_refuses_a_state():
 
 def test_hybrid_step_needs_its_state_slots():
     model = KimiLinearForCausalLM(preset("tiny-k3"))
-    ids, pos, batch, caches = _one_prefill(model)
+    ids, pos, batch, caches = one_prefill(model, 5)
     with pytest.raises(ValueError, match="state and state_batch are required for a hybrid model"):
         model.step(ids, pos, batch, caches)
     with pytest.raises(ValueError, match=r"cuda_graph=True is not supported for hybrid"):
