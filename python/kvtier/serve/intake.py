@@ -70,12 +70,12 @@ class Intake:
             raise ValueError(f"max_tokens: {where} has {num_tokens} tokens and max_tokens is {params.max_tokens}: "
                              f"{num_tokens + params.max_tokens} tokens in all, more than the context "
                              f"(max_position_embeddings={max_pos}); lower max_tokens or shorten the prompt")
-        ps = self.config.pool.page_size
-        pages = -(-(min(num_tokens + params.max_tokens, max_pos) - 1) // ps)  # the last token is never cached
-        num_pages = self.config.pool.num_device_pages
+        ps, num_pages = self.config.pool.page_size, self.config.pool.num_device_pages
+        pages_for = lambda tokens: -(-(tokens - 1) // ps)  # noqa: E731 - the last token is never cached
+        pages = pages_for(min(num_tokens + params.max_tokens, max_pos))
         if pages > num_pages:
             # the prompt alone fits: the output's room is what the pool lacks
-            cause = "max_tokens: " if -(-(num_tokens - 1) // ps) <= num_pages else ""
+            cause = "max_tokens: " if pages_for(num_tokens) <= num_pages else ""
             raise ValueError(f"{cause}{where} with max_tokens={params.max_tokens} needs {pages} pages of "
                              f"{ps} tokens, more than num_device_pages={num_pages}")
 

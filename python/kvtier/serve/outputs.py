@@ -25,11 +25,11 @@ def append_token(seq: Sequence, token: int, clock: Callable[[], float], model_co
 def stop_reason(seq: Sequence, model_config) -> str | None:
     """Why ``seq`` stops after the token it just appended: ``"stop"`` (its grammar finished the
     turn, or an end-of-sequence token unless ``ignore_eos``), ``"length"`` (``max_tokens`` or the
-    context is reached, or the grammar finished a turn the budget forced closed:
-    ``ToolCallConstraint.closed_by_budget``), or None: it goes on."""
+    context is reached, or the budget forced the end of turn where the text stood:
+    ``ToolCallConstraint.cut_by_budget``), or None: it goes on."""
     token = seq.output_token_ids[-1]
     if seq.constraint is not None and seq.constraint.finished:
-        return "length" if seq.constraint.closed_by_budget else "stop"
+        return "length" if seq.constraint.cut_by_budget else "stop"
     if token in model_config.eos_token_id and not seq.params.ignore_eos:
         return "stop"
     if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= model_config.max_position_embeddings:

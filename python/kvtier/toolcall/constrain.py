@@ -16,7 +16,7 @@ which the turn could no longer be finished in time is replaced by the completion
 A turn therefore ends with complete calls whenever ``max_tokens`` leaves room for the shortest
 completion when the watch starts; otherwise the output is cut and the parser reports the open
 call as incomplete. A forced completion that is the end of turn alone (text the budget cut)
-sets :attr:`ToolCallConstraint.closed_by_budget`, and the request finishes with ``"length"``
+sets :attr:`ToolCallConstraint.cut_by_budget`, and the request finishes with ``"length"``
 (OpenAI's ``length``, Anthropic's ``max_tokens``, an ``incomplete`` response), as it would
 without tools; the server still reports whole calls as ``tool_calls``.
 
@@ -74,7 +74,7 @@ class ToolCallConstraint:
         self.num_tokens = 0  # tokens consumed
         self.nesting = JsonNesting()
         self.finished = False
-        self.closed_by_budget = False  # the budget ended the turn outside a call (finish reason "length")
+        self.cut_by_budget = False  # the budget ended the turn outside a call (finish reason "length")
         self._forced: list[int] = []  # committed completion, next token first
         self._closing: list[int] | None = (
             None  # a short completion from the state at _closing_at
@@ -131,7 +131,7 @@ class ToolCallConstraint:
         if self._watch:
             path = self._closing_now(self.remaining)
             if path is not None and len(path) >= self.remaining:
-                self._forced, self.closed_by_budget = list(path), self._cuts_text(path)
+                self._forced, self.cut_by_budget = list(path), self._cuts_text(path)
                 return path[0]
         return None
 
@@ -164,7 +164,7 @@ class ToolCallConstraint:
         self.matcher.rollback(1)
         self.num_tokens -= 1
         self.nesting = nesting
-        self._forced, self.closed_by_budget = list(before), self._cuts_text(before)
+        self._forced, self.cut_by_budget = list(before), self._cuts_text(before)
         self.consume(before[0])
         return before[0]
 
